@@ -10,7 +10,6 @@ from them. Each default lives here, once.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
@@ -102,7 +101,7 @@ class RewardKind(str, Enum):
     task = "task"
     exact_match = "exact_match"
     math = "math"
-    format = "format"
+    format = "format"  # type: ignore[assignment]  # shadows str.format; the user-facing name
 
 
 class ChatTemplate(str, Enum):
@@ -269,9 +268,7 @@ class BatchingPassConfig:
 class BatchingConfig:
     train: BatchingPassConfig = field(default_factory=BatchingPassConfig)
     """Micro-batching of the training (forward/backward) passes."""
-    infer: BatchingPassConfig = field(
-        default_factory=lambda: BatchingPassConfig(max_tokens=2048)
-    )
+    infer: BatchingPassConfig = field(default_factory=lambda: BatchingPassConfig(max_tokens=2048))
     """Micro-batching of forward-only passes (ref / old logprobs, rlbatch-logprobs)."""
 
 

@@ -1,0 +1,40 @@
+"""rlbatch-bench: benchmarks that print figures (speed and memory targets live here, not in tests).
+
+rlbatch-bench batching   planner quality and speed on synthetic long-tailed workloads
+rlbatch-bench engine     forward+backward tokens/s: fixed vs dynamic vs packed batching
+rlbatch-bench grpo       one GRPO step timed by stage, batching and aggregation compared
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "batching": ("rlbatch.bench.batching", "planner quality and speed on synthetic workloads"),
+    "engine": ("rlbatch.bench.engine", "forward+backward tokens/s: fixed vs dynamic vs packed"),
+    "grpo": ("rlbatch.bench.grpo", "one GRPO step timed by stage; batching and LCM compared"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: rlbatch-bench {" + ",".join(BENCHES) + "} [options]  (NAME --help for more)"]
+    lines += [f"  {name:<10} {text}" for name, (_, text) in BENCHES.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        sys.exit(0 if args else 2)
+    name, rest = args[0], args[1:]
+    if name not in BENCHES:
+        print(f"rlbatch-bench: unknown benchmark {name!r}\n{usage()}", file=sys.stderr)
+        sys.exit(2)
+    module = importlib.import_module(BENCHES[name][0])
+    sys.exit(module.main(rest))
+
+
+if __name__ == "__main__":
+    main()

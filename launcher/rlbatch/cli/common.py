@@ -1,0 +1,101 @@
+"""Shared CLI plumbing: compose with Hydra, validate into a RunConfig, report errors, help.
+
+Imports no torch or megatron (the CLI must answer --help in well under 2 s).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, NoReturn
+
+from rlbatch.config.errors import ConfigErrors
+from rlbatch.config.schema import RunConfig
+from rlbatch.config.store import conf_dir, list_recipes
+
+EXIT_CONFIG_ERROR = 2
+
+
+def fail_config(err: ConfigErrors, command: str) -> NoReturn:
+    """Print every configuration error (key, value, fix) and exit 2, without a traceback."""
+    from rich.console import Console
+
+    console = Console(stderr=True, highlight=False)
+    console.print(f"[bold red]{command}: {len(err.errors)} configuration error(s)[/]")
+    for e in err.errors:
+        console.print(f"  [red]-[/] [bold]{e.key}[/]={_escape(e)}")
+    console.print("Nothing was run. Fix the keys above (see `--help` and docs/configuration.md).")
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise err
+    sys.exit(EXIT_CONFIG_ERROR)
+
+
+def _escape(e: Any) -> str:
+    from rich.markup import escape
+
+    return escape(str(e).split("=", 1)[1])
+
+
+def to_validated_run_config(cfg: Any, command: str) -> RunConfig:
+    """Composed DictConfig -> validated RunConfig, or print all errors and exit 2."""
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.load import check_structure
+    from rlbatch.config.validate import check
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        return check(*check_structure(container))  # type: ignore[arg-type]
+    except ConfigErrors as err:
+        fail_config(err, command)
+
+
+def compose(overrides: list[str], command: str) -> RunConfig:
+    """Compose conf/ + overrides with Hydra's compose API (no run dir, no logging setup)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rlbatch.config.store import register_configs
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"{command}: {err}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    return to_validated_run_config(cfg, command)
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Each config group under conf/ with its options (batching@... slots share 'batching')."""
+    groups: dict[str, list[str]] = {}
+    for path in sorted(conf_dir().iterdir()):
+        if path.is_dir() and path.name not in ("hydra", "__pycache__"):
+            groups[path.name] = sorted(p.stem for p in path.glob("*.yaml"))
+    return groups
+
+
+def help_text(command: str, usage: str, extra: str = "") -> str:
+    lines = [f"{command}: {usage}", "", "Recipes (select with +recipe=NAME):"]
+    for recipe in list_recipes():
+        lines.append(f"  {recipe.name:<22} {recipe.summary}")
+    lines += [
+        "",
+        "Config groups (select with GROUP=OPTION; the batching options fill both slots,",
+        "batching@batching.train=OPTION and batching@batching.infer=OPTION):",
+    ]
+    for group, options in config_groups().items():
+        lines.append(f"  {group:<14} {', '.join(options)}")
+    lines += [
+        "",
+        "Any field can be overridden with KEY=VALUE (e.g. trainer.max_steps=200 parallel.pp=2).",
+        "Every field is documented in docs/configuration.md; --cfg job prints the composed config.",
+    ]
+    if extra:
+        lines += ["", extra]
+    return "\n".join(lines)

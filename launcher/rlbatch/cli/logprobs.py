@@ -1,0 +1,47 @@
+"""rlbatch-logprobs: score sequences with a model (per-token logprobs), on the infer plan.
+
+    rlbatch-logprobs model.hf_path=DIR logprobs.input=IN.jsonl logprobs.output=OUT.jsonl
+
+Input lines: {"input_ids": [...]} or {"prompt": str, "completion": str}. Output lines, in input
+order: {"index": i, "token_logprobs": [...]} (+ "completion_start" for prompt/completion).
+Model presets and all batching/parallel overrides apply; workers are launched with torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from rlbatch.cli.common import compose, fail_config, help_text
+from rlbatch.config.errors import ConfigError, ConfigErrors
+
+USAGE = (
+    "score sequences. rlbatch-logprobs logprobs.input=IN.jsonl logprobs.output=OUT.jsonl "
+    "[model.hf_path=DIR] [KEY=VALUE ...]"
+)
+LOGPROBS_ENTRY = "rlbatch.cli.logprobs_job:run"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in args):
+        print(help_text("rlbatch-logprobs", USAGE))
+        return
+    cfg = compose(args, "rlbatch-logprobs")
+    errors = []
+    if not cfg.logprobs.input or not Path(cfg.logprobs.input).is_file():
+        errors.append(ConfigError("logprobs.input", cfg.logprobs.input, "set an existing JSONL"))
+    if not cfg.logprobs.output:
+        errors.append(ConfigError("logprobs.output", None, "set the output JSONL path"))
+    if errors:
+        fail_config(ConfigErrors(errors), "rlbatch-logprobs")
+    from rlbatch.runtime.driver import launch
+
+    run_dir = Path("outputs") / "logprobs" / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
+    sys.exit(launch(cfg, run_dir, entry=LOGPROBS_ENTRY))
+
+
+if __name__ == "__main__":
+    main()

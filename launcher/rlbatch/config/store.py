@@ -1,0 +1,70 @@
+"""Where conf/ and recipes/ live, and their registration with Hydra's ConfigStore.
+
+Both directories ship inside the package (``rlbatch.conf`` / ``rlbatch.recipes``, mapped in
+pyproject.toml), so the same lookup works from an editable install and from a wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+_RUN_UID = f"{os.getpid()}{secrets.token_hex(2)}"
+
+
+def conf_dir() -> Path:
+    """Directory of the primary config and its groups."""
+    return Path(str(resources.files("rlbatch.conf")))
+
+
+def recipes_dir() -> Path:
+    return Path(str(resources.files("rlbatch.recipes")))
+
+
+@dataclass(frozen=True)
+class RecipeInfo:
+    name: str
+    summary: str
+    """First line of the recipe's header comment after its name."""
+    path: Path
+
+
+def list_recipes() -> list[RecipeInfo]:
+    """Every shipped recipe with the one-line summary of its header comment."""
+    infos = []
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        summary: list[str] = []
+        collecting = False
+        for line in path.read_text().splitlines():
+            text = line.lstrip("#").strip()
+            if not line.startswith("#"):
+                break
+            if text.startswith(f"{path.stem}:"):
+                collecting, text = True, text.split(":", 1)[1].strip()
+            if collecting:
+                summary.append(text)
+                if text.endswith(".") or not text:
+                    break
+        infos.append(RecipeInfo(path.stem, " ".join(summary).split(". ")[0].rstrip("."), path))
+    return infos
+
+
+def register_configs() -> None:
+    """Register the recipes as group ``recipe`` (so ``+recipe=NAME`` works), the typed schema as
+    ``rlbatch_schema`` (for reference and tooling) and the run-id resolver. Idempotent."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.schema import RunConfig
+
+    store = ConfigStore.instance()
+    store.store(name="rlbatch_schema", node=RunConfig)
+    for recipe in list_recipes():
+        node = OmegaConf.load(recipe.path)
+        store.store(group="recipe", name=recipe.name, node=node, package="_global_")
+    if not OmegaConf.has_resolver("rlbatch_uid"):
+        # Part of every run directory name: runs started in the same second never collide.
+        OmegaConf.register_new_resolver("rlbatch_uid", lambda: _RUN_UID)

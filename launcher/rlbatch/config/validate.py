@@ -1,0 +1,355 @@
+"""Cross-field validation of a typed RunConfig: one pass, every error, each with key and fix.
+
+Runs in the driver before anything heavy is imported (no torch, no megatron here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from rlbatch.config.errors import ConfigError, ConfigErrors
+from rlbatch.config.schema import (
+    BatchingMode,
+    BatchingPassConfig,
+    DataSource,
+    OversizePolicy,
+    RunConfig,
+)
+
+Rule = Callable[[RunConfig, list[ConfigError]], None]
+
+
+def world_size(cfg: RunConfig) -> int:
+    """Workers the run needs: tp * pp * cp * dp."""
+    p = cfg.parallel
+    return p.tp * p.pp * p.cp * p.dp
+
+
+def longest_sequence(cfg: RunConfig) -> int:
+    """The longest possible sample: max prompt + max new tokens."""
+    return cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+
+
+def generation_batch_size(cfg: RunConfig) -> int:
+    """Samples generated per round (global): explicit, or global_batch_size * steps."""
+    g = cfg.grpo
+    if g.generation_batch_size is not None:
+        return g.generation_batch_size
+    return g.global_batch_size * (g.steps_per_generation or 1)
+
+
+def lcm_micro_sizes(cfg: RunConfig) -> int:
+    """service_target_bs of the LCM aggregation, in prompts (design.md section 5)."""
+    a = cfg.grpo.aggregation
+    rollout = a.rollout_micro_batch_size or cfg.rollout.micro_batch_size
+    sizes = [rollout, a.ref_logps_micro_batch_size, a.old_logps_micro_batch_size]
+    sizes.append(a.train_micro_batch_size)
+    return math.lcm(*[max(1, s) for s in sizes])
+
+
+def _positive(key: str, value: float | int | None, errors: list[ConfigError]) -> None:
+    if value is not None and value <= 0:
+        errors.append(ConfigError(key, value, "must be positive"))
+
+
+def _check_positive(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    m, r, g, t, p = cfg.model, cfg.rollout, cfg.grpo, cfg.trainer, cfg.parallel
+    checks: dict[str, float | int | None] = {
+        "model.num_layers": m.num_layers,
+        "model.hidden_size": m.hidden_size,
+        "model.ffn_hidden_size": m.ffn_hidden_size,
+        "model.num_attention_heads": m.num_attention_heads,
+        "model.num_query_groups": m.num_query_groups,
+        "model.vocab_size": m.vocab_size,
+        "model.max_position_embeddings": m.max_position_embeddings,
+        "data.num_prompts": cfg.data.num_prompts,
+        "data.max_prompt_len": cfg.data.max_prompt_len,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.temperature": r.temperature,
+        "rollout.top_p": r.top_p,
+        "rollout.micro_batch_size": r.micro_batch_size,
+        "grpo.num_iterations": g.num_iterations,
+        "grpo.global_batch_size": g.global_batch_size,
+        "grpo.steps_per_generation": g.steps_per_generation,
+        "grpo.generation_batch_size": g.generation_batch_size,
+        "grpo.importance_weight_cap": g.importance_weight_cap,
+        "grpo.aggregation.rollout_micro_batch_size": g.aggregation.rollout_micro_batch_size,
+        "grpo.aggregation.ref_logps_micro_batch_size": g.aggregation.ref_logps_micro_batch_size,
+        "grpo.aggregation.old_logps_micro_batch_size": g.aggregation.old_logps_micro_batch_size,
+        "grpo.aggregation.train_micro_batch_size": g.aggregation.train_micro_batch_size,
+        "grpo.aggregation.proceed_num_steps": g.aggregation.proceed_num_steps,
+        "trainer.max_steps": t.max_steps,
+        "trainer.timeout_s": t.timeout_s,
+        "trainer.num_threads": t.num_threads,
+        "trainer.optim.lr": t.optim.lr,
+        "trainer.checkpoint.keep_last": t.checkpoint.keep_last,
+        "parallel.tp": p.tp,
+        "parallel.pp": p.pp,
+        "parallel.vpp": p.vpp,
+        "parallel.dp": p.dp,
+        "parallel.cp": p.cp,
+        "parallel.nnodes": p.nnodes,
+        "parallel.nproc_per_node": p.nproc_per_node,
+        "parallel.microbatch_group_size_per_vp_stage": p.microbatch_group_size_per_vp_stage,
+    }
+    for key, value in checks.items():
+        _positive(key, value, errors)
+    non_negative = {
+        "rollout.top_k": r.top_k,
+        "grpo.beta": g.beta,
+        "grpo.epsilon_low": g.epsilon_low,
+        "grpo.epsilon_high": g.epsilon_high,
+        "grpo.num_steps_async": g.num_steps_async,
+        "grpo.max_staleness": g.max_staleness,
+        "trainer.optim.warmup_steps": t.optim.warmup_steps,
+        "trainer.checkpoint.every_steps": t.checkpoint.every_steps,
+        "trainer.optim.clip_grad": t.optim.clip_grad,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            errors.append(ConfigError(key, value, "must be >= 0"))
+    if r.top_p > 1:
+        errors.append(ConfigError("rollout.top_p", r.top_p, "must be in (0, 1]"))
+    if g.num_generations < 2:
+        errors.append(
+            ConfigError(
+                "grpo.num_generations",
+                g.num_generations,
+                "GRPO needs >= 2 completions per prompt to form a group advantage: set it to 2+",
+            )
+        )
+
+
+def _check_pass(name: str, bp: BatchingPassConfig, cfg: RunConfig, errors: list[ConfigError]):
+    key = f"batching.{name}"
+    for field in ("max_tokens", "micro_batch_size", "sequence_length_round", "pool_size"):
+        _positive(f"{key}.{field}", getattr(bp, field), errors)
+    for field in ("cost_linear", "cost_quadratic"):
+        value = getattr(bp, field)
+        if value is not None and value < 0:
+            errors.append(ConfigError(f"{key}.{field}", value, "must be >= 0 (or null: derived)"))
+    tp_cp = cfg.parallel.tp * cfg.parallel.cp
+    r = bp.sequence_length_round
+    if r > 0 and r % tp_cp:
+        fix = math.lcm(r, tp_cp)
+        errors.append(
+            ConfigError(
+                f"{key}.sequence_length_round",
+                r,
+                f"must be a multiple of parallel.tp * parallel.cp = {tp_cp}: use {fix}",
+            )
+        )
+    if 0 < bp.max_tokens < r:
+        errors.append(
+            ConfigError(f"{key}.max_tokens", bp.max_tokens, f"is below the round {r}: raise it")
+        )
+    longest = longest_sequence(cfg)
+    padded_longest = -(-longest // max(r, 1)) * max(r, 1)
+    if bp.mode != BatchingMode.fixed and bp.oversize == OversizePolicy.error:
+        if 0 < bp.max_tokens < padded_longest:
+            errors.append(
+                ConfigError(
+                    f"{key}.max_tokens",
+                    bp.max_tokens,
+                    f"is smaller than the longest possible sequence data.max_prompt_len + "
+                    f"rollout.max_new_tokens = {longest} (rounded to {padded_longest}): raise "
+                    f"it, or set {key}.oversize=isolate or truncate",
+                )
+            )
+
+
+def _check_parallel(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    p, m = cfg.parallel, cfg.model
+    if p.vpp > 1 and p.pp < 2:
+        errors.append(
+            ConfigError("parallel.vpp", p.vpp, "interleaving needs parallel.pp > 1: set pp >= 2")
+        )
+    stages = p.pp * p.vpp
+    if m.num_layers > 0 and stages > 0 and m.num_layers % stages:
+        errors.append(
+            ConfigError(
+                "model.num_layers",
+                m.num_layers,
+                f"must be divisible by parallel.pp * parallel.vpp = {stages}",
+            )
+        )
+    n = p.microbatch_group_size_per_vp_stage
+    if n is not None and n < p.pp:
+        errors.append(
+            ConfigError(
+                "parallel.microbatch_group_size_per_vp_stage", n, f"must be >= parallel.pp = {p.pp}"
+            )
+        )
+    if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
+        errors.append(
+            ConfigError(
+                "model.num_query_groups",
+                m.num_query_groups,
+                f"must divide model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        errors.append(
+            ConfigError(
+                "model.hidden_size",
+                m.hidden_size,
+                f"must be divisible by model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+    if p.tp > 1 and (m.num_query_groups % p.tp or m.num_attention_heads % p.tp):
+        errors.append(
+            ConfigError(
+                "parallel.tp",
+                p.tp,
+                f"must divide model.num_query_groups = {m.num_query_groups} and "
+                f"model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+    total = world_size(cfg)
+    if p.nproc_per_node is not None and p.nproc_per_node * p.nnodes != total:
+        errors.append(
+            ConfigError(
+                "parallel.nproc_per_node",
+                p.nproc_per_node,
+                f"nproc_per_node * nnodes = {p.nproc_per_node * p.nnodes} workers but "
+                f"tp*pp*cp*dp = {total}: set parallel.dp = "
+                f"{p.nproc_per_node * p.nnodes // max(1, p.tp * p.pp * p.cp)} or fix nproc_per_node",
+            )
+        )
+    if p.nproc_per_node is None and total % max(p.nnodes, 1):
+        errors.append(
+            ConfigError("parallel.nnodes", p.nnodes, f"must divide tp*pp*cp*dp = {total} workers")
+        )
+    if p.nnodes > 1 and not p.rdzv_endpoint:
+        errors.append(
+            ConfigError("parallel.rdzv_endpoint", None, "multi-node needs host:port of node 0")
+        )
+    if not 0 <= p.node_rank < max(p.nnodes, 1):
+        errors.append(ConfigError("parallel.node_rank", p.node_rank, "must be in [0, nnodes)"))
+    if not 0 <= cfg.debug.fail_rank < max(total, 1):
+        errors.append(ConfigError("debug.fail_rank", cfg.debug.fail_rank, f"must be < {total}"))
+
+
+def _check_grpo(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    g, dp = cfg.grpo, cfg.parallel.dp
+    if g.steps_per_generation is not None and g.generation_batch_size is not None:
+        errors.append(
+            ConfigError(
+                "grpo.generation_batch_size",
+                g.generation_batch_size,
+                "is exclusive with grpo.steps_per_generation: set one of them to null",
+            )
+        )
+    if g.num_generations >= 2:
+        for key, size in (
+            ("grpo.global_batch_size", g.global_batch_size),
+            ("grpo.generation_batch_size", g.generation_batch_size),
+        ):
+            if size is not None and size > 0 and size % (g.num_generations * dp):
+                errors.append(
+                    ConfigError(
+                        key,
+                        size,
+                        f"must be a multiple of grpo.num_generations * parallel.dp = "
+                        f"{g.num_generations * dp} (whole groups on every DP rank)",
+                    )
+                )
+    gen = generation_batch_size(cfg)
+    if g.global_batch_size > 0 and gen > 0 and gen % g.global_batch_size:
+        errors.append(
+            ConfigError(
+                "grpo.generation_batch_size",
+                gen,
+                f"must be a multiple of grpo.global_batch_size = {g.global_batch_size}",
+            )
+        )
+    if g.num_generations >= 2 and dp > 0 and gen > 0:
+        prompts_per_rank = gen // g.num_generations // dp
+        target = lcm_micro_sizes(cfg)
+        if prompts_per_rank and target > prompts_per_rank:
+            errors.append(
+                ConfigError(
+                    "grpo.aggregation",
+                    f"lcm({target})",
+                    f"the LCM of the rollout/ref/old/train micro sizes ({target} prompts) exceeds "
+                    f"the {prompts_per_rank} prompts each DP rank generates per round: choose "
+                    f"micro sizes whose LCM divides {prompts_per_rank}",
+                )
+            )
+    if g.num_steps_async > g.max_staleness:
+        errors.append(
+            ConfigError(
+                "grpo.max_staleness",
+                g.max_staleness,
+                f"is below grpo.num_steps_async = {g.num_steps_async}: the producer could never "
+                f"run ahead; raise max_staleness to >= {g.num_steps_async}",
+            )
+        )
+
+
+def _check_lengths_and_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    longest = longest_sequence(cfg)
+    if cfg.model.max_position_embeddings < longest:
+        errors.append(
+            ConfigError(
+                "model.max_position_embeddings",
+                cfg.model.max_position_embeddings,
+                f"is below data.max_prompt_len + rollout.max_new_tokens = {longest}",
+            )
+        )
+    if cfg.data.source != DataSource.builtin:
+        if not cfg.data.path:
+            errors.append(
+                ConfigError(
+                    "data.path",
+                    None,
+                    f"data.source={cfg.data.source.name} needs a file: set data.path=FILE",
+                )
+            )
+        elif not Path(cfg.data.path).is_file():
+            errors.append(ConfigError("data.path", cfg.data.path, "no such file"))
+    for key, path in (
+        ("model.hf_path", cfg.model.hf_path),
+        ("model.tokenizer_path", cfg.model.tokenizer_path),
+    ):
+        if path is not None and not Path(path).is_dir():
+            errors.append(ConfigError(key, path, "no such directory (a local HF model dir)"))
+    resume = cfg.trainer.resume
+    if resume not in ("none", "auto") and not Path(resume).exists():
+        errors.append(
+            ConfigError("trainer.resume", resume, "must be none, auto, or an existing checkpoint")
+        )
+
+
+RULES: tuple[Rule, ...] = (
+    _check_positive,
+    lambda cfg, errors: _check_pass("train", cfg.batching.train, cfg, errors),
+    lambda cfg, errors: _check_pass("infer", cfg.batching.infer, cfg, errors),
+    _check_parallel,
+    _check_grpo,
+    _check_lengths_and_paths,
+)
+
+
+def validate(cfg: RunConfig) -> list[ConfigError]:
+    """Every cross-field error of ``cfg`` (empty when valid)."""
+    errors: list[ConfigError] = []
+    for rule in RULES:
+        rule(cfg, errors)
+    return errors
+
+
+def check(cfg: RunConfig, structural: list[ConfigError] | None = None) -> RunConfig:
+    """Raise ConfigErrors listing every error; return ``cfg`` when valid.
+
+    ``structural`` errors (from rlbatch.config.load.check_structure) come first; a cross-field
+    error on a key that already has one is not repeated (its value fell back to the default).
+    """
+    errors = list(structural or [])
+    reported = {e.key for e in errors}
+    errors += [e for e in validate(cfg) if e.key not in reported]
+    if errors:
+        raise ConfigErrors(errors)
+    return cfg

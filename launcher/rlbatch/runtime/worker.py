@@ -1,0 +1,62 @@
+"""The torchrun worker: resolved.yaml -> RunConfig (no Hydra) -> entry(cfg).
+
+    python -m rlbatch.runtime.worker --config RUN_DIR/resolved.yaml --entry module:function
+
+A failure is written to <run_dir>/errors/rank<N>.txt for the driver to show, then the process
+exits non-zero so torchrun stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from rlbatch.config.load import load_run_config
+from rlbatch.config.schema import RunConfig
+from rlbatch.runtime.logs import setup_logging
+
+
+def resolve_entry(entry: str) -> Callable[[RunConfig], None]:
+    module_name, _, func_name = entry.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, func_name)
+
+
+def _report(run_dir: Path, rank: int, exc: BaseException) -> None:
+    errors = run_dir / "errors"
+    errors.mkdir(parents=True, exist_ok=True)
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    detail = "".join(traceback.format_exception(exc))
+    tmp = errors / f".rank{rank}.tmp"
+    tmp.write_text(f"rank {rank}: {text}\n\n{detail}")
+    tmp.replace(errors / f"rank{rank}.txt")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlbatch.runtime.worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--entry", required=True)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    cfg = load_run_config(args.config)
+    run_dir = Path(cfg.run_dir or Path(args.config).parent)
+    setup_logging(rank, cfg.logging.level)
+    try:
+        resolve_entry(args.entry)(cfg)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then re-signalled
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        _report(run_dir, rank, exc)
+        print(f"[rank {rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

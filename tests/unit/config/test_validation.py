@@ -1,0 +1,119 @@
+"""Each validation rule rejects its bad config with a message naming the dotted key, and all
+errors are reported at once, before anything heavy runs."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from rlbatch.cli.common import compose
+from rlbatch.config.errors import ConfigErrors
+from rlbatch.config.load import check_structure, load_run_config, to_container
+from rlbatch.config.validate import check
+
+BASE = ["+recipe=grpo_qwen"]
+
+# (overrides, dotted key that must be named, a word of the fix)
+CASES = [
+    (["+trainer.max_stepz=3"], "trainer.max_stepz", "trainer.max_steps"),
+    (["trainer.max_steps=abc"], "trainer.max_steps", "integer"),
+    (["logging.progress=maybe"], "logging.progress", "true or false"),
+    (["batching.train.mode=dynamc"], "batching.train.mode", "packed"),
+    (["grpo.scale_rewards=std"], "grpo.scale_rewards", "group"),
+    (["trainer.max_steps=0"], "trainer.max_steps", "positive"),
+    (["batching.infer.max_tokens=-1"], "batching.infer.max_tokens", "positive"),
+    (["rollout.max_new_tokens=0"], "rollout.max_new_tokens", "positive"),
+    (
+        ["grpo.aggregation.ref_logps_micro_batch_size=0"],
+        "grpo.aggregation.ref_logps_micro_batch_size",
+        "positive",
+    ),
+    (
+        ["parallel.tp=2", "batching.train.sequence_length_round=3"],
+        "batching.train.sequence_length_round",
+        "multiple",
+    ),
+    (["batching.train.max_tokens=16"], "batching.train.max_tokens", "oversize"),
+    (["parallel.vpp=2"], "parallel.vpp", "pp"),
+    (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=6"], "model.num_layers", "divisible"),
+    (["grpo.num_generations=6"], "grpo.global_batch_size", "multiple"),
+    (
+        ["grpo.steps_per_generation=2", "grpo.generation_batch_size=128"],
+        "grpo.generation_batch_size",
+        "exclusive",
+    ),
+    (["parallel.dp=2", "parallel.nproc_per_node=1"], "parallel.nproc_per_node", "tp*pp*cp*dp"),
+    (["grpo.aggregation.train_micro_batch_size=16"], "grpo.aggregation", "LCM"),
+    (["grpo.num_generations=1"], "grpo.num_generations", ">= 2"),
+    (["grpo.num_steps_async=2", "grpo.max_staleness=1"], "grpo.max_staleness", "num_steps_async"),
+    (["data=jsonl"], "data.path", "data.path"),
+    (["trainer.resume=/nonexistent/ckpt"], "trainer.resume", "auto"),
+]
+
+
+def _errors_for(overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=BASE + overrides)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    with pytest.raises(ConfigErrors) as info:
+        check(*check_structure(container))
+    return info.value
+
+
+@pytest.mark.parametrize(("overrides", "key", "fix"), CASES, ids=[c[1] for c in CASES])
+def test_rule_names_key_and_fix(overrides, key, fix):
+    err = _errors_for(overrides)
+    matching = [e for e in err.errors if e.key == key]
+    assert matching, f"no error for {key}: {err}"
+    assert fix in str(matching[0])
+
+
+def test_every_error_reported_at_once():
+    err = _errors_for(
+        ["trainer.max_steps=abc", "+grpo.typo=1", "parallel.vpp=2", "batching.train.max_tokens=16"]
+    )
+    keys = {e.key for e in err.errors}
+    assert {"trainer.max_steps", "grpo.typo", "parallel.vpp", "batching.train.max_tokens"} <= keys
+
+
+def test_oversize_isolate_allows_small_budget():
+    cfg = compose(BASE + ["batching.train.max_tokens=16", "batching.train.oversize=isolate"], "t")
+    assert cfg.batching.train.max_tokens == 16
+
+
+def test_enum_accepts_value_spelling():
+    cfg = compose(BASE + ["grpo.loss_agg_mode=seq-mean-token-sum"], "t")
+    assert cfg.grpo.loss_agg_mode.value == "seq-mean-token-sum"
+
+
+def test_cli_exits_2_without_traceback(bin_dir, subprocess_env):
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), *BASE, "trainer.max_steps=0", "parallel.vpp=2"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "trainer.max_steps" in proc.stderr and "parallel.vpp" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_resolved_yaml_round_trip(tmp_path):
+    """What the driver writes, the worker reads back identically (no Hydra in the worker)."""
+    from rlbatch.config.load import dump_run_config
+
+    cfg = compose(BASE + ["plan.pass=infer", "grpo.loss_agg_mode=seq_mean_token_sum_norm"], "t")
+    path = tmp_path / "resolved.yaml"
+    dump_run_config(cfg, path)
+    assert load_run_config(path) == cfg
+    assert "pass: infer" in path.read_text()
+    assert to_container(cfg)["plan"]["pass"] == "infer"
