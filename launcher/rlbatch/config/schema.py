@@ -483,16 +483,28 @@ class LogprobsConfig:
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy (and reference) model: a Qwen2-architecture preset from conf/model."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Prompt dataset and reward."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation (sampling) settings."""
     batching: BatchingConfig = field(default_factory=BatchingConfig)
+    """Micro-batching of the train and infer passes (the planner)."""
     normalization: NormalizationConfig = field(default_factory=NormalizationConfig)
+    """How the loss is divided across micro-batches and DP ranks."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """tp / pp / vpp / dp / cp and the launch topology."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """The GRPO algorithm and its data flow."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, seed, optimizer, checkpoints, resume."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Terminal, JSONL, TensorBoard and plot outputs."""
     debug: DebugConfig = field(default_factory=DebugConfig)
+    """Consistency checks and fault injection."""
     plan: PlanConfig = field(default_factory=PlanConfig)
+    """Inputs of rlbatch-plan."""
     logprobs: LogprobsConfig = field(default_factory=LogprobsConfig)
+    """Inputs and outputs of rlbatch-logprobs."""
     run_dir: Optional[str] = None
     """Set by the driver: the run directory (resolved.yaml, metrics, checkpoints)."""
