@@ -55,6 +55,31 @@ class MicroBatch:
         }
 
 
+def new_micro_batch(
+    samples: tuple[int, ...],
+    lengths: tuple[int, ...],
+    padded_len: int,
+    computed_tokens: int,
+    real_tokens: int,
+    packed: bool,
+    oversize: bool,
+) -> MicroBatch:
+    """A non-filler MicroBatch, built without the frozen dataclass __init__ (one field at a
+    time through object.__setattr__): the planner makes tens of thousands of them. The result
+    is the same object (fields, equality, hash) as MicroBatch(...)."""
+    mb = object.__new__(MicroBatch)
+    d = mb.__dict__
+    d["samples"] = samples
+    d["lengths"] = lengths
+    d["padded_len"] = padded_len
+    d["computed_tokens"] = computed_tokens
+    d["real_tokens"] = real_tokens
+    d["packed"] = packed
+    d["filler"] = False
+    d["oversize"] = oversize
+    return mb
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """The ordered micro-batches of one DP rank."""

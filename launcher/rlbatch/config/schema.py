@@ -256,6 +256,8 @@ class BatchingPassConfig:
     """Pool batcher packs (THD) instead of padding."""
     infinite_loop: bool = True
     """Pool batcher restarts the data with an epoch-reseeded global shuffle."""
+    pool_micro_batches_per_step: int = 1
+    """Pool batcher: micro-batches per rank per optimizer step (raised to a VPP-valid count)."""
     cost_linear: Optional[float] = None
     """a in the DP cost model a*L + b*L^2; null = derived from the model dimensions."""
     cost_quadratic: Optional[float] = None

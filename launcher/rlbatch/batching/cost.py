@@ -1,0 +1,65 @@
+"""The DP cost model: cost(L) = a*L + b*L^2 per sequence row of L computed tokens.
+
+``a`` stands for the per-token work that grows linearly with length (QKV/output projections,
+the SwiGLU MLP, the logits); ``b`` for causal attention, quadratic in length. Derived defaults
+are normalised so that a = 1: a cost is then measured in "linear token equivalents", and b is the
+attention share of one extra token pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlbatch.config.schema import BatchingPassConfig, ModelConfig
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """cost(L) = a*L + b*L^2 for one sequence row of L (rounded) tokens."""
+
+    a: float = 1.0
+    b: float = 0.0
+
+    def __call__(self, length: int) -> float:
+        return self.a * length + self.b * length * length
+
+    def padded(self, rows: int, padded_len: int) -> float:
+        """Cost of a padded (BSHD) micro-batch: every row computes padded_len tokens."""
+        return rows * (self.a * padded_len + self.b * padded_len * padded_len)
+
+
+TOKEN_COUNT = CostModel(1.0, 0.0)
+"""The cost model that balances computed tokens only."""
+
+
+def linear_flops_per_token(model: ModelConfig) -> float:
+    """Forward FLOPs per token that do not depend on sequence length (2 per multiply-add)."""
+    h = model.hidden_size
+    head_dim = h // model.num_attention_heads
+    kv = model.num_query_groups * head_dim
+    qkv = h * (h + 2 * kv)
+    out = h * h
+    mlp = 3 * h * model.ffn_hidden_size  # SwiGLU: gate, up, down
+    logits = h * model.vocab_size
+    return 2.0 * (model.num_layers * (qkv + out + mlp) + logits)
+
+
+def attention_flops_per_token_pair(model: ModelConfig) -> float:
+    """Forward FLOPs per (query, key) pair: QK^T and AV, 2*h each; causal masking halves the
+    pairs, so b*L^2 with b = 2*h per layer counts the L^2/2 pairs a causal kernel computes."""
+    return 2.0 * model.hidden_size * model.num_layers
+
+
+def cost_model_for(model: ModelConfig, cfg: BatchingPassConfig) -> CostModel:
+    """The cost model of one pass: derived from the model's dimensions, normalised to a = 1;
+    ``cfg.cost_linear`` / ``cfg.cost_quadratic`` override a and b (each independently)."""
+    lin = linear_flops_per_token(model)
+    quad = attention_flops_per_token_pair(model)
+    a = 1.0 if cfg.cost_linear is None else float(cfg.cost_linear)
+    b = quad / lin if cfg.cost_quadratic is None else float(cfg.cost_quadratic)
+    if a < 0 or b < 0 or (a == 0 and b == 0):
+        raise ValueError(
+            f"batching cost model a={a}, b={b} must be non-negative and not both zero: "
+            "fix batching.<pass>.cost_linear / cost_quadratic"
+        )
+    return CostModel(a, b)

@@ -1,0 +1,99 @@
+"""plan_pass: one pass over a mini-batch -> a global PassPlan (design.md section 4).
+
+Pipeline (every mode): prepare lengths (oversize policy, rounding) -> bins (which samples share
+a micro-batch; mode-specific) -> count M per rank (ceil(bins / dp), raised to megatron-core's
+VPP rule) -> split the costliest bins up to dp*M, zero-weight fillers only if nothing is left to
+split -> assign exactly M bins per rank balancing a*L + b*L^2 (largest first, then swaps) ->
+order each rank costliest first (lockstep) -> stats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from rlbatch.batching.assemble import assemble_plan, length_order, prepare_lengths
+from rlbatch.batching.cost import TOKEN_COUNT, CostModel
+from rlbatch.batching.packing import pack_best_fit_decreasing, pack_sorted_runs
+from rlbatch.batching.plan import PassPlan
+from rlbatch.batching.vpp import resolve_group_size
+from rlbatch.config.schema import BatchingMode, BatchingPassConfig
+
+
+def plan_pass(
+    lengths: Sequence[int],
+    cfg: BatchingPassConfig,
+    *,
+    dp: int,
+    pp: int = 1,
+    vpp: int = 1,
+    microbatch_group_size: int | None = None,
+    group_size: int = 1,
+    cost: CostModel | None = None,
+    seed: int = 0,
+    step: int = 0,
+    pass_name: str = "train",
+) -> PassPlan:
+    """Plan one pass: every sample of ``lengths`` in exactly one micro-batch of one DP rank.
+
+    lengths: tokens (prompt + response) per sample; MicroBatch.samples index into it.
+    group_size: siblings of one prompt are contiguous runs of this many samples.
+    cost: the DP cost model (None: computed tokens).
+    seed, step: used by the pool mode's shuffle; the other modes are deterministic functions of
+        lengths and config alone.
+    pass_name: "train" or "infer", for the config keys named in error messages.
+    Raises ValueError for bad input or, with oversize=error, a sample over the budget.
+    """
+    started = time.perf_counter()
+    if dp < 1:
+        raise ValueError(f"parallel.dp={dp} must be >= 1")
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size} must be >= 1")
+    n_group = resolve_group_size(pp, vpp, microbatch_group_size)
+    cost = cost or TOKEN_COUNT
+    mode = BatchingMode(cfg.mode)
+    if mode == BatchingMode.pool:
+        from rlbatch.batching.pool import plan_pool_pass
+
+        return plan_pool_pass(
+            lengths,
+            cfg,
+            dp=dp,
+            pp=pp,
+            vpp=vpp,
+            mb_group_size=n_group,
+            cost=cost,
+            seed=seed,
+            step=step,
+            pass_name=pass_name,
+            started=started,
+        )
+    prep = prepare_lengths(lengths, cfg, pass_name)
+    order = length_order(prep, group_size, cfg.spread_siblings)
+    budget = cfg.max_tokens
+    packed = mode == BatchingMode.packed
+    if mode == BatchingMode.fixed and cfg.micro_batch_size < 1:
+        raise ValueError(
+            f"batching.{pass_name}.micro_batch_size={cfg.micro_batch_size} must be >= 1"
+        )
+    rows = cfg.micro_batch_size if mode == BatchingMode.fixed else None
+
+    def pack(capacity: int) -> list[list[int]]:
+        if packed:
+            return pack_best_fit_decreasing(order, prep.rounded, capacity)
+        return pack_sorted_runs(order, prep.rounded, capacity, rows)
+
+    return assemble_plan(
+        pack(budget),
+        prep,
+        cfg,
+        mode=mode.value,
+        packed=packed,
+        dp=dp,
+        pp=pp,
+        vpp=vpp,
+        mb_group_size=n_group,
+        cost=cost,
+        started=started,
+        repack=pack if packed else None,
+    )
