@@ -1,0 +1,201 @@
+"""Worker side of rlbatch-logprobs: ``run(cfg)`` inside every torchrun worker.
+
+Reads ``logprobs.input`` (JSONL: {"input_ids": [...]} or {"prompt": str, "completion": str}),
+builds the model (``model.hf_path`` weights when set), plans the pass with the planner over
+``batching.infer`` (token budget, dp / pp / vpp), computes per-token logprobs chunk by chunk and
+rank 0 writes ``logprobs.output`` in input order:
+
+    {"index": i, "token_logprobs": [...]}                       # input_ids: n - 1 values
+    {"index": i, "token_logprobs": [...], "completion_start": s}  # prompt/completion
+
+token_logprobs[j] = log p(token j+1 | tokens 0..j); for prompt/completion only the completion
+tokens are scored (token_logprobs[k] scores token s + k). With ``logprobs.entropy`` an
+"entropy" list aligned with token_logprobs is added.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rlbatch.config.schema import RunConfig
+
+log = logging.getLogger("rlbatch.logprobs")
+
+PROGRESS_MIN_MICRO_BATCHES = 4
+"""Show a progress bar (rank 0) when the pass has at least this many micro-batches."""
+
+
+@dataclass(frozen=True)
+class Row:
+    ids: list[int]
+    completion_start: Optional[int]
+    """None for input_ids rows."""
+
+
+def read_rows(path: str, tokenizer_factory: Any) -> list[Row]:
+    """Parse the input JSONL; errors name the line. ``tokenizer_factory()`` is called only
+    when a prompt/completion row needs it."""
+    rows: list[Row] = []
+    tokenizer = None
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from exc
+            if "input_ids" in obj:
+                ids = obj["input_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError(f"{path}:{line_no}: input_ids must be a list of ints")
+                rows.append(Row(list(ids), None))
+            elif "prompt" in obj and "completion" in obj:
+                if tokenizer is None:
+                    tokenizer = tokenizer_factory()
+                prompt = tokenizer.encode(str(obj["prompt"]))
+                completion = tokenizer.encode(str(obj["completion"]))
+                rows.append(Row(prompt + completion, len(prompt)))
+            else:
+                raise ValueError(
+                    f'{path}:{line_no}: expected {{"input_ids": [...]}} or '
+                    f'{{"prompt": str, "completion": str}}, got keys {sorted(obj)}'
+                )
+    return rows
+
+
+def check_rows(rows: list[Row], vocab_size: int, max_len: int, path: str) -> None:
+    errors = []
+    for i, row in enumerate(rows):
+        if len(row.ids) < 1:
+            errors.append(f"line {i + 1}: empty sequence")
+        elif max(row.ids) >= vocab_size or min(row.ids) < 0:
+            errors.append(f"line {i + 1}: token id outside [0, {vocab_size})")
+        elif len(row.ids) > max_len:
+            errors.append(
+                f"line {i + 1}: {len(row.ids)} tokens > model.max_position_embeddings={max_len}"
+            )
+        if len(errors) >= 10:
+            break
+    if errors:
+        raise ValueError(f"{path}: " + "; ".join(errors))
+
+
+def output_record(i: int, row: Row, logps: list[float], entropy: Optional[list[float]]) -> dict:
+    rec: dict[str, Any] = {"index": i}
+    cut = 0 if row.completion_start is None else max(row.completion_start - 1, 0)
+    rec["token_logprobs"] = logps[cut:]
+    if row.completion_start is not None:
+        rec["completion_start"] = row.completion_start
+    if entropy is not None:
+        rec["entropy"] = entropy[cut:]
+    return rec
+
+
+def write_jsonl(path: str, records: list[dict]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    tmp.replace(out)
+
+
+class _Progress:
+    """A rich progress bar on rank 0 (no-op elsewhere or for short passes)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled and total >= PROGRESS_MIN_MICRO_BATCHES:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+            self.bar = Progress(
+                "[bold]logprobs",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self.task = self.bar.add_task("logprobs", total=total)
+            self.bar.start()
+
+    def advance(self, _: Any = None) -> None:
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run(cfg: RunConfig) -> None:
+    """The rlbatch-logprobs worker entry (every rank calls it)."""
+    import torch.distributed as dist
+
+    from rlbatch.batching import cost_model_for, plan_pass
+    from rlbatch.engine import hf, logprobs, parallel
+    from rlbatch.engine.model import build_model
+    from rlbatch.engine.tokenizer import build_tokenizer
+
+    if not cfg.logprobs.input or not cfg.logprobs.output:
+        raise ValueError("set logprobs.input and logprobs.output")
+    owns_world = not dist.is_initialized()
+    state = parallel.initialize(cfg)
+    cfg.model, changed = hf.resolve_model_config(cfg.model)
+    if state.rank == 0:
+        for note in changed:
+            log.warning("from %s: %s", cfg.model.hf_path, note)
+    rows = read_rows(cfg.logprobs.input, lambda: build_tokenizer(cfg.model))
+    check_rows(rows, cfg.model.vocab_size, cfg.model.max_position_embeddings, cfg.logprobs.input)
+    model = build_model(cfg, wrap_ddp=False)
+    if cfg.model.hf_path:
+        hf.load_hf_into(model, cfg.model.hf_path)
+    infer = cfg.batching.infer
+    lengths = [len(r.ids) for r in rows]
+    plan = plan_pass(
+        lengths,
+        infer,
+        dp=state.dp,
+        pp=state.pp,
+        vpp=state.vpp,
+        microbatch_group_size=cfg.parallel.microbatch_group_size_per_vp_stage,
+        cost=cost_model_for(cfg.model, infer),
+        seed=cfg.trainer.seed,
+        pass_name="infer",
+    )
+    if state.rank == 0:
+        log.info(
+            "%d sequences, %d micro-batches per rank (%s, max_tokens=%d), padding efficiency %.3f",
+            len(rows), plan.num_micro_batches, plan.mode, infer.max_tokens,
+            plan.stats.padding_efficiency,
+        )  # fmt: skip
+    progress = _Progress(plan.num_micro_batches, enabled=state.rank == 0 and cfg.logging.progress)
+    try:
+        result = logprobs.compute_logprobs(
+            model,
+            [r.ids for r in rows],
+            plan,
+            round_to=infer.sequence_length_round,
+            entropy=cfg.logprobs.entropy,
+            on_micro_batch=progress.advance,
+        )
+    finally:
+        progress.stop()
+    logps, ents = result if cfg.logprobs.entropy else (result, None)
+    if state.rank == 0:
+        records = [
+            output_record(i, row, logps[i].tolist(), None if ents is None else ents[i].tolist())
+            for i, row in enumerate(rows)
+        ]
+        write_jsonl(cfg.logprobs.output, records)
+        log.info("wrote %s (%d lines)", cfg.logprobs.output, len(records))
+    if owns_world:  # a caller's world (tests, notebooks) is left as it is
+        parallel.destroy()

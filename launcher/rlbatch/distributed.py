@@ -1,0 +1,247 @@
+"""The only module of rlbatch that reduces across ranks.
+
+Every helper is an identity (or a copy) in a single process without torch.distributed, so
+pure code can call them unconditionally. Groups come from Megatron's parallel state when it is
+initialized (rlbatch.engine.parallel.initialize), else the world.
+
+- ``all_reduce_sum``: many tensors/scalars summed in ONE flattened float64 collective.
+- ``reduce_dp`` / ``reduce_step``: the GRPO step's ReduceFn's (1-D float64 vectors).
+- ``all_gather_object``, ``barrier``, ``check_same_across_ranks`` (plan-hash agreement).
+- ``broadcast_from_last_stage``: values computed on the last pipeline stage to every stage.
+- ``WorldDist``: the training loop's DistOps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+Number = Union[int, float]
+
+
+# ------------------------------------------------------------------------------------ groups
+def _megatron_ready() -> bool:
+    if not dist.is_initialized():
+        return False
+    from megatron.core import parallel_state as ps
+
+    return ps.model_parallel_is_initialized()
+
+
+def is_distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def dp_group(with_context_parallel: bool = True) -> Optional[Any]:
+    """Megatron's data-parallel group (x context-parallel by default); None = no group."""
+    if not _megatron_ready():
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=with_context_parallel)
+
+
+def dp_rank(with_context_parallel: bool = False) -> int:
+    if not _megatron_ready():
+        return 0
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(with_context_parallel=with_context_parallel)
+
+
+def dp_size(with_context_parallel: bool = False) -> int:
+    if not _megatron_ready():
+        return 1
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size(with_context_parallel=with_context_parallel)
+
+
+def pp_size() -> int:
+    if not _megatron_ready():
+        return 1
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
+
+
+def is_last_stage() -> bool:
+    if not _megatron_ready():
+        return True
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def _group_size(group: Optional[Any]) -> int:
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------ reductions
+def all_reduce_sum(
+    values: Sequence[Union[torch.Tensor, Number]], group: Optional[Any] = "dp"
+) -> list[torch.Tensor]:
+    """Sum each value over ``group`` ("dp" = Megatron's DP x CP group, None = the world, or a
+    process group) with ONE flattened float64 collective. Returns tensors with the inputs'
+    shapes and dtypes (floats/ints -> 0-d float64 tensors), on the inputs' devices."""
+    if isinstance(group, str):
+        group = dp_group()
+    tensors = [
+        v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
+        for v in values
+    ]
+    if not tensors:
+        return []
+    if _group_size(group) == 1:
+        return [t.detach().clone() for t in tensors]
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64).to(_device()) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    out, offset = [], 0
+    for t in tensors:
+        n = t.numel()
+        out.append(flat[offset : offset + n].reshape(t.shape).to(dtype=t.dtype, device=t.device))
+        offset += n
+    return out
+
+
+def all_reduce_floats(values: Sequence[Number], group: Optional[Any] = "dp") -> list[float]:
+    """all_reduce_sum for plain Python numbers (one collective)."""
+    if not values:
+        return []
+    vec = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return all_reduce_sum([vec], group)[0].tolist()
+
+
+def reduce_dp(x: torch.Tensor) -> torch.Tensor:
+    """Sum of a 1-D float64 vector over the DP x CP replicas (the GRPO step's reduce_dp)."""
+    return all_reduce_sum([x])[0]
+
+
+def reduce_step(x: torch.Tensor) -> torch.Tensor:
+    """Sum over DP x CP of the last pipeline stage's vector, returned on every stage (the
+    end-of-step bundle: losses and counts are computed on the last stage)."""
+    summed = all_reduce_sum([x])[0]
+    if pp_size() == 1:
+        return summed
+    return broadcast_from_last_stage(
+        summed if is_last_stage() else None, summed.shape, summed.dtype
+    )
+
+
+def barrier(group: Optional[Any] = None) -> None:
+    if dist.is_initialized() and _group_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def all_gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
+    """One object per rank of ``group`` (None = the world), in rank order."""
+    size = _group_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def dp_gather_object(obj: Any) -> list[Any]:
+    """One object per DP rank (without context parallel), in DP-rank order."""
+    return all_gather_object(obj, dp_group(with_context_parallel=False))
+
+
+def _digest(value: Any) -> str:
+    data = value if isinstance(value, bytes) else pickle.dumps(value, protocol=4)
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def check_same_across_ranks(value: Any, what: str, group: Optional[Any] = None) -> None:
+    """Raise RuntimeError naming the ranks whose ``value`` (e.g. a plan's JSON) differs from
+    rank 0's. Compares a hash; one all_gather_object."""
+    digests = all_gather_object(_digest(value), group)
+    bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    if bad:
+        ranks = (
+            dist.get_process_group_ranks(group) if group is not None else list(range(len(digests)))
+        )
+        names = ", ".join(f"rank {ranks[r]}" for r in bad)
+        raise RuntimeError(
+            f"{what} differs across ranks: {names} disagree with rank {ranks[0]} "
+            f"(hash {digests[0]} vs {', '.join(digests[r] for r in bad)})"
+        )
+
+
+# ------------------------------------------------------------------------- pipeline stages
+def broadcast_from_last_stage(
+    tensor: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """The last pipeline stage's ``tensor`` on every stage (others pass None and the shape and
+    dtype they expect)."""
+    if pp_size() == 1:
+        assert tensor is not None
+        return tensor
+    from megatron.core import parallel_state as ps
+
+    buf = (
+        tensor.detach().to(_device())
+        if tensor is not None
+        else torch.empty(tuple(shape), dtype=dtype, device=_device())
+    )
+    dist.broadcast(
+        buf,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    return buf
+
+
+def broadcast_object_from_last_stage(obj: Any) -> Any:
+    """A picklable object from the last pipeline stage to every stage."""
+    if pp_size() == 1:
+        return obj
+    from megatron.core import parallel_state as ps
+
+    box = [obj if is_last_stage() else None]
+    dist.broadcast_object_list(
+        box,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
+
+
+# ---------------------------------------------------------------------------- loop facade
+class WorldDist:
+    """The training loop's DistOps on a torch.distributed world (DP sums, world gathers)."""
+
+    def __init__(self) -> None:
+        self.rank = rank()
+        self.world_size = world_size()
+
+    def barrier(self) -> None:
+        barrier()
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        return all_reduce_floats(values)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return all_gather_object(obj)

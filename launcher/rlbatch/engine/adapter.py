@@ -1,0 +1,169 @@
+"""rlbatch config -> megatron-core configs: the one place that spells Megatron's field names.
+
+``transformer_config`` (TransformerConfig), ``ddp_config`` (DistributedDataParallelConfig),
+``optimizer_config`` (OptimizerConfig) and ``lr_scheduler`` (OptimizerParamScheduler). The rest
+of rlbatch reads its own schema (rlbatch.config.schema) and calls these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from rlbatch.config.schema import (
+    Dtype,
+    LrSchedule,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    Recompute,
+)
+
+DTYPES = {Dtype.fp32: torch.float32, Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16}
+
+
+def torch_dtype(dtype: Dtype | str) -> torch.dtype:
+    return DTYPES[Dtype(dtype)]
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    calculate_per_token_loss: bool = False,
+    microbatch_group_size: Optional[int] = None,
+) -> Any:
+    """Qwen2-architecture TransformerConfig (RMSNorm, SwiGLU, RoPE, GQA, QKV bias).
+
+    CPU (no CUDA): CPU initialisation, fp32 pipeline, every CUDA fusion off, dropout 0
+    (shared/megatron-cpu.md). ``variable_seq_lengths=True`` always (the plan's micro-batches
+    differ in shape); megatron 0.16.1 then requires moe_token_dispatcher_type="alltoall" even
+    for dense models. With interleaving (vpp > 1): overlap_p2p_comm=True and
+    batch_p2p_comm=False (the default batched p2p is silently wrong with pp=2, where the
+    previous and next rank are the same peer).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    gpu = on_gpu()
+    dtype = torch_dtype(model.params_dtype)
+    interleaved = parallel.vpp > 1
+    kwargs: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if interleaved else None,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        calculate_per_token_loss=calculate_per_token_loss,
+        use_cpu_initialization=not gpu,
+        perform_initialization=True,
+        bias_activation_fusion=gpu,
+        masked_softmax_fusion=gpu,
+        persist_layer_norm=gpu,
+        bias_dropout_fusion=gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+    if interleaved:
+        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+        if microbatch_group_size is not None:
+            kwargs["microbatch_group_size_per_vp_stage"] = microbatch_group_size
+    if model.recompute == Recompute.full:
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    elif model.recompute == Recompute.selective:
+        kwargs.update(recompute_granularity="selective")
+    return TransformerConfig(**kwargs)
+
+
+def ddp_config(parallel: ParallelConfig) -> Any:
+    """Megatron DistributedDataParallelConfig: fp32 grad buffers and reduction."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        use_distributed_optimizer=parallel.use_distributed_optimizer and on_gpu(),
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+
+
+def optimizer_config(optim: OptimConfig, model: ModelConfig, parallel: ParallelConfig) -> Any:
+    """Megatron OptimizerConfig: AdamW; FP32 optimizer on CPU (megatron's bf16/fp16 and
+    distributed optimizers expect CUDA tensors), mixed precision / distributed on GPU."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    gpu = on_gpu()
+    dtype = torch_dtype(model.params_dtype)
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=gpu and dtype == torch.bfloat16,
+        fp16=gpu and dtype == torch.float16,
+        params_dtype=dtype if gpu else torch.float32,
+        use_distributed_optimizer=parallel.use_distributed_optimizer and gpu,
+    )
+
+
+_DECAY_STYLE = {
+    LrSchedule.constant: "constant",
+    LrSchedule.linear: "linear",
+    LrSchedule.cosine: "cosine",
+}
+
+
+def lr_scheduler(optimizer: Any, optim: OptimConfig, max_steps: int) -> Any:
+    """OptimizerParamScheduler over ``max_steps`` optimizer steps (one increment per step)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = min(optim.warmup_steps, max(max_steps - 1, 0))
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else optim.lr,
+        max_lr=optim.lr,
+        min_lr=min(optim.min_lr, optim.lr),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(max_steps, warmup + 1),
+        lr_decay_style=_DECAY_STYLE[LrSchedule(optim.schedule)],
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(max_steps, 1),
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )

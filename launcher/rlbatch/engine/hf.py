@@ -1,0 +1,336 @@
+"""Hugging Face Qwen2 interop: load a local HF directory into the Megatron chunks, export back.
+
+    fields = config_from_hf(path)          # ModelConfig fields from config.json
+    load_hf_into(model, path)              # any tp / pp / vpp split; sharded index included
+    export_hf(model, cfg.model, out_dir)   # config.json + model.safetensors (rank 0 writes)
+
+Layouts (megatron-core local and TE specs):
+- q/k/v -> ``linear_qkv`` fused **per query group**: for each KV head g, the rows of its
+  num_heads/num_groups query heads, then k_g, then v_g (bias likewise). Column-parallel: tp
+  rank t holds a contiguous block of groups.
+- gate/up -> ``linear_fc1``: tp rank t holds [gate_t; up_t] (its slices of both).
+- o_proj / down_proj -> row-parallel ``linear_proj`` / ``linear_fc2`` (split on dim 1).
+- embed_tokens / lm_head: vocab-parallel (split on dim 0). Tied embeddings: the last stage's
+  output_layer copy (pp > 1) is loaded from embed_tokens; the export writes no lm_head.
+Layers are matched by megatron's global ``layer_number``, so pipeline splits need no
+bookkeeping here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlbatch.config.schema import ModelConfig
+
+# config.json <-> ModelConfig lives in the torch-free hf_config (re-exported here)
+from rlbatch.engine.hf_config import (
+    ARCH_FIELDS,
+    HF_CONFIG,
+    config_from_hf,
+    hf_config_dict,
+    read_hf_config,
+    resolve_model_config,
+)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+__all__ = [
+    "ARCH_FIELDS", "HF_CONFIG", "INDEX", "SINGLE", "HFWeights", "config_from_hf", "export_hf",
+    "gather_full", "hf_config_dict", "load_hf_into", "read_hf_config", "resolve_model_config",
+]  # fmt: skip
+
+
+# ------------------------------------------------------------------------- weight access
+class HFWeights:
+    """Lazy reader of a local safetensors checkpoint (single file or sharded index)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.path / SINGLE).is_file():
+            with safe_open(str(self.path / SINGLE), framework="pt") as f:
+                weight_map = {k: SINGLE for k in f.keys()}
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"model.hf_path={path}: no *.safetensors files")
+            weight_map = {}
+            for file in files:
+                with safe_open(str(file), framework="pt") as f:
+                    weight_map.update({k: file.name for k in f.keys()})
+        self.weight_map: dict[str, str] = weight_map
+        self._open: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise KeyError(f"{self.path}: tensor {name!r} not found")
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.path / file), framework="pt")
+        return self._open[file].get_tensor(name)
+
+
+# ------------------------------------------------------------------------ tp slicing
+def _tp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_group(),
+    )
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return t.chunk(size, dim=dim)[rank]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[nh*d, ...], [ng*d, ...], [ng*d, ...] -> per-group [q_g; k_g; v_g] rows."""
+    qs, ks, vs = q.chunk(groups), k.chunk(groups), v.chunk(groups)
+    return torch.cat([torch.cat([qs[g], ks[g], vs[g]]) for g in range(groups)])
+
+
+def split_qkv(fused: torch.Tensor, heads: int, groups: int, head_dim: int):
+    per_group = (heads // groups + 2) * head_dim
+    q_rows = heads // groups * head_dim
+    parts = fused.split(per_group)
+    q = torch.cat([p[:q_rows] for p in parts])
+    k = torch.cat([p[q_rows : q_rows + head_dim] for p in parts])
+    v = torch.cat([p[q_rows + head_dim :] for p in parts])
+    return q, k, v
+
+
+# ------------------------------------------------------------------------ name mapping
+def _chunks(model: Any) -> list[Any]:
+    from rlbatch.engine.model import unwrap
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [unwrap(c) for c in chunks]
+
+
+def _norm_names(layer_prefix: str, params: dict[str, torch.nn.Parameter]) -> tuple[str, str]:
+    """Local spec: separate RMSNorm modules; TE spec: norms fused into linear_qkv / fc1."""
+    te_in = f"{layer_prefix}self_attention.linear_qkv.layer_norm_weight"
+    if te_in in params:
+        return te_in, f"{layer_prefix}mlp.linear_fc1.layer_norm_weight"
+    return f"{layer_prefix}input_layernorm.weight", f"{layer_prefix}pre_mlp_layernorm.weight"
+
+
+Full = Callable[[], torch.Tensor]
+
+
+def _targets(chunk: Any, model_cfg: ModelConfig) -> Iterator[tuple[str, str, Any]]:
+    """(megatron param name, kind, hf source) for every parameter of one chunk. kind says how
+    a full HF tensor maps onto the tp shard: 'rep', 'row' (dim 0), 'col' (dim 1), 'qkv_w',
+    'qkv_b', 'fc1'. source: an HF name or a tuple of names."""
+    params = dict(chunk.named_parameters())
+    if "embedding.word_embeddings.weight" in params:
+        yield "embedding.word_embeddings.weight", "row", "model.embed_tokens.weight"
+    for local, layer in enumerate(chunk.decoder.layers):
+        n = layer.layer_number - 1
+        pre, hf = f"decoder.layers.{local}.", f"model.layers.{n}."
+        norm_in, norm_mlp = _norm_names(pre, params)
+        yield norm_in, "rep", hf + "input_layernorm.weight"
+        yield norm_mlp, "rep", hf + "post_attention_layernorm.weight"
+        attn = hf + "self_attn."
+        yield (
+            pre + "self_attention.linear_qkv.weight",
+            "qkv_w",
+            tuple(attn + f"{x}_proj.weight" for x in "qkv"),
+        )
+        if pre + "self_attention.linear_qkv.bias" in params:
+            yield (
+                pre + "self_attention.linear_qkv.bias",
+                "qkv_b",
+                tuple(attn + f"{x}_proj.bias" for x in "qkv"),
+            )
+        yield pre + "self_attention.linear_proj.weight", "col", attn + "o_proj.weight"
+        yield (
+            pre + "mlp.linear_fc1.weight",
+            "fc1",
+            (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+        )
+        yield pre + "mlp.linear_fc2.weight", "col", hf + "mlp.down_proj.weight"
+    if "decoder.final_layernorm.weight" in params:
+        yield "decoder.final_layernorm.weight", "rep", "model.norm.weight"
+    if "output_layer.weight" in params:
+        src = "model.embed_tokens.weight" if model_cfg.tie_word_embeddings else "lm_head.weight"
+        yield "output_layer.weight", "row", src
+
+
+def _shard_for(
+    kind: str, src: Any, read: Callable[[str], torch.Tensor], cfg: ModelConfig, tp: tuple[int, int]
+):
+    rank, size = tp
+    if kind == "rep":
+        return read(src)
+    if kind == "row":
+        return _shard(read(src), 0, rank, size)
+    if kind == "col":
+        return _shard(read(src), 1, rank, size)
+    if kind in ("qkv_w", "qkv_b"):
+        fused = fuse_qkv(*(read(s) for s in src), groups=cfg.num_query_groups)
+        return _shard(fused, 0, rank, size)
+    if kind == "fc1":
+        gate, up = (read(s) for s in src)
+        return torch.cat([_shard(gate, 0, rank, size), _shard(up, 0, rank, size)])
+    raise AssertionError(kind)
+
+
+def _model_cfg_of(chunk: Any) -> ModelConfig:
+    c = chunk.config
+    emb = getattr(chunk, "vocab_size", None)
+    return ModelConfig(
+        num_layers=c.num_layers,
+        hidden_size=c.hidden_size,
+        ffn_hidden_size=c.ffn_hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_query_groups or c.num_attention_heads,
+        vocab_size=emb if emb is not None else 0,
+        tie_word_embeddings=bool(chunk.share_embeddings_and_output_weights),
+    )
+
+
+def load_hf_into(model: Any, path: str | Path) -> int:
+    """Copy a local HF Qwen2 checkpoint into this rank's chunks (its tp shard, its layers).
+    Returns the number of parameters loaded. Shapes are checked; a missing tensor raises."""
+    weights = HFWeights(path)
+    rank, size, _ = _tp()
+    loaded = 0
+    for chunk in _chunks(model):
+        cfg = _model_cfg_of(chunk)
+        params = dict(chunk.named_parameters())
+        with torch.no_grad():
+            for name, kind, src in _targets(chunk, cfg):
+                value = _shard_for(kind, src, weights.get, cfg, (rank, size))
+                param = params[name]
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"{path}: {src} gives {tuple(value.shape)} for {name} {tuple(param.shape)} "
+                        "(model config and checkpoint disagree: use config_from_hf)"
+                    )
+                param.copy_(value.to(param.dtype))
+                loaded += 1
+    return loaded
+
+
+# ------------------------------------------------------------------------------ export
+def _gather_tp(t: torch.Tensor, dim: int, group: Any, size: int) -> torch.Tensor:
+    if size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
+    grad = getattr(param, "main_grad", None)
+    grad = param.grad if grad is None else grad
+    return torch.zeros_like(param) if grad is None else grad.detach().to(param.dtype, copy=True)
+
+
+def _full_tensors(chunk: Any, cfg: ModelConfig, grads: bool = False) -> dict[str, torch.Tensor]:
+    """HF-named full tensors (or gradients) of one chunk (tp shards gathered; collective
+    over tp)."""
+    rank, size, group = _tp()
+    params = dict(chunk.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    for name, kind, src in _targets(chunk, cfg):
+        p = _grad_of(params[name]) if grads else params[name].detach().clone()
+        if kind == "rep":
+            out[src] = p.clone()
+        elif kind in ("row", "qkv_w", "qkv_b"):
+            full = _gather_tp(p, 0, group, size)
+            if kind == "row":
+                if name == "output_layer.weight" and cfg.tie_word_embeddings:
+                    continue  # tied: the embedding is the lm head
+                out[src] = full
+            else:
+                for s, t in zip(
+                    src,
+                    split_qkv(full, cfg.num_attention_heads, cfg.num_query_groups, head_dim),
+                    strict=True,
+                ):
+                    out[s] = t.clone()
+        elif kind == "col":
+            out[src] = _gather_tp(p, 1, group, size)
+        elif kind == "fc1":
+            parts = [torch.empty_like(p) for _ in range(size)] if size > 1 else [p]
+            if size > 1:
+                dist.all_gather(parts, p.contiguous(), group=group)
+            gates, ups = zip(*(q.chunk(2) for q in parts), strict=True)
+            out[src[0]] = torch.cat(gates).clone()
+            out[src[1]] = torch.cat(ups).clone()
+    return out
+
+
+def gather_full(model: Any, model_cfg: ModelConfig, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every HF-named full tensor (or its gradient: main_grad / grad) of the model on global
+    rank 0 ({} elsewhere). Every rank calls (collectives over tp and the world)."""
+    from megatron.core import parallel_state as ps
+
+    chunks = _chunks(model)
+    cfg = replace(model_cfg, vocab_size=_model_cfg_of(chunks[0]).vocab_size or model_cfg.vocab_size)
+    mine: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        mine.update(_full_tensors(chunk, cfg, grads))
+    first_copy = not ps.model_parallel_is_initialized() or (
+        ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        and ps.get_tensor_model_parallel_rank() == 0
+    )
+    shares: list[Any] = [mine if first_copy else {}]
+    if dist.is_initialized() and dist.get_world_size() > 1:  # to rank 0 only
+        is_root = dist.get_rank() == 0
+        shares = [None] * dist.get_world_size() if is_root else []
+        share = {k: v.cpu() for k, v in mine.items()} if first_copy else {}
+        dist.gather_object(share, shares if is_root else None, dst=0)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    tensors: dict[str, torch.Tensor] = {}
+    for share in shares:
+        for k, v in (share or {}).items():
+            tensors.setdefault(k, v)
+    return tensors
+
+
+def export_hf(
+    model: Any, model_cfg: ModelConfig, path: str | Path, dtype: Optional[torch.dtype] = None
+) -> None:
+    """Write config.json + model.safetensors of the full model (every rank calls; global rank
+    0 writes). Tensors are gathered over tp (all_gather) and to rank 0 (gather_object)."""
+    from safetensors.torch import save_file
+
+    tensors = gather_full(model, model_cfg)
+    if not tensors:
+        return
+    cfg = replace(model_cfg, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
+    out_dtype = dtype or next(iter(tensors.values())).dtype
+    tensors = {k: v.to(out_dtype).contiguous() for k, v in sorted(tensors.items())}
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
+    config = hf_config_dict(cfg, _DTYPE_NAMES.get(out_dtype, "float32"))
+    (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

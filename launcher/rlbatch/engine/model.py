@@ -1,0 +1,166 @@
+"""The Qwen2 / Qwen2.5 policy as megatron-core GPTModel chunks, its DDP wrapper and optimizer.
+
+    chunks = build_model(cfg)                 # one GPTModel per virtual pipeline stage
+    optimizer, scheduler = build_optimizer(cfg, chunks)
+
+Local layer spec on CPU (transformer_engine cannot be installed there), the Transformer
+Engine spec on GPU when it is importable. Needs :func:`rlbatch.engine.parallel.initialize`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from rlbatch.config.schema import ModelConfig, RunConfig
+from rlbatch.engine import adapter
+
+
+def have_transformer_engine() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def layer_spec(model: ModelConfig) -> Any:
+    """TE spec on GPU with transformer_engine, else megatron's local spec (RMSNorm)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if have_transformer_engine():
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def check_model_config(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1) -> None:
+    errors = []
+    if model.num_attention_heads % model.num_query_groups:
+        errors.append("model.num_query_groups must divide model.num_attention_heads")
+    if model.hidden_size % model.num_attention_heads:
+        errors.append("model.num_attention_heads must divide model.hidden_size")
+    if model.num_query_groups % tp:
+        errors.append(
+            f"parallel.tp={tp} must divide model.num_query_groups={model.num_query_groups}"
+        )
+    if model.vocab_size % tp:
+        errors.append(f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size}")
+    if model.num_layers % (pp * vpp):
+        errors.append(f"parallel.pp*vpp={pp * vpp} must divide model.num_layers={model.num_layers}")
+    if errors:
+        raise ValueError("invalid model/parallel config: " + "; ".join(errors))
+
+
+def build_chunk(
+    model: ModelConfig,
+    config: Any,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: Optional[int],
+) -> Any:
+    """One GPTModel (a pipeline stage, or a virtual one)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=model.rope_theta,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model(
+    cfg: RunConfig,
+    wrap_ddp: bool = True,
+    *,
+    calculate_per_token_loss: bool = False,
+) -> list[Any]:
+    """This rank's model chunks (one per virtual pipeline stage; one when vpp == 1), wrapped in
+    Megatron DDP when ``wrap_ddp`` (training). The schedule hooks (no_sync, finalize grads) are
+    set on the shared TransformerConfig.
+
+    ``calculate_per_token_loss``: Megatron's per-token loss mode (the loss function returns
+    (sum, count, metrics); no 1/num_microbatches; finalize_model_grads divides by the DP sum of
+    the counts)."""
+    from megatron.core import parallel_state as ps
+
+    p = cfg.parallel
+    check_model_config(cfg.model, p.tp, p.pp, p.vpp)
+    config = adapter.transformer_config(
+        cfg.model,
+        p,
+        calculate_per_token_loss=calculate_per_token_loss,
+        microbatch_group_size=p.microbatch_group_size_per_vp_stage,
+    )
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        chunk = build_chunk(
+            cfg.model,
+            config,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    if wrap_ddp:
+        chunks = wrap_in_ddp(chunks, cfg)
+    return chunks
+
+
+def wrap_in_ddp(chunks: list[Any], cfg: RunConfig) -> list[Any]:
+    """Megatron DistributedDataParallel per chunk (bucketing on the first chunk only) and the
+    schedule hooks: no_sync_func and finalize_model_grads_func."""
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+
+    config = chunks[0].config
+    ddp = adapter.ddp_config(cfg.parallel)
+    wrapped = [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp, module=chunk, disable_bucketing=(i > 0)
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+    no_sync = [m.no_sync for m in wrapped]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(cfg: RunConfig, model: list[Any]) -> tuple[Any, Any]:
+    """Megatron optimizer (get_megatron_optimizer: FP32 AdamW on CPU; bf16 / distributed on GPU
+    when configured) and its LR scheduler (trainer.optim over trainer.max_steps; call
+    ``scheduler.step(increment=1)`` after each optimizer step)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    opt_cfg = adapter.optimizer_config(cfg.trainer.optim, cfg.model, cfg.parallel)
+    optimizer = get_megatron_optimizer(opt_cfg, model)
+    scheduler = adapter.lr_scheduler(optimizer, cfg.trainer.optim, cfg.trainer.max_steps)
+    return optimizer, scheduler
+
+
+def unwrap(chunk: Any) -> Any:
+    """The GPTModel inside a DDP (or other) wrapper."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def num_parameters(model: list[Any]) -> int:
+    """Parameters on this rank (a tied embedding counted once per stage that holds it)."""
+    return sum(p.numel() for chunk in model for p in chunk.parameters())

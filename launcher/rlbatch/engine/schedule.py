@@ -1,0 +1,418 @@
+"""Plan-driven execution: a RankPlan's micro-batches through megatron's forward/backward.
+
+    run_pass(model, rank_plan, plan, batch_fn, loss_fn, forward_only=False)
+
+- ``get_forward_backward_func()`` picks no-pipelining, 1F1B or interleaved 1F1B from the
+  parallel state; ``variable_seq_lengths=True`` (set by the adapter) makes every p2p exchange
+  send its shape first, so micro-batches may differ in rows and length.
+- LAZY data: the schedule pulls micro-batch i when it needs it; ``batch_fn(micro_batch)`` is
+  called then, once per micro-batch per rank (with interleaving every virtual chunk has its own
+  iterator, as megatron requires; they share one cache, so each micro-batch is still built once).
+- Layouts (:func:`layout`): padded micro-batches are ``[rows, padded_len]`` with an explicit
+  causal bool mask ``[rows, 1, S, S]`` (True = masked; megatron's default mask would be made on
+  "cuda"); packed micro-batches are one row: THD (``PackedSeqParams``) with Transformer Engine on
+  GPU, else a block-diagonal causal mask with per-sequence position ids; a filler micro-batch
+  (no samples) is one dummy row whose loss weight is 0.
+- ``loss_fn(output, inputs)`` follows megatron's loss_func contract: it returns
+  ``(loss, metrics)`` (megatron divides by num_microbatches) or ``(loss, num_tokens, metrics)``.
+  ``output`` is the last stage's logits ``[rows, S, V / tp]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from rlbatch.batching.plan import MicroBatch, PassPlan, RankPlan
+
+
+def round_up(n: int, r: int) -> int:
+    return -(-n // r) * r
+
+
+def default_device() -> torch.device:
+    """Where micro-batch tensors go: the current CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class Segment:
+    """Where one sample sits in a micro-batch's input tensor."""
+
+    row: int
+    start: int
+    length: int
+    """real tokens"""
+    width: int
+    """slots it occupies (length rounded up for packed; the row length for padded)."""
+
+
+def infer_round(micro_batch: MicroBatch) -> int:
+    """The sequence_length_round a packed micro-batch was planned with, when its lengths and
+    padded_len determine the layout unambiguously (else ValueError: pass round_to)."""
+    candidates = [
+        r
+        for r in range(1, micro_batch.padded_len + 1)
+        if sum(round_up(n, r) for n in micro_batch.lengths) == micro_batch.padded_len
+    ]
+    layouts = {tuple(round_up(n, r) for n in micro_batch.lengths) for r in candidates}
+    if len(layouts) != 1:
+        raise ValueError(
+            "packed micro-batch: cannot tell the sequence_length_round from lengths "
+            f"{micro_batch.lengths} and padded_len {micro_batch.padded_len}: pass round_to="
+        )
+    return candidates[0]
+
+
+def segments(micro_batch: MicroBatch, round_to: Optional[int] = None) -> list[Segment]:
+    """The samples' places: padded = row j from column 0; packed = row 0, consecutive blocks
+    of round_up(length, round_to) (the planner's packed layout)."""
+    if micro_batch.filler:
+        return []
+    if not micro_batch.packed:
+        return [Segment(j, 0, n, micro_batch.padded_len) for j, n in enumerate(micro_batch.lengths)]
+    r = round_to if round_to is not None else infer_round(micro_batch)
+    out, col = [], 0
+    for n in micro_batch.lengths:
+        out.append(Segment(0, col, n, round_up(n, r)))
+        col += round_up(n, r)
+    if col > micro_batch.padded_len:
+        raise ValueError(f"packed layout needs {col} slots > padded_len {micro_batch.padded_len}")
+    return out
+
+
+def causal_mask(length: int, device: Any = None) -> torch.Tensor:
+    """[S, S] bool, True = masked (future positions)."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).triu_(1)
+
+
+@dataclass
+class Layout:
+    """Position ids, attention mask and (GPU packed) THD parameters of a micro-batch."""
+
+    position_ids: torch.Tensor
+    """[R, S] long"""
+    attention_mask: Optional[torch.Tensor]
+    """[R, 1, S, S] bool (True = masked), or None with packed_seq_params"""
+    packed_seq_params: Optional[Any] = None
+
+
+def use_thd() -> bool:
+    """Packed micro-batches run as THD only with Transformer Engine (GPU)."""
+    from rlbatch.engine.model import have_transformer_engine
+
+    return have_transformer_engine()
+
+
+def layout(
+    micro_batch: MicroBatch,
+    round_to: Optional[int] = None,
+    device: Any = None,
+    *,
+    thd: Optional[bool] = None,
+) -> Layout:
+    rows, width = max(1, micro_batch.num_rows), micro_batch.padded_len
+    if not micro_batch.packed or micro_batch.filler:
+        positions = torch.arange(width, device=device).expand(rows, width)
+        mask = causal_mask(width, device)[None, None].expand(rows, 1, width, width)
+        return Layout(positions, mask)
+    segs = segments(micro_batch, round_to)
+    positions = torch.zeros(1, width, dtype=torch.long, device=device)
+    blocks = torch.full((width,), -1, dtype=torch.long, device=device)
+    for k, s in enumerate(segs):
+        positions[0, s.start : s.start + s.width] = torch.arange(s.width, device=device)
+        blocks[s.start : s.start + s.width] = k
+    tail = segs[-1].start + segs[-1].width if segs else 0
+    if tail < width:  # unused slots at the end: their own block
+        positions[0, tail:] = torch.arange(width - tail, device=device)
+        blocks[tail:] = len(segs)
+    if thd if thd is not None else use_thd():
+        return Layout(positions, None, packed_seq_params(segs, width, device))
+    mask = causal_mask(width, device) | (blocks[:, None] != blocks[None, :])
+    return Layout(positions, mask[None, None])
+
+
+def packed_seq_params(segs: Sequence[Segment], width: int, device: Any) -> Any:
+    """THD parameters (TE): each sample's block (with its round-up slots) is one sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = [0]
+    for s in segs:
+        bounds.append(s.start + s.width)
+    if bounds[-1] < width:
+        bounds.append(width)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    max_len = int((cu[1:] - cu[:-1]).max()) if len(bounds) > 1 else width
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+    )
+
+
+# -------------------------------------------------------------------------------- inputs
+@dataclass
+class MicroBatchInputs:
+    """What one micro-batch feeds the model and the loss."""
+
+    tokens: torch.Tensor
+    """[R, S] long"""
+    position_ids: torch.Tensor
+    """[R, S] long"""
+    attention_mask: Optional[torch.Tensor]
+    """[R, 1, S, S] bool, True = masked"""
+    micro_batch: MicroBatch
+    segments: list[Segment] = field(default_factory=list)
+    packed_seq_params: Optional[Any] = None
+    labels: Optional[torch.Tensor] = None
+    """[R, S] long: the next token of the same sample (0 where none)"""
+    loss_mask: Optional[torch.Tensor] = None
+    """[R, S] float: 1 where labels is a real next token (0 for fillers / padding)"""
+    payload: Any = None
+    """The caller's own per-micro-batch object (e.g. the GRPO batch)."""
+
+
+def make_inputs(
+    sequences: Sequence[Sequence[int]],
+    micro_batch: MicroBatch,
+    *,
+    round_to: Optional[int] = None,
+    pad_id: int = 0,
+    device: Any = None,
+    payload: Any = None,
+) -> MicroBatchInputs:
+    """Inputs of a micro-batch from its samples' token ids (``sequences[j]`` is sample
+    ``micro_batch.samples[j]``; only its first ``micro_batch.lengths[j]`` tokens are used), with
+    next-token labels and a loss mask. ``device``: default the current CUDA device, else CPU."""
+    device = default_device() if device is None else torch.device(device)
+    rows, width = max(1, micro_batch.num_rows), micro_batch.padded_len
+    tokens = torch.full((rows, width), pad_id, dtype=torch.long)
+    labels = torch.zeros(rows, width, dtype=torch.long)
+    loss_mask = torch.zeros(rows, width)
+    segs = segments(micro_batch, round_to)
+    for s, ids in zip(segs, sequences, strict=True):
+        ids_t = torch.as_tensor(list(ids[: s.length]), dtype=torch.long)
+        tokens[s.row, s.start : s.start + s.length] = ids_t
+        labels[s.row, s.start : s.start + s.length - 1] = ids_t[1:]
+        loss_mask[s.row, s.start : s.start + s.length - 1] = 1.0
+    lay = layout(micro_batch, round_to, device)
+    return MicroBatchInputs(
+        tokens=tokens.to(device),
+        position_ids=lay.position_ids,
+        attention_mask=lay.attention_mask,
+        micro_batch=micro_batch,
+        segments=segs,
+        packed_seq_params=lay.packed_seq_params,
+        labels=labels.to(device),
+        loss_mask=loss_mask.to(device),
+        payload=payload,
+    )
+
+
+def inputs_from_tokens(
+    tokens: torch.Tensor,
+    micro_batch: MicroBatch,
+    *,
+    round_to: Optional[int] = None,
+    payload: Any = None,
+) -> MicroBatchInputs:
+    """Inputs around an already-built ``[R, S]`` token tensor (e.g. the GRPO batch's), moved
+    to the default device."""
+    tokens = tokens.to(default_device())
+    lay = layout(micro_batch, round_to, tokens.device)
+    return MicroBatchInputs(
+        tokens=tokens,
+        position_ids=lay.position_ids,
+        attention_mask=lay.attention_mask,
+        micro_batch=micro_batch,
+        segments=segments(micro_batch, round_to),
+        packed_seq_params=lay.packed_seq_params,
+        payload=payload,
+    )
+
+
+# ------------------------------------------------------------------------------- forward
+def model_forward(chunk: Any, inputs: MicroBatchInputs) -> torch.Tensor:
+    """One chunk's forward: logits [R, S, V/tp] on the last stage, hidden [S, R, H] elsewhere
+    (the input of a non-first stage comes through set_input_tensor)."""
+    kwargs = {}
+    if inputs.packed_seq_params is not None:
+        kwargs["packed_seq_params"] = inputs.packed_seq_params
+    return chunk(inputs.tokens, inputs.position_ids, inputs.attention_mask, **kwargs)
+
+
+def next_token_loss(output: torch.Tensor, inputs: MicroBatchInputs) -> tuple[torch.Tensor, dict]:
+    """Plain next-token cross-entropy (vocab-parallel): summed over the loss mask, megatron's
+    2-tuple contract (the schedule divides by num_microbatches). For tests and the bench."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    assert inputs.labels is not None and inputs.loss_mask is not None
+    ce = vocab_parallel_cross_entropy(output.float().contiguous(), inputs.labels)  # [R, S]
+    mask = inputs.loss_mask.to(ce.dtype)
+    loss = (ce * mask).sum()
+    return loss, {"loss_sum": loss.detach().clone(), "num_tokens": mask.sum().detach()}
+
+
+# ------------------------------------------------------------------------------ iterators
+class _LazySource:
+    """Builds micro-batch i on first request; shared by the virtual chunks' iterators and
+    dropped once every chunk has pulled it."""
+
+    def __init__(self, build: Callable[[int], MicroBatchInputs], num_consumers: int) -> None:
+        self.build = build
+        self.num_consumers = num_consumers
+        self.cache: dict[int, tuple[MicroBatchInputs, int]] = {}
+        self.built = 0
+
+    def get(self, i: int) -> MicroBatchInputs:
+        if i not in self.cache:
+            self.cache[i] = (self.build(i), 0)
+            self.built += 1
+        item, pulls = self.cache[i]
+        if pulls + 1 >= self.num_consumers:
+            del self.cache[i]
+        else:
+            self.cache[i] = (item, pulls + 1)
+        return item
+
+
+class _ChunkIterator(Iterator[MicroBatchInputs]):
+    def __init__(self, source: _LazySource, count: int) -> None:
+        self.source, self.count, self.next_index = source, count, 0
+
+    def __next__(self) -> MicroBatchInputs:
+        if self.next_index >= self.count:
+            raise StopIteration
+        item = self.source.get(self.next_index)
+        self.next_index += 1
+        return item
+
+
+def lazy_iterators(
+    build: Callable[[int], MicroBatchInputs], count: int, num_chunks: int
+) -> list[_ChunkIterator]:
+    """One iterator per virtual chunk over micro-batches 0..count-1, built lazily and once."""
+    source = _LazySource(build, num_chunks)
+    return [_ChunkIterator(source, count) for _ in range(num_chunks)]
+
+
+# ---------------------------------------------------------------------------------- passes
+LossFn = Callable[[torch.Tensor, MicroBatchInputs], tuple]
+
+
+def _config(model: Sequence[Any]) -> Any:
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model[0])
+
+
+def check_interleaving(plan: PassPlan, pp: int) -> None:
+    """Megatron's rule for interleaved schedules (N = microbatch_group_size_per_vp_stage, M =
+    micro-batches): pp <= N <= M and (M mod N == 0 or M mod N >= pp)."""
+    n, m = plan.microbatch_group_size, plan.num_micro_batches
+    if not (pp <= n <= m and (m % n == 0 or m % n >= pp)):
+        raise ValueError(
+            f"pass plan with {m} micro-batches and microbatch_group_size {n} is invalid for "
+            f"interleaving with pp={pp} (need pp <= N <= M and M mod N == 0 or >= pp): plan it "
+            "with rlbatch.batching.plan_pass(..., pp=cfg.parallel.pp, vpp=cfg.parallel.vpp, "
+            "microbatch_group_size=cfg.parallel.microbatch_group_size_per_vp_stage)"
+        )
+
+
+def run_pass(
+    model: Sequence[Any],
+    rank_plan: RankPlan,
+    plan: PassPlan,
+    batch_fn: Callable[[MicroBatch], MicroBatchInputs],
+    loss_fn: LossFn,
+    forward_only: bool = False,
+    *,
+    zero_grad: bool = True,
+) -> list[Any]:
+    """Run this rank's micro-batches (``rank_plan``) through megatron's forward/backward
+    schedule. Returns the loss_fn metrics of every micro-batch on the last pipeline stage (an
+    empty list on other stages).
+
+    Training (``forward_only=False``): grad buffers are zeroed first when ``zero_grad``; after
+    the last backward megatron runs ``finalize_model_grads`` (DP reduction, tied embeddings)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    mbs = rank_plan.micro_batches
+    if len(mbs) != plan.num_micro_batches:
+        raise ValueError(
+            f"rank plan has {len(mbs)} micro-batches, the pass {plan.num_micro_batches}"
+        )
+    model = list(model)
+    config = _config(model)
+    if len(model) > 1:
+        check_interleaving(plan, config.pipeline_model_parallel_size)
+        config.microbatch_group_size_per_vp_stage = plan.microbatch_group_size
+    if not forward_only and zero_grad:
+        for chunk in model:
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+            else:
+                chunk.zero_grad(set_to_none=True)
+
+    iterators = lazy_iterators(lambda i: batch_fn(mbs[i]), len(mbs), len(model))
+
+    def forward_step(data_iterator: Iterator[MicroBatchInputs], chunk: Any):
+        inputs = next(data_iterator)
+        output = model_forward(chunk, inputs)
+
+        def loss_func(output_tensor: torch.Tensor, **_: Any):
+            return loss_fn(output_tensor, inputs)
+
+        return output, loss_func
+
+    was_training = [c.training for c in model]
+    for c in model:
+        c.train(not forward_only)
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(model) > 1 else iterators[0],
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=len(mbs),
+            seq_length=max(mb.padded_len for mb in mbs),
+            micro_batch_size=max(max(1, mb.num_rows) for mb in mbs),
+            forward_only=forward_only,
+        )
+    finally:
+        for c, mode in zip(model, was_training, strict=True):
+            c.train(mode)
+
+
+def run_grpo_pass(
+    model: Sequence[Any],
+    rank_plan: RankPlan,
+    plan: PassPlan,
+    batches: Iterable[Any],
+    loss_fn: Callable[[torch.Tensor, Any], tuple],
+    *,
+    round_to: Optional[int] = None,
+) -> list[Any]:
+    """Training pass over caller-built batches (the GRPO step): ``batches`` yields, lazily
+    and in plan order, objects with ``.tokens`` ([R, S] long) and ``.micro_batch``;
+    ``loss_fn(logits, batch)`` follows megatron's contract. ``round_to``: the pass's
+    sequence_length_round (needed for packed micro-batches whose layout is ambiguous)."""
+    stream = iter(batches)
+    if round_to is None:  # the planner may record it; else inferred per packed micro-batch
+        round_to = plan.extra.get("sequence_length_round")
+
+    def batch_fn(micro_batch: MicroBatch) -> MicroBatchInputs:
+        batch = next(stream)
+        mb = getattr(batch, "micro_batch", micro_batch)
+        return inputs_from_tokens(batch.tokens, mb, round_to=round_to, payload=batch)
+
+    return run_pass(
+        model, rank_plan, plan, batch_fn, lambda out, inputs: loss_fn(out, inputs.payload)
+    )

@@ -1,0 +1,70 @@
+"""rlbatch-logprobs worker (in-process, world of 1) against transformers' Qwen2 in float64."""
+
+# ruff: noqa: F811  (pytest fixtures imported from engine_helpers)
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from engine_helpers import megatron_world  # noqa: F401, E402
+
+from rlbatch.cli import logprobs_job  # noqa: E402
+from rlbatch.config.schema import BatchingMode, RunConfig  # noqa: E402
+from rlbatch.engine.tokenizer import ByteTokenizer  # noqa: E402
+
+
+def _reference_logps(ref, ids):
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor([ids])).logits[0].double()
+    logp = torch.log_softmax(logits, -1)
+    return logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def test_logprobs_job_matches_transformers(megatron_world, tmp_path):
+    config = transformers.Qwen2Config(
+        vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.Qwen2ForCausalLM(config).float().eval()
+    ref.save_pretrained(tmp_path / "hf")
+    g = torch.Generator().manual_seed(5)
+    rows = [
+        {"input_ids": torch.randint(0, 259, (n,), generator=g).tolist()} for n in (9, 2, 30, 14)
+    ]
+    rows.insert(2, {"prompt": "12+3=", "completion": "15 ok"})
+    rows.append({"input_ids": [7]})
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    cfg = RunConfig()
+    cfg.model.hf_path = str(tmp_path / "hf")
+    cfg.logprobs.input, cfg.logprobs.output = str(src), str(tmp_path / "out" / "lp.jsonl")
+    cfg.logprobs.entropy = True
+    cfg.batching.infer.mode = BatchingMode.packed
+    cfg.batching.infer.max_tokens = 32
+    cfg.logging.progress = False
+    logprobs_job.run(cfg)
+
+    out = [json.loads(line) for line in open(cfg.logprobs.output)]
+    assert [o["index"] for o in out] == list(range(len(rows)))
+    tok = ByteTokenizer()
+    for o, row in zip(out, rows, strict=True):
+        if "input_ids" in row:
+            ids = row["input_ids"]
+            want = _reference_logps(ref, ids) if len(ids) > 1 else []
+            assert "completion_start" not in o
+        else:
+            prompt, completion = tok.encode(row["prompt"]), tok.encode(row["completion"])
+            ids = prompt + completion
+            assert o["completion_start"] == len(prompt)
+            want = _reference_logps(ref, ids)[len(prompt) - 1 :]
+            assert len(want) == len(completion)
+        assert len(o["token_logprobs"]) == len(want) == len(o["entropy"])
+        assert o["token_logprobs"] == pytest.approx(want, abs=1e-4)
