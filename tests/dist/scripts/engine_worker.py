@@ -1,0 +1,70 @@
+"""torchrun worker of tests/dist/test_engine_parallel.py: one parallel layout per launch.
+
+Usage: engine_worker.py MODE HF_DIR OUT_DIR   (MODE: pp2 | vpp | tp2 | dp2)
+Writes OUT_DIR/rank{r}.pt with the case results (gathered on rank 0) and checks of
+rlbatch.distributed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from engine_case import MICRO_BATCHES, make_cfg, run_case
+
+from rlbatch import distributed
+from rlbatch.engine import parallel
+
+LAYOUTS = {  # mode -> (tp, pp, vpp, dp, micro-batches of this rank, N)
+    "pp2": (1, 2, 1, 1, lambda r: MICRO_BATCHES[:3], None),
+    "vpp": (1, 2, 2, 1, lambda r: MICRO_BATCHES[:5], 3),
+    "tp2": (2, 1, 1, 1, lambda r: MICRO_BATCHES[:3], None),
+    "dp2": (1, 1, 1, 2, lambda r: MICRO_BATCHES[3 * r : 3 * r + 3], None),
+}
+
+
+def distributed_checks(mode: str) -> dict:
+    """rlbatch.distributed on this layout."""
+    out: dict = {}
+    r = dist.get_rank()
+    a, b, c = distributed.all_reduce_sum(
+        [torch.tensor([1.0, 2.0]) * (r + 1), 3.0, torch.ones(2, 2)], group=None
+    )
+    out["all_reduce_sum"] = (a.tolist(), float(c.sum()), float(b))
+    out["dp_sum"] = distributed.all_reduce_floats([1.0, float(r)])
+    try:
+        distributed.check_same_across_ranks({"plan": r == 0}, "the step plan")
+        out["check_same"] = "no error"
+    except RuntimeError as exc:
+        out["check_same"] = str(exc)
+    distributed.check_same_across_ranks({"plan": 1}, "the step plan")  # agreeing: no error
+    if mode == "pp2":
+        last = distributed.is_last_stage()
+        x = torch.arange(4.0) + 10 if last else None
+        out["broadcast"] = distributed.broadcast_from_last_stage(x, (4,), torch.float32).tolist()
+        out["reduce_step"] = distributed.reduce_step(
+            torch.full((2,), 5.0 if last else -1.0, dtype=torch.float64)
+        ).tolist()
+    return out
+
+
+def main() -> None:
+    mode, hf_dir, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    tp, pp, vpp, dp, mbs, group = LAYOUTS[mode]
+    cfg = make_cfg(tp, pp, vpp, dp, hf_dir)
+    cfg.parallel.microbatch_group_size_per_vp_stage = group
+    state = parallel.initialize(cfg)
+    export = str(out_dir / "export")
+    result = run_case(
+        cfg, mbs(state.dp_rank), dp=dp, step=mode in ("dp2", "tp2"), export_dir=export
+    )
+    result["state"] = state
+    result["distributed"] = distributed_checks(mode)
+    torch.save(result, out_dir / f"rank{state.rank}.pt")
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
