@@ -1,0 +1,412 @@
+"""GRPO loss of one micro-batch: per-token terms, aggregation and metrics.
+
+The loss returns a NUMERATOR (the sum over the micro-batch of per-token or per-sequence
+terms, with autograd) and the local DIVISOR COUNT (valid tokens for ``token-mean``, valid
+sequences for the ``seq-mean-*`` modes). Dividing is the job of :mod:`rlbatch.grpo.normalization`,
+so that every normalization mode (eager, per micro-batch, deferred) is built on the same numbers.
+``docs/grpo_loss.md`` has the formulas.
+
+Layout: every per-token tensor is aligned with the model's logits ``[rows, seq]``: position p
+holds the data of the token at p + 1 (the token that position p predicts). Padded micro-batches
+hold one sample per row; packed ones one row with the samples side by side; ``seq_index`` names
+the sample (0 .. num_seqs - 1) of each position, so both layouts aggregate the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rlbatch.batching.plan import MicroBatch
+from rlbatch.config.schema import LossAggMode, RunConfig
+from rlbatch.grpo.types import Sample
+
+# Keys of the metric sums each micro-batch returns (a float64 vector, summed across
+# micro-batches and ranks in one bundled all-reduce; see normalization.StepAccumulator).
+STAT_KEYS: tuple[str, ...] = (
+    "tokens",  # valid (loss-carrying) response tokens
+    "seqs",  # sequences with at least one valid token
+    "clipped",  # tokens where the clipped surrogate was the active (larger-loss) branch
+    "kl",  # sum of the k3 KL estimate over tokens (0 when no reference logps)
+    "entropy",  # sum of the per-token entropy of the current policy
+    "ratio",  # sum of pi / pi_old
+    "ratio_sq",  # sum of (pi / pi_old)^2
+    "is_weight",  # sum of the truncated behaviour importance weight
+    "is_capped",  # tokens whose behaviour importance weight hit the cap
+    "masked_truncated",  # sequences excluded because they were truncated (option)
+)
+STAT_INDEX = {key: i for i, key in enumerate(STAT_KEYS)}
+
+TOKEN_LEVEL = frozenset({LossAggMode.token_mean})
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The GRPO loss hyper-parameters (from ``cfg.grpo`` and ``cfg.rollout``)."""
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    loss_agg_mode: LossAggMode = LossAggMode.token_mean
+    importance_weight_cap: float = 2.0
+    max_response_len: int = 1
+    """Dr. GRPO's constant (seq-mean-token-sum-norm): rollout.max_new_tokens."""
+    mask_truncated_completions: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> LossSettings:
+        g = cfg.grpo
+        return cls(
+            epsilon_low=g.epsilon_low,
+            epsilon_high=g.epsilon_high,
+            beta=g.beta,
+            loss_agg_mode=LossAggMode(g.loss_agg_mode),
+            importance_weight_cap=g.importance_weight_cap,
+            max_response_len=cfg.rollout.max_new_tokens,
+            mask_truncated_completions=g.mask_truncated_completions,
+        )
+
+    @property
+    def token_level(self) -> bool:
+        """True when the divisor counts tokens, False when it counts sequences."""
+        return self.loss_agg_mode in TOKEN_LEVEL
+
+
+@dataclass
+class GRPOBatch:
+    """Per-token GRPO fields of one micro-batch, aligned with the logits ``[R, S]``."""
+
+    labels: torch.Tensor
+    """[R, S] long: the token each position predicts (0 where unused)."""
+    loss_mask: torch.Tensor
+    """[R, S] bool: the position predicts a response token that carries loss."""
+    seq_index: torch.Tensor
+    """[R, S] long: sample (0 .. num_seqs-1) of each position; 0 where loss_mask is False."""
+    old_logps: torch.Tensor
+    """[R, S] float: log pi_old of the predicted token (the clip's anchor)."""
+    advantages: torch.Tensor
+    """[num_seqs] float: one advantage per sample."""
+    behaviour_logps: Optional[torch.Tensor] = None
+    """[R, S] float: log pi_behaviour (the generating policy); None = same as old."""
+    ref_logps: Optional[torch.Tensor] = None
+    """[R, S] float: log pi_ref; needed when beta > 0."""
+    num_truncated_masked: int = 0
+    """Sequences dropped from the loss by mask_truncated_completions."""
+    index: int = 0
+    """Position of the micro-batch in the rank's plan (for error messages)."""
+    loss_scale: torch.Tensor | float = 1.0
+    """Set by the normalizer: the factor the numerator is multiplied by in the loss."""
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.advantages.numel())
+
+    def to(self, device: torch.device | str) -> GRPOBatch:
+        """Move every tensor field (in place) to ``device``; returns self."""
+        for name in ("labels", "loss_mask", "seq_index", "old_logps", "advantages"):
+            setattr(self, name, getattr(self, name).to(device))
+        for name in ("behaviour_logps", "ref_logps"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device))
+        return self
+
+
+@dataclass
+class LossTerms:
+    """What the loss of one micro-batch returns."""
+
+    numerator: torch.Tensor
+    """Scalar with autograd: sum of the per-token (token-mean) or per-sequence terms."""
+    count: torch.Tensor
+    """float64 scalar: local divisor count, valid tokens (token-level) or valid sequences."""
+    stats: torch.Tensor
+    """[len(STAT_KEYS)] float64, detached: metric sums (see STAT_KEYS). Kept on the device:
+    nothing here synchronizes with the host."""
+
+
+def divisor_count(batch: GRPOBatch, settings: LossSettings) -> torch.Tensor:
+    """The local divisor of a micro-batch (float64 scalar), known from its data before any
+    forward."""
+    if settings.token_level:
+        return batch.loss_mask.sum().to(torch.float64)
+    return _valid_seqs(batch).sum().to(torch.float64)
+
+
+def _valid_seqs(batch: GRPOBatch) -> torch.Tensor:
+    """[num_seqs] bool: the sequence has at least one loss-carrying token."""
+    counts = torch.bincount(batch.seq_index[batch.loss_mask], minlength=batch.num_seqs)
+    return counts > 0
+
+
+# ------------------------------------------------------------------------------------------
+# Building a micro-batch's GRPO fields from Samples
+# ------------------------------------------------------------------------------------------
+
+
+def row_offsets(lengths: Sequence[int], packed: bool, round_to: int) -> list[tuple[int, int]]:
+    """(row, start column) of each sample: padded = own row at column 0; packed = row 0 at
+    the running sum of round_up(length, round_to) (plan.MicroBatch's packed layout)."""
+    if not packed:
+        return [(j, 0) for j in range(len(lengths))]
+    out, col = [], 0
+    for n in lengths:
+        out.append((0, col))
+        col += -(-n // round_to) * round_to
+    return out
+
+
+def _fill_logps(
+    sample: Sample,
+    stale: bool,
+    n: int,
+    old: torch.Tensor,
+    behaviour: torch.Tensor,
+    ref: torch.Tensor,
+) -> bool:
+    """Write the first n response tokens' old / behaviour / ref logps into the given views
+    (old defaults to behaviour; a fresh sample's behaviour is its old). True if ref was set."""
+    old_l = sample.old_logps if sample.old_logps is not None else sample.behaviour_logps
+    old.copy_(torch.tensor(old_l[:n], dtype=torch.float64))
+    beh_l = sample.behaviour_logps if stale else old_l
+    behaviour.copy_(torch.tensor(beh_l[:n], dtype=torch.float64))
+    if sample.ref_logps is None:
+        return False
+    ref.copy_(torch.tensor(sample.ref_logps[:n], dtype=torch.float64))
+    return True
+
+
+def build_grpo_batch(
+    samples: Sequence[Sample],
+    micro_batch: MicroBatch,
+    *,
+    round_to: int,
+    mask_truncated: bool = False,
+    current_version: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[GRPOBatch, torch.Tensor]:
+    """The GRPO fields and the input tokens ``[R, S]`` of one planned micro-batch.
+
+    ``samples`` are the micro-batch's samples in plan order. ``micro_batch.lengths`` may be
+    shorter than a sample (oversize ``truncate``): only the kept response tokens carry loss.
+    Old logps default to the behaviour logps (synchronous GRPO). A sample is stale when its
+    policy_version < current_version: only stale samples get the behaviour importance weight.
+    """
+    rows = max(1, micro_batch.num_rows)
+    width = micro_batch.padded_len
+    tokens = torch.zeros(rows, width, dtype=torch.long)
+    labels = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    seq_index = torch.zeros(rows, width, dtype=torch.long)
+    old, behaviour, ref = (torch.zeros(rows, width, dtype=torch.float64) for _ in range(3))
+    any_stale = any_ref = False
+    masked = 0
+    places = row_offsets(micro_batch.lengths, micro_batch.packed, round_to)
+    for j, (sample, length, (row, col)) in enumerate(
+        zip(samples, micro_batch.lengths, places, strict=True)
+    ):
+        ids = sample.input_ids[:length]
+        tokens[row, col : col + length] = torch.tensor(ids, dtype=torch.long)
+        labels[row, col : col + length - 1] = torch.tensor(ids[1:], dtype=torch.long)
+        if mask_truncated and sample.truncated:
+            masked += 1
+            continue
+        p_len = len(sample.prompt.prompt_ids)
+        n_resp = max(0, length - p_len)
+        sl = slice(col + p_len - 1, col + p_len - 1 + n_resp)  # positions predicting the response
+        mask[row, sl] = True
+        seq_index[row, sl] = j
+        stale = current_version is not None and sample.policy_version < current_version
+        any_stale |= stale
+        any_ref |= _fill_logps(
+            sample, stale, n_resp, old[row, sl], behaviour[row, sl], ref[row, sl]
+        )
+    batch = GRPOBatch(
+        labels=labels,
+        loss_mask=mask,
+        seq_index=seq_index,
+        old_logps=old.to(dtype),
+        advantages=torch.tensor([s.advantage for s in samples], dtype=dtype),
+        behaviour_logps=behaviour.to(dtype) if any_stale else None,
+        ref_logps=ref.to(dtype) if any_ref else None,
+        num_truncated_masked=masked,
+    )
+    return batch, tokens
+
+
+# ------------------------------------------------------------------------------------------
+# Token log-probabilities and entropy from (vocab-parallel) logits
+# ------------------------------------------------------------------------------------------
+
+
+def _tp_world_size() -> int:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log pi(label) per position. ``logits`` [R, S, V/tp] (vocab-parallel shard).
+
+    Uses megatron's ``vocab_parallel_cross_entropy`` (float32 math) so tp > 1 works; with
+    tp == 1 and float64 logits it stays in float64 (log_softmax), for exactness checks.
+    """
+    if _tp_world_size() == 1 and (
+        logits.dtype == torch.float64 or not torch.distributed.is_initialized()
+    ):
+        logp_all = torch.log_softmax(logits, dim=-1)
+        return logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    # Like Megatron's own LM loss, the kernel subtracts the row max from float32 logits in
+    # place (no copy of [R, S, V/tp]); grpo_loss computes the entropy before, from the same
+    # tensor, and the entropy does not change under a per-row shift anyway.
+    return -vocab_parallel_cross_entropy(logits.float(), labels)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the full (all tp shards) next-token distribution per row of ``[..., V/tp]``,
+    no grad."""
+    z = logits.float() if logits.dtype != torch.float64 else logits
+    lse_local = torch.logsumexp(z, dim=-1, keepdim=True)  # [R, S, 1]
+    if _tp_world_size() == 1:
+        lse = lse_local
+        p_z = (torch.exp(z - lse) * z).sum(-1)
+    else:
+        from megatron.core.tensor_parallel import (
+            gather_from_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        lse = torch.logsumexp(gather_from_tensor_model_parallel_region(lse_local), dim=-1)
+        lse = lse.unsqueeze(-1)
+        p_z = reduce_from_tensor_model_parallel_region((torch.exp(z - lse) * z).sum(-1))
+    return lse.squeeze(-1) - p_z
+
+
+# ------------------------------------------------------------------------------------------
+# The loss
+# ------------------------------------------------------------------------------------------
+
+
+def grpo_loss(logits: torch.Tensor, batch: GRPOBatch, settings: LossSettings) -> LossTerms:
+    """GRPO loss of one micro-batch from the training forward's logits [R, S, V/tp]."""
+    mask = batch.loss_mask
+    with torch.no_grad():
+        entropy = token_entropy(logits[mask])  # [N]: only the loss-carrying positions
+    logps = token_logps(logits, batch.labels)[mask]
+    return loss_from_logps(logps, batch, settings, entropy=entropy)
+
+
+def loss_from_logps(
+    logps: torch.Tensor,
+    batch: GRPOBatch,
+    settings: LossSettings,
+    *,
+    entropy: Optional[torch.Tensor] = None,
+) -> LossTerms:
+    """The loss from the current policy's logps at the valid positions (flat ``[N]``,
+    in ``loss_mask`` order). Returns the numerator, the local count and the metric sums."""
+    mask = batch.loss_mask
+    seq = batch.seq_index[mask]  # [N]
+    old = batch.old_logps[mask].to(logps.dtype)
+    adv = batch.advantages.to(logps.dtype)[seq]  # [N]
+
+    ratio = torch.exp(logps - old)
+    clipped_ratio = torch.clamp(ratio, 1.0 - settings.epsilon_low, 1.0 + settings.epsilon_high)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * clipped_ratio
+    pg = torch.maximum(pg_unclipped, pg_clipped)  # = -min(r A, clip(r) A)
+
+    if batch.behaviour_logps is not None:
+        behaviour = batch.behaviour_logps[mask].to(logps.dtype)
+        raw_weight = torch.exp(old - behaviour)
+        is_weight = torch.clamp(raw_weight, max=settings.importance_weight_cap)
+        pg = is_weight * pg
+    else:
+        raw_weight = is_weight = torch.ones_like(ratio)
+
+    kl = None
+    if batch.ref_logps is not None:
+        log_ref_ratio = batch.ref_logps[mask].to(logps.dtype) - logps
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # k3 estimator of KL(pi || ref)
+    per_token = pg
+    if settings.beta != 0.0:
+        if kl is None:
+            raise ValueError("grpo.beta > 0 needs ref_logps in the batch (the reference pass)")
+        per_token = pg + settings.beta * kl
+
+    numerator, count = aggregate(per_token, seq, batch.num_seqs, settings)
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=torch.float64, device=logps.device)
+        values = {
+            "tokens": mask.sum(),
+            "seqs": _valid_seqs(batch).sum(),
+            "clipped": (pg_clipped > pg_unclipped).sum(),
+            "kl": kl.sum() if kl is not None else zero,
+            "entropy": entropy.sum() if entropy is not None else zero,
+            "ratio": ratio.sum(),
+            "ratio_sq": (ratio * ratio).sum(),
+            "is_weight": is_weight.sum(),
+            "is_capped": (raw_weight > settings.importance_weight_cap).sum(),
+            "masked_truncated": zero + batch.num_truncated_masked,
+        }
+        stats = torch.stack([values[k].to(torch.float64) for k in STAT_KEYS])
+    return LossTerms(numerator=numerator, count=count, stats=stats)
+
+
+def aggregate(
+    per_token: torch.Tensor, seq: torch.Tensor, num_seqs: int, settings: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator and divisor count of ``loss_agg_mode`` (``[N]`` terms, ``[N]`` sample ids).
+
+    token-mean:              sum_t l_t                       / #tokens
+    seq-mean-token-mean:     sum_i (sum_{t in i} l_t / n_i)  / #seqs
+    seq-mean-token-sum:      sum_i sum_{t in i} l_t          / #seqs
+    seq-mean-token-sum-norm: sum_i sum_{t in i} l_t / L_max  / #seqs   (Dr. GRPO)
+    """
+    mode = settings.loss_agg_mode
+    if mode == LossAggMode.token_mean:
+        count = torch.tensor(float(per_token.numel()), dtype=torch.float64)
+        return per_token.sum(), count.to(per_token.device)
+    n_i = torch.bincount(seq, minlength=num_seqs)  # [num_seqs]
+    valid = n_i > 0
+    seq_sum = torch.zeros(num_seqs, dtype=per_token.dtype, device=per_token.device)
+    seq_sum = seq_sum.index_add(0, seq, per_token)
+    if mode == LossAggMode.seq_mean_token_mean:
+        numerator = (seq_sum[valid] / n_i[valid].to(per_token.dtype)).sum()
+    elif mode == LossAggMode.seq_mean_token_sum:
+        numerator = seq_sum.sum()
+    elif mode == LossAggMode.seq_mean_token_sum_norm:
+        numerator = seq_sum.sum() / float(settings.max_response_len)
+    else:  # pragma: no cover - enum is closed
+        raise ValueError(f"unknown loss_agg_mode {mode}")
+    return numerator, valid.sum().to(torch.float64)
+
+
+def summarize_stats(stats: torch.Tensor, loss_numerator: float, divisor: float) -> dict[str, float]:
+    """Step metrics from globally reduced stat sums (``STAT_KEYS`` order)."""
+    s = {k: float(stats[i]) for i, k in enumerate(STAT_KEYS)}
+    tokens = max(s["tokens"], 1.0)
+    ratio_mean = s["ratio"] / tokens
+    ratio_var = max(s["ratio_sq"] / tokens - ratio_mean * ratio_mean, 0.0)
+    return {
+        "loss": loss_numerator / divisor if divisor > 0 else 0.0,
+        "tokens": s["tokens"],
+        "seqs": s["seqs"],
+        "clip_fraction": s["clipped"] / tokens,
+        "kl": s["kl"] / tokens,
+        "entropy": s["entropy"] / tokens,
+        "ratio_mean": ratio_mean,
+        "ratio_std": math.sqrt(ratio_var),
+        "is_weight_mean": s["is_weight"] / tokens,
+        "is_capped_fraction": s["is_capped"] / tokens,
+        "masked_truncated": s["masked_truncated"],
+    }

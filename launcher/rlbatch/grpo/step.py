@@ -1,0 +1,351 @@
+"""The training half of one GRPO optimizer step, read as the algorithm.
+
+    gather the mini-batch -> plan the train pass -> run it (GRPO loss, normalization) ->
+    finalize grads -> one bundled reduction (+ deferred correction) -> NaN check ->
+    clip + optimizer step -> LR schedule -> metrics
+
+The rollout / LCM side produces the Samples (tokens, behaviour / old / ref logps, advantages);
+the training loop calls :func:`run_train_step` once per optimizer step. Megatron is reached only
+through :mod:`rlbatch.engine` and reductions only through :mod:`rlbatch.distributed`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from rlbatch.batching.plan import MicroBatch, PassPlan, RankPlan
+from rlbatch.config.schema import RunConfig
+from rlbatch.grpo.loss import GRPOBatch, LossSettings, build_grpo_batch, grpo_loss
+from rlbatch.grpo.normalization import (
+    MegatronScaling,
+    Normalizer,
+    ReduceFn,
+    StepResult,
+    build_normalizer,
+    identity_reduce,
+    scale_gradients,
+)
+from rlbatch.grpo.types import Sample
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits (from the engine's parallel state)."""
+
+    dp: int = 1
+    dp_rank: int = 0
+    cp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    rank: int = 0
+    """Global rank (for error messages)."""
+
+    @classmethod
+    def current(cls) -> Layout:
+        """From the engine's (Megatron's) parallel state; one process without it."""
+        from rlbatch.engine import parallel
+
+        if not parallel.is_initialized():
+            return cls()
+        st = parallel.current_state()
+        return cls(dp=st.dp, dp_rank=st.dp_rank, cp=st.cp, pp=st.pp, vpp=st.vpp, rank=st.rank)
+
+
+@dataclass
+class Reducers:
+    """The step's reductions, from rlbatch.distributed (identity on one process).
+
+    reduce_dp: sum of a float64 vector over DP x CP (per_micro_batch counts, eager divisor).
+    reduce_step: the same with the result on every pipeline stage (the end-of-step bundle).
+    gather_samples: every DP replica's samples, in DP-rank order.
+    """
+
+    reduce_dp: ReduceFn = identity_reduce
+    reduce_step: ReduceFn = identity_reduce
+    gather_samples: Callable[[list[Sample]], list[list[Sample]]] = lambda s: [s]
+
+    @classmethod
+    def from_distributed(cls) -> Reducers:
+        """The real ones (rlbatch.distributed: Megatron's DP x CP group, last-stage broadcast)."""
+        from rlbatch import distributed
+
+        return cls(
+            reduce_dp=distributed.reduce_dp,
+            reduce_step=distributed.reduce_step,
+            gather_samples=distributed.dp_gather_object,
+        )
+
+
+@dataclass
+class StepState:
+    """What the loss function records while the schedule runs."""
+
+    finite: list[torch.Tensor] = field(default_factory=list)
+    """Per micro-batch (debug.detect_nan): a 0-d bool on the device, read once at the end."""
+    micro_batches: int = 0
+
+    def first_nonfinite(self) -> Optional[int]:
+        """Index of the first micro-batch whose loss was NaN/inf (one host sync)."""
+        if not self.finite:
+            return None
+        bad = (~torch.stack(self.finite)).nonzero()
+        return int(bad[0, 0]) if bad.numel() else None
+
+
+# ------------------------------------------------------------------------------------------
+# Stages
+# ------------------------------------------------------------------------------------------
+
+
+def gather_mini_batch(samples: list[Sample], reducers: Reducers) -> list[Sample]:
+    """The global mini-batch (every DP replica's share, in DP-rank order): every rank plans
+    the same global pass from the same global lengths (design.md section 2)."""
+    shares = reducers.gather_samples(samples)
+    return [s for share in shares for s in share]
+
+
+def plan_train_pass(
+    cfg: RunConfig, samples: Sequence[Sample], layout: Layout, step: int
+) -> PassPlan:
+    """The train pass over the mini-batch: cfg.batching.train, the model's cost model, and the
+    dp / pp / vpp layout (megatron's interleaving rule on the micro-batch count)."""
+    from rlbatch.batching import planner
+    from rlbatch.batching.cost import cost_model_for
+
+    train = cfg.batching.train
+    return planner.plan_pass(
+        [s.length for s in samples],
+        train,
+        dp=layout.dp,
+        pp=layout.pp,
+        vpp=layout.vpp,
+        microbatch_group_size=cfg.parallel.microbatch_group_size_per_vp_stage,
+        group_size=cfg.grpo.num_generations,
+        cost=cost_model_for(cfg.model, train),
+        seed=cfg.trainer.seed,
+        step=step,
+    )
+
+
+def make_prepare(
+    cfg: RunConfig,
+    samples: Sequence[Sample],
+    rank_plan: RankPlan,
+    current_version: Optional[int],
+) -> Callable[[int], GRPOBatch]:
+    """prepare(i): the GRPO fields and tokens of this rank's i-th micro-batch (called lazily,
+    once per micro-batch, by the normalizer's iterator)."""
+    round_to = cfg.batching.train.sequence_length_round
+    device = _device()
+
+    def prepare(i: int) -> GRPOBatch:
+        mb: MicroBatch = rank_plan.micro_batches[i]
+        batch, tokens = build_grpo_batch(
+            [samples[j] for j in mb.samples],
+            mb,
+            round_to=round_to,
+            mask_truncated=cfg.grpo.mask_truncated_completions,
+            current_version=current_version,
+        )
+        batch.to(device)
+        batch.tokens = tokens.to(device)  # type: ignore[attr-defined]
+        batch.micro_batch = mb  # type: ignore[attr-defined]
+        return batch
+
+    return prepare
+
+
+def _device() -> torch.device:
+    """The engine's device (cuda:<local_rank> on GPU, else cpu)."""
+    from rlbatch.engine import parallel
+
+    return parallel.device() if parallel.is_initialized() else torch.device("cpu")
+
+
+def make_loss_fn(
+    settings: LossSettings,
+    normalizer: Normalizer,
+    state: StepState,
+    *,
+    detect_nan: bool,
+    inject_nan: bool = False,
+) -> Callable[[torch.Tensor, GRPOBatch], tuple[torch.Tensor, torch.Tensor, dict]]:
+    """Megatron's loss_func contract: (loss to back-propagate, count for Megatron, metrics)."""
+
+    def loss_fn(logits: torch.Tensor, batch: GRPOBatch):
+        terms = grpo_loss(logits, batch, settings)
+        if inject_nan and state.micro_batches == 0:  # debug.fail_kind=nan_loss
+            terms.numerator = terms.numerator * float("nan")
+        if detect_nan:  # no host sync here: flags are read once, after the schedule
+            state.finite.append(torch.isfinite(terms.numerator.detach()))
+        state.micro_batches += 1
+        loss = normalizer.loss_for_backward(terms, batch)
+        return loss, normalizer.scaling.count_for_megatron(), {}
+
+    return loss_fn
+
+
+def run_train_pass(
+    model: list[Any],
+    plan: PassPlan,
+    layout: Layout,
+    prepare: Callable[[int], GRPOBatch],
+    normalizer: Normalizer,
+    loss_fn: Callable,
+    round_to: int,
+) -> None:
+    """Forward/backward over this rank's micro-batches through the engine's schedule (which
+    zeroes the grad buffers first and runs finalize_model_grads after the last backward); the
+    data iterator is the normalizer's (lazy in the lazy modes)."""
+    from rlbatch.engine import schedule
+
+    rank_plan = plan.for_rank(layout.dp_rank)
+    batches = normalizer.iterate(prepare, plan.num_micro_batches)
+    schedule.run_grpo_pass(model, rank_plan, plan, batches, loss_fn, round_to=round_to)
+
+
+def finish_gradients(
+    model: list[Any], normalizer: Normalizer, state: StepState, layout: Layout
+) -> tuple[StepResult, Optional[str]]:
+    """After the schedule (grads already DP-reduced by finalize_model_grads): the ONE bundled
+    reduction -> D, metrics and non-finite-loss flags; the deferred correction c/D BEFORE
+    clipping and the grad-norm metric. Returns the result and where a loss was non-finite."""
+    bad = state.first_nonfinite()
+    # [ranks with a bad micro-batch, rank * 1e6 + its first bad micro-batch] (exact in float64)
+    normalizer.extra_sums = [0.0, 0.0] if bad is None else [1.0, layout.rank * 1e6 + bad]
+    result = normalizer.finish()
+    bad_ranks, code = result.extra
+    where = None
+    if bad_ranks == 1:
+        where = f"micro-batch {int(code) % 1_000_000} on rank {int(code) // 1_000_000}"
+    elif bad_ranks > 1:
+        where = f"micro-batches on {int(bad_ranks)} ranks"
+    scale_gradients(model, result.grad_multiplier)
+    return result, where
+
+
+def optimizer_step(
+    optimizer: Any, scheduler: Any, *, clip_grad: float, check_finite: bool
+) -> tuple[float, float, bool]:
+    """Clip (inside the Megatron optimizer, on the corrected grads) + step + LR schedule.
+
+    Returns (grad_norm before clipping, learning rate used, stepped). With ``check_finite`` (or
+    no clipping, where Megatron computes no norm) the norm is computed first with Megatron's
+    model-parallel-aware ``get_grad_norm`` (every stage's grads); a NaN/inf norm skips the update.
+    """
+    lr = float(optimizer.param_groups[0]["lr"]) if hasattr(optimizer, "param_groups") else math.nan
+    norm = None
+    if (check_finite or clip_grad <= 0) and hasattr(optimizer, "get_grad_norm"):
+        optimizer.prepare_grads()  # main_grad -> grad, what get_grad_norm reads
+        norm = float(optimizer.get_grad_norm())
+        if check_finite and not math.isfinite(norm):
+            optimizer.zero_grad()
+            return norm, lr, False
+    out = optimizer.step()
+    stepped_norm = out[1] if isinstance(out, tuple) else out
+    if stepped_norm is not None:
+        norm = float(stepped_norm)
+    if scheduler is not None:
+        scheduler.step(increment=1) if _takes_increment(scheduler) else scheduler.step()
+    return (norm if norm is not None else math.nan), lr, True
+
+
+def _takes_increment(scheduler: Any) -> bool:
+    import inspect
+
+    return "increment" in inspect.signature(scheduler.step).parameters
+
+
+def step_metrics(
+    result: StepResult, plan: PassPlan, grad_norm: float, lr: float, seconds: float
+) -> dict[str, Any]:
+    """The step's metrics (identical on all ranks)."""
+    m = dict(result.metrics)
+    stats = plan.stats
+    m.update(
+        grad_norm=grad_norm,
+        lr=lr,
+        num_micro_batches=plan.num_micro_batches,
+        padding_efficiency=stats.padding_efficiency,
+        dp_imbalance=stats.cost_imbalance,
+        token_imbalance=stats.token_imbalance,
+        plan_lower_bound=stats.lower_bound,
+        train_seconds=seconds,
+        train_tokens_per_s=m["tokens"] / seconds if seconds > 0 else 0.0,
+    )
+    return m
+
+
+# ------------------------------------------------------------------------------------------
+# The step
+# ------------------------------------------------------------------------------------------
+
+
+def run_train_step(
+    cfg: RunConfig,
+    model: list[Any],
+    optimizer: Any,
+    scheduler: Any,
+    samples: list[Sample],
+    *,
+    step: int,
+    layout: Optional[Layout] = None,
+    reducers: Optional[Reducers] = None,
+    current_version: Optional[int] = None,
+    inject_nan: bool = False,
+) -> dict[str, Any]:
+    """One GRPO optimizer step on this rank's share of the mini-batch; returns metrics that
+    are identical on every rank. A non-finite loss or gradient (debug.detect_nan) skips the
+    update and reports ``nonfinite_micro_batch`` / NaN loss and grad_norm."""
+    started = time.perf_counter()
+    layout = layout or Layout.current()
+    reducers = reducers or Reducers.from_distributed()
+    mini_batch = gather_mini_batch(samples, reducers)
+    plan = plan_train_pass(cfg, mini_batch, layout, step)
+    settings = LossSettings.from_config(cfg)
+    normalizer = build_normalizer(
+        cfg,
+        settings,
+        megatron_scaling(model, plan, layout),
+        reduce_dp=reducers.reduce_dp,
+        reduce_step=reducers.reduce_step,
+        device=_device(),
+    )
+    state = StepState()
+    prepare = make_prepare(cfg, mini_batch, plan.for_rank(layout.dp_rank), current_version)
+    loss_fn = make_loss_fn(
+        settings, normalizer, state, detect_nan=cfg.debug.detect_nan, inject_nan=inject_nan
+    )
+    round_to = cfg.batching.train.sequence_length_round
+    run_train_pass(model, plan, layout, prepare, normalizer, loss_fn, round_to)
+    result, nonfinite = finish_gradients(model, normalizer, state, layout)
+    seconds = lambda: time.perf_counter() - started  # noqa: E731
+    if nonfinite is not None and cfg.debug.detect_nan:
+        optimizer.zero_grad()
+        metrics = step_metrics(result, plan, math.nan, math.nan, seconds())
+        metrics.update(loss=math.nan, nonfinite_micro_batch=nonfinite)
+        return metrics
+    grad_norm, lr, stepped = optimizer_step(
+        optimizer,
+        scheduler,
+        clip_grad=cfg.trainer.optim.clip_grad,
+        check_finite=cfg.debug.detect_nan,
+    )
+    metrics = step_metrics(result, plan, grad_norm, lr, seconds())
+    if not stepped:
+        metrics["nonfinite_micro_batch"] = f"gradients (grad norm {grad_norm})"
+    return metrics
+
+
+def megatron_scaling(model: list[Any], plan: PassPlan, layout: Layout) -> MegatronScaling:
+    """What Megatron's schedule and DDP will do to each micro-batch's loss (cancelled by the
+    normalizer): read from the model's TransformerConfig."""
+    config = getattr(model[0], "config", None)
+    per_token = bool(getattr(config, "calculate_per_token_loss", False))
+    return MegatronScaling(per_token, plan.num_micro_batches, dp_cp_size=layout.dp * layout.cp)

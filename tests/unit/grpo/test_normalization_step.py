@@ -1,0 +1,132 @@
+"""run_train_step on the real tiny Megatron model (single-process world): the planner, the
+engine's schedule, Megatron DDP, finalize_model_grads and the Megatron optimizer.
+
+The pre-clip grad_norm the step reports must equal the norm of the global objective's gradient
+computed independently (one sample per forward, torch.autograd.grad, no rlbatch loss code):
+that holds only if the deferred c/D correction is applied before the optimizer's grad-norm and
+clipping. A NaN loss skips the update and names the micro-batch and rank.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from rlbatch.config.schema import BatchingMode, NormalizationMode, RunConfig  # noqa: E402
+from rlbatch.grpo.types import Prompt, Sample  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def world():
+    from rlbatch.engine import parallel
+
+    if not parallel.is_initialized():
+        parallel.initialize(RunConfig())
+    return parallel
+
+
+def make_cfg(mode: NormalizationMode) -> RunConfig:
+    cfg = RunConfig()
+    cfg.normalization.mode = mode
+    cfg.grpo.num_generations = 4
+    cfg.grpo.beta = 0.05
+    cfg.batching.train.mode = BatchingMode.dynamic
+    cfg.batching.train.max_tokens = 64
+    cfg.trainer.optim.clip_grad = 1e-3  # clipping active: the reported norm is pre-clip
+    return cfg
+
+
+def make_samples(n: int = 16) -> list[Sample]:
+    rng = random.Random(3)
+    out = []
+    for i in range(n):
+        p_len, r_len = rng.randint(3, 8), rng.randint(2, 24)
+        beh = [-rng.uniform(3.0, 7.0) for _ in range(r_len)]
+        prompt = Prompt(i // 4, tuple(rng.randrange(1, 250) for _ in range(p_len)), "")
+        out.append(
+            Sample(
+                prompt=prompt,
+                group_id=i // 4,
+                response_ids=[rng.randrange(1, 250) for _ in range(r_len)],
+                behaviour_logps=beh,
+                truncated=False,
+                policy_version=0,
+                advantage=rng.uniform(-1.5, 1.5),
+                old_logps=[b + rng.uniform(-0.1, 0.1) for b in beh],
+                ref_logps=[b + rng.uniform(-0.1, 0.1) for b in beh],
+            )
+        )
+    return out
+
+
+def reference_grad_norm(model, samples, cfg) -> tuple[float, float]:
+    """token-mean objective written directly on the unwrapped GPTModel, float64 math."""
+    from rlbatch.engine.model import unwrap
+
+    gpt, terms = unwrap(model[0]), []
+    lo, hi = 1 - cfg.grpo.epsilon_low, 1 + cfg.grpo.epsilon_high
+    for s in samples:
+        ids = torch.tensor([s.input_ids])
+        w = ids.shape[1]
+        mask = torch.ones(w, w, dtype=torch.bool).triu_(1).view(1, 1, w, w)
+        logp = torch.log_softmax(gpt(ids, torch.arange(w).unsqueeze(0), mask)[0].double(), -1)
+        p = len(s.prompt.prompt_ids)
+        for k, tok in enumerate(s.response_ids):
+            lp = logp[p - 1 + k, tok]
+            r, a = torch.exp(lp - s.old_logps[k]), s.advantage
+            d = s.ref_logps[k] - lp
+            kl = torch.exp(d) - d - 1
+            terms.append(torch.maximum(-a * r, -a * r.clamp(lo, hi)) + cfg.grpo.beta * kl)
+    loss = torch.stack(terms).mean()
+    grads = torch.autograd.grad(loss, [p for p in gpt.parameters()])
+    return torch.cat([g.flatten() for g in grads]).norm().item(), loss.item()
+
+
+def one_step(world, mode, *, inject_nan=False):
+    from rlbatch.engine.model import build_model, build_optimizer
+    from rlbatch.grpo.step import run_train_step
+
+    cfg = make_cfg(mode)
+    world.seed(cfg.trainer.seed)
+    model = build_model(cfg, calculate_per_token_loss=True)
+    optimizer, scheduler = build_optimizer(cfg, model)
+    samples = make_samples()
+    ref_norm, ref_loss = reference_grad_norm(model, samples, cfg)
+    before = [p.detach().clone() for p in model[0].parameters()]
+    metrics = run_train_step(
+        cfg, model, optimizer, scheduler, samples, step=1, inject_nan=inject_nan
+    )
+    changed = any(not torch.equal(a, b) for a, b in zip(before, model[0].parameters(), strict=True))
+    return metrics, ref_norm, ref_loss, changed
+
+
+@pytest.mark.parametrize(
+    "mode", [NormalizationMode.deferred_global, NormalizationMode.eager_global]
+)
+def test_step_grad_norm_and_loss_are_exact(world, mode):
+    metrics, ref_norm, ref_loss, changed = one_step(world, mode)
+    assert metrics["num_micro_batches"] >= 3  # dynamic batching cut the 16 samples
+    assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert changed
+    for key in ("clip_fraction", "kl", "entropy", "padding_efficiency", "dp_imbalance", "lr"):
+        assert key in metrics
+    assert 0 < metrics["entropy"] <= torch.log(torch.tensor(264.0)).item()
+    assert metrics["tokens"] == sum(len(s.response_ids) for s in make_samples())
+
+
+def test_per_micro_batch_step_reports_its_bias(world):
+    metrics, ref_norm, _, _ = one_step(world, NormalizationMode.per_micro_batch)
+    assert metrics["pmb_weight_max"] > 1.0 > metrics["pmb_weight_min"]
+    assert metrics["grad_norm"] != pytest.approx(ref_norm, rel=1e-3)
+
+
+def test_nan_loss_skips_the_update_and_names_the_micro_batch(world):
+    metrics, _, _, changed = one_step(world, NormalizationMode.deferred_global, inject_nan=True)
+    assert metrics["nonfinite_micro_batch"] == "micro-batch 0 on rank 0"
+    assert metrics["loss"] != metrics["loss"]  # NaN
+    assert not changed

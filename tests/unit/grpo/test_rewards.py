@@ -1,0 +1,103 @@
+"""Reward functions and their registry."""
+
+from fractions import Fraction
+
+import pytest
+
+from rlbatch.config.schema import BuiltinTask, DataConfig, DataSource, RewardKind
+from rlbatch.grpo.rewards import (
+    RewardInput,
+    build_reward_fn,
+    extract_math_answer,
+    score,
+)
+
+
+def x(response, answer="", n=None):
+    return RewardInput(prompt="p", response=response, answer=answer, num_response_tokens=n or 0)
+
+
+def test_exact_match():
+    fn = build_reward_fn(DataConfig(source=DataSource.jsonl, reward=RewardKind.exact_match))
+    assert fn(x(" Paris\n", "Paris")) == 1.0
+    assert fn(x("paris", "Paris")) == 0.0
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("so the answer is 42.", Fraction(42)),
+        ("first 3 then -7", Fraction(-7)),
+        ("total 1,234.5 dollars", Fraction("1234.5")),
+        ("ratio 3/4", Fraction(3, 4)),
+        ("\\boxed{\\frac{1}{2}} and later 9", Fraction(1, 2)),
+        ("\\boxed{x = {12}} ok", Fraction(12)),
+        ("\\boxed{1} then \\boxed{2}", Fraction(2)),
+        ("no number here", None),
+    ],
+)
+def test_extract_math_answer(text, value):
+    assert extract_math_answer(text) == value
+
+
+def test_math_reward_compares_numerically():
+    fn = build_reward_fn(DataConfig(source=DataSource.jsonl, reward=RewardKind.math))
+    assert fn(x("The result is \\boxed{0.50}", "1/2")) == 1.0
+    assert fn(x("It is 3.", "\\boxed{3}")) == 1.0
+    assert fn(x("It is 4.", "3")) == 0.0
+    assert fn(x("no idea", "3")) == 0.0
+
+
+def test_format_reward():
+    fn = build_reward_fn(DataConfig(source=DataSource.jsonl, reward=RewardKind.format))
+    assert fn(x("<think>hmm</think>\n<answer>4</answer>")) == 1.0
+    assert fn(x("<think>hmm</think> 4")) == pytest.approx(0.4)
+    assert fn(x("4")) == 0.0
+    assert fn(x("<answer>4</answer><think>x</think>")) == pytest.approx(0.8)
+
+
+def test_task_reward_is_the_builtin_tasks():
+    fn = build_reward_fn(DataConfig(task=BuiltinTask.digit_copy, reward=RewardKind.task))
+    assert fn(x("4821", "4821", 4)) == pytest.approx(1.0)
+    fn = build_reward_fn(DataConfig(task=BuiltinTask.target_length, reward=RewardKind.task))
+    assert fn(x("abc", "3", 3)) == 1.0
+
+
+def test_task_reward_needs_builtin_source():
+    with pytest.raises(ValueError, match="data.reward=task needs data.source=builtin"):
+        build_reward_fn(DataConfig(source=DataSource.jsonl, reward=RewardKind.task))
+
+
+def test_every_kind_is_registered():
+    for kind in RewardKind:
+        assert callable(build_reward_fn(DataConfig(reward=kind)))
+
+
+def test_score_rejects_non_finite():
+    with pytest.raises(ValueError, match="sample 1"):
+        score(lambda r: float("nan") if r.response == "b" else 0.0, [x("a"), x("b")])
+
+
+class Bytes:
+    eos_id = 258
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_sample_reward_fn_strips_eos_and_counts_tokens():
+    from rlbatch.grpo.rewards import sample_reward_fn
+    from rlbatch.grpo.types import Prompt, Sample
+
+    p = Prompt(index=0, prompt_ids=(257, 99), answer="4821", text="copy:4821=")
+    done = Sample(p, 0, [*b"4821", 258], [0.0] * 5, truncated=False, policy_version=0)
+    cut = Sample(p, 0, list(b"48219"), [0.0] * 5, truncated=True, policy_version=0)
+    fn = sample_reward_fn(build_reward_fn(DataConfig(reward=RewardKind.task)), Bytes())
+    assert fn([done, cut]) == pytest.approx([1.0, 0.6 + 0.2 + 0.2 * (1 - 1 / 24)])
+    fn = sample_reward_fn(
+        build_reward_fn(DataConfig(task=BuiltinTask.target_length, reward=RewardKind.task)), Bytes()
+    )
+    q = Prompt(index=1, prompt_ids=(257,), answer="4", text="say 4 chars:")
+    four = Sample(q, 0, [*b"abcd", 258], [0.0] * 5, truncated=False, policy_version=0)
+    five = Sample(q, 0, list(b"abcde"), [0.0] * 5, truncated=True, policy_version=0)
+    assert fn([four, five]) == pytest.approx([1.0, 1 - 1 / 24])
