@@ -1,0 +1,345 @@
+"""The GRPO training loop: ``rlbatch.train.loop:run(cfg)``, the worker entry of rlbatch-train.
+
+One optimizer step (docs/training_loop.md):
+
+    heartbeat -> fault injection -> producer.batch_for_step (generation due at this policy
+    version: sample prompts, LCM aggregate, roll out, reward, advantages, logps) -> ranks agree on
+    (step, round, stream position) -> train_step (plan, passes, optimizer step) -> finite check ->
+    metrics (DP-reduced) -> checkpoint every trainer.checkpoint.every_steps
+
+and at the end: final checkpoint, HF export, summary table, plot. :func:`train` is generic over
+:class:`Components`, so the loop's own behaviour (resume, faults, metrics) is tested with small
+torch fakes; :mod:`rlbatch.train.build` assembles the real Megatron components.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlbatch.config.schema import RunConfig
+from rlbatch.train.checkpoint import (
+    TrainState,
+    apply_payload,
+    build_payload,
+    capture_rng_state,
+    load_checkpoint,
+    resolve_resume,
+    restore_rng_state,
+    save_checkpoint,
+)
+from rlbatch.train.health import Heartbeat, check_finite, inject_fault, laggards
+from rlbatch.train.metrics import MetricsLogger
+from rlbatch.train.plot import plot_metrics
+from rlbatch.train.producer import RunAheadProducer, StepBatch
+
+log = logging.getLogger("rlbatch.train")
+
+TrainStepFn = Callable[[StepBatch, int, bool], dict[str, Any]]
+"""(batch, 1-based step, inject_nan) -> metrics of one optimizer step, identical on all ranks
+(loss, grad_norm, kl, clip_fraction, entropy, padding_efficiency, dp_imbalance, ...)."""
+
+
+class DistOps(Protocol):
+    """What the loop needs from rlbatch.distributed (the only module that reduces)."""
+
+    rank: int
+    world_size: int
+
+    def barrier(self) -> None: ...
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """Sum over the DP group, one bundled collective."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """One object per global rank."""
+        ...
+
+
+@dataclass
+class LocalDist:
+    """DistOps of a single process."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def barrier(self) -> None:
+        return None
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        return list(values)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+@dataclass
+class Components:
+    """Everything the loop drives; built by rlbatch.train.build for real runs."""
+
+    model: list[Any]
+    """Model chunks (one per virtual pipeline stage)."""
+    optimizer: Any
+    scheduler: Any
+    producer: RunAheadProducer
+    train_step: TrainStepFn
+    dist: DistOps = field(default_factory=LocalDist)
+    aggregator: Any = None
+    """Object with state_dict/load_state_dict (pending LCM buffers), or None."""
+    planner: Any = None
+    """Object with state_dict/load_state_dict (pool batcher), or None."""
+    export_hf: Callable[[Path], None] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Written to each checkpoint's meta.json (parallel layout, ranks' coordinates)."""
+
+
+class RankTimeoutError(RuntimeError):
+    """A collective timed out (trainer.timeout_s); names the ranks that stopped answering."""
+
+
+class RankDisagreementError(RuntimeError):
+    """Ranks disagree on the step they are executing."""
+
+
+def checkpoint_dir(cfg: RunConfig) -> Path:
+    if cfg.trainer.checkpoint.dir:
+        return Path(cfg.trainer.checkpoint.dir)
+    return run_dir(cfg) / "checkpoints"
+
+
+def run_dir(cfg: RunConfig) -> Path:
+    if cfg.run_dir is None:
+        raise ValueError("run_dir is null: rlbatch-train's driver sets it; pass run_dir=PATH")
+    return Path(cfg.run_dir)
+
+
+# ------------------------------------------------------------------------------------------
+# Entry
+# ------------------------------------------------------------------------------------------
+
+
+def run(cfg: RunConfig) -> None:
+    """Worker entry of rlbatch-train (inside each torchrun process)."""
+    from rlbatch.train.build import build_components
+
+    components = build_components(cfg)
+    train(cfg, components)
+
+
+def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
+    """Resume, run optimizer steps up to trainer.max_steps, finish. Returns rank 0's history."""
+    rank = comps.dist.rank
+    state = _resume(cfg, comps)
+    start = state.step if state is not None else 0
+    logger = MetricsLogger(
+        run_dir(cfg),
+        cfg.logging,
+        rank=rank,
+        max_steps=cfg.trainer.max_steps,
+        start_step=start,
+        history=state.metrics_history if state is not None else None,
+    )
+    heartbeat = Heartbeat(run_dir(cfg), rank)
+    last_saved = start if state is not None else -1
+    try:
+        for index in range(start, cfg.trainer.max_steps):
+            step = index + 1
+            record = _guarded(
+                cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
+            )
+            logger.log(record)
+            every = cfg.trainer.checkpoint.every_steps
+            if every > 0 and step % every == 0:
+                heartbeat.beat(step, "checkpoint")
+                _guarded(cfg, comps, heartbeat, step, lambda s=step: _save(cfg, comps, s, logger))
+                last_saved = step
+        final = cfg.trainer.max_steps
+        if start > final:
+            log.warning(
+                "checkpoint step %d is past trainer.max_steps=%d: nothing to train", start, final
+            )
+        elif last_saved != final:
+            heartbeat.beat(final, "checkpoint")
+            _guarded(cfg, comps, heartbeat, final, lambda: _save(cfg, comps, final, logger))
+        heartbeat.beat(final, "end")
+        _finish(cfg, comps, logger)
+    finally:
+        logger.close()
+    return logger.history
+
+
+def _guarded(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int, fn):
+    """Run ``fn``; turn a collective timeout into an error naming the silent ranks."""
+    try:
+        return fn()
+    except RuntimeError as exc:
+        text = str(exc).lower()
+        if "timed out" not in text and "timeout" not in text:
+            raise
+        try:
+            beat = json.loads(heartbeat.path.read_text())
+        except (OSError, ValueError):
+            raise RankTimeoutError(
+                f"rank {comps.dist.rank}: a collective got no answer within "
+                f"trainer.timeout_s={cfg.trainer.timeout_s} before the first step"
+            ) from exc
+        behind = laggards(run_dir(cfg), comps.dist.world_size, beat["step"], beat["phase"])
+        who = ", ".join(behind) if behind else "unknown rank (no heartbeat lags)"
+        raise RankTimeoutError(
+            f"rank {comps.dist.rank}: a collective at step {step} ({beat['phase']}) got no answer "
+            f"within trainer.timeout_s={cfg.trainer.timeout_s}: {who}"
+        ) from exc
+
+
+def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int):
+    rank = comps.dist.rank
+    start_time = time.perf_counter()
+    heartbeat.beat(step, "batch")
+    batch = comps.producer.batch_for_step(step - 1)
+    inject_nan = inject_fault(cfg.debug, step, rank)  # mid-step: generation done, no update yet
+    heartbeat.beat(step, "agree")
+    if cfg.debug.check_plan_consistency:
+        _check_agreement(comps, step, batch)
+    heartbeat.beat(step, "train")
+    metrics = comps.train_step(batch, step, inject_nan)
+    if cfg.debug.detect_nan:
+        check_finite(metrics, step=step, rank=rank)
+    heartbeat.beat(step, "metrics")
+    return _record(comps, step, batch, metrics, time.perf_counter() - start_time)
+
+
+def _check_agreement(comps: Components, step: int, batch: StepBatch) -> None:
+    """Every rank must be at the same step, round, round version and stream position."""
+    current = comps.producer.current
+    assert current is not None
+    key = (
+        step,
+        batch.round_index,
+        batch.iteration,
+        batch.slice_index,
+        current.policy_version,
+        current.request.stream_start,
+    )
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    digests = comps.dist.all_gather_object(digest)
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise RankDisagreementError(
+            f"step {step}: rank(s) {odd} disagree with rank 0 on the step state (step, round, "
+            f"round version, stream position): digests {digests}. Rank {comps.dist.rank} has {key}"
+        )
+
+
+def _record(
+    comps: Components, step: int, batch: StepBatch, metrics: dict[str, Any], step_time: float
+) -> dict[str, Any]:
+    local = [0.0] * 6
+    for s in batch.samples:
+        local[0] += 1
+        local[1] += s.reward
+        local[2] += s.reward * s.reward
+        local[3] += len(s.response_ids)
+        local[4] += batch.round_start_step - s.policy_version
+        local[5] += s.length
+    n, r_sum, r_sq, len_sum, stale_sum, tokens = comps.dist.all_reduce_sum(local)
+    n = max(n, 1.0)
+    mean = r_sum / n
+    record = {
+        "step": step,
+        "loss": metrics.get("loss"),
+        "grad_norm": metrics.get("grad_norm"),
+        "reward_mean": mean,
+        "reward_std": math.sqrt(max(r_sq - n * mean * mean, 0.0) / max(n - 1, 1.0)),
+        "kl": metrics.get("kl"),
+        "clip_fraction": metrics.get("clip_fraction"),
+        "entropy": metrics.get("entropy"),
+        "response_len_mean": len_sum / n,
+        "tokens": int(tokens),
+        "padding_efficiency": metrics.get("padding_efficiency"),
+        "dp_imbalance": metrics.get("dp_imbalance"),
+        "staleness_mean": stale_sum / n,
+        "step_time_s": step_time,
+        "tokens_per_s": tokens / step_time if step_time > 0 else None,
+        "round": batch.round_index,
+        "iteration": batch.iteration,
+    }
+    for key, value in metrics.items():
+        record.setdefault(key, value)
+    return record
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoint / resume / finish
+# ------------------------------------------------------------------------------------------
+
+
+def _state_of(obj: Any) -> dict[str, Any]:
+    return obj.state_dict() if obj is not None else {}
+
+
+def _save(cfg: RunConfig, comps: Components, step: int, logger: MetricsLogger) -> Path:
+    state = TrainState(
+        step=step,
+        policy_version=step,
+        producer=comps.producer.state_dict(),
+        planner=_state_of(comps.planner),
+        aggregator=_state_of(comps.aggregator),
+        rng=capture_rng_state(),
+        metrics_history=list(logger.history) if comps.dist.rank == 0 else [],
+    )
+    payload = build_payload(comps.model, comps.optimizer, comps.scheduler, state)
+    path = save_checkpoint(
+        checkpoint_dir(cfg),
+        step,
+        payload,
+        rank=comps.dist.rank,
+        world_size=comps.dist.world_size,
+        meta=comps.meta,
+        keep_last=cfg.trainer.checkpoint.keep_last,
+        barrier=comps.dist.barrier,
+    )
+    if comps.dist.rank == 0:
+        log.info("checkpoint %s", path)
+    return path
+
+
+def _resume(cfg: RunConfig, comps: Components) -> TrainState | None:
+    """Load the checkpoint trainer.resume names (rank 0 resolves it, all ranks load it)."""
+    found = (
+        resolve_resume(cfg.trainer.resume, checkpoint_dir(cfg)) if comps.dist.rank == 0 else None
+    )
+    paths = comps.dist.all_gather_object(str(found) if found is not None else None)
+    if paths[0] is None:
+        if cfg.trainer.resume not in ("none", "auto"):
+            raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume}: nothing to resume")
+        return None
+    payload = load_checkpoint(paths[0], rank=comps.dist.rank, world_size=comps.dist.world_size)
+    state = apply_payload(payload, comps.model, comps.optimizer, comps.scheduler)
+    comps.producer.load_state_dict(state.producer)
+    if comps.planner is not None:
+        comps.planner.load_state_dict(state.planner)
+    if comps.aggregator is not None:
+        comps.aggregator.load_state_dict(state.aggregator)
+    restore_rng_state(state.rng)
+    if comps.dist.rank == 0:
+        log.info("resumed from %s at step %d", paths[0], state.step)
+    return state
+
+
+def _finish(cfg: RunConfig, comps: Components, logger: MetricsLogger) -> None:
+    if cfg.trainer.checkpoint.export_hf and comps.export_hf is not None:
+        comps.export_hf(run_dir(cfg) / "hf")
+    if comps.dist.rank != 0:
+        return
+    logger.close()
+    logger.print_summary()
+    if cfg.logging.plot:
+        plot_metrics(logger.history, run_dir(cfg) / "metrics.png", title=cfg.model.name)

@@ -1,0 +1,251 @@
+"""Per-optimizer-step metrics: metrics.jsonl, TensorBoard, rich progress, summary table.
+
+Rank 0 only: on other ranks :class:`MetricsLogger` does nothing (the values it gets are already
+reduced by rlbatch.distributed). ``step`` in a record is 1-based: the number of optimizer steps
+completed, the same number as the checkpoint that follows it (``step_00000012`` holds the
+state after the record with ``"step": 12``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+REQUIRED_KEYS = (
+    "step",
+    "loss",
+    "grad_norm",
+    "reward_mean",
+    "reward_std",
+    "kl",
+    "clip_fraction",
+    "entropy",
+    "response_len_mean",
+    "tokens",
+    "padding_efficiency",
+    "dp_imbalance",
+    "staleness_mean",
+    "step_time_s",
+    "tokens_per_s",
+)
+"""Keys every metrics.jsonl record has (issue 6)."""
+
+SUMMARY_KEYS = (
+    "reward_mean",
+    "kl",
+    "loss",
+    "grad_norm",
+    "clip_fraction",
+    "entropy",
+    "response_len_mean",
+    "padding_efficiency",
+    "dp_imbalance",
+    "staleness_mean",
+    "tokens_per_s",
+    "step_time_s",
+)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl; a torn last line (crash mid-write) is skipped."""
+    records = []
+    p = Path(path)
+    if not p.exists():
+        return records
+    for line in p.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def write_jsonl(path: str | Path, records: Sequence[dict[str, Any]]) -> None:
+    """Replace ``path`` with ``records`` atomically."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, p)
+
+
+def _steps(records: Sequence[dict[str, Any]]) -> list[Any]:
+    return [r.get("step") for r in records]
+
+
+def truncate_jsonl(path: str | Path, keep_through_step: int) -> list[dict[str, Any]]:
+    """Keep the records with step <= ``keep_through_step`` (resume point); atomic rewrite.
+
+    Records written after the checkpoint that a run resumes from would otherwise appear twice.
+    """
+    p = Path(path)
+    kept = [r for r in read_jsonl(p) if r.get("step", math.inf) <= keep_through_step]
+    if p.exists():
+        write_jsonl(p, kept)
+    return kept
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe scalar (NaN/inf become null; tensors and numpy scalars become floats)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _tensorboard_writer(log_dir: Path, purge_step: int) -> Any | None:
+    if importlib.util.find_spec("tensorboard") is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step or None)
+
+
+class MetricsLogger:
+    """Sink of per-step records. Use :meth:`log` once per optimizer step, :meth:`close` at end."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        logging_cfg: Any,
+        *,
+        rank: int,
+        max_steps: int,
+        start_step: int = 0,
+        history: Sequence[dict[str, Any]] | None = None,
+        console: Console | None = None,
+    ) -> None:
+        """``history``: records of the steps before ``start_step`` (TrainState.metrics_history of
+        the checkpoint resumed from; metrics.jsonl is rewritten from it when it differs, e.g. a
+        resume into a new run directory); None = what metrics.jsonl holds up to start_step."""
+        self.enabled = rank == 0
+        self.run_dir = Path(run_dir)
+        self.cfg = logging_cfg
+        self.max_steps = max_steps
+        self.history: list[dict[str, Any]] = []
+        self.console = console or Console(stderr=True)
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self._writer = None
+        self._progress: Progress | None = None
+        self._task = None
+        self._line_every = max(1, max_steps // 20)
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Resume: drop records after the checkpoint; a fresh run (start 0) starts a new file.
+        kept = truncate_jsonl(self.jsonl_path, start_step)
+        self.history = list(history) if history is not None else kept
+        if self.cfg.jsonl and history is not None and _steps(kept) != _steps(self.history):
+            write_jsonl(self.jsonl_path, self.history)  # resumed into another run directory
+        if self.cfg.tensorboard:
+            self._writer = _tensorboard_writer(self.run_dir / "tb", start_step + 1)
+        if self.cfg.progress and self.console.is_terminal:
+            self._start_progress(start_step)
+
+    def _start_progress(self, start_step: int) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[latest]}"),
+            console=self.console,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(
+            "train", total=self.max_steps, completed=start_step, latest=""
+        )
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one step's record (must hold every key of REQUIRED_KEYS)."""
+        if not self.enabled:
+            return
+        missing = [k for k in REQUIRED_KEYS if k not in record]
+        if missing:
+            raise ValueError(f"metrics record of step {record.get('step')} lacks {missing}")
+        rec = {k: _clean(v) for k, v in record.items()}
+        self.history.append(rec)
+        if self.cfg.jsonl:
+            with open(self.jsonl_path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+        if self._writer is not None:
+            for key, value in rec.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._writer.add_scalar(key, value, rec["step"])
+        self._report(rec)
+
+    def _report(self, rec: dict[str, Any]) -> None:
+        latest = format_latest(rec)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=rec["step"], latest=latest)
+        elif self.cfg.progress and (
+            rec["step"] % self._line_every == 0 or rec["step"] == self.max_steps
+        ):
+            self.console.print(f"step {rec['step']}/{self.max_steps}  {latest}", highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def print_summary(self) -> None:
+        if self.enabled and self.history:
+            self.console.print(summary_table(self.history))
+
+
+def format_latest(rec: dict[str, Any]) -> str:
+    """'reward 0.41  kl 0.002  1.2e+03 tok/s' for the progress bar."""
+
+    def num(key: str, fmt: str) -> str:
+        value = rec.get(key)
+        return "-" if value is None else format(value, fmt)
+
+    return (
+        f"reward {num('reward_mean', '.3f')}  kl {num('kl', '.4f')}  "
+        f"{num('tokens_per_s', '.3g')} tok/s"
+    )
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summary_table(history: Sequence[dict[str, Any]]) -> Table:
+    """First / last value and the means of the first and last 10% of steps, per metric."""
+    n = len(history)
+    tenth = max(1, n // 10)
+    table = Table(title=f"rlbatch run summary ({n} steps)")
+    for col in ("metric", "first", "last", "mean first 10%", "mean last 10%"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for key in SUMMARY_KEYS:
+        values = [r.get(key) for r in history]
+        finite = [v for v in values if isinstance(v, (int, float))]
+        if not finite:
+            continue
+        head = [v for v in values[:tenth] if isinstance(v, (int, float))]
+        tail = [v for v in values[-tenth:] if isinstance(v, (int, float))]
+        cells = [finite[0], finite[-1], _mean(head), _mean(tail)]
+        table.add_row(key, *("-" if c is None else f"{c:.4g}" for c in cells))
+    return table

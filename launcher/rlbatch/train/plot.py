@@ -1,0 +1,69 @@
+"""PNG plot of a run's metrics: reward, KL and tokens/s against optimizer step.
+
+matplotlib is optional (``pip install rlbatch[plot]``): without it :func:`plot_metrics` warns
+and returns None. Always the non-interactive Agg backend (workers have no display).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PANELS = (
+    ("reward_mean", "reward (mean ± std)"),
+    ("kl", "KL to reference"),
+    ("tokens_per_s", "tokens / s"),
+)
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for rec in records:
+        value = rec.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            xs.append(rec["step"])
+            ys.append(float(value))
+    return xs, ys
+
+
+def plot_metrics(
+    records: Sequence[dict[str, Any]], path: str | Path, title: str = ""
+) -> Path | None:
+    """Write the plot to ``path``; None (with a warning) when matplotlib or data is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn(
+            "matplotlib is not installed: no metrics plot (pip install matplotlib)", stacklevel=2
+        )
+        return None
+    if not records:
+        warnings.warn("no metrics recorded: no plot", stacklevel=2)
+        return None
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 7.5), sharex=True)
+    for ax, (key, label) in zip(axes, PANELS, strict=True):
+        xs, ys = _series(records, key)
+        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, linewidth=1.4)
+        if key == "reward_mean":
+            _, std = _series(records, "reward_std")
+            if len(std) == len(ys):
+                lo = [y - s for y, s in zip(ys, std, strict=True)]
+                hi = [y + s for y, s in zip(ys, std, strict=True)]
+                ax.fill_between(xs, lo, hi, alpha=0.2)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("optimizer step")
+    if title:
+        axes[0].set_title(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,229 @@
+"""The loop with small torch fakes: exact resume, fault injection, NaN stop, rank errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlbatch.config.schema import FailKind, RunConfig
+from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.train.checkpoint import latest_checkpoint
+from rlbatch.train.health import InjectedFailure, NonFiniteError
+from rlbatch.train.loop import (
+    Components,
+    LocalDist,
+    RankDisagreementError,
+    RankTimeoutError,
+    train,
+)
+from rlbatch.train.metrics import read_jsonl
+from rlbatch.train.producer import RunAheadProducer
+from rlbatch.train.sampler import PromptSampler, derive_schedule
+
+TIMING = ("step_time_s", "tokens_per_s")
+
+
+class Counter:
+    """Stands in for the LCM aggregator's resumable state."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def _features(prompt_index):
+    return torch.tensor([[prompt_index % 3, prompt_index % 5, 1.0, prompt_index / 13]])
+
+
+def _components(cfg, *, init_seed=0, dist=None):
+    torch.manual_seed(init_seed)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    sched_g = derive_schedule(
+        num_generations=2, global_batch_size=4, dp=1, steps_per_generation=2, num_iterations=1
+    )
+    sampler = PromptSampler(13, sched_g, dp_rank=0, seed=cfg.trainer.seed)
+    counter = Counter()
+
+    def generate(request, snapshot):
+        counter.calls += 1
+        out = []
+        with torch.no_grad():
+            for p, gid in zip(request.prompt_indices, request.group_ids, strict=True):
+                for _ in range(request.num_generations):
+                    noise = torch.rand(()).item()  # global torch RNG: must be restored
+                    reward = float(model(_features(p))) + noise + counter.calls
+                    out.append(
+                        Sample(
+                            Prompt(p, (1, 2, 3), "a"),
+                            gid,
+                            [4] * (1 + p % 4),
+                            [0.0],
+                            False,
+                            snapshot.version,
+                            reward=reward,
+                            advantage=noise,
+                        )
+                    )
+        return out
+
+    producer = RunAheadProducer(
+        sampler,
+        generate,
+        num_steps_async=cfg.grpo.num_steps_async,
+        max_staleness=cfg.grpo.max_staleness,
+        seed=cfg.trainer.seed,
+    )
+
+    def train_step(batch, step, inject_nan):
+        x = torch.cat([_features(s.prompt.index) for s in batch.samples])
+        target = torch.tensor([[s.advantage] for s in batch.samples])
+        loss = ((model(x) - target) ** 2).mean()
+        if inject_nan:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0))
+        if not torch.isfinite(loss):
+            return {
+                "loss": float(loss.detach()),
+                "grad_norm": grad_norm,
+                "nonfinite_micro_batch": 0,
+            }
+        opt.step()
+        sched.step()
+        return {
+            "loss": float(loss.detach()),
+            "grad_norm": grad_norm,
+            "kl": 0.0,
+            "clip_fraction": 0.0,
+            "entropy": 1.0,
+            "padding_efficiency": 1.0,
+            "dp_imbalance": 1.0,
+        }
+
+    return Components(
+        model=[model],
+        optimizer=opt,
+        scheduler=sched,
+        producer=producer,
+        train_step=train_step,
+        dist=dist or LocalDist(),
+        aggregator=counter,
+    )
+
+
+def _cfg(tmp_path, **debug):
+    cfg = RunConfig(run_dir=str(tmp_path))
+    cfg.trainer.max_steps = 8
+    cfg.trainer.checkpoint.every_steps = 2
+    cfg.trainer.checkpoint.keep_last = 2
+    cfg.grpo.num_steps_async = 1
+    cfg.logging.tensorboard = False
+    for key, value in debug.items():
+        setattr(cfg.debug, key, value)
+    return cfg
+
+
+def _strip(records):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def test_uninterrupted_run_writes_metrics_checkpoints_and_plot(tmp_path):
+    cfg = _cfg(tmp_path)
+    history = train(cfg, _components(cfg))
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, 9)) and _strip(recs) == _strip(history)
+    assert [r["staleness_mean"] for r in recs] == [0, 0, 1, 1, 1, 1, 1, 1]  # rounds of 2 steps
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in recs)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000006",
+        "step_00000008",
+    ]
+    assert (tmp_path / "metrics.png").exists() or pytest.importorskip("matplotlib") is None
+
+
+@pytest.mark.parametrize("fail_at", [5, 6])
+def test_resume_after_failure_matches_uninterrupted_run(tmp_path, fail_at):
+    ref_cfg = _cfg(tmp_path / "ref")
+    ref = _components(ref_cfg)
+    train(ref_cfg, ref)
+    expected = _strip(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
+
+    cfg = _cfg(tmp_path / "run", fail_at_step=fail_at, fail_kind=FailKind.raise_error)
+    with pytest.raises(InjectedFailure, match=f"step {fail_at} on rank 0"):
+        train(cfg, _components(cfg))
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_00000004"
+    cfg = _cfg(tmp_path / "run")
+    cfg.trainer.resume = "auto"
+    resumed = _components(cfg, init_seed=123)  # different init: everything comes from the ckpt
+    train(cfg, resumed)
+    assert _strip(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == expected
+    for a, b in zip(ref.model[0].parameters(), resumed.model[0].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_nan_loss_stops_with_named_step_and_keeps_last_good_checkpoint(tmp_path):
+    cfg = _cfg(tmp_path, fail_at_step=3, fail_kind=FailKind.nan_loss)
+    with pytest.raises(NonFiniteError, match=r"step 3: micro-batch 0 on rank 0"):
+        train(cfg, _components(cfg))
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+class TwoRankView(LocalDist):
+    """Rank 0 of a 2-rank world whose peer misbehaves in all_gather_object."""
+
+    def __init__(self, peer):
+        super().__init__(rank=0, world_size=2)
+        self.peer = peer
+        self.calls = 0
+
+    def all_gather_object(self, obj):
+        self.calls += 1
+        return [obj, self.peer(obj, self.calls)]
+
+
+def test_rank_disagreeing_on_the_step_is_named(tmp_path):
+    cfg = _cfg(tmp_path)
+    dist = TwoRankView(lambda obj, n: obj if n < 3 else "deadbeef")  # call 1 = resume path
+    with pytest.raises(RankDisagreementError, match=r"rank\(s\) \[1\] disagree"):
+        train(cfg, _components(cfg, dist=dist))
+
+
+def test_silent_rank_is_named_on_timeout(tmp_path):
+    cfg = _cfg(tmp_path)
+
+    def peer(obj, n):
+        if n >= 3:
+            raise RuntimeError("[gloo] Timed out waiting 300000ms for recv operation")
+        (tmp_path / "heartbeat").mkdir(exist_ok=True)
+        (tmp_path / "heartbeat" / "rank1.json").write_text(
+            '{"rank": 1, "step": 1, "phase": "train", "time": 0}'
+        )
+        return obj
+
+    with pytest.raises(
+        RankTimeoutError, match=r"step 2 \(agree\).*rank 1 \(last seen step 1 train"
+    ):
+        train(cfg, _components(cfg, dist=TwoRankView(peer)))
+
+
+def test_kill_injection_kills_the_process():
+    code = (
+        "from rlbatch.config.schema import DebugConfig, FailKind\n"
+        "from rlbatch.train.health import inject_fault\n"
+        "inject_fault(DebugConfig(fail_at_step=2, fail_rank=0, fail_kind=FailKind.kill), 2, 0)\n"
+        "print('survived')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9 and "survived" not in proc.stdout
