@@ -1,0 +1,112 @@
+"""The real rlbatch-train CLI in a subprocess: the default recipe learns, a one-job multirun, dp=2
+and pp=2+vpp=2 runs, and a SIGKILLed run resumes exactly like an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _is_timing(key):
+    return key.endswith(("_s", "_seconds", "seconds")) or "per_s" in key
+
+
+def _train(bin_dir, env, cwd, *overrides, flags=(), check=True, timeout=400):
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), *flags, "+recipe=grpo_qwen", *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _metrics(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _stable(record):
+    return {k: v for k, v in record.items() if not _is_timing(k)}
+
+
+def test_default_recipe_learns(bin_dir, subprocess_env, tmp_path):
+    run_dir = tmp_path / "run"
+    _train(bin_dir, subprocess_env, tmp_path, f"hydra.run.dir={run_dir}")
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 61))
+    rewards = [r["reward_mean"] for r in records]
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    assert (run_dir / "metrics.png").stat().st_size > 0
+    assert (run_dir / "hf" / "config.json").is_file()
+
+
+def test_one_job_multirun(bin_dir, subprocess_env, tmp_path):
+    sweep = tmp_path / "sweep"
+    _train(
+        bin_dir,
+        subprocess_env,
+        tmp_path,
+        "trainer.max_steps=2",
+        f"hydra.sweep.dir={sweep}",
+        flags=("-m",),
+    )
+    assert len(_metrics(sweep / "0")) == 2
+    assert (sweep / "0" / "resolved.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.dp=2"], ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"]],
+    ids=["dp2", "pp2_vpp2"],
+)
+def test_parallel_layouts_run(bin_dir, subprocess_env, tmp_path, layout):
+    run_dir = tmp_path / "run"
+    _train(
+        bin_dir,
+        subprocess_env,
+        tmp_path,
+        "trainer.max_steps=2",
+        f"hydra.run.dir={run_dir}",
+        *layout,
+    )
+    records = _metrics(run_dir)
+    assert len(records) == 2 and all(r["loss"] == r["loss"] for r in records)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(bin_dir, subprocess_env, tmp_path):
+    common = ["trainer.max_steps=6", "trainer.checkpoint.every_steps=2", "grpo.beta=0.02"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    _train(bin_dir, subprocess_env, tmp_path, *common, f"hydra.run.dir={ref_dir}")
+    killed = _train(
+        bin_dir,
+        subprocess_env,
+        tmp_path,
+        *common,
+        f"hydra.run.dir={run_dir}",
+        "debug.fail_at_step=5",
+        "debug.fail_kind=kill",
+        check=False,
+    )
+    assert killed.returncode != 0
+    assert len(_metrics(run_dir)) < 6, "the run was not killed before its last step"
+    _train(
+        bin_dir,
+        subprocess_env,
+        tmp_path,
+        *common,
+        f"hydra.run.dir={run_dir}",
+        "trainer.resume=auto",
+    )
+    expected = [_stable(r) for r in _metrics(ref_dir)]
+    resumed = [_stable(r) for r in _metrics(run_dir)]
+    assert resumed == expected
