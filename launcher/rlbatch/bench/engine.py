@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "small": dict(
         name="small",

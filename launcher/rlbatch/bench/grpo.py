@@ -22,7 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from rlbatch.config.schema import BatchingMode, RunConfig
 
@@ -90,7 +90,8 @@ class World:
     model: list[Any]
     optimizer: Any
     scheduler: Any
-    ref: list[Any]
+    ref: Optional[list[Any]]
+    """None when grpo.beta == 0 (no reference pass)."""
     tokenizer: Any
     prompts: list[Any]
 
@@ -132,7 +133,11 @@ def produce_samples(world: World, args: argparse.Namespace, aggregated: bool, cl
         rollout_fn=clock.wrap("rollout", as_rollout_fn(engine, 0), gen_tokens),
         reward_fn=make_reward_batch_fn(build_reward_fn(cfg.data), tok),
         old_logps_fn=clock.wrap("old", make_ref_logps_fn(world.model, cfg), all_tokens),
-        ref_logps_fn=clock.wrap("ref", make_ref_logps_fn(world.ref, cfg), all_tokens),
+        ref_logps_fn=(
+            None
+            if world.ref is None  # grpo.beta == 0: no reference pass
+            else clock.wrap("ref", make_ref_logps_fn(world.ref, cfg), all_tokens)
+        ),
     )
     g = cfg.grpo
     aggregator = LCMAggregator(

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
-from rlbatch.config.errors import ConfigErrors
+from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.schema import RunConfig
 from rlbatch.config.store import conf_dir, list_recipes
 
@@ -36,21 +37,53 @@ def _escape(e: Any) -> str:
     return escape(str(e).split("=", 1)[1])
 
 
-def to_validated_run_config(cfg: Any, command: str) -> RunConfig:
-    """Composed DictConfig -> validated RunConfig, or print all errors and exit 2."""
+def to_validated_run_config(
+    cfg: Any, command: str, scope: frozenset[str] | None = None
+) -> RunConfig:
+    """Composed DictConfig -> validated RunConfig, or print all errors and exit 2.
+
+    ``scope`` is the config sections the command uses (rlbatch.config.validate.*_SCOPE; default:
+    training's). With ``model.hf_path`` set, the checkpoint's architecture replaces the preset's
+    before the rules run, so e.g. layer divisibility is checked against the real model.
+    """
     from omegaconf import OmegaConf
 
     from rlbatch.config.load import check_structure
-    from rlbatch.config.validate import check
+    from rlbatch.config.validate import TRAIN_SCOPE, check
 
+    scope = TRAIN_SCOPE if scope is None else scope
     container = OmegaConf.to_container(cfg, resolve=True)
+    run_cfg, errors = check_structure(container)  # type: ignore[arg-type]
+    if "model" in scope:
+        errors += _adopt_hf_architecture(run_cfg, command)
     try:
-        return check(*check_structure(container))  # type: ignore[arg-type]
+        return check(run_cfg, errors, scope)
     except ConfigErrors as err:
         fail_config(err, command)
 
 
-def compose(overrides: list[str], command: str) -> RunConfig:
+def _adopt_hf_architecture(cfg: RunConfig, command: str) -> list[ConfigError]:
+    """Take the architecture of ``model.hf_path``'s config.json (torch-free); note what changed."""
+    path = cfg.model.hf_path
+    if not path or not Path(path).is_dir():
+        return []  # a missing directory is reported by the model.hf_path rule
+    from rlbatch.engine.hf_config import resolve_model_config
+
+    try:
+        cfg.model, changed = resolve_model_config(cfg.model)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        detail = f"config.json lacks {err}" if isinstance(err, KeyError) else str(err)
+        return [ConfigError("model.hf_path", path, f"not a usable HF Qwen2 directory: {detail}")]
+    if changed:
+        from rich.console import Console
+
+        Console(stderr=True, highlight=False).print(
+            f"{command}: the architecture comes from {path}/config.json: " + "; ".join(changed)
+        )
+    return []
+
+
+def compose(overrides: list[str], command: str, scope: frozenset[str] | None = None) -> RunConfig:
     """Compose conf/ + overrides with Hydra's compose API (no run dir, no logging setup)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -68,7 +101,7 @@ def compose(overrides: list[str], command: str) -> RunConfig:
             raise
         print(f"{command}: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
-    return to_validated_run_config(cfg, command)
+    return to_validated_run_config(cfg, command, scope)
 
 
 def config_groups() -> dict[str, list[str]]:

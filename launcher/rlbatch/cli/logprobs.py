@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     if any(arg in ("-h", "--help") for arg in args):
         print(help_text("rlbatch-logprobs", USAGE))
         return
-    cfg = compose(args, "rlbatch-logprobs")
+    from rlbatch.config.validate import LOGPROBS_SCOPE
+
+    cfg = compose(args, "rlbatch-logprobs", LOGPROBS_SCOPE)
     errors = []
     if not cfg.logprobs.input or not Path(cfg.logprobs.input).is_file():
         errors.append(ConfigError("logprobs.input", cfg.logprobs.input, "set an existing JSONL"))

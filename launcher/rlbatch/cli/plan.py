@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     if any(arg in ("-h", "--help") for arg in args):
         print(help_text("rlbatch-plan", USAGE))
         return
-    cfg = compose(args, "rlbatch-plan")
+    from rlbatch.config.validate import PLAN_SCOPE
+
+    cfg = compose(args, "rlbatch-plan", PLAN_SCOPE)
     from rlbatch.cli.plan_report import run_plan_command
 
     sys.exit(run_plan_command(cfg))

@@ -40,6 +40,13 @@ multiple of `tp*cp`; `batching.*.max_tokens` at least the longest possible seque
 larger than the prompts a DP rank generates per round; `max_staleness >= num_steps_async`;
 files and directories named by `data.path`, `model.hf_path`, `trainer.resume` exist.
 
+Each command checks the sections it uses: `rlbatch-train` all of them; `rlbatch-plan` only
+`batching`, `parallel` and `plan` (it builds no model, so a layout the preset model could not
+split still plans); `rlbatch-logprobs` `model`, `batching.infer`, `parallel` and `logprobs`
+(lengths come from its input file). With `model.hf_path` set, the architecture in its
+`config.json` replaces the preset's before the rules run (the command prints what changed), so
+layer and head divisibility are checked against the real checkpoint.
+
 This page is generated from the schema's docstrings: `python -m rlbatch.config.reference`.
 """
 
@@ -90,7 +97,7 @@ def _rows(prefix: str, cls: type, default_obj: Any, out: list[tuple[str, list[st
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     rows: list[str] = []
-    nested = []
+    nested: list[tuple[str, Any, Any]] = []
     for f in dataclasses.fields(cls):
         key = f"{prefix}{_FIELD_TO_KEY.get(f.name, f.name)}"
         tp, _ = _unwrap_optional(hints[f.name])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
@@ -18,7 +19,33 @@ from rlbatch.config.schema import (
     RunConfig,
 )
 
-Rule = Callable[[RunConfig, list[ConfigError]], None]
+Check = Callable[[RunConfig, list[ConfigError]], None]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field check and the config sections it reads (``batching.train`` or ``model``)."""
+
+    reads: frozenset[str]
+    check: Check
+
+
+SECTIONS = (
+    "model", "data", "rollout", "batching", "normalization", "parallel", "grpo", "trainer",
+    "logging", "debug", "plan", "logprobs",
+)  # fmt: skip
+
+TRAIN_SCOPE = frozenset(SECTIONS) - {"plan", "logprobs"}
+"""rlbatch-train uses every section but the other commands' inputs."""
+PLAN_SCOPE = frozenset({"batching", "parallel", "plan"})
+"""rlbatch-plan only plans: no model is built, no data generated, nothing trained."""
+LOGPROBS_SCOPE = frozenset({"model", "batching.infer", "parallel", "logprobs"})
+"""rlbatch-logprobs builds the model and runs the infer pass over its input file."""
+
+
+def _in_scope(section: str, scope: frozenset[str]) -> bool:
+    """``batching.train`` is in a scope that holds ``batching`` or ``batching.train``."""
+    return section in scope or section.split(".", 1)[0] in scope
 
 
 def world_size(cfg: RunConfig) -> int:
@@ -54,7 +81,7 @@ def _positive(key: str, value: float | int | None, errors: list[ConfigError]) ->
         errors.append(ConfigError(key, value, "must be positive"))
 
 
-def _check_positive(cfg: RunConfig, errors: list[ConfigError]) -> None:
+def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[str]) -> None:
     m, r, g, t, p = cfg.model, cfg.rollout, cfg.grpo, cfg.trainer, cfg.parallel
     checks: dict[str, float | int | None] = {
         "model.num_layers": m.num_layers,
@@ -95,7 +122,8 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError]) -> None:
         "parallel.microbatch_group_size_per_vp_stage": p.microbatch_group_size_per_vp_stage,
     }
     for key, value in checks.items():
-        _positive(key, value, errors)
+        if _in_scope(key.split(".", 1)[0], scope):
+            _positive(key, value, errors)
     non_negative = {
         "rollout.top_k": r.top_k,
         "grpo.beta": g.beta,
@@ -108,11 +136,11 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError]) -> None:
         "trainer.optim.clip_grad": t.optim.clip_grad,
     }
     for key, value in non_negative.items():
-        if value < 0:
+        if value < 0 and _in_scope(key.split(".", 1)[0], scope):
             errors.append(ConfigError(key, value, "must be >= 0"))
-    if r.top_p > 1:
+    if "rollout" in scope and r.top_p > 1:
         errors.append(ConfigError("rollout.top_p", r.top_p, "must be in (0, 1]"))
-    if g.num_generations < 2:
+    if "grpo" in scope and g.num_generations < 2:
         errors.append(
             ConfigError(
                 "grpo.num_generations",
@@ -122,8 +150,9 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
 
 
-def _check_pass(name: str, bp: BatchingPassConfig, cfg: RunConfig, errors: list[ConfigError]):
+def _check_pass(name: str, cfg: RunConfig, errors: list[ConfigError]) -> None:
     key = f"batching.{name}"
+    bp: BatchingPassConfig = getattr(cfg.batching, name)
     for field in ("max_tokens", "micro_batch_size", "sequence_length_round", "pool_size"):
         _positive(f"{key}.{field}", getattr(bp, field), errors)
     for field in ("cost_linear", "cost_quadratic"):
@@ -145,8 +174,16 @@ def _check_pass(name: str, bp: BatchingPassConfig, cfg: RunConfig, errors: list[
         errors.append(
             ConfigError(f"{key}.max_tokens", bp.max_tokens, f"is below the round {r}: raise it")
         )
+
+
+def _check_budget_fits(name: str, cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The longest sequence training can produce fits the budget (or oversize says what to do).
+    The other commands read their lengths from input; the planner names an oversize sample."""
+    key = f"batching.{name}"
+    bp: BatchingPassConfig = getattr(cfg.batching, name)
+    r = max(bp.sequence_length_round, 1)
     longest = longest_sequence(cfg)
-    padded_longest = -(-longest // max(r, 1)) * max(r, 1)
+    padded_longest = -(-longest // r) * r
     if bp.mode != BatchingMode.fixed and bp.oversize == OversizePolicy.error:
         if 0 < bp.max_tokens < padded_longest:
             errors.append(
@@ -160,20 +197,11 @@ def _check_pass(name: str, bp: BatchingPassConfig, cfg: RunConfig, errors: list[
             )
 
 
-def _check_parallel(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    p, m = cfg.parallel, cfg.model
+def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    p = cfg.parallel
     if p.vpp > 1 and p.pp < 2:
         errors.append(
             ConfigError("parallel.vpp", p.vpp, "interleaving needs parallel.pp > 1: set pp >= 2")
-        )
-    stages = p.pp * p.vpp
-    if m.num_layers > 0 and stages > 0 and m.num_layers % stages:
-        errors.append(
-            ConfigError(
-                "model.num_layers",
-                m.num_layers,
-                f"must be divisible by parallel.pp * parallel.vpp = {stages}",
-            )
         )
     n = p.microbatch_group_size_per_vp_stage
     if n is not None and n < p.pp:
@@ -182,31 +210,11 @@ def _check_parallel(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "parallel.microbatch_group_size_per_vp_stage", n, f"must be >= parallel.pp = {p.pp}"
             )
         )
-    if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
-        errors.append(
-            ConfigError(
-                "model.num_query_groups",
-                m.num_query_groups,
-                f"must divide model.num_attention_heads = {m.num_attention_heads}",
-            )
-        )
-    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
-        errors.append(
-            ConfigError(
-                "model.hidden_size",
-                m.hidden_size,
-                f"must be divisible by model.num_attention_heads = {m.num_attention_heads}",
-            )
-        )
-    if p.tp > 1 and (m.num_query_groups % p.tp or m.num_attention_heads % p.tp):
-        errors.append(
-            ConfigError(
-                "parallel.tp",
-                p.tp,
-                f"must divide model.num_query_groups = {m.num_query_groups} and "
-                f"model.num_attention_heads = {m.num_attention_heads}",
-            )
-        )
+
+
+def _check_world(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The workers the launcher starts: tp*pp*cp*dp, over nnodes."""
+    p = cfg.parallel
     total = world_size(cfg)
     if p.nproc_per_node is not None and p.nproc_per_node * p.nnodes != total:
         errors.append(
@@ -228,6 +236,53 @@ def _check_parallel(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
     if not 0 <= p.node_rank < max(p.nnodes, 1):
         errors.append(ConfigError("parallel.node_rank", p.node_rank, "must be in [0, nnodes)"))
+
+
+def _check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    m = cfg.model
+    if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
+        errors.append(
+            ConfigError(
+                "model.num_query_groups",
+                m.num_query_groups,
+                f"must divide model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        errors.append(
+            ConfigError(
+                "model.hidden_size",
+                m.hidden_size,
+                f"must be divisible by model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+
+
+def _check_model_split(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The model splits over the pipeline (layers) and tensor (heads) groups."""
+    p, m = cfg.parallel, cfg.model
+    stages = p.pp * p.vpp
+    if m.num_layers > 0 and stages > 0 and m.num_layers % stages:
+        errors.append(
+            ConfigError(
+                "model.num_layers",
+                m.num_layers,
+                f"must be divisible by parallel.pp * parallel.vpp = {stages}",
+            )
+        )
+    if p.tp > 1 and (m.num_query_groups % p.tp or m.num_attention_heads % p.tp):
+        errors.append(
+            ConfigError(
+                "parallel.tp",
+                p.tp,
+                f"must divide model.num_query_groups = {m.num_query_groups} and "
+                f"model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+
+
+def _check_debug(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    total = world_size(cfg)
     if not 0 <= cfg.debug.fail_rank < max(total, 1):
         errors.append(ConfigError("debug.fail_rank", cfg.debug.fail_rank, f"must be < {total}"))
 
@@ -289,7 +344,7 @@ def _check_grpo(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
 
 
-def _check_lengths_and_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
+def _check_positions(cfg: RunConfig, errors: list[ConfigError]) -> None:
     longest = longest_sequence(cfg)
     if cfg.model.max_position_embeddings < longest:
         errors.append(
@@ -299,6 +354,9 @@ def _check_lengths_and_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"is below data.max_prompt_len + rollout.max_new_tokens = {longest}",
             )
         )
+
+
+def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:
     if cfg.data.source != DataSource.builtin:
         if not cfg.data.path:
             errors.append(
@@ -310,12 +368,18 @@ def _check_lengths_and_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
         elif not Path(cfg.data.path).is_file():
             errors.append(ConfigError("data.path", cfg.data.path, "no such file"))
+
+
+def _check_model_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
     for key, path in (
         ("model.hf_path", cfg.model.hf_path),
         ("model.tokenizer_path", cfg.model.tokenizer_path),
     ):
         if path is not None and not Path(path).is_dir():
             errors.append(ConfigError(key, path, "no such directory (a local HF model dir)"))
+
+
+def _check_resume(cfg: RunConfig, errors: list[ConfigError]) -> None:
     resume = cfg.trainer.resume
     if resume not in ("none", "auto") and not Path(resume).exists():
         errors.append(
@@ -324,24 +388,45 @@ def _check_lengths_and_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 RULES: tuple[Rule, ...] = (
-    _check_positive,
-    lambda cfg, errors: _check_pass("train", cfg.batching.train, cfg, errors),
-    lambda cfg, errors: _check_pass("infer", cfg.batching.infer, cfg, errors),
-    _check_parallel,
-    _check_grpo,
-    _check_lengths_and_paths,
+    Rule(frozenset({"batching.train", "parallel"}), lambda c, e: _check_pass("train", c, e)),
+    Rule(frozenset({"batching.infer", "parallel"}), lambda c, e: _check_pass("infer", c, e)),
+    Rule(
+        frozenset({"batching.train", "data", "rollout"}),
+        lambda c, e: _check_budget_fits("train", c, e),
+    ),
+    Rule(
+        frozenset({"batching.infer", "data", "rollout"}),
+        lambda c, e: _check_budget_fits("infer", c, e),
+    ),
+    Rule(frozenset({"parallel"}), _check_layout),
+    Rule(frozenset({"parallel"}), _check_world),
+    Rule(frozenset({"model"}), _check_model_shape),
+    Rule(frozenset({"model", "parallel"}), _check_model_split),
+    Rule(frozenset({"debug", "parallel"}), _check_debug),
+    Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),
+    Rule(frozenset({"model", "data", "rollout"}), _check_positions),
+    Rule(frozenset({"data"}), _check_data),
+    Rule(frozenset({"model"}), _check_model_paths),
+    Rule(frozenset({"trainer"}), _check_resume),
 )
 
 
-def validate(cfg: RunConfig) -> list[ConfigError]:
-    """Every cross-field error of ``cfg`` (empty when valid)."""
+def validate(cfg: RunConfig, scope: frozenset[str] = TRAIN_SCOPE) -> list[ConfigError]:
+    """Every cross-field error of ``cfg`` (empty when valid) among the rules whose sections are
+    all in ``scope``: a command checks what it uses (rlbatch-plan builds no model)."""
     errors: list[ConfigError] = []
+    _check_positive(cfg, errors, scope)
     for rule in RULES:
-        rule(cfg, errors)
+        if all(_in_scope(section, scope) for section in rule.reads):
+            rule.check(cfg, errors)
     return errors
 
 
-def check(cfg: RunConfig, structural: list[ConfigError] | None = None) -> RunConfig:
+def check(
+    cfg: RunConfig,
+    structural: list[ConfigError] | None = None,
+    scope: frozenset[str] = TRAIN_SCOPE,
+) -> RunConfig:
     """Raise ConfigErrors listing every error; return ``cfg`` when valid.
 
     ``structural`` errors (from rlbatch.config.load.check_structure) come first; a cross-field
@@ -349,7 +434,7 @@ def check(cfg: RunConfig, structural: list[ConfigError] | None = None) -> RunCon
     """
     errors = list(structural or [])
     reported = {e.key for e in errors}
-    errors += [e for e in validate(cfg) if e.key not in reported]
+    errors += [e for e in validate(cfg, scope) if e.key not in reported]
     if errors:
         raise ConfigErrors(errors)
     return cfg

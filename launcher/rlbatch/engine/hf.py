@@ -191,7 +191,8 @@ def _shard_for(
     if kind == "col":
         return _shard(read(src), 1, rank, size)
     if kind in ("qkv_w", "qkv_b"):
-        fused = fuse_qkv(*(read(s) for s in src), groups=cfg.num_query_groups)
+        q, k, v = (read(s) for s in src)
+        fused = fuse_qkv(q, k, v, groups=cfg.num_query_groups)
         return _shard(fused, 0, rank, size)
     if kind == "fc1":
         gate, up = (read(s) for s in src)

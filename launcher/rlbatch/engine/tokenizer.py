@@ -33,7 +33,8 @@ class ByteTokenizer:
     PAD, BOS, EOS = 256, 257, 258
 
     def __init__(self) -> None:
-        self.pad_id, self.bos_id, self.eos_id = self.PAD, self.BOS, self.EOS
+        self.pad_id, self.eos_id = self.PAD, self.EOS
+        self.bos_id: Optional[int] = self.BOS
         self.vocab_size = 259
 
     def encode(self, text: str) -> list[int]:

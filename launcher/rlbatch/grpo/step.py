@@ -304,6 +304,10 @@ def run_train_step(
     are identical on every rank. A non-finite loss or gradient (debug.detect_nan) skips the
     update and reports ``nonfinite_micro_batch`` / NaN loss and grad_norm."""
     started = time.perf_counter()
+    # Megatron's optimizer leaves param.grad aliased to main_grad after step(); without clearing
+    # it, the next backward adds the first micro-batch's gradient twice (Megatron's own
+    # train_step calls optimizer.zero_grad() before its schedule too).
+    optimizer.zero_grad()
     layout = layout or Layout.current()
     reducers = reducers or Reducers.from_distributed()
     mini_batch = gather_mini_batch(samples, reducers)

@@ -9,8 +9,8 @@ def setup_logging(rank: int, level: str = "INFO") -> None:
     from rich.logging import RichHandler
 
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
+    for old in list(root.handlers):
+        root.removeHandler(old)
     handler: logging.Handler
     if rank == 0:
         handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False)

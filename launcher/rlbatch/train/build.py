@@ -168,10 +168,6 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     )
 
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
-        # Megatron's optimizer leaves param.grad aliased to main_grad after step(); without
-        # clearing it, the next backward adds the first micro-batch's gradient twice (Megatron's
-        # own train_step calls optimizer.zero_grad() too). Found by the resume comparison.
-        optimizer.zero_grad()
         return run_train_step(
             cfg,
             model,

@@ -64,7 +64,7 @@ SUMMARY_KEYS = (
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl; a torn last line (crash mid-write) is skipped."""
-    records = []
+    records: list[dict[str, Any]] = []
     p = Path(path)
     if not p.exists():
         return records
@@ -143,7 +143,7 @@ class MetricsLogger:
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self._writer = None
         self._progress: Progress | None = None
-        self._task = None
+        self._task: Any = None
         self._line_every = max(1, max_steps // 20)
         if not self.enabled:
             return

@@ -117,3 +117,64 @@ def test_resolved_yaml_round_trip(tmp_path):
     assert load_run_config(path) == cfg
     assert "pass: infer" in path.read_text()
     assert to_container(cfg)["plan"]["pass"] == "infer"
+
+
+PLAN_ONLY_LAYOUT = ["parallel.dp=8", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=2"]
+
+
+def test_plan_checks_only_what_planning_uses():
+    """rlbatch-plan builds no model and generates nothing: a layout the tiny model cannot train
+    with (2 layers over pp*vpp=4, one prompt per rank) still plans; training rejects it."""
+    from rlbatch.config.validate import PLAN_SCOPE
+
+    cfg = compose(BASE + PLAN_ONLY_LAYOUT, "t", PLAN_SCOPE)
+    assert (cfg.parallel.dp, cfg.parallel.vpp) == (8, 2)
+    with pytest.raises(SystemExit):
+        compose(BASE + PLAN_ONLY_LAYOUT, "t")
+
+
+def test_plan_still_rejects_bad_batching_and_layout(capsys):
+    from rlbatch.config.validate import PLAN_SCOPE
+
+    bad = ["parallel.tp=2", "batching.train.sequence_length_round=3", "parallel.pp=1"]
+    with pytest.raises(SystemExit):
+        compose(BASE + bad + ["parallel.vpp=2", "batching.infer.max_tokens=0"], "t", PLAN_SCOPE)
+    err = capsys.readouterr().err
+    for key in (
+        "batching.train.sequence_length_round",
+        "parallel.vpp",
+        "batching.infer.max_tokens",
+    ):
+        assert key in err
+
+
+def _hf_dir(tmp_path, layers):
+    import json
+
+    config = {
+        "model_type": "qwen2", "num_hidden_layers": layers, "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 300, "max_position_embeddings": 512, "tie_word_embeddings": True,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_architecture_of_hf_checkpoint_is_validated_not_the_presets(tmp_path, capsys):
+    """model.hf_path's config.json replaces the preset before the rules run: the preset's 2
+    layers would reject pp=3, the checkpoint's 6 layers split fine; 6 over pp=4 is rejected."""
+    hf = _hf_dir(tmp_path, layers=6)
+    cfg = compose(BASE + [f"model.hf_path={hf}", "parallel.pp=3"], "t")
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.vocab_size) == (6, 64, 300)
+    assert "num_layers: 2 -> 6" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compose(BASE + [f"model.hf_path={hf}", "parallel.pp=4"], "t")
+    assert "model.num_layers=6" in capsys.readouterr().err
+
+
+def test_unusable_hf_directory_is_a_config_error(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(SystemExit):
+        compose(BASE + [f"model.hf_path={tmp_path}"], "t")
+    err = capsys.readouterr().err
+    assert "model.hf_path" in err and "qwen2" in err
