@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.schema import (
     Dtype,
     LrSchedule,
@@ -124,6 +125,17 @@ def optimizer_config(optim: OptimConfig, model: ModelConfig, parallel: ParallelC
 
     gpu = on_gpu()
     dtype = torch_dtype(model.params_dtype)
+    if not gpu and dtype != torch.float32:
+        raise ConfigErrors(
+            [
+                ConfigError(
+                    "model.params_dtype",
+                    model.params_dtype,
+                    "megatron-core's bf16/fp16 optimizers need CUDA: on CPU train with "
+                    "model.params_dtype=fp32 (forward-only rlbatch-logprobs runs bf16 on CPU)",
+                )
+            ]
+        )
     return OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,

@@ -1,8 +1,20 @@
-"""Worker logging: rich on rank 0 at the configured level, warnings only on other ranks."""
+"""Worker logging: rich on rank 0 at the configured level, warnings only on other ranks.
+
+Python warnings go through logging too (once per rank-0 process, never once per rank), and
+the ones every CPU run would print are silenced: they describe the expected CPU fallback.
+"""
 
 from __future__ import annotations
 
 import logging
+import warnings
+
+EXPECTED_WARNINGS = (
+    # megatron-core on a machine without Transformer Engine / Apex (every CPU run): it falls
+    # back to torch implementations, which is what the CPU path uses by design.
+    r"Transformer Engine and Apex are not installed",
+    r".*(TransformerEngine|Transformer Engine) is not installed",
+)
 
 
 def setup_logging(rank: int, level: str = "INFO") -> None:
@@ -21,5 +33,10 @@ def setup_logging(rank: int, level: str = "INFO") -> None:
         handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s"))
         root.setLevel(logging.WARNING)
     root.addHandler(handler)
+    for pattern in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    if rank != 0:
+        warnings.simplefilter("ignore")  # rank 0 already reports what every rank would
+    logging.captureWarnings(True)
     # megatron-core logs a lot at INFO; keep its warnings.
     logging.getLogger("megatron").setLevel(logging.WARNING)

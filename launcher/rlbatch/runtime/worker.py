@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from rlbatch.config.errors import ConfigErrors
 from rlbatch.config.load import load_run_config
 from rlbatch.config.schema import RunConfig
 from rlbatch.runtime.logs import setup_logging
@@ -31,7 +32,9 @@ def _report(run_dir: Path, rank: int, exc: BaseException) -> None:
     errors = run_dir / "errors"
     errors.mkdir(parents=True, exist_ok=True)
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    detail = "".join(traceback.format_exception(exc))
+    # A configuration error found by a worker (e.g. what only the device can tell) reads like
+    # the driver's: key, value and fix, without a traceback.
+    detail = "" if isinstance(exc, ConfigErrors) else "".join(traceback.format_exception(exc))
     tmp = errors / f".rank{rank}.tmp"
     tmp.write_text(f"rank {rank}: {text}\n\n{detail}")
     tmp.replace(errors / f"rank{rank}.txt")

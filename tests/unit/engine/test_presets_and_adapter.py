@@ -59,3 +59,20 @@ def test_transformer_config_cpu_and_interleaving():
     assert config.virtual_pipeline_model_parallel_size == 2
     flat = adapter.transformer_config(ModelConfig(), ParallelConfig())
     assert flat.virtual_pipeline_model_parallel_size is None
+
+
+def test_bf16_training_on_cpu_is_a_config_error_naming_the_key():
+    """megatron-core's mixed-precision optimizers need CUDA: on CPU the user gets the key and
+    the fix instead of a dtype error from deep inside the optimizer's first step."""
+    import torch
+
+    from rlbatch.config.errors import ConfigErrors
+    from rlbatch.config.schema import Dtype, OptimConfig
+
+    if torch.cuda.is_available():
+        pytest.skip("on GPU bf16 training is supported")
+    model = ModelConfig(params_dtype=Dtype.bf16)
+    with pytest.raises(ConfigErrors, match=r"model\.params_dtype=bf16.*params_dtype=fp32"):
+        adapter.optimizer_config(OptimConfig(), model, ParallelConfig())
+    fp32 = adapter.optimizer_config(OptimConfig(), ModelConfig(), ParallelConfig())
+    assert fp32.params_dtype == torch.float32 and not fp32.bf16
