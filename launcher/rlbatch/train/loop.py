@@ -320,6 +320,12 @@ def _resume(cfg: RunConfig, comps: Components) -> TrainState | None:
     if paths[0] is None:
         if cfg.trainer.resume not in ("none", "auto"):
             raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume}: nothing to resume")
+        if cfg.trainer.resume == "auto" and comps.dist.rank == 0:
+            log.info(
+                "trainer.resume=auto: no complete checkpoint in %s, starting fresh (to continue "
+                "an earlier run pass its hydra.run.dir=DIR, or trainer.resume=DIR/checkpoints)",
+                checkpoint_dir(cfg),
+            )
         return None
     payload = load_checkpoint(paths[0], rank=comps.dist.rank, world_size=comps.dist.world_size)
     state = apply_payload(payload, comps.model, comps.optimizer, comps.scheduler)
