@@ -1,7 +1,7 @@
 """PNG plot of a run's metrics: reward, KL and tokens/s against optimizer step.
 
-matplotlib is optional (``pip install rlbatch[plot]``): without it :func:`plot_metrics` warns
-and returns None. Always the non-interactive Agg backend (workers have no display).
+matplotlib is a dependency; should it be missing (a stripped environment) :func:`plot_metrics`
+warns and returns None. Always the non-interactive Agg backend (workers have no display).
 """
 
 from __future__ import annotations

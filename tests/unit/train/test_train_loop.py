@@ -149,7 +149,7 @@ def test_uninterrupted_run_writes_metrics_checkpoints_and_plot(tmp_path):
         "step_00000006",
         "step_00000008",
     ]
-    assert (tmp_path / "metrics.png").exists() or pytest.importorskip("matplotlib") is None
+    assert (tmp_path / "metrics.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("fail_at", [5, 6])

@@ -106,7 +106,6 @@ def test_summary_table_first_and_last_tenth(tmp_path):
 
 
 def test_plot_png_written(tmp_path):
-    pytest.importorskip("matplotlib")
     path = plot_metrics([_record(s) for s in range(1, 30)], tmp_path / "metrics.png", title="t")
     assert path == tmp_path / "metrics.png"
     data = path.read_bytes()
