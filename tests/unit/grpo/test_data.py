@@ -1,7 +1,7 @@
 """Datasets (built-in, JSONL, Parquet), chat templates and the prompt-length check."""
 
-import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -66,8 +66,9 @@ def test_too_long_prompts_are_rejected_with_their_index(tmp_path):
     assert "index 0" not in msg
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow installed")
-def test_parquet_without_pyarrow_names_the_path(tmp_path):
+def test_parquet_without_pyarrow_names_the_path(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     path = tmp_path / "d.parquet"
     path.write_bytes(b"PAR1")
     cfg = DataConfig(source=DataSource.parquet, path=str(path))
@@ -75,7 +76,6 @@ def test_parquet_without_pyarrow_names_the_path(tmp_path):
         load_examples(cfg, seed=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow missing")
 def test_parquet_reads_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
