@@ -11,25 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import reference_logps, save_tiny_qwen2  # noqa: E402
+
 pytestmark = pytest.mark.dist
 
 
-def _reference_logps(ref, ids):
-    with torch.no_grad():
-        logits = ref(input_ids=torch.tensor([ids])).logits[0].double()
-    logp = torch.log_softmax(logits, -1)
-    return logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-
-
 def test_rlbatch_logprobs_pp2_vpp2(tmp_path, bin_dir, subprocess_env):
-    config = transformers.Qwen2Config(
-        vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True, attn_implementation="eager",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    ref = transformers.Qwen2ForCausalLM(config).float().eval()
-    ref.save_pretrained(tmp_path / "hf")
+    ref = save_tiny_qwen2(tmp_path / "hf", num_layers=4)
     g = torch.Generator().manual_seed(1)
     rows = [
         {"input_ids": torch.randint(0, 259, (n,), generator=g).tolist()}
@@ -55,9 +43,9 @@ def test_rlbatch_logprobs_pp2_vpp2(tmp_path, bin_dir, subprocess_env):
     assert [o["index"] for o in out] == list(range(len(rows)))
     for o, row in zip(out, rows, strict=True):
         if "input_ids" in row:
-            want = _reference_logps(ref, row["input_ids"])
+            want = reference_logps(ref, row["input_ids"])
         else:
             p, c = list(row["prompt"].encode()), list(row["completion"].encode())
-            want = _reference_logps(ref, p + c)[len(p) - 1 :]
+            want = reference_logps(ref, p + c)[len(p) - 1 :]
             assert o["completion_start"] == len(p)
         assert o["token_logprobs"] == pytest.approx(want, abs=1e-4)

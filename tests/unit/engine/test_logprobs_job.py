@@ -13,27 +13,14 @@ transformers = pytest.importorskip("transformers")
 
 from engine_helpers import megatron_world  # noqa: F401, E402
 
+from hf_reference import reference_logps, save_tiny_qwen2  # noqa: E402
 from rlbatch.cli import logprobs_job  # noqa: E402
 from rlbatch.config.schema import BatchingMode, RunConfig  # noqa: E402
 from rlbatch.engine.tokenizer import ByteTokenizer  # noqa: E402
 
 
-def _reference_logps(ref, ids):
-    with torch.no_grad():
-        logits = ref(input_ids=torch.tensor([ids])).logits[0].double()
-    logp = torch.log_softmax(logits, -1)
-    return logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-
-
 def test_logprobs_job_matches_transformers(megatron_world, tmp_path):
-    config = transformers.Qwen2Config(
-        vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True, attn_implementation="eager",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    ref = transformers.Qwen2ForCausalLM(config).float().eval()
-    ref.save_pretrained(tmp_path / "hf")
+    ref = save_tiny_qwen2(tmp_path / "hf", num_layers=2)
     g = torch.Generator().manual_seed(5)
     rows = [
         {"input_ids": torch.randint(0, 259, (n,), generator=g).tolist()} for n in (9, 2, 30, 14)
@@ -58,13 +45,13 @@ def test_logprobs_job_matches_transformers(megatron_world, tmp_path):
     for o, row in zip(out, rows, strict=True):
         if "input_ids" in row:
             ids = row["input_ids"]
-            want = _reference_logps(ref, ids) if len(ids) > 1 else []
+            want = reference_logps(ref, ids) if len(ids) > 1 else []
             assert "completion_start" not in o
         else:
             prompt, completion = tok.encode(row["prompt"]), tok.encode(row["completion"])
             ids = prompt + completion
             assert o["completion_start"] == len(prompt)
-            want = _reference_logps(ref, ids)[len(prompt) - 1 :]
+            want = reference_logps(ref, ids)[len(prompt) - 1 :]
             assert len(want) == len(completion)
         assert len(o["token_logprobs"]) == len(want) == len(o["entropy"])
         assert o["token_logprobs"] == pytest.approx(want, abs=1e-4)
