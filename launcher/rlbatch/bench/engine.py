@@ -10,8 +10,8 @@ timed through rlbatch.engine.schedule.run_pass (forward + backward, next-token l
 - naive:   micro_batch_size samples in data order, padded to the longest (the usual baseline);
 - fixed:   the planner's fixed mode (micro_batch_size rows, sorted by length);
 - dynamic: the planner's padded micro-batches under the token budget (max_tokens);
-- packed:  the planner's packed micro-batches (one row; block-diagonal mask on CPU, THD on GPU
-           with Transformer Engine).
+- packed:  the planner's packed micro-batches (one row, THD: per-sequence attention, with
+           Transformer Engine on GPU and rlbatch.engine.attention on CPU).
 
 tokens/s counts real tokens only; the ratio column is tokens/s over naive's. Models: ``tiny``
 (the CPU default, ~110k parameters) and ``small`` (4 layers, hidden 256: ~3M parameters).

@@ -28,12 +28,18 @@ def have_transformer_engine() -> bool:
 
 
 def layer_spec(model: ModelConfig) -> Any:
-    """TE spec on GPU with transformer_engine, else megatron's local spec (RMSNorm)."""
+    """TE spec on GPU with transformer_engine, else megatron's local spec (RMSNorm) with
+    rlbatch.engine.attention's THD-capable core attention."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if have_transformer_engine():
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    from rlbatch.engine.attention import SegmentedDotProductAttention
+
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    # packed micro-batches run as THD here too (per-sequence attention, no block mask)
+    spec.submodules.self_attention.submodules.core_attention = SegmentedDotProductAttention
+    return spec
 
 
 def check_model_config(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1) -> None:

@@ -10,9 +10,11 @@
   iterator, as megatron requires; they share one cache, so each micro-batch is still built once).
 - Layouts (:func:`layout`): padded micro-batches are ``[rows, padded_len]`` with an explicit
   causal bool mask ``[rows, 1, S, S]`` (True = masked; megatron's default mask would be made on
-  "cuda"); packed micro-batches are one row: THD (``PackedSeqParams``) with Transformer Engine on
-  GPU, else a block-diagonal causal mask with per-sequence position ids; a filler micro-batch
-  (no samples) is one dummy row whose loss weight is 0.
+  "cuda"); packed micro-batches are one row run as THD (``PackedSeqParams``: each sequence of the
+  pack attends only to itself): Transformer Engine's kernels on GPU, rlbatch.engine.attention's
+  per-sequence local attention on CPU; ``layout(..., thd=False)`` builds the equivalent
+  block-diagonal causal mask instead (a cross-check in the tests). A filler micro-batch (no
+  samples) is one dummy row whose loss weight is 0.
 - ``loss_fn(output, inputs)`` follows megatron's loss_func contract: it returns
   ``(loss, metrics)`` (megatron divides by num_microbatches) or ``(loss, num_tokens, metrics)``.
   ``output`` is the last stage's logits ``[rows, S, V / tp]``.
@@ -94,7 +96,7 @@ def causal_mask(length: int, device: Any = None) -> torch.Tensor:
 
 @dataclass
 class Layout:
-    """Position ids, attention mask and (GPU packed) THD parameters of a micro-batch."""
+    """Position ids, attention mask and (packed) THD parameters of a micro-batch."""
 
     position_ids: torch.Tensor
     """[R, S] long"""
@@ -103,19 +105,12 @@ class Layout:
     packed_seq_params: Optional[Any] = None
 
 
-def use_thd() -> bool:
-    """Packed micro-batches run as THD only with Transformer Engine (GPU)."""
-    from rlbatch.engine.model import have_transformer_engine
-
-    return have_transformer_engine()
-
-
 def layout(
     micro_batch: MicroBatch,
     round_to: Optional[int] = None,
     device: Any = None,
     *,
-    thd: Optional[bool] = None,
+    thd: bool = True,
 ) -> Layout:
     rows, width = max(1, micro_batch.num_rows), micro_batch.padded_len
     if not micro_batch.packed or micro_batch.filler:
@@ -132,14 +127,14 @@ def layout(
     if tail < width:  # unused slots at the end: their own block
         positions[0, tail:] = torch.arange(width - tail, device=device)
         blocks[tail:] = len(segs)
-    if thd if thd is not None else use_thd():
+    if thd:
         return Layout(positions, None, packed_seq_params(segs, width, device))
     mask = causal_mask(width, device) | (blocks[:, None] != blocks[None, :])
     return Layout(positions, mask[None, None])
 
 
 def packed_seq_params(segs: Sequence[Segment], width: int, device: Any) -> Any:
-    """THD parameters (TE): each sample's block (with its round-up slots) is one sequence."""
+    """THD parameters: each sample's block (with its round-up slots) is one sequence."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     bounds = [0]

@@ -35,6 +35,11 @@ def test_packed_logits_equal_unpacked(tiny_cfg):
             ref = _logits(chunk, single)[0, : len(ids)]
             got = out_packed[0, seg.start : seg.start + seg.length]
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        assert packed.packed_seq_params is not None  # THD on CPU too: no block mask
+        block_masked = schedule.make_inputs(seqs, packed_mb(range(6), LENGTHS, r), round_to=r)
+        lay = schedule.layout(packed_mb(range(6), LENGTHS, r), r, thd=False)
+        block_masked.attention_mask, block_masked.packed_seq_params = lay.attention_mask, None
+        torch.testing.assert_close(_logits(chunk, block_masked), out_packed, rtol=1e-5, atol=1e-5)
         padded = schedule.make_inputs(seqs, padded_mb(range(6), LENGTHS, r))
         out_padded = _logits(chunk, padded)
         for j, seg in enumerate(packed.segments):
