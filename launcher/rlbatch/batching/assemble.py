@@ -11,7 +11,7 @@ from typing import Any
 
 from rlbatch.batching.cost import CostModel
 from rlbatch.batching.packing import eliminate_bins
-from rlbatch.batching.plan import MicroBatch, PassPlan, RankPlan, new_micro_batch
+from rlbatch.batching.plan import MicroBatch, PassPlan, PlanStats, RankPlan, new_micro_batch
 from rlbatch.batching.sharding import (
     BinShape,
     assign_balanced,
@@ -233,8 +233,7 @@ def assemble_plan(
 
     samples: the sample indices the bins cover (default: all of prep)."""
     budget, r = cfg.max_tokens, cfg.sequence_length_round
-    a, b = cost.a, cost.b
-    sample_cost = [a * x + b * x * x for x in prep.rounded]
+    sample_cost = [cost.a * x + cost.b * x * x for x in prep.rounded]
     shape = BinShape(prep.rounded, sample_cost, cost, packed)
     natural_bins = len(bins)
     count = valid_count(max(-(-natural_bins // dp), min_count), pp, vpp, mb_group_size)
@@ -247,22 +246,14 @@ def assemble_plan(
     if repack is not None:
         bins = _even_out(bins, dp * count, covered_tokens, budget, repack)
     if packed:
-        cost_of = sample_cost.__getitem__
-        costs = [sum(map(cost_of, b)) for b in bins]
+        costs = [sum(map(sample_cost.__getitem__, b)) for b in bins]
     else:
         costs = [len(b) * sample_cost[b[0]] for b in bins]
     splits = split_to_count(bins, costs, dp * count, shape)
-    num_fillers = dp * count - len(bins)
-    costs += [cost.padded(1, r)] * num_fillers
+    costs += [cost.padded(1, r)] * (dp * count - len(bins))
     assignment = assign_balanced(costs, dp, count)
     moves = rebalance_samples(bins, assignment, costs, shape, budget)
     rank_plans, rank_costs = _rank_plans(assignment, bins, costs, prep, packed, budget, r)
-    if samples is None:
-        oversize, truncated = len(prep.oversize), prep.truncated_tokens
-    else:  # a tiny looping dataset can serve a sample twice in one step: count occurrences
-        over = set(prep.oversize)
-        oversize = sum(1 for i in samples if i in over) if over else 0
-        truncated = sum(prep.cut.get(i, 0) for i in samples) if prep.cut else 0
     lb = lower_bound(covered, dp, budget)
     info: dict[str, Any] = {
         "natural_micro_batches": natural_bins,
@@ -271,18 +262,7 @@ def assemble_plan(
         "k_over_lb": count / lb if lb else 1.0,
     }
     info.update(extra or {})
-    stats = compute_stats(
-        [rp.micro_batches for rp in rank_plans],
-        max_tokens=budget,
-        sequence_length_round=r,
-        cost=cost,
-        lower_bound=lb,
-        planner_seconds=0.0,
-        oversize=oversize,
-        truncated_tokens=truncated,
-        micro_batch_costs=rank_costs,
-    )
-    stats = replace(stats, planner_seconds=time.perf_counter() - started)
+    stats = _plan_stats(rank_plans, rank_costs, prep, samples, cfg, cost, lb, started)
     return PassPlan(
         mode=mode,
         dp=dp,
@@ -293,6 +273,37 @@ def assemble_plan(
         max_tokens=budget,
         extra=info,
     )
+
+
+def _plan_stats(
+    rank_plans: list[RankPlan],
+    rank_costs: list[list[float]],
+    prep: Prepared,
+    samples: Sequence[int] | None,
+    cfg: BatchingPassConfig,
+    cost: CostModel,
+    bound: int,
+    started: float,
+) -> PlanStats:
+    """The plan's statistics; planner_seconds runs from ``started`` to now."""
+    if samples is None:
+        oversize, truncated = len(prep.oversize), prep.truncated_tokens
+    else:  # a tiny looping dataset can serve a sample twice in one step: count occurrences
+        over = set(prep.oversize)
+        oversize = sum(1 for i in samples if i in over) if over else 0
+        truncated = sum(prep.cut.get(i, 0) for i in samples) if prep.cut else 0
+    stats = compute_stats(
+        [rp.micro_batches for rp in rank_plans],
+        max_tokens=cfg.max_tokens,
+        sequence_length_round=cfg.sequence_length_round,
+        cost=cost,
+        lower_bound=bound,
+        planner_seconds=0.0,
+        oversize=oversize,
+        truncated_tokens=truncated,
+        micro_batch_costs=rank_costs,
+    )
+    return replace(stats, planner_seconds=time.perf_counter() - started)
 
 
 def sibling_spread(plan: PassPlan, group_size: int) -> int:
