@@ -52,7 +52,7 @@ def test_default_recipe_learns(bin_dir, subprocess_env, tmp_path):
 
 def test_one_job_multirun(bin_dir, subprocess_env, tmp_path):
     sweep = tmp_path / "sweep"
-    _train(
+    proc = _train(
         bin_dir,
         subprocess_env,
         tmp_path,
@@ -61,6 +61,7 @@ def test_one_job_multirun(bin_dir, subprocess_env, tmp_path):
         flags=("-m",),
     )
     assert len(_metrics(sweep / "0")) == 2
+    assert "#0 : +recipe=grpo_qwen trainer.max_steps=2" in " ".join(proc.stdout.split())
     assert (sweep / "0" / "resolved.yaml").is_file()
 
 
