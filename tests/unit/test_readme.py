@@ -26,3 +26,34 @@ def test_ci_runs_the_readme_test_command():
     ci = (REPO / ".ci" / "run").read_text()
     assert _quick_start_commands()[1] in ci
     assert "set -euo pipefail" in ci
+
+
+def _common_commands() -> list[list[str]]:
+    """Each rlbatch-train / rlbatch-plan line of README's 'Common commands', as argv."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Common commands", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", section, re.S)[0].replace("\\\n", " ")
+    commands = []
+    for line in block.splitlines():
+        words = line.split("#", 1)[0].split()
+        if words and words[0] in ("rlbatch-train", "rlbatch-plan"):
+            commands.append(words)
+    return commands
+
+
+def test_common_commands_compose_and_validate():
+    """The README's examples are configs users paste: each one must validate as shown (a sweep
+    with its first value of every swept key)."""
+    from rlbatch.cli.common import compose
+    from rlbatch.config.validate import PLAN_SCOPE
+
+    commands = _common_commands()
+    assert len(commands) >= 6
+    for command, *args in commands:
+        overrides = [a for a in args if "=" in a and not a.startswith("-")]
+        overrides = [a.split(",")[0] for a in overrides]  # -m sweeps: the first point
+        scope = PLAN_SCOPE if command == "rlbatch-plan" else None
+        try:
+            compose(overrides, command, scope)
+        except SystemExit as exc:  # compose prints the errors
+            raise AssertionError(f"README example does not validate: {command} {args}") from exc
