@@ -78,7 +78,8 @@ def _adopt_hf_architecture(cfg: RunConfig, command: str) -> list[ConfigError]:
         from rich.console import Console
 
         Console(stderr=True, highlight=False).print(
-            f"{command}: the architecture comes from {path}/config.json: " + "; ".join(changed)
+            f"{command}: the architecture comes from {path}/config.json: " + "; ".join(changed),
+            markup=False,
         )
     return []
 
