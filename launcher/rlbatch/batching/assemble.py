@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from operator import itemgetter
 from typing import Any
 
 from rlbatch.batching.cost import CostModel
@@ -111,20 +112,24 @@ def _build_micro_batches(
     bins: list[list[int]], prep: Prepared, packed: bool, budget: int
 ) -> list[MicroBatch]:
     """One MicroBatch per bin. Bins hold samples by decreasing rounded length: the first sets
-    a padded micro-batch's padded length and is the longest of a packed one."""
-    length_of = prep.lengths.__getitem__
-    rounded_of = prep.rounded.__getitem__
-    out = []
+    a padded micro-batch's padded length and is the longest of a packed one. (One pass, one
+    itemgetter per bin for its lengths and rounded lengths: this runs once per micro-batch.)"""
+    lengths, rounded = prep.lengths, prep.rounded
+    out: list[MicroBatch] = []
+    append = out.append
     for b in bins:
-        lens = tuple(map(length_of, b))
-        top = rounded_of(b[0])
-        if packed:
-            padded_len = computed = sum(map(rounded_of, b))
+        top = rounded[b[0]]
+        if len(b) == 1:
+            lens: tuple[int, ...] = (lengths[b[0]],)
+            real = lens[0]
+            computed = top
         else:
-            padded_len, computed = top, top * len(b)
-        out.append(
-            new_micro_batch(tuple(b), lens, padded_len, computed, sum(lens), packed, top > budget)
-        )
+            get = itemgetter(*b)
+            lens = get(lengths)
+            real = sum(lens)
+            computed = sum(get(rounded)) if packed else top * len(b)
+        padded_len = computed if packed else top
+        append(new_micro_batch(tuple(b), lens, padded_len, computed, real, packed, top > budget))
     return out
 
 
@@ -233,7 +238,8 @@ def assemble_plan(
 
     samples: the sample indices the bins cover (default: all of prep)."""
     budget, r = cfg.max_tokens, cfg.sequence_length_round
-    sample_cost = [cost.a * x + cost.b * x * x for x in prep.rounded]
+    per_length = {x: cost.a * x + cost.b * x * x for x in set(prep.rounded)}  # few distinct
+    sample_cost = list(map(per_length.__getitem__, prep.rounded))
     shape = BinShape(prep.rounded, sample_cost, cost, packed)
     natural_bins = len(bins)
     count = valid_count(max(-(-natural_bins // dp), min_count), pp, vpp, mb_group_size)

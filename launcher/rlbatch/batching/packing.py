@@ -54,7 +54,13 @@ def pack_best_fit_decreasing(
     rooms: list[int] = []  # sorted distinct remaining rooms that have open bins
     open_bins: dict[int, list[int]] = {}  # room -> bin ids (popped from the end)
     neg = [-rounded[k] for k in order]  # non-decreasing: class boundaries by bisect
-    i, n = 0, len(order)
+    # Items longer than capacity / 2 fit no open bin (each open bin holds a longer one): one
+    # bin each, opened in one step; their rooms capacity - size come in ascending order.
+    i, n = bisect_left(neg, -(capacity // 2)), len(order)
+    bins.extend([k] for k in order[:i])
+    for room, singles in _rooms_of_singles(neg, i, capacity, smallest):
+        rooms.append(room)
+        open_bins[room] = singles
     while i < n:
         size = -neg[i]
         j = bisect_right(neg, neg[i], i)
@@ -83,9 +89,12 @@ def pack_best_fit_decreasing(
                 del open_bins[room]
                 del rooms[pos]
             take = room // size
-            if take > j - i:
-                take = j - i
-            bins[bid].extend(order[i : i + take])
+            if take == 1:
+                bins[bid].append(order[i])
+            else:
+                if take > j - i:
+                    take = j - i
+                bins[bid].extend(order[i : i + take])
             i += take
             room -= take * size
             if room >= smallest:
@@ -96,6 +105,21 @@ def pack_best_fit_decreasing(
                 else:
                     ids.append(bid)
     return bins
+
+
+def _rooms_of_singles(
+    neg: list[int], end: int, capacity: int, smallest: int
+) -> list[tuple[int, list[int]]]:
+    """(room, bin ids) per size class of the first ``end`` items, one bin each, for the rooms
+    that can still take the smallest item."""
+    out = []
+    i = 0
+    while i < end:
+        j = bisect_right(neg, neg[i], i, end)
+        if capacity + neg[i] >= smallest:
+            out.append((capacity + neg[i], list(range(i, j))))
+        i = j
+    return out
 
 
 def eliminate_bins(

@@ -9,8 +9,10 @@ order each rank costliest first (lockstep) -> stats.
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from rlbatch.batching.assemble import assemble_plan, length_order, prepare_lengths
 from rlbatch.batching.cost import TOKEN_COUNT, CostModel
@@ -18,6 +20,21 @@ from rlbatch.batching.packing import pack_best_fit_decreasing, pack_sorted_runs
 from rlbatch.batching.plan import PassPlan
 from rlbatch.batching.vpp import resolve_group_size
 from rlbatch.config.schema import BatchingMode, BatchingPassConfig
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while planning. A plan allocates tens of thousands
+    of small containers (bins, tuples, micro-batches) and frees none of them in cycles, yet
+    each allocation burst triggers collections that rescan every tracked object of the process
+    (in a trainer: all of torch's); the state is restored afterwards, even on error."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def plan_pass(
@@ -44,6 +61,26 @@ def plan_pass(
     pass_name: "train" or "infer", for the config keys named in error messages.
     Raises ValueError for bad input or, with oversize=error, a sample over the budget.
     """
+    with gc_paused():
+        return _plan_pass(
+            lengths, cfg, dp, pp, vpp, microbatch_group_size, group_size, cost, seed, step,
+            pass_name,
+        )  # fmt: skip
+
+
+def _plan_pass(
+    lengths: Sequence[int],
+    cfg: BatchingPassConfig,
+    dp: int,
+    pp: int,
+    vpp: int,
+    microbatch_group_size: int | None,
+    group_size: int,
+    cost: CostModel | None,
+    seed: int,
+    step: int,
+    pass_name: str,
+) -> PassPlan:
     started = time.perf_counter()
     if dp < 1:
         raise ValueError(f"parallel.dp={dp} must be >= 1")

@@ -186,6 +186,9 @@ class _PackedMoves:
         self.nbins = len(bins)
         self.max_cost = max_cost
         self.tokens: dict[int, int] = {}
+        # rank -> (its bin with the most room, ties by lowest id; that room): only the two
+        # ranks of a move change, so a rank's target is searched once and again after a move
+        self.targets: dict[int, tuple[int, int] | None] = {}
         # rank -> sorted (cost, scrambled sample, sample, bin); the scramble breaks cost ties
         # pseudo-randomly, so equal-cost picks do not all come from one sibling group
         self.by_cost: dict[int, list[tuple[float, int, int, int]]] = {}
@@ -211,12 +214,18 @@ class _PackedMoves:
             self.by_cost[r] = entries
         return self.by_cost[r]
 
+    def _target(self, j: int) -> tuple[int, int] | None:
+        if j not in self.targets:
+            tokens = self._tokens
+            fewest = min(((tokens(t), t) for t in self.ranks[j] if t < self.nbins), default=None)
+            self.targets[j] = None if fewest is None else (fewest[1], self.budget - fewest[0])
+        return self.targets[j]
+
     def best(self, h: int, j: int, load_h: float, load_j: float) -> tuple[float, Move] | None:
-        targets = [t for t in self.ranks[j] if t < self.nbins]
-        if not targets:
+        target = self._target(j)
+        if target is None:
             return None
-        t = max(targets, key=lambda x: (self.budget - self._tokens(x), -x))
-        room = self.budget - self._tokens(t)
+        t, room = target
         gap = load_h - load_j
         upper = min(gap, self.shape.cost(room))
         items = self._sorted(h)
@@ -248,6 +257,8 @@ class _PackedMoves:
         self.bins[t].sort(key=lambda x: -rounded[x])
         self.tokens[b] = self._tokens(b) - rounded[s]
         self.tokens[t] = self._tokens(t) + rounded[s]
+        self.targets.pop(h, None)
+        self.targets.pop(j, None)
         c = self.shape.sample_cost[s]
         for r, entry, add in (
             (h, (c, _scramble(s), s, b), False),
