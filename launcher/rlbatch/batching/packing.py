@@ -75,12 +75,7 @@ def pack_best_fit_decreasing(
                     i += take
                     room = capacity - take * size
                     if room >= smallest:
-                        ids = open_bins.get(room)
-                        if ids is None:
-                            open_bins[room] = [bid]
-                            insort(rooms, room)
-                        else:
-                            ids.append(bid)
+                        _reopen(room, bid, rooms, open_bins)
                 break
             room = rooms[pos]
             ids = open_bins[room]
@@ -98,13 +93,18 @@ def pack_best_fit_decreasing(
             i += take
             room -= take * size
             if room >= smallest:
-                ids = open_bins.get(room)
-                if ids is None:
-                    open_bins[room] = [bid]
-                    insort(rooms, room)
-                else:
-                    ids.append(bid)
+                _reopen(room, bid, rooms, open_bins)
     return bins
+
+
+def _reopen(room: int, bid: int, rooms: list[int], open_bins: dict[int, list[int]]) -> None:
+    """File bin ``bid`` under its remaining ``room`` (rooms stays sorted and distinct)."""
+    ids = open_bins.get(room)
+    if ids is None:
+        open_bins[room] = [bid]
+        insort(rooms, room)
+    else:
+        ids.append(bid)
 
 
 def _rooms_of_singles(
