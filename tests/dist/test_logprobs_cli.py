@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 from hf_reference import reference_logps, save_tiny_qwen2  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Pool mode (cosmos-rl, seed 004): streaming, step-based micro-batching from per-rank pools.
+"""Pool mode (after cosmos-rl's pool batcher): streaming, step-based micro-batching from per-rank pools.
 
 The data is one **global** stream: a permutation of all samples, reshuffled every epoch from
 (seed, epoch) (not a shuffle within each rank's shard). Each rank keeps a pool of up to

@@ -37,14 +37,14 @@ class OversizePolicy(str, Enum):
 
 
 class PoolStrategy(str, Enum):
-    """Best-fit rule of the pool batcher (seed 004)."""
+    """Best-fit rule of the pool batcher (docs/batching.md, pool mode)."""
 
     prefer_closest = "prefer_closest"
     prefer_first = "prefer_first"
 
 
 class NormalizationMode(str, Enum):
-    """How the loss divisor is computed across micro-batches and DP ranks (design.md 6)."""
+    """How the loss divisor is computed across micro-batches and DP ranks (docs/normalization.md)."""
 
     eager_global = "eager_global"
     per_micro_batch = "per_micro_batch"
@@ -324,7 +324,7 @@ class AggregationConfig:
     old_logps_micro_batch_size: int = 4
     """Prompts per old-logprob chunk."""
     train_micro_batch_size: int = 4
-    """Prompts per training micro-batch fed to the aggregator (seed 000's input unit)."""
+    """Prompts per training micro-batch fed to the aggregator (its input unit)."""
     logps_use_infer_budget: bool = True
     """Ref/old passes are cut by batching.infer (token budget) instead of fixed chunk sizes."""
     proceed_num_steps: Optional[int] = None
@@ -364,7 +364,7 @@ class GRPOConfig:
     importance_weight_cap: float = 2.0
     """Truncation of the behaviour-policy importance weight for stale samples."""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
-    """LCM aggregation of rollout / ref / old / train micro sizes (seed 000)."""
+    """LCM aggregation of rollout / ref / old / train micro sizes (docs/lcm_aggregation.md)."""
 
 
 @dataclass

@@ -68,7 +68,7 @@ def generation_batch_size(cfg: RunConfig) -> int:
 
 
 def lcm_micro_sizes(cfg: RunConfig) -> int:
-    """service_target_bs of the LCM aggregation, in prompts (design.md section 5)."""
+    """service_target_bs of the LCM aggregation, in prompts (docs/lcm_aggregation.md)."""
     a = cfg.grpo.aggregation
     rollout = a.rollout_micro_batch_size or cfg.rollout.micro_batch_size
     sizes = [rollout, a.ref_logps_micro_batch_size, a.old_logps_micro_batch_size]

@@ -43,7 +43,7 @@ def transformer_config(
     """Qwen2-architecture TransformerConfig (RMSNorm, SwiGLU, RoPE, GQA, QKV bias).
 
     CPU (no CUDA): CPU initialisation, fp32 pipeline, every CUDA fusion off, dropout 0
-    (shared/megatron-cpu.md). ``variable_seq_lengths=True`` always (the plan's micro-batches
+    (docs/engine.md). ``variable_seq_lengths=True`` always (the plan's micro-batches
     differ in shape); megatron 0.16.1 then requires moe_token_dispatcher_type="alltoall" even
     for dense models. With interleaving (vpp > 1): overlap_p2p_comm=True and
     batch_p2p_comm=False (the default batched p2p is silently wrong with pp=2, where the

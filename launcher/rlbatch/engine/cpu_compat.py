@@ -1,6 +1,6 @@
 """megatron-core 0.16.1 on a CUDA-less machine: the CPU compatibility layer, in one module.
 
-megatron-core hard-codes CUDA in a handful of places (shared/megatron-cpu.md lists them). When
+megatron-core hard-codes CUDA in a handful of places (docs/engine.md lists them). When
 CUDA is unavailable, :func:`install` replaces the module-level name ``torch`` **inside those
 megatron modules only** with a proxy that forwards everything to torch except:
 

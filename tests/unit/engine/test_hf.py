@@ -9,9 +9,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 from engine_helpers import megatron_world, padded_mb  # noqa: F401
-
-transformers = pytest.importorskip("transformers")
 
 from rlbatch.config.schema import ModelConfig  # noqa: E402
 from rlbatch.engine import hf, schedule  # noqa: E402

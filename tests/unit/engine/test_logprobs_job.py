@@ -8,9 +8,6 @@ import json
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-
 from engine_helpers import megatron_world  # noqa: F401, E402
 
 from hf_reference import reference_logps, save_tiny_qwen2  # noqa: E402

@@ -61,6 +61,7 @@ def test_transformer_config_cpu_and_interleaving():
     assert flat.virtual_pipeline_model_parallel_size is None
 
 
+@pytest.mark.cpu_only
 def test_bf16_training_on_cpu_is_a_config_error_naming_the_key():
     """megatron-core's mixed-precision optimizers need CUDA: on CPU the user gets the key and
     the fix instead of a dtype error from deep inside the optimizer's first step."""

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("rlbatch.grpo.step")
-
-from rlbatch.config.schema import FailKind, RunConfig  # noqa: E402
-from rlbatch.train.health import InjectedFailure  # noqa: E402
-from rlbatch.train.metrics import read_jsonl  # noqa: E402
+import rlbatch.grpo.step  # noqa: F401  (an import regression fails, never skips)
+from rlbatch.config.schema import FailKind, RunConfig
+from rlbatch.train.health import InjectedFailure
+from rlbatch.train.metrics import read_jsonl
 
 TIMING = ("step_time_s", "tokens_per_s", "train_seconds", "train_tokens_per_s")
 
