@@ -18,6 +18,7 @@ from pathlib import Path
 from rlbatch.config.load import dump_run_config
 from rlbatch.config.schema import RunConfig
 from rlbatch.config.validate import world_size
+from rlbatch.runtime.lifeline import child_env
 
 log = logging.getLogger("rlbatch")
 
@@ -65,7 +66,7 @@ def launch(cfg: RunConfig, run_dir: Path, entry: str) -> int:
     cmd = torchrun_command(cfg, resolved, entry)
     log.info("run directory: %s (%d worker(s))", run_dir, world_size(cfg))
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, env=worker_env(cfg), start_new_session=True)
+    proc = subprocess.Popen(cmd, env=child_env(worker_env(cfg)), start_new_session=True)
     try:
         code = proc.wait()
     except KeyboardInterrupt:
