@@ -307,12 +307,18 @@ class ParallelConfig:
     """torch.distributed backend; auto = nccl with CUDA, gloo otherwise."""
     nnodes: int = 1
     """Nodes (torchrun --nnodes)."""
-    node_rank: int = 0
-    """This node's rank (torchrun --node_rank)."""
+    node_rank: Optional[int] = None
+    """This node's rank, 0..nnodes-1 (torchrun --node-rank); null = SLURM_NODEID under SLURM,
+    else 0 on a single node (multi-node without SLURM: set it on each node)."""
     nproc_per_node: Optional[int] = None
     """Workers on this node; null = tp*pp*cp*dp / nnodes."""
     rdzv_endpoint: Optional[str] = None
-    """host:port of the rendezvous for multi-node; null = a free local port."""
+    """host:port of node 0 (rank 0 serves the rendezvous) for multi-node; null = under SLURM the
+    first host of SLURM_JOB_NODELIST, port 29500 + job id % 1000; single node: a free local port."""
+    run_id: Optional[str] = None
+    """Id shared by every node of a run: torchrun's --rdzv-id and the run directory
+    (outputs/<run_id>); null = multi-node: the scheduler's job id (SLURM_JOB_ID[.SLURM_STEP_ID],
+    PBS_JOBID, LSB_JOBID), single node: the run directory's name (a new one per run)."""
 
 
 @dataclass
