@@ -397,8 +397,11 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0
-    """Save every this many optimizer steps (0 = only at the end)."""
+    every_steps: int = 50
+    """Save every this many optimizer steps (0 = by every_minutes only); always at the end."""
+    every_minutes: float = 30.0
+    """Also save when this many minutes passed since the last save (rank 0's clock, all ranks
+    agree; 0 = off), so a crash loses at most this much work whatever the step time."""
     keep_last: int = 2
     """Checkpoints kept on disk."""
     dir: Optional[str] = None

@@ -135,6 +135,7 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[
         "grpo.max_staleness": g.max_staleness,
         "trainer.optim.warmup_steps": t.optim.warmup_steps,
         "trainer.checkpoint.every_steps": t.checkpoint.every_steps,
+        "trainer.checkpoint.every_minutes": t.checkpoint.every_minutes,
         "trainer.optim.clip_grad": t.optim.clip_grad,
     }
     for key, value in non_negative.items():
