@@ -158,7 +158,7 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
             )
             logger.log(record)
             due = _guarded(
-                cfg, comps, heartbeat, step, lambda s=step: _save_due(cfg, comps, s, saved_at)
+                cfg, comps, heartbeat, step, lambda s=step, t=saved_at: _save_due(cfg, comps, s, t)
             )
             if due:
                 heartbeat.beat(step, "checkpoint")
