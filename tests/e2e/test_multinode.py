@@ -65,7 +65,11 @@ def test_two_nodes_train_like_one(bin_dir, subprocess_env, tmp_path):
     )
     slurm = {"SLURM_JOB_ID": str(job_id), "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "127.0.0.1"}
     node1 = _start(bin_dir, {**subprocess_env, **slurm}, tmp_path, two_node)
-    outputs = [node.communicate(timeout=400)[0] for node in (node0, node1)]
+    try:
+        outputs = [node.communicate(timeout=400)[0] for node in (node0, node1)]
+    finally:
+        for node in (node0, node1):
+            node.kill()  # a node left waiting at the rendezvous; its workers die with it
     for node, out in zip((node0, node1), outputs, strict=True):
         assert node.returncode == 0, out[-3000:]
 
