@@ -58,7 +58,7 @@ def to_validated_run_config(
     if "parallel" in scope:
         from rlbatch.runtime.scheduler import apply_scheduler_env
 
-        apply_scheduler_env(run_cfg.parallel, os.environ)
+        errors += apply_scheduler_env(run_cfg.parallel, os.environ)
     if "model" in scope:
         errors += _adopt_hf_architecture(run_cfg, command)
     try:

@@ -19,6 +19,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from typing import Optional
 
+from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import ParallelConfig
 
 RDZV_BASE_PORT = 29500
@@ -69,16 +70,18 @@ def apply_scheduler_env(
     parallel: ParallelConfig,
     env: Mapping[str, str],
     resolve_host: Callable[[str], str] = scontrol_first_host,
-) -> None:
-    """Fill the multi-node keys left null from the scheduler's environment (in place).
+) -> list[ConfigError]:
+    """Fill the multi-node keys left null from the scheduler's environment (in place); return
+    what contradicts it (an ``srun`` step over another number of nodes than parallel.nnodes).
 
     Single node: ``node_rank`` null -> 0 and nothing else (standalone rendezvous, a new run id
     per run). Keys that stay null on a multi-node run are reported by config validation.
     """
+    errors = _step_mismatch(parallel, env)
     if parallel.nnodes <= 1:
         if parallel.node_rank is None:
             parallel.node_rank = 0
-        return
+        return errors
     if parallel.run_id is None:
         parallel.run_id = scheduler_run_id(env)
     if parallel.node_rank is None and env.get("SLURM_NODEID", "").isdigit():
@@ -87,3 +90,17 @@ def apply_scheduler_env(
     if parallel.rdzv_endpoint is None and nodelist and env.get("SLURM_JOB_ID", "").isdigit():
         port = RDZV_BASE_PORT + int(env["SLURM_JOB_ID"]) % 1000
         parallel.rdzv_endpoint = f"{resolve_host(nodelist)}:{port}"
+    return errors
+
+
+def _step_mismatch(parallel: ParallelConfig, env: Mapping[str, str]) -> list[ConfigError]:
+    """srun runs the command once per node of its step: that count must be parallel.nnodes
+    (more would start independent copies of the run, fewer would wait at the rendezvous)."""
+    nodes = env.get("SLURM_STEP_NUM_NODES", "")
+    if not nodes.isdigit() or int(nodes) == parallel.nnodes:
+        return []
+    fix = (
+        f"srun started this command on {nodes} node(s) (SLURM_STEP_NUM_NODES): set "
+        f"parallel.nnodes={nodes}, or run srun with --nodes={parallel.nnodes} --ntasks-per-node=1"
+    )
+    return [ConfigError("parallel.nnodes", parallel.nnodes, fix)]

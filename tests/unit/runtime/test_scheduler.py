@@ -93,3 +93,12 @@ def test_multi_node_without_a_scheduler_names_each_missing_key(monkeypatch, caps
         compose(["parallel.nnodes=2", "parallel.dp=2"], "test")
     err = " ".join(capsys.readouterr().err.split())
     assert "parallel.run_id=null: multi-node (nnodes=2): every node must share one run id" in err
+
+
+@pytest.mark.parametrize(("nnodes", "step_nodes"), [(2, "4"), (1, "2")])
+def test_srun_over_another_node_count_is_an_error(nnodes, step_nodes):
+    p = ParallelConfig(dp=nnodes, nnodes=nnodes)
+    errors = apply_scheduler_env(p, {**SLURM, "SLURM_STEP_NUM_NODES": step_nodes}, first_host)
+    assert [(e.key, e.value) for e in errors] == [("parallel.nnodes", nnodes)]
+    assert f"set parallel.nnodes={step_nodes}" in errors[0].message
+    assert apply_scheduler_env(p, {**SLURM, "SLURM_STEP_NUM_NODES": str(nnodes)}) == []

@@ -17,6 +17,7 @@ NODE_2_OF_4 = {
     "SLURM_STEP_ID": "0",
     "SLURM_NODEID": "2",
     "SLURM_JOB_NUM_NODES": "4",
+    "SLURM_STEP_NUM_NODES": "4",
     "SLURM_JOB_NODELIST": "gpu[017-020]",
 }
 
