@@ -44,7 +44,8 @@ def to_validated_run_config(
 
     ``scope`` is the config sections the command uses (rlbatch.config.validate.*_SCOPE; default:
     training's). With ``model.hf_path`` set, the checkpoint's architecture replaces the preset's
-    before the rules run, so e.g. layer divisibility is checked against the real model.
+    before the rules run, so e.g. layer divisibility is checked against the real model. Multi-node
+    keys left null come from the job scheduler's environment (rlbatch.runtime.scheduler).
     """
     from omegaconf import OmegaConf
 
@@ -54,6 +55,10 @@ def to_validated_run_config(
     scope = TRAIN_SCOPE if scope is None else scope
     container = OmegaConf.to_container(cfg, resolve=True)
     run_cfg, errors = check_structure(container)  # type: ignore[arg-type]
+    if "parallel" in scope:
+        from rlbatch.runtime.scheduler import apply_scheduler_env
+
+        errors += apply_scheduler_env(run_cfg.parallel, os.environ)
     if "model" in scope:
         errors += _adopt_hf_architecture(run_cfg, command)
     try:

@@ -17,7 +17,8 @@ from rlbatch.config.store import conf_dir, register_configs
 USAGE = "GRPO training on megatron-core. rlbatch-train [+recipe=NAME] [KEY=VALUE ...] [-m]"
 HYDRA_FLAGS = (
     "Hydra flags: -m/--multirun (sweeps: KEY=a,b), --cfg job (print the composed config),\n"
-    "--info, --hydra-help. Run directory: outputs/<date>/<time>-<id>/ (multirun: multirun/...)."
+    "--info, --hydra-help. Run directory: outputs/<date>/<time>-<id>/, or outputs/<run_id>/ with\n"
+    "parallel.run_id (multi-node: every node shares it) (multirun: multirun/...)."
 )
 TRAIN_ENTRY = "rlbatch.train.loop:run"
 

@@ -307,12 +307,18 @@ class ParallelConfig:
     """torch.distributed backend; auto = nccl with CUDA, gloo otherwise."""
     nnodes: int = 1
     """Nodes (torchrun --nnodes)."""
-    node_rank: int = 0
-    """This node's rank (torchrun --node_rank)."""
+    node_rank: Optional[int] = None
+    """This node's rank, 0..nnodes-1 (torchrun --node-rank); null = SLURM_NODEID under SLURM,
+    else 0 on a single node (multi-node without SLURM: set it on each node)."""
     nproc_per_node: Optional[int] = None
     """Workers on this node; null = tp*pp*cp*dp / nnodes."""
     rdzv_endpoint: Optional[str] = None
-    """host:port of the rendezvous for multi-node; null = a free local port."""
+    """host:port of node 0 (rank 0 serves the rendezvous) for multi-node; null = under SLURM the
+    first host of SLURM_JOB_NODELIST, port 29500 + job id % 1000; single node: a free local port."""
+    run_id: Optional[str] = None
+    """Id shared by every node of a run: torchrun's --rdzv-id and the run directory
+    (outputs/<run_id>); null = multi-node: the scheduler's job id (SLURM_JOB_ID[.SLURM_STEP_ID],
+    PBS_JOBID, LSB_JOBID), single node: the run directory's name (a new one per run)."""
 
 
 @dataclass
@@ -391,8 +397,11 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0
-    """Save every this many optimizer steps (0 = only at the end)."""
+    every_steps: int = 50
+    """Save every this many optimizer steps (0 = by every_minutes only); always at the end."""
+    every_minutes: float = 30.0
+    """Also save when this many minutes passed since the last save (rank 0's clock, all ranks
+    agree; 0 = off), so a crash loses at most this much work whatever the step time."""
     keep_last: int = 2
     """Checkpoints kept on disk."""
     dir: Optional[str] = None

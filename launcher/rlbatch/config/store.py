@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
+from datetime import datetime
 from importlib import resources
 from pathlib import Path
 
 _RUN_UID = f"{os.getpid()}{secrets.token_hex(2)}"
+_STARTED = datetime.now()
 
 
 def conf_dir() -> Path:
@@ -68,3 +70,17 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("rlbatch_uid"):
         # Part of every run directory name: runs started in the same second never collide.
         OmegaConf.register_new_resolver("rlbatch_uid", lambda: _RUN_UID)
+    if not OmegaConf.has_resolver("rlbatch_run_name"):
+        OmegaConf.register_new_resolver("rlbatch_run_name", run_name)
+
+
+def run_name(run_id: str | None, nnodes: int) -> str:
+    """The run directory under outputs/: ``<run_id>`` when every node must find the same one
+    (parallel.run_id, or a multi-node run's scheduler job id), else ``<date>/<time>-<uid>``."""
+    from rlbatch.runtime.scheduler import scheduler_run_id
+
+    if run_id is None and nnodes > 1:
+        run_id = scheduler_run_id(os.environ)
+    if run_id is not None:
+        return run_id
+    return f"{_STARTED:%Y-%m-%d}/{_STARTED:%H-%M-%S}-{_RUN_UID}"
