@@ -20,7 +20,7 @@ HYDRA_FLAGS = (
     "--info, --hydra-help. Run directory: outputs/<date>/<time>-<id>/, or outputs/<run_id>/ with\n"
     "parallel.run_id (multi-node: every node shares it) (multirun: multirun/...)."
 )
-TRAIN_ENTRY = "rlbatch.train.loop:run"
+TRAIN_ENTRY = "rlbatch.train.build:run"
 
 
 def _task(cfg) -> None:

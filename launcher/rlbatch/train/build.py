@@ -17,6 +17,7 @@ from rlbatch.grpo.lcm import LCMAggregator
 from rlbatch.grpo.rewards import RewardFn, RewardInput, score
 from rlbatch.grpo.rollout import RolloutEngine, as_rollout_fn
 from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.train.loop import Components, train
 from rlbatch.train.producer import GenerateFn, PolicySnapshot
 from rlbatch.train.sampler import GenerationRequest
 
@@ -184,7 +185,12 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     return train_step
 
 
-def build_components(cfg: RunConfig) -> Any:
+def run(cfg: RunConfig) -> None:
+    """Worker entry of rlbatch-train (inside each torchrun process): build, then train."""
+    train(cfg, build_components(cfg))
+
+
+def build_components(cfg: RunConfig) -> Components:
     """The loop's Components for a real run: engine, data, GRPO stages, producer."""
     import logging
 
@@ -194,7 +200,6 @@ def build_components(cfg: RunConfig) -> Any:
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
     from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
-    from rlbatch.train.loop import Components
     from rlbatch.train.producer import RunAheadProducer
     from rlbatch.train.sampler import PromptSampler, schedule_from_config
 

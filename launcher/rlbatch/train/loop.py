@@ -1,4 +1,5 @@
-"""The GRPO training loop: ``rlbatch.train.loop:run(cfg)``, the worker entry of rlbatch-train.
+"""The GRPO training loop: :func:`train` over :class:`Components` (the worker entry of rlbatch-train
+is ``rlbatch.train.build:run``, which builds the components and calls it).
 
 One optimizer step (docs/training_loop.md):
 
@@ -124,14 +125,6 @@ def run_dir(cfg: RunConfig) -> Path:
 # ------------------------------------------------------------------------------------------
 # Entry
 # ------------------------------------------------------------------------------------------
-
-
-def run(cfg: RunConfig) -> None:
-    """Worker entry of rlbatch-train (inside each torchrun process)."""
-    from rlbatch.train.build import build_components
-
-    components = build_components(cfg)
-    train(cfg, components)
 
 
 def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:

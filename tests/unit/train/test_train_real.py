@@ -39,7 +39,7 @@ def _metrics(run_dir):
 
 
 def test_real_loop_resumes_bit_exactly(tmp_path):
-    from rlbatch.train.loop import run
+    from rlbatch.train.build import run
 
     run(_cfg(tmp_path / "ref"))
     expected = _metrics(tmp_path / "ref")
