@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -98,15 +99,24 @@ class WandbSink:
         self.run.finish()
 
 
+def mlflow_tracking_uri(cfg: Any, run_dir: Path) -> str:
+    """logging.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else a file store in the run
+    directory (MLflow 3 keeps file stores behind MLFLOW_ALLOW_FILE_STORE; set here for it)."""
+    uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return (run_dir / "mlruns").resolve().as_uri()
+
+
 class MlflowSink:
-    """An MLflow run in logging.mlflow.experiment; null tracking_uri = <run_dir>/mlruns."""
+    """An MLflow run in logging.mlflow.experiment (see :func:`mlflow_tracking_uri`)."""
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         import mlflow
 
         self.mlflow = mlflow
-        uri = cfg.tracking_uri or (run_dir / "mlruns").resolve().as_uri()
-        mlflow.set_tracking_uri(uri)
+        mlflow.set_tracking_uri(mlflow_tracking_uri(cfg, run_dir))
         mlflow.set_experiment(cfg.experiment)
         self.run = mlflow.start_run(run_name=cfg.run_name or run_dir.name)
         params = {k: str(v)[:500] for k, v in flatten(resolved_config(run_dir)).items()}
