@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -37,8 +38,12 @@ def _escape(e: Any) -> str:
     return escape(str(e).split("=", 1)[1])
 
 
+ExtraCheck = Callable[[RunConfig], tuple[list[ConfigError], list[str]]]
+"""A command's own checks before it runs: (errors, warnings) of a typed config."""
+
+
 def to_validated_run_config(
-    cfg: Any, command: str, scope: frozenset[str] | None = None
+    cfg: Any, command: str, scope: frozenset[str] | None = None, extra: ExtraCheck | None = None
 ) -> RunConfig:
     """Composed DictConfig -> validated RunConfig, or print all errors and exit 2.
 
@@ -46,6 +51,8 @@ def to_validated_run_config(
     training's). With ``model.hf_path`` set, the checkpoint's architecture replaces the preset's
     before the rules run, so e.g. layer divisibility is checked against the real model. Multi-node
     keys left null come from the job scheduler's environment (rlbatch.runtime.scheduler).
+    ``extra`` (e.g. rlbatch-train's dataset and reward checks) adds its errors to the same
+    report and prints its warnings.
     """
     from omegaconf import OmegaConf
 
@@ -61,10 +68,29 @@ def to_validated_run_config(
         errors += apply_scheduler_env(run_cfg.parallel, os.environ)
     if "model" in scope:
         errors += _adopt_hf_architecture(run_cfg, command)
+    if extra is not None:
+        extra_errors, warnings = extra(run_cfg)
+        errors += extra_errors
+        _warn(command, warnings)
     try:
         return check(run_cfg, errors, scope)
     except ConfigErrors as err:
         fail_config(err, command)
+
+
+def _warn(command: str, warnings: list[str]) -> None:
+    if warnings:
+        from rich.console import Console
+
+        console = Console(stderr=True, highlight=False)
+        for w in warnings:
+            console.print(f"[yellow]{command}: warning:[/] {_escape_markup(w)}")
+
+
+def _escape_markup(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
 
 
 def _adopt_hf_architecture(cfg: RunConfig, command: str) -> list[ConfigError]:

@@ -28,9 +28,10 @@ def _task(cfg) -> None:
 
     from hydra.core.hydra_config import HydraConfig
 
+    from rlbatch.grpo.preflight import check_before_launch
     from rlbatch.runtime.driver import launch
 
-    run_cfg = to_validated_run_config(cfg, "rlbatch-train")
+    run_cfg = to_validated_run_config(cfg, "rlbatch-train", extra=check_before_launch)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     code = launch(run_cfg, run_dir, entry=TRAIN_ENTRY)
     if code:

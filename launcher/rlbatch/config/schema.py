@@ -86,6 +86,7 @@ class DataSource(str, Enum):
     builtin = "builtin"
     jsonl = "jsonl"
     parquet = "parquet"
+    hf_disk = "hf_disk"
 
 
 class BuiltinTask(str, Enum):
@@ -102,6 +103,22 @@ class RewardKind(str, Enum):
     exact_match = "exact_match"
     math = "math"
     format = "format"  # type: ignore[assignment]  # shadows str.format; the user-facing name
+    math_verify = "math_verify"
+
+
+class AnswerFormat(str, Enum):
+    """How the reference answer is read from the answer field."""
+
+    raw = "raw"
+    gsm8k = "gsm8k"
+
+
+class WandbMode(str, Enum):
+    """wandb.init's mode: offline writes to <run_dir>/wandb for a later ``wandb sync``."""
+
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
 
 
 class ChatTemplate(str, Enum):
@@ -201,7 +218,8 @@ class DataConfig:
     task: BuiltinTask = BuiltinTask.digit_copy
     """Built-in task when source=builtin."""
     path: Optional[str] = None
-    """JSONL / Parquet file when source is jsonl or parquet."""
+    """JSONL / Parquet file (source jsonl / parquet), or a directory written by HF datasets'
+    ``save_to_disk`` (source hf_disk)."""
     prompt_key: str = "prompt"
     """Field holding the prompt text."""
     answer_key: str = "answer"
@@ -213,7 +231,14 @@ class DataConfig:
     chat_template: ChatTemplate = ChatTemplate.none
     """Wrap prompts in a chat template (qwen for real Qwen tokenizers)."""
     reward: RewardKind = RewardKind.task
-    """Reward function."""
+    """Reward function (built-in); data.reward_fn, when set, replaces it."""
+    reward_fn: list[str] = field(default_factory=list)
+    """Rewards by import path, summed with data.reward_weights: ``PATH.py:function``,
+    ``module.path:function`` or a built-in name (math, format, ...); [] = data.reward."""
+    reward_weights: Optional[list[float]] = None
+    """Weight of each data.reward_fn entry in the total reward; null = 1.0 each."""
+    answer_format: AnswerFormat = AnswerFormat.raw
+    """raw: the answer field as is; gsm8k: the text after its last '####' (GSM8K's format)."""
     shuffle: bool = True
     """Reshuffle prompts every epoch (seeded by trainer.seed and the epoch)."""
 
@@ -429,6 +454,34 @@ class TrainerConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = False
+    """Log every step's metrics and the resolved config to Weights & Biases (pip install wandb)."""
+    project: str = "rlbatch"
+    """wandb project."""
+    entity: Optional[str] = None
+    """wandb entity (team or user); null = the account's default."""
+    name: Optional[str] = None
+    """Run name; null = the run directory's name."""
+    tags: list[str] = field(default_factory=list)
+    """Run tags."""
+    mode: WandbMode = WandbMode.online
+    """online | offline (files under <run_dir>/wandb, ``wandb sync`` later) | disabled."""
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = False
+    """Log every step's metrics and the resolved config to MLflow (pip install mlflow)."""
+    tracking_uri: Optional[str] = None
+    """MLflow tracking URI (http://host:5000, file:///path); null = <run_dir>/mlruns."""
+    experiment: str = "rlbatch"
+    """Experiment name (created when missing)."""
+    run_name: Optional[str] = None
+    """Run name; null = the run directory's name."""
+
+
+@dataclass
 class LoggingConfig:
     level: str = "INFO"
     """Log level of rank 0 (other ranks log warnings only)."""
@@ -437,9 +490,13 @@ class LoggingConfig:
     jsonl: bool = True
     """Write <run_dir>/metrics.jsonl."""
     tensorboard: bool = True
-    """Write TensorBoard events to <run_dir>/tb when tensorboard is installed."""
+    """Write TensorBoard events to <run_dir>/tb (needs tensorboard; warns when missing)."""
     plot: bool = True
     """Write <run_dir>/metrics.png at the end."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases sink (optional extra ``wandb``)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow sink (optional extra ``mlflow``)."""
 
 
 @dataclass

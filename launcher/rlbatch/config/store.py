@@ -56,7 +56,8 @@ def list_recipes() -> list[RecipeInfo]:
 
 def register_configs() -> None:
     """Register the recipes as group ``recipe`` (so ``+recipe=NAME`` works), the typed schema as
-    ``rlbatch_schema`` (for reference and tooling) and the run-id resolver. Idempotent."""
+    ``rlbatch_schema`` (for reference and tooling), the run-id resolver and ``rlbatch_conf``
+    (the path of a file under conf/). Idempotent."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
@@ -67,6 +68,9 @@ def register_configs() -> None:
     for recipe in list_recipes():
         node = OmegaConf.load(recipe.path)
         store.store(group="recipe", name=recipe.name, node=node, package="_global_")
+    if not OmegaConf.has_resolver("rlbatch_conf"):
+        # Files shipped next to the configs (e.g. conf/data/gsm8k_sample.jsonl), by absolute path.
+        OmegaConf.register_new_resolver("rlbatch_conf", lambda rel: str(conf_dir() / rel))
     if not OmegaConf.has_resolver("rlbatch_uid"):
         # Part of every run directory name: runs started in the same second never collide.
         OmegaConf.register_new_resolver("rlbatch_uid", lambda: _RUN_UID)

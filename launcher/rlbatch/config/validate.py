@@ -395,8 +395,33 @@ def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     f"data.source={cfg.data.source.name} needs a file: set data.path=FILE",
                 )
             )
+        elif cfg.data.source == DataSource.hf_disk:
+            if not Path(cfg.data.path).is_dir():
+                errors.append(
+                    ConfigError("data.path", cfg.data.path, "no such directory (HF save_to_disk)")
+                )
         elif not Path(cfg.data.path).is_file():
             errors.append(ConfigError("data.path", cfg.data.path, "no such file"))
+
+
+TRACKING_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
+"""logging.<sink> -> the package it needs (each an optional extra of the same name)."""
+
+
+def _check_tracking(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """An enabled tracking sink needs its package (TensorBoard only warns: rlbatch-train)."""
+    import importlib.util
+
+    for sink, package in TRACKING_PACKAGES.items():
+        if getattr(cfg.logging, sink).enabled and importlib.util.find_spec(package) is None:
+            errors.append(
+                ConfigError(
+                    f"logging.{sink}.enabled",
+                    True,
+                    f"needs the {package} package: pip install 'rlbatch[{sink}]', or set"
+                    f" logging.{sink}.enabled=false",
+                )
+            )
 
 
 def _check_model_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -437,6 +462,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"data"}), _check_data),
     Rule(frozenset({"model"}), _check_model_paths),
     Rule(frozenset({"trainer"}), _check_resume),
+    Rule(frozenset({"logging"}), _check_tracking),
 )
 
 

@@ -14,7 +14,12 @@ import numpy as np
 
 from rlbatch.config.schema import RunConfig
 from rlbatch.grpo.lcm import LCMAggregator
-from rlbatch.grpo.rewards import RewardFn, RewardInput, score
+from rlbatch.grpo.rewards import (
+    RewardComponent,
+    RewardFn,
+    RewardSet,
+    reward_input,
+)
 from rlbatch.grpo.rollout import RolloutEngine, as_rollout_fn
 from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.train.loop import Components, train
@@ -62,26 +67,37 @@ def make_generate_fn(
     return generate
 
 
-def make_reward_batch_fn(fn: RewardFn, tokenizer: Any) -> Callable[[list[Sample]], list[float]]:
-    """The aggregator's reward_fn: decode responses (EOS excluded) and score them."""
+def make_reward_batch_fn(
+    fn: RewardFn | RewardSet, tokenizer: Any
+) -> Callable[[list[Sample]], list[float]]:
+    """The aggregator's reward_fn: decode responses (EOS excluded) and score them; each
+    component's value goes to the sample's metrics as ``reward/<name>``."""
+    rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
 
     def reward_batch(samples: list[Sample]) -> list[float]:
-        inputs = []
-        for s in samples:
-            ids = list(s.response_ids)
-            if ids and ids[-1] == tokenizer.eos_id:
-                ids = ids[:-1]
-            inputs.append(
-                RewardInput(
-                    prompt=s.prompt.text,
-                    response=tokenizer.decode(ids),
-                    answer=s.prompt.answer,
-                    num_response_tokens=len(ids),
-                )
-            )
-        return score(fn, inputs)
+        totals, parts = rewards.score([reward_input(s, tokenizer) for s in samples])
+        for name, values in parts.items():
+            for s, v in zip(samples, values, strict=True):
+                s.metrics[f"reward/{name}"] = v
+        return totals
 
     return reward_batch
+
+
+def single_component(fn: RewardFn) -> RewardComponent:
+    from rlbatch.grpo.rewards import score
+
+    return RewardComponent("reward", 1.0, lambda inputs: score(fn, inputs))
+
+
+def reward_means(samples: Sequence[Sample], names: Sequence[str], dist: Any) -> dict[str, float]:
+    """``reward/<name>_mean`` of each reward component over the step's samples (all ranks)."""
+    local = [float(len(samples))] + [
+        sum(s.metrics.get(f"reward/{n}", 0.0) for s in samples) for n in names
+    ]
+    total = dist.all_reduce_sum(local)
+    count = max(total[0], 1.0)
+    return {f"reward/{n}_mean": v / count for n, v in zip(names, total[1:], strict=True)}
 
 
 def make_ref_logps_fn(ref_model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], list]:
@@ -135,14 +151,14 @@ def build_reference(cfg: RunConfig, policy: list[Any]) -> list[Any] | None:
 def build_aggregator(cfg: RunConfig, tokenizer: Any, ref: list[Any] | None, dp_rank: int):
     """The LCM aggregator of this rank (rollout_fn is set per round by make_generate_fn)."""
     from rlbatch.grpo.lcm import Stages, plan_aggregation
-    from rlbatch.grpo.rewards import build_reward_fn
+    from rlbatch.grpo.rewards import build_rewards
 
     def no_rollout(rows: list[Prompt], seed: int) -> list[Sample]:
         raise RuntimeError("rollout_fn is set by the producer's generate_fn for each round")
 
     stages = Stages(
         rollout_fn=no_rollout,
-        reward_fn=make_reward_batch_fn(build_reward_fn(cfg.data), tokenizer),
+        reward_fn=make_reward_batch_fn(build_rewards(cfg.data), tokenizer),
         old_logps_fn=None,  # old = behaviour logps (rollout); the loss corrects the lag
         ref_logps_fn=make_ref_logps_fn(ref, cfg) if ref is not None else None,
     )
@@ -159,7 +175,12 @@ def build_aggregator(cfg: RunConfig, tokenizer: Any, ref: list[Any] | None, dp_r
 def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler: Any, ps: Any):
     """The loop's TrainStepFn on rlbatch.grpo.step.run_train_step."""
     from rlbatch import distributed
+    from rlbatch.distributed import WorldDist
+    from rlbatch.grpo.rewards import component_names
     from rlbatch.grpo.step import Layout, Reducers, run_train_step
+
+    names = component_names(cfg.data)
+    world = WorldDist()
 
     layout = Layout(dp=ps.dp, dp_rank=ps.dp_rank, cp=ps.cp, pp=ps.pp, vpp=ps.vpp, rank=ps.rank)
     reducers = Reducers(
@@ -169,7 +190,7 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     )
 
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
-        return run_train_step(
+        metrics = run_train_step(
             cfg,
             model,
             optimizer,
@@ -181,6 +202,7 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             current_version=step - 1,
             inject_nan=inject_nan,
         )
+        return {**reward_means(batch.samples, names, world), **metrics}
 
     return train_step
 

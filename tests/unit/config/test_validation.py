@@ -49,7 +49,19 @@ CASES = [
     (["grpo.num_steps_async=2", "grpo.max_staleness=1"], "grpo.max_staleness", "num_steps_async"),
     (["data=jsonl"], "data.path", "data.path"),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume", "auto"),
+    (["data.reward_weights=[1.0,abc]"], "data.reward_weights[1]", "number"),
+    (["data.source=hf_disk", "data.path=/nonexistent"], "data.path", "save_to_disk"),
 ]
+
+
+def test_list_keys_take_one_value_or_a_list(tmp_path):
+    """data.reward_fn=f.py:fn is a one-element list; lists survive resolved.yaml."""
+    from rlbatch.config.load import dump_run_config
+
+    cfg = compose(BASE + ["data.reward_fn=f.py:fn", "logging.wandb.tags=[a,b]"], "t")
+    assert cfg.data.reward_fn == ["f.py:fn"] and cfg.logging.wandb.tags == ["a", "b"]
+    dump_run_config(cfg, tmp_path / "resolved.yaml")
+    assert load_run_config(tmp_path / "resolved.yaml") == cfg
 
 
 def _errors_for(overrides):
