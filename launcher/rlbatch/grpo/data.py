@@ -106,7 +106,7 @@ def build_prompts(
     """Template and tokenize `examples`; every prompt longer than max_prompt_len is an error."""
     prompts, too_long = [], []
     for i, ex in enumerate(examples):
-        text = apply_chat_template(cfg.chat_template, ex.prompt)
+        text = apply_chat_template(cfg.chat_template, ex.prompt, tokenizer)
         ids = tuple(int(t) for t in tokenizer.encode(text))
         if len(ids) > cfg.max_prompt_len:
             too_long.append((i, len(ids)))
