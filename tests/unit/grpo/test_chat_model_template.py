@@ -41,7 +41,15 @@ def _tokenizer_dir(tmp_path, as_file: bool):
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|begin_of_text|>",
-        "eos_token": {"content": "<|eot_id|>", "special": True},
+        "eos_token": {
+            "__type": "AddedToken",
+            "content": "<|eot_id|>",
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        },  # fmt: skip
     }
     if as_file:
         (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
