@@ -107,5 +107,5 @@ def test_wheel_console_scripts(wheel_venv, subprocess_env):
         cwd=wheel_venv,
     ).stdout
     assert "max_steps:" in cfg and "batching:" in cfg
-    for script in ("rlbatch-plan", "rlbatch-bench", "rlbatch-logprobs"):
+    for script in ("rlbatch-plan", "rlbatch-bench", "rlbatch-logprobs", "rlbatch-export"):
         assert (wheel_venv / "bin" / script).is_file()

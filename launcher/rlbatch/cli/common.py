@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
@@ -94,17 +94,27 @@ def _escape_markup(text: str) -> str:
 
 
 def _adopt_hf_architecture(cfg: RunConfig, command: str) -> list[ConfigError]:
-    """Take the architecture of ``model.hf_path``'s config.json (torch-free); note what changed."""
+    """Take the architecture of ``model.hf_path``'s config.json (torch-free; a hub id is first
+    resolved to its local snapshot, which the workers then read); note what changed."""
     path = cfg.model.hf_path
-    if not path or not Path(path).is_dir():
-        return []  # a missing directory is reported by the model.hf_path rule
+    if not path:
+        return []
     from rlbatch.engine.hf_config import resolve_model_config
+    from rlbatch.engine.hub import resolve_hf_path
 
     try:
-        cfg.model, changed = resolve_model_config(cfg.model)
+        local = resolve_hf_path(path)
+    except ConfigErrors as err:
+        return list(err.errors)
+    if not local.is_dir():
+        return []  # a missing directory is reported by the model.hf_path rule
+    try:
+        cfg.model, changed = resolve_model_config(replace(cfg.model, hf_path=str(local)))
+    except ConfigErrors as err:
+        return [ConfigError("model.hf_path", path, f"config.json {e}") for e in err.errors]
     except (OSError, ValueError, KeyError, TypeError) as err:
         detail = f"config.json lacks {err}" if isinstance(err, KeyError) else str(err)
-        return [ConfigError("model.hf_path", path, f"not a usable HF Qwen2 directory: {detail}")]
+        return [ConfigError("model.hf_path", path, f"not a usable HF model directory: {detail}")]
     if changed:
         from rich.console import Console
 

@@ -124,6 +124,26 @@ class WandbMode(str, Enum):
 class ChatTemplate(str, Enum):
     none = "none"
     qwen = "qwen"
+    model = "model"
+    """The chat_template of the model's tokenizer_config.json (rendered as transformers does)."""
+
+
+class Architecture(str, Enum):
+    """Hugging Face architecture the model maps to (import, export, tensor names)."""
+
+    qwen2 = "qwen2"
+    qwen3 = "qwen3"
+    llama = "llama"
+
+
+class RopeScaling(str, Enum):
+    """RoPE scaling (transformers' rope_type): none, linear (positions / factor), llama3
+    (Llama-3.1 frequency bands), yarn."""
+
+    none = "none"
+    linear = "linear"
+    llama3 = "llama3"
+    yarn = "yarn"
 
 
 class RolloutBackend(str, Enum):
@@ -199,6 +219,26 @@ class ModelConfig:
     """Share input embedding and output layer (Qwen2.5 <= 3B: true)."""
     add_qkv_bias: bool = True
     """Bias on Q, K, V projections (Qwen2 architecture)."""
+    architecture: Architecture = Architecture.qwen2
+    """HF architecture (qwen2, qwen3, llama): tensor names and config.json of the HF export."""
+    head_dim: Optional[int] = None
+    """Per-head width (HF head_dim); null = hidden_size / num_attention_heads."""
+    qk_layernorm: bool = False
+    """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    rope_scaling: RopeScaling = RopeScaling.none
+    """RoPE scaling type (transformers' rope_type)."""
+    rope_scaling_factor: float = 1.0
+    """RoPE scaling factor (linear, llama3, yarn)."""
+    rope_original_max_position_embeddings: Optional[int] = None
+    """Context length before scaling (llama3, yarn); null = max_position_embeddings."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: low-frequency band factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: high-frequency band factor."""
+    rope_beta_fast: float = 32.0
+    """yarn scaling: beta_fast."""
+    rope_beta_slow: float = 1.0
+    """yarn scaling: beta_slow."""
     init_method_std: float = 0.02
     """Std of the random initialisation when no weights are loaded."""
     params_dtype: Dtype = Dtype.fp32
@@ -206,7 +246,8 @@ class ModelConfig:
     recompute: Recompute = Recompute.none
     """Activation recomputation."""
     hf_path: Optional[str] = None
-    """Local Hugging Face Qwen2 directory (config.json + *.safetensors) to load; null = random."""
+    """Hugging Face checkpoint to load (config.json + *.safetensors): a local directory or a
+    hub id (org/name, resolved through the huggingface_hub cache); null = random init."""
     tokenizer_path: Optional[str] = None
     """Local HF tokenizer directory; null = hf_path, or the built-in byte tokenizer."""
 

@@ -277,7 +277,7 @@ def _check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"must divide model.num_attention_heads = {m.num_attention_heads}",
             )
         )
-    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
         errors.append(
             ConfigError(
                 "model.hidden_size",
@@ -425,10 +425,14 @@ def _check_tracking(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def _check_model_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    from rlbatch.engine.hub import looks_like_hub_id
+
     for key, path in (
         ("model.hf_path", cfg.model.hf_path),
         ("model.tokenizer_path", cfg.model.tokenizer_path),
     ):
+        if key == "model.hf_path" and path is not None and looks_like_hub_id(path):
+            continue  # a hub id: resolved (or reported) by the CLI before these rules
         if path is not None and not Path(path).is_dir():
             errors.append(ConfigError(key, path, "no such directory (a local HF model dir)"))
 

@@ -39,6 +39,7 @@ PATCHED_MODULES = (
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.models.common.language_module.language_module",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",

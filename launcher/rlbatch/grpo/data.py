@@ -246,7 +246,7 @@ def prompt_length_problems(
     """Templated, tokenized prompts and every prompt longer than data.max_prompt_len."""
     prompts, too_long = [], []
     for i, ex in enumerate(examples):
-        text = apply_chat_template(cfg.chat_template, ex.prompt)
+        text = apply_chat_template(cfg.chat_template, ex.prompt, tokenizer)
         ids = tuple(int(t) for t in tokenizer.encode(text))
         if len(ids) > cfg.max_prompt_len:
             too_long.append(

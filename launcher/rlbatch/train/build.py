@@ -214,24 +214,18 @@ def run(cfg: RunConfig) -> None:
 
 def build_components(cfg: RunConfig) -> Components:
     """The loop's Components for a real run: engine, data, GRPO stages, producer."""
-    import logging
-
     from rlbatch.distributed import WorldDist
-    from rlbatch.engine import hf, parallel
-    from rlbatch.engine.model import build_model, build_optimizer
+    from rlbatch.engine import hf
+    from rlbatch.engine.model import build_optimizer
+    from rlbatch.engine.setup import set_up_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
     from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
     from rlbatch.train.producer import RunAheadProducer
     from rlbatch.train.sampler import PromptSampler, schedule_from_config
 
-    ps = parallel.initialize(cfg)
-    cfg.model, changed = hf.resolve_model_config(cfg.model)
-    for note in changed:
-        logging.getLogger("rlbatch.train").warning("from %s: %s", cfg.model.hf_path, note)
-    model = build_model(cfg)
-    if cfg.model.hf_path:
-        hf.load_hf_into(model, cfg.model.hf_path)
+    setup = set_up_model(cfg, wrap_ddp=True)  # cfg.model: the architecture of model.hf_path
+    cfg, model, ps = setup.cfg, setup.model, setup.state
     optimizer, scheduler = build_optimizer(cfg, model)
     tokenizer = build_tokenizer(cfg.model)
     prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)

@@ -93,7 +93,8 @@ def test_help_lists_recipes_and_groups(bin_dir, subprocess_env):
 def test_cli_import_stays_light():
     """Importing the CLI must not import torch or megatron (fast --help)."""
     code = (
-        "import sys, rlbatch.cli.train, rlbatch.cli.plan, rlbatch.cli.bench, rlbatch.cli.logprobs;"
+        "import sys, rlbatch.cli.train, rlbatch.cli.plan, rlbatch.cli.bench, rlbatch.cli.logprobs,"
+        " rlbatch.cli.export;"
         "bad=[m for m in ('torch','megatron') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -185,8 +185,8 @@ def test_architecture_of_hf_checkpoint_is_validated_not_the_presets(tmp_path, ca
 
 
 def test_unusable_hf_directory_is_a_config_error(tmp_path, capsys):
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
     with pytest.raises(SystemExit):
         compose(BASE + [f"model.hf_path={tmp_path}"], "t")
     err = capsys.readouterr().err
-    assert "model.hf_path" in err and "qwen2" in err
+    assert "model.hf_path" in err and "mistral" in err and "qwen3" in err
