@@ -88,3 +88,54 @@ def save_tiny(path: Path, variant: str, num_layers: int = 2, legacy: bool = Fals
             data["rope_scaling"] = {"type": params.pop("rope_type"), **params}
         file.write_text(json.dumps(data))
     return model
+
+
+# Llama-3 style: bos variable, loop controls, tojson, raise_exception, a system default
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system = 'Be brief.' %}{% endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n{{ system }}<|eot_id|>\n"
+    "{% for m in loop_messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+    "{% if m['content'] == 'skip' %}{% continue %}{% endif %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}"
+    "<|eot_id|>\n{% endfor %}{{ {'n': loop_messages | length} | tojson }}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+
+
+def save_chat_tokenizer(tmp_path: Path, as_file: bool = False) -> Path:
+    """A character-level tokenizer directory with a Llama-3 style chat template (in
+    tokenizer_config.json, or chat_template.jinja with ``as_file``), loadable by transformers."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+
+    vocab = {c: i for i, c in enumerate(sorted(set("abcdefghijklmnopqrstuvwxyz .,?!'\"{}:0123")))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": {
+            "__type": "AddedToken",
+            "content": "<|eot_id|>",
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        },  # fmt: skip
+    }
+    if as_file:
+        (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    else:
+        config["chat_template"] = CHAT_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path

@@ -32,9 +32,19 @@ _ROPE_TYPES = {
     "yarn": RopeScaling.yarn,
 }
 _DEFAULT_THETA = 10000.0
-_YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
-_LLAMA3_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-_ALLOWED_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+_COMMON_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+_ROPE_KEYS = {
+    RopeScaling.none: set(),
+    RopeScaling.linear: {"factor"},
+    RopeScaling.llama3: {
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+    },
+    RopeScaling.yarn: {
+        "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+        "mscale_all_dim", "attention_factor", "truncate",
+    },
+}  # fmt: skip
+"""The rope_parameters fields each type may carry (any other is an error)."""
 
 
 # ------------------------------------------------------------------------------ config
@@ -74,17 +84,7 @@ def _rope_fields(hf: dict[str, Any], errors: list[ConfigError]) -> dict[str, Any
                 "rotary on part of the head is not supported (supported: 1.0)",
             )
         )
-    allowed = (
-        _ALLOWED_ROPE_KEYS
-        | ({"factor"} if scaling == RopeScaling.linear else set())
-        | (_LLAMA3_KEYS if scaling == RopeScaling.llama3 else set())
-        | (
-            _YARN_KEYS | {"mscale", "mscale_all_dim", "attention_factor", "truncate"}
-            if scaling == RopeScaling.yarn
-            else set()
-        )
-    )
-    for key in sorted(set(params) - allowed):
+    for key in sorted(set(params) - _COMMON_ROPE_KEYS - _ROPE_KEYS[scaling]):
         errors.append(
             ConfigError(
                 f"rope_parameters.{key}", params[key], f"not supported with rope_type={kind}"
