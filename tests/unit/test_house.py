@@ -8,14 +8,13 @@ does not have: a reference that resolves to no file of the repository fails here
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 from conftest import REPO
 
 # A path-looking token: optional directories, a name, a code or docs extension.
 _PATH = re.compile(r"(?<![\w./-])((?:\.\./|\./)?(?:[\w.-]+/)*[\w-]+\.(?:md|py))\b")
-# Names the repository uses for files it writes or reads at run time, not files of its own.
-_RUNTIME_NAMES = {"setup.py", "conftest.py", "__init__.py", "__main__.py"}
 
 
 def _sources() -> list[Path]:
@@ -24,20 +23,29 @@ def _sources() -> list[Path]:
 
 
 def _repo_files() -> list[str]:
-    skip = {".git", ".venv", "outputs", "multirun", "build", "dist"}  # top-level folders only
-    return [
-        p.relative_to(REPO).as_posix()
-        for p in REPO.rglob("*")
-        if p.is_file() and p.relative_to(REPO).parts[0] not in skip and "__pycache__" not in p.parts
-    ]
+    """Tracked and not-ignored files (git knows what belongs to the repository)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()
 
 
 def _resolves(ref: str, files: list[str]) -> bool:
+    """Whether ``ref`` names a file of the repository, or is plainly not about the repository:
+    a bare ``.py`` name or a path under a folder the repository does not have is a user's file
+    in an example (``data.reward_fn=my_rewards.py:score``). A bare ``.md`` name is a docs page."""
     ref = ref.removeprefix("./")
     if ref.startswith("../"):
         return False
     if "/" not in ref:
-        return ref in _RUNTIME_NAMES or any(f.rsplit("/", 1)[-1] == ref for f in files)
+        return ref.endswith(".py") or any(f.rsplit("/", 1)[-1] == ref for f in files)
+    folders = {part for f in files for part in f.split("/")[:-1]}
+    if ref.split("/", 1)[0] not in folders:
+        return True
     return any(f == ref or f.endswith("/" + ref) for f in files)
 
 
@@ -69,7 +77,8 @@ def test_the_checker_catches_a_missing_file():
     files = ["docs/batching.md", "launcher/rlbatch/batching/plan.py"]
     assert _resolves("docs/batching.md", files)
     assert _resolves("rlbatch/batching/plan.py", files)
-    assert _resolves("plan.py", files)
+    assert _resolves("my_rewards.py", files)  # a user's file in an example
     assert not _resolves("../shared/design.md", files)
+    assert not _resolves("batching/nowhere.py", files)
     assert not _resolves("docs/nowhere.md", files)
     assert not _resolves("design.md", files)
