@@ -49,6 +49,8 @@ def _check_dataset(cfg: RunConfig, errors: list[ConfigError]) -> set[str] | None
     )
 
     data = cfg.data
+    if data.source == DataSource.builtin and data.num_prompts <= 0:
+        return None  # the data.num_prompts rule reports it
     if data.source != DataSource.builtin and not _path_exists(data):
         return None  # the data.path rule of rlbatch.config.validate reports it
     try:
@@ -84,7 +86,7 @@ def _tokenizer(cfg: RunConfig):
 
     try:
         return build_tokenizer(cfg.model)
-    except (OSError, ValueError, KeyError):
+    except Exception:  # noqa: BLE001 - any unusable tokenizer directory; its own rule reports it
         return None
 
 

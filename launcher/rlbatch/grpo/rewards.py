@@ -9,6 +9,7 @@ one built-in (it checks that the kind fits the data source: ``task`` needs a bui
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -101,16 +102,32 @@ def math_reward(x: RewardInput) -> float:
     return 1.0 if math.isclose(float(got), float(want), rel_tol=1e-6, abs_tol=1e-9) else 0.0
 
 
+MATH_VERIFY_TIMEOUT_S = 5
+"""Longest math-verify parse / comparison of one answer (pathological LaTeX scores 0)."""
+
+
+def _drop_timeout_notice(record: logging.LogRecord) -> bool:
+    return "Timeout is disabled" not in record.getMessage()
+
+
 def math_verify_reward(x: RewardInput) -> float:
     """1.0 when math-verify finds the response's final answer symbolically equal to the
     reference (fractions, roots, intervals, tuples, sets, LaTeX or plain); needs the ``math``
     extra (pip install math-verify)."""
+    import threading
+
     from math_verify import parse, verify
 
-    gold = parse(_as_latex(x.answer))
+    # math-verify bounds parsing time with SIGALRM, which only the main thread may use; off it,
+    # its per-call "timeout is disabled" warning is dropped (it would repeat for every sample).
+    limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_drop_timeout_notice)
+    gold = parse(_as_latex(x.answer), parsing_timeout=limit)
     if not gold:
         return 0.0
-    return 1.0 if verify(gold, parse(x.response)) else 0.0
+    answer = parse(x.response, parsing_timeout=limit)
+    return 1.0 if verify(gold, answer, timeout_seconds=limit) else 0.0
 
 
 def _as_latex(answer: str) -> str:

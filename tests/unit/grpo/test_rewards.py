@@ -132,3 +132,16 @@ def test_numeric_math_misses_what_math_verify_catches():
     fn = build_reward_fn(DataConfig(source=DataSource.jsonl, reward=RewardKind.math))
     assert fn(x(r"$\boxed{\sqrt{8}}$", r"2\sqrt{2}")) == 0.0
     assert fn(x(r"$\boxed{0.5}$", "1/2")) == 1.0
+
+
+def test_math_verify_works_off_the_main_thread():
+    """The run-ahead producer may score in a generation thread (no SIGALRM there)."""
+    import threading
+
+    pytest.importorskip("math_verify", reason="optional extra 'math' (math-verify) not installed")
+    fn = build_reward_fn(DataConfig(source=DataSource.jsonl, reward=RewardKind.math_verify))
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn(x(r"$\boxed{\sqrt{8}}$", r"2\sqrt{2}"))))
+    thread.start()
+    thread.join()
+    assert out == [1.0]
