@@ -9,8 +9,7 @@ import json
 import subprocess
 
 import pytest
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from hf_reference import save_chat_tokenizer  # noqa: E402
 

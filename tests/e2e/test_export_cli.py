@@ -11,9 +11,8 @@ import shutil
 import subprocess
 
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 from hf_reference import reference_logps, save_tiny  # noqa: E402
 

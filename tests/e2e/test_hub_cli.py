@@ -8,11 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import huggingface_hub  # noqa: F401
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("huggingface_hub")
 
 from hf_reference import reference_logps, save_tiny  # noqa: E402
 

@@ -11,6 +11,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.optional_extra
 def test_submitit_sweep_runs_a_training_job(bin_dir, subprocess_env, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the `slurm` extra")
     proc = subprocess.run(

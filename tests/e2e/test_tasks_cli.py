@@ -47,6 +47,7 @@ def _train(bin_dir, env, cwd, *overrides, timeout=500):
     )
 
 
+@pytest.mark.optional_extra
 def test_math_recipe_twin_with_custom_reward_and_wandb_offline(bin_dir, subprocess_env, tmp_path):
     pytest.importorskip("wandb", reason="optional extra 'wandb' not installed")
     (tmp_path / "my_reward.py").write_text(textwrap.dedent(REWARD))

@@ -11,9 +11,8 @@ import json
 
 import pytest
 import torch
+import transformers
 from engine_helpers import megatron_world  # noqa: F401
-
-transformers = pytest.importorskip("transformers")
 
 from hf_reference import VARIANTS, reference_logps, save_tiny  # noqa: E402
 from rlbatch.config.errors import ConfigErrors  # noqa: E402

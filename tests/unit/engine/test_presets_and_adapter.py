@@ -95,8 +95,9 @@ PUBLIC_PARAMS = {
 def test_qwen3_llama3_presets_match_public_models(name, tmp_path):
     import json
 
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
+
     from rlbatch.engine.hf_config import config_from_hf, hf_config_dict
 
     m = _load(name)

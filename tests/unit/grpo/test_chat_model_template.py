@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from hf_reference import save_chat_tokenizer  # noqa: E402
 from rlbatch.config.schema import ChatTemplate  # noqa: E402

@@ -171,6 +171,7 @@ def test_gsm8k_answers_and_extra_fields(tmp_path):
     assert [(p.where, "####" in p.message) for p in problems] == [("line 3", True)]
 
 
+@pytest.mark.optional_extra
 def test_hf_save_to_disk_directory_is_a_source(tmp_path):
     datasets = pytest.importorskip("datasets", reason="optional extra 'datasets' not installed")
     ds = datasets.Dataset.from_dict({"prompt": ["a", "b"], "answer": [1, 2], "src": ["x", "y"]})

@@ -121,6 +121,7 @@ MATH_VERIFY_TABLE = [
 
 
 @pytest.mark.parametrize("answer,response,want", MATH_VERIFY_TABLE)
+@pytest.mark.optional_extra
 def test_math_verify_symbolic_equivalence(answer, response, want):
     pytest.importorskip("math_verify", reason="optional extra 'math' (math-verify) not installed")
     fn = build_reward_fn(DataConfig(source=DataSource.jsonl, reward=RewardKind.math_verify))
@@ -134,6 +135,7 @@ def test_numeric_math_misses_what_math_verify_catches():
     assert fn(x(r"$\boxed{0.5}$", "1/2")) == 1.0
 
 
+@pytest.mark.optional_extra
 def test_math_verify_works_off_the_main_thread():
     """The run-ahead producer may score in a generation thread (no SIGALRM there)."""
     import threading

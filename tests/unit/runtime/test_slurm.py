@@ -46,6 +46,7 @@ def test_sbatch_example_derives_the_multi_node_keys_from_slurm(tmp_path, monkeyp
     assert p.rdzv_endpoint == "gpu017:29734"
 
 
+@pytest.mark.optional_extra
 def test_slurm_launcher_group_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the `slurm` extra")
     from hydra import compose as hydra_compose

@@ -80,6 +80,7 @@ def _finished_records(path, timeout_s=30.0):
         time.sleep(0.2)
 
 
+@pytest.mark.optional_extra
 def test_wandb_offline_gets_every_step_and_the_config(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="optional extra 'wandb' not installed")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -105,6 +106,7 @@ def test_wandb_offline_gets_every_step_and_the_config(tmp_path, monkeypatch):
             assert got[key] == pytest.approx(want[key])
 
 
+@pytest.mark.optional_extra
 def test_mlflow_local_store_gets_every_step_and_the_config(tmp_path, monkeypatch):
     pytest.importorskip("mlflow", reason="optional extra 'mlflow' not installed")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
