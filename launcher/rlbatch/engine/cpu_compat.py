@@ -13,7 +13,8 @@ megatron modules only** with a proxy that forwards everything to torch except:
 Plus three scoped replacements: a device-agnostic ``clip_grad_by_total_norm_fp32`` (megatron's
 asserts ``torch.cuda.FloatTensor``), ``Tensor.cuda`` as identity only while
 ``LanguageModule.setup_embeddings_and_output_layer`` runs (tied embeddings with pp > 1), and
-nothing else. torch itself is never modified: user code still gets "Torch not compiled with
+nothing else. :class:`SequenceParallelRMSNorm` is the norm rlbatch.engine.model puts in the
+local layer spec on CPU (megatron's torch norm refuses sequence parallelism). torch itself is never modified: user code still gets "Torch not compiled with
 CUDA enabled" from ``torch.cuda.current_device()``. On a CUDA machine :func:`install` is a no-op.
 
 The layer patches internals by module name, so it is pinned to megatron-core 0.16.1.
@@ -152,6 +153,26 @@ def _clip_grad_by_total_norm_fp32(
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm for megatron's local layer spec that supports sequence parallelism the way
+    Transformer Engine's norm does.
+
+    megatron-core 0.16.1's local spec builds ``WrappedTorchNorm``, which asserts
+    ``not config.sequence_parallel``. RMSNorm is per token, so under sequence parallelism each
+    tensor-parallel rank simply normalises its own sequence shard; only the weight gradient is
+    partial (each rank saw 1/tp of the tokens). Marking the weight ``sequence_parallel = True``
+    makes megatron's ``finalize_model_grads`` all-reduce it across the tensor-parallel group,
+    exactly as it does for TE's norms. Without sequence parallelism it is ``torch.nn.RMSNorm``.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelRMSNorm: normalization={config.normalization!r}")
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in self.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
 
 
 def _with_identity_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
