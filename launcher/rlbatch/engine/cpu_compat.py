@@ -44,6 +44,7 @@ PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
@@ -191,6 +192,31 @@ def _with_identity_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` with ``Tensor.type()`` naming CPU tensors as CUDA ones ("torch.FloatTensor" ->
+    "torch.cuda.FloatTensor"; only the no-argument query, only for the duration of the call).
+    megatron's DistributedOptimizer sorts its parameters by those names and rejects the rest."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.type
+
+        def cuda_type(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            name = original(self, *a, **k)
+            if a or k or self.device.type != "cpu":
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = cuda_type  # type: ignore[method-assign, assignment]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original  # type: ignore[method-assign]
+
+    wrapper.__rlbatch_cpu_compat__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def check_version() -> str:
     """The installed megatron-core version; a clear error when it is not the pinned one."""
     try:
@@ -246,5 +272,9 @@ def install() -> bool:
     method = lm.LanguageModule.setup_embeddings_and_output_layer
     if not getattr(method, "__rlbatch_cpu_compat__", False):
         lm.LanguageModule.setup_embeddings_and_output_layer = _with_identity_cuda(method)
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    init = distrib.DistributedOptimizer.__init__
+    if not getattr(init, "__rlbatch_cpu_compat__", False):
+        distrib.DistributedOptimizer.__init__ = _with_cuda_type_names(init)
     _installed = True
     return True

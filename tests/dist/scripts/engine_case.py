@@ -65,11 +65,13 @@ def make_cfg(
     dp: int = 1,
     hf_path: Optional[str] = None,
     sequence_parallel: bool = False,
+    distributed_optimizer: bool = False,
 ) -> RunConfig:
     cfg = RunConfig()
     cfg.model = replace(MODEL, hf_path=hf_path)
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.dp = tp, pp, vpp, dp
     cfg.parallel.sequence_parallel = sequence_parallel
+    cfg.parallel.use_distributed_optimizer = distributed_optimizer
     cfg.trainer.optim.lr = 1e-2
     cfg.trainer.optim.clip_grad = 0.5
     cfg.trainer.max_steps = 10
