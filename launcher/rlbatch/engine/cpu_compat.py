@@ -10,10 +10,15 @@ megatron modules only** with a proxy that forwards everything to torch except:
 - in ``tensor_parallel.random``: the CUDA RNG state is the CPU generator's state (so the RNG
   tracker and activation recomputation restore the right state).
 
-Plus three scoped replacements: a device-agnostic ``clip_grad_by_total_norm_fp32`` (megatron's
+Plus scoped replacements: a device-agnostic ``clip_grad_by_total_norm_fp32`` (megatron's
 asserts ``torch.cuda.FloatTensor``), ``Tensor.cuda`` as identity only while
-``LanguageModule.setup_embeddings_and_output_layer`` runs (tied embeddings with pp > 1), and
-nothing else. :class:`SequenceParallelRMSNorm` is the norm rlbatch.engine.model puts in the
+``LanguageModule.setup_embeddings_and_output_layer`` runs (tied embeddings with pp > 1) and
+while the DistributedOptimizer gathers its state for a checkpoint, and ``Tensor.type()``
+naming CPU tensors as CUDA ones only while a DistributedOptimizer is constructed (it sorts
+parameters by those names), a DistributedOptimizer state setter that tolerates torch AdamW's
+per-parameter step on checkpoint load and a load_state_dict that gives each parameter its own
+step tensor (megatron shares one, which AdamW increments once per parameter), and nothing
+else. :class:`SequenceParallelRMSNorm` is the norm rlbatch.engine.model puts in the
 local layer spec on CPU (megatron's torch norm refuses sequence parallelism). torch itself is never modified: user code still gets "Torch not compiled with
 CUDA enabled" from ``torch.cuda.current_device()``. On a CUDA machine :func:`install` is a no-op.
 
@@ -53,6 +58,10 @@ PATCHED_MODULES = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.random",
     "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 """Megatron modules whose ``torch`` name is replaced by the proxy."""
 
@@ -217,6 +226,35 @@ def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: Any) -> None:
+    """DistributedOptimizer's per-parameter state setter, copying only the states the
+    checkpoint holds. megatron's copies every state of the live optimizer, which for torch's
+    AdamW (the optimizer without TE / apex) includes a per-parameter "step" that the checkpoint
+    loader leaves out on purpose (it restores the step through the param groups): KeyError."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    destination = {"param": main_param, **self.optimizer.state[main_param]}
+    for key, value in tensors.items():
+        destination[key].copy_(value)
+
+
+def _with_unshared_steps(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+    """DistributedOptimizer.load_state_dict, then one "step" tensor per parameter. megatron's
+    loader gives every parameter of torch's AdamW the *same* step tensor, which AdamW then
+    increments once per parameter: wrong bias correction from the first step after a resume."""
+
+    @functools.wraps(load_state_dict)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = load_state_dict(self, *args, **kwargs)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return result
+
+    wrapper.__rlbatch_cpu_compat__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def check_version() -> str:
     """The installed megatron-core version; a clear error when it is not the pinned one."""
     try:
@@ -273,8 +311,14 @@ def install() -> bool:
     if not getattr(method, "__rlbatch_cpu_compat__", False):
         lm.LanguageModule.setup_embeddings_and_output_layer = _with_identity_cuda(method)
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    init = distrib.DistributedOptimizer.__init__
-    if not getattr(init, "__rlbatch_cpu_compat__", False):
-        distrib.DistributedOptimizer.__init__ = _with_cuda_type_names(init)
+    cls = distrib.DistributedOptimizer
+    if not getattr(cls.__init__, "__rlbatch_cpu_compat__", False):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+    # its checkpoint gather moves CPU buffers with .cuda() (the default group is gloo here)
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    if not getattr(cls.load_state_dict, "__rlbatch_cpu_compat__", False):
+        cls.load_state_dict = _with_unshared_steps(cls.load_state_dict)
+    if not getattr(cls.get_parameter_state_dp_zero, "__rlbatch_cpu_compat__", False):
+        cls.get_parameter_state_dp_zero = _with_identity_cuda(cls.get_parameter_state_dp_zero)
     _installed = True
     return True
