@@ -41,11 +41,9 @@ def sharded_state_dict(model: list[Any], optimizer: Any, *, is_loading: bool) ->
     for i, chunk in enumerate(model):
         state[f"model{i}"] = unwrap(chunk).sharded_state_dict()
     if optimizer is not None:
-        merged: dict[str, Any] = {}
-        for i in range(len(model)):
-            merged.update(state[f"model{i}"])
+        # the nested dict: chunks share module paths, megatron finds each parameter in it
         state["optimizer"] = optimizer.sharded_state_dict(
-            merged, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+            dict(state), is_loading=is_loading, metadata=OPTIMIZER_METADATA
         )
     return state
 
