@@ -52,23 +52,23 @@ def save_sharded(directory: str | Path, model: list[Any], optimizer: Any) -> Non
     """Write this rank's model and optimizer shards into ``directory`` (collective)."""
     from megatron.core import dist_checkpointing
 
-    _fork_results_queue()
+    _in_process_results_queue()
     state = sharded_state_dict(model, optimizer, is_loading=False)
     dist_checkpointing.save(state, str(directory), content_metadata=dict(OPTIMIZER_METADATA))
 
 
-def _fork_results_queue() -> None:
-    """megatron's checkpoint writer reports through a multiprocessing queue that it creates
-    once per process from a *spawned* manager, which re-imports the worker's main module
-    (seconds, and megatron again) at the first save. A forked manager serves the same queue
-    without that start-up."""
-    import multiprocessing
+def _in_process_results_queue() -> None:
+    """megatron's checkpoint writer reports through a queue that it creates once per process
+    from a *spawned* multiprocessing manager: an extra Python process that re-imports the
+    worker's main module at the first save and outlives a killed worker (holding its stdout
+    open). The synchronous save used here puts and gets the results in this process, so a
+    plain thread-safe queue serves it without any helper process."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        manager = multiprocessing.get_context("fork").Manager()
-        filesystem_async._results_queue = manager.Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_sharded(directory: str | Path, model: list[Any], optimizer: Any) -> None:
