@@ -63,3 +63,24 @@ def test_recipe_shape_twin_runs_and_resumes_exactly(name, bin_dir, subprocess_en
     expected = _metrics(ref_dir)
     assert [r["step"] for r in expected] == list(range(1, NUM_STEPS + 1))
     assert _metrics(resumed_dir) == expected
+
+
+def test_resume_at_another_layout(bin_dir, subprocess_env, tmp_path):
+    """docs/parallelism.md's resharding resume through the CLI: 2 steps at tp2 (sequence
+    parallel) x pp2, then step 3 at dp2 from that checkpoint; the history carries over."""
+    base = ["+recipe=grpo_qwen", "model.num_layers=4", "trainer.checkpoint.every_steps=1"]
+    saved, resumed = tmp_path / "tp2pp2", tmp_path / "dp2"
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+    _train(bin_dir, subprocess_env, tmp_path,
+           [*base, *layout, "trainer.max_steps=2", f"hydra.run.dir={saved}"])  # fmt: skip
+    _train(
+        bin_dir,
+        subprocess_env,
+        tmp_path,
+        [*base, "parallel.dp=2", "trainer.max_steps=3", f"hydra.run.dir={resumed}",
+         f"trainer.resume={saved / 'checkpoints'}"],
+    )  # fmt: skip
+    before, after = _metrics(saved), _metrics(resumed)
+    assert [r["step"] for r in after] == [1, 2, 3]
+    assert after[:2] == before
+    assert after[2]["loss"] == after[2]["loss"]  # a finite step at the new layout

@@ -334,7 +334,9 @@ def reshard_train_state(data: dict[str, Any], *, keep_history: bool) -> dict[str
     producer = dict(data.get("producer") or {})
     pending = {
         "producer queue (grpo.num_steps_async > 0)": producer.get("queue"),
-        "round being trained (grpo.steps_per_generation > 1)": producer.get("current"),
+        "round being trained (grpo.steps_per_generation > 1)": (
+            producer.get("current") and not producer.get("round_done")
+        ),
         "LCM buffer": (data.get("aggregator") or {}).get("buffer"),
         "pool batcher (batching.*.mode=pool)": data.get("planner"),
     }
@@ -345,7 +347,9 @@ def reshard_train_state(data: dict[str, Any], *, keep_history: bool) -> dict[str
             f"flight; this one holds: {', '.join(busy)}. Resume at the saved layout, or save "
             "where none is pending (grpo.num_steps_async=0, a step that ends a generation round)"
         )
+    producer["current"] = None
     out = dict(data)
+    out["producer"] = producer
     out["rng"] = {}
     out["planner"] = {}
     if not keep_history:
