@@ -364,9 +364,9 @@ class ParallelConfig:
     microbatch_group_size_per_vp_stage: Optional[int] = None
     """Megatron's N for interleaving; null = pp. The planner makes the micro-batch count valid."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (GPU, tp > 1)."""
+    """Megatron sequence parallelism (tp > 1; CPU and GPU). Generation runs with it off."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state across DP (GPU)."""
+    """Shard optimizer state across DP (megatron's DistributedOptimizer; CPU and GPU)."""
     overlap_grad_reduce: bool = False
     """Overlap DP gradient reduction with backward."""
     backend: DistBackend = DistBackend.auto

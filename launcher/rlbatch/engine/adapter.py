@@ -136,21 +136,23 @@ def rope_kwargs(model: ModelConfig) -> dict[str, Any]:
 
 
 def ddp_config(parallel: ParallelConfig) -> Any:
-    """Megatron DistributedDataParallelConfig: fp32 grad buffers and reduction."""
+    """Megatron DistributedDataParallelConfig: fp32 grad buffers and reduction; with the
+    distributed optimizer the buffers are reduce-scattered instead of all-reduced."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=parallel.overlap_grad_reduce,
-        use_distributed_optimizer=parallel.use_distributed_optimizer and on_gpu(),
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
         check_for_nan_in_grad=False,
         bucket_size=None,
     )
 
 
 def optimizer_config(optim: OptimConfig, model: ModelConfig, parallel: ParallelConfig) -> Any:
-    """Megatron OptimizerConfig: AdamW; FP32 optimizer on CPU (megatron's bf16/fp16 and
-    distributed optimizers expect CUDA tensors), mixed precision / distributed on GPU."""
+    """Megatron OptimizerConfig: AdamW; FP32 on CPU (megatron's bf16/fp16 optimizers expect CUDA
+    tensors), mixed precision on GPU; the distributed optimizer (optimizer state sharded over
+    DP) wherever it is asked for (on CPU through rlbatch.engine.cpu_compat)."""
     from megatron.core.optimizer import OptimizerConfig
 
     gpu = on_gpu()
@@ -178,7 +180,7 @@ def optimizer_config(optim: OptimConfig, model: ModelConfig, parallel: ParallelC
         bf16=gpu and dtype == torch.bfloat16,
         fp16=gpu and dtype == torch.float16,
         params_dtype=dtype if gpu else torch.float32,
-        use_distributed_optimizer=parallel.use_distributed_optimizer and gpu,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
 
 

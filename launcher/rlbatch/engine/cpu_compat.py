@@ -10,10 +10,16 @@ megatron modules only** with a proxy that forwards everything to torch except:
 - in ``tensor_parallel.random``: the CUDA RNG state is the CPU generator's state (so the RNG
   tracker and activation recomputation restore the right state).
 
-Plus three scoped replacements: a device-agnostic ``clip_grad_by_total_norm_fp32`` (megatron's
+Plus scoped replacements: a device-agnostic ``clip_grad_by_total_norm_fp32`` (megatron's
 asserts ``torch.cuda.FloatTensor``), ``Tensor.cuda`` as identity only while
-``LanguageModule.setup_embeddings_and_output_layer`` runs (tied embeddings with pp > 1), and
-nothing else. torch itself is never modified: user code still gets "Torch not compiled with
+``LanguageModule.setup_embeddings_and_output_layer`` runs (tied embeddings with pp > 1) and
+while the DistributedOptimizer gathers its state for a checkpoint, and ``Tensor.type()``
+naming CPU tensors as CUDA ones only while a DistributedOptimizer is constructed (it sorts
+parameters by those names), a DistributedOptimizer state setter that tolerates torch AdamW's
+per-parameter step on checkpoint load and a load_state_dict that gives each parameter its own
+step tensor (megatron shares one, which AdamW increments once per parameter), and nothing
+else. :class:`SequenceParallelRMSNorm` is the norm rlbatch.engine.model puts in the
+local layer spec on CPU (megatron's torch norm refuses sequence parallelism). torch itself is never modified: user code still gets "Torch not compiled with
 CUDA enabled" from ``torch.cuda.current_device()``. On a CUDA machine :func:`install` is a no-op.
 
 The layer patches internals by module name, so it is pinned to megatron-core 0.16.1.
@@ -44,6 +50,7 @@ PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
@@ -52,6 +59,10 @@ PATCHED_MODULES = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.random",
     "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 """Megatron modules whose ``torch`` name is replaced by the proxy."""
 
@@ -155,6 +166,26 @@ def _clip_grad_by_total_norm_fp32(
         torch._foreach_mul_(grads, clip_coeff)
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm for megatron's local layer spec that supports sequence parallelism the way
+    Transformer Engine's norm does.
+
+    megatron-core 0.16.1's local spec builds ``WrappedTorchNorm``, which asserts
+    ``not config.sequence_parallel``. RMSNorm is per token, so under sequence parallelism each
+    tensor-parallel rank simply normalises its own sequence shard; only the weight gradient is
+    partial (each rank saw 1/tp of the tokens). Marking the weight ``sequence_parallel = True``
+    makes megatron's ``finalize_model_grads`` all-reduce it across the tensor-parallel group,
+    exactly as it does for TE's norms. Without sequence parallelism it is ``torch.nn.RMSNorm``.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelRMSNorm: normalization={config.normalization!r}")
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in self.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+
 def _with_identity_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``fn`` with ``Tensor.cuda`` as identity (only for the duration of the call)."""
 
@@ -166,6 +197,60 @@ def _with_identity_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         finally:
             torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+    wrapper.__rlbatch_cpu_compat__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` with ``Tensor.type()`` naming CPU tensors as CUDA ones ("torch.FloatTensor" ->
+    "torch.cuda.FloatTensor"; only the no-argument query, only for the duration of the call).
+    megatron's DistributedOptimizer sorts its parameters by those names and rejects the rest."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.type
+
+        def cuda_type(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            name = original(self, *a, **k)
+            if a or k or self.device.type != "cpu":
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = cuda_type  # type: ignore[method-assign, assignment]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original  # type: ignore[method-assign]
+
+    wrapper.__rlbatch_cpu_compat__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: Any) -> None:
+    """DistributedOptimizer's per-parameter state setter, copying only the states the
+    checkpoint holds. megatron's copies every state of the live optimizer, which for torch's
+    AdamW (the optimizer without TE / apex) includes a per-parameter "step" that the checkpoint
+    loader leaves out on purpose (it restores the step through the param groups): KeyError."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    destination = {"param": main_param, **self.optimizer.state[main_param]}
+    for key, value in tensors.items():
+        destination[key].copy_(value)
+
+
+def _with_unshared_steps(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+    """DistributedOptimizer.load_state_dict, then one "step" tensor per parameter. megatron's
+    loader gives every parameter of torch's AdamW the *same* step tensor, which AdamW then
+    increments once per parameter: wrong bias correction from the first step after a resume."""
+
+    @functools.wraps(load_state_dict)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = load_state_dict(self, *args, **kwargs)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return result
 
     wrapper.__rlbatch_cpu_compat__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -226,5 +311,15 @@ def install() -> bool:
     method = lm.LanguageModule.setup_embeddings_and_output_layer
     if not getattr(method, "__rlbatch_cpu_compat__", False):
         lm.LanguageModule.setup_embeddings_and_output_layer = _with_identity_cuda(method)
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    cls = distrib.DistributedOptimizer
+    if not getattr(cls.__init__, "__rlbatch_cpu_compat__", False):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+    # its checkpoint gather moves CPU buffers with .cuda() (the default group is gloo here)
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    if not getattr(cls.load_state_dict, "__rlbatch_cpu_compat__", False):
+        cls.load_state_dict = _with_unshared_steps(cls.load_state_dict)
+    if not getattr(cls.get_parameter_state_dp_zero, "__rlbatch_cpu_compat__", False):
+        cls.get_parameter_state_dp_zero = _with_identity_cuda(cls.get_parameter_state_dp_zero)
     _installed = True
     return True

@@ -9,6 +9,8 @@ Engine spec on GPU when it is importable. Needs :func:`rlbatch.engine.parallel.i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -27,19 +29,66 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def layer_spec(model: ModelConfig) -> Any:
+def layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
     """TE spec on GPU with transformer_engine, else megatron's local spec (RMSNorm) with
-    rlbatch.engine.attention's THD-capable core attention."""
+    rlbatch.engine.attention's THD-capable core attention and the CPU layer's RMSNorm (which,
+    unlike megatron's torch norm, supports sequence parallelism) for every norm, the final one
+    included: a whole block spec for this (virtual) pipeline stage."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if have_transformer_engine():
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
-    from rlbatch.engine.attention import SegmentedDotProductAttention
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
-    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
+    from rlbatch.engine.attention import SegmentedDotProductAttention
+    from rlbatch.engine.cpu_compat import SequenceParallelRMSNorm
+
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     # packed micro-batches run as THD here too (per-sequence attention, no block mask)
     spec.submodules.self_attention.submodules.core_attention = SegmentedDotProductAttention
-    return spec
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if config.qk_layernorm:  # Qwen3: per-head norms; megatron all-reduces their grads over TP
+        spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * num_layers, layer_norm=SequenceParallelRMSNorm
+    )
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: Sequence[Any]) -> Iterator[None]:
+    """Run ``model`` (this rank's chunks) without sequence parallelism for the duration.
+
+    Generation decodes one token per step, which sequence parallelism (splitting the sequence
+    over the tensor-parallel ranks) cannot shard. Megatron reads the switch at forward time in
+    three places, all turned off here and restored after: the shared TransformerConfig
+    (transformer block, rotary length, attention), every layer's own ``sequence_parallel`` flag
+    (column/row-parallel linears, TE's linears and layernorm-linears) and the embeddings'
+    ``reduce_scatter_embeddings``. Tensor parallelism stays: the linears then all-reduce instead
+    of reduce-scatter / all-gather, which gives the same activations. The parameters' own
+    ``sequence_parallel`` marks only steer gradient reduction and are left alone."""
+    flipped: list[tuple[Any, str]] = []
+    for chunk in model:
+        for module in chunk.modules():
+            for name in ("sequence_parallel", "reduce_scatter_embeddings"):
+                if module.__dict__.get(name) is True:
+                    flipped.append((module, name))
+            config = module.__dict__.get("config")
+            if getattr(config, "sequence_parallel", False) is True:
+                flipped.append((config, "sequence_parallel"))
+    flipped = list({(id(obj), name): (obj, name) for obj, name in flipped}.values())
+    for obj, name in flipped:
+        setattr(obj, name, False)
+    try:
+        yield
+    finally:
+        for obj, name in flipped:
+            setattr(obj, name, True)
 
 
 def check_model_config(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 1) -> None:
@@ -73,7 +122,7 @@ def build_chunk(
 
     chunk = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model),
+        transformer_layer_spec=layer_spec(config, vp_stage),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,

@@ -298,11 +298,6 @@ class MegatronRolloutEngine:
         chunk_size: Optional[int] = None,
     ) -> None:
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-        if any(_config_of(c).sequence_parallel for c in self.chunks):
-            raise ValueError(
-                "parallel.sequence_parallel=true: built-in generation decodes one token per step,"
-                " which sequence parallelism cannot shard; set parallel.sequence_parallel=false"
-            )
         self.params = params
         self.kv_cache = kv_cache
         self.chunk_size = chunk_size

@@ -21,6 +21,11 @@ def load_model_state(model: list[Any], path: str, rank: int, world_size: int) ->
     from rlbatch.train.checkpoint import load_checkpoint
 
     payload = load_checkpoint(path, rank=rank, world_size=world_size)
+    if "sharded_dir" in payload:  # megatron dist_checkpointing: model shards of any layout
+        from rlbatch.engine.dist_checkpoint import load_sharded
+
+        load_sharded(payload["sharded_dir"], model, optimizer=None)
+        return
     states = payload["model"]
     if len(states) != len(model):
         raise ValueError(f"{path}: {len(states)} model chunks, this layout has {len(model)}")

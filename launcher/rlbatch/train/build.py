@@ -67,6 +67,24 @@ def make_generate_fn(
     return generate
 
 
+class SequenceParallelOffEngine:
+    """A RolloutEngine that generates with sequence parallelism switched off on the policy
+    (rlbatch.engine.model.sequence_parallel_off): decoding feeds one token per step, which
+    cannot be split over the tensor-parallel ranks. Training keeps it on."""
+
+    def __init__(self, engine: RolloutEngine, model: list[Any]) -> None:
+        self.engine = engine
+        self.model = model
+
+    def generate(
+        self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
+    ) -> list[Sample]:
+        from rlbatch.engine.model import sequence_parallel_off
+
+        with sequence_parallel_off(self.model):
+            return self.engine.generate(prompts, num_generations, policy_version, seed)
+
+
 def make_reward_batch_fn(
     fn: RewardFn | RewardSet, tokenizer: Any
 ) -> Callable[[list[Sample]], list[float]]:
@@ -230,11 +248,13 @@ def build_components(cfg: RunConfig) -> Components:
     tokenizer = build_tokenizer(cfg.model)
     prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)
     aggregator = build_aggregator(cfg, tokenizer, build_reference(cfg, model), ps.dp_rank)
-    engine = MegatronRolloutEngine(
+    engine: RolloutEngine = MegatronRolloutEngine(
         model,
         SamplingParams.from_config(cfg.rollout, tokenizer.eos_id, tokenizer.pad_id),
         kv_cache=cfg.rollout.kv_cache,
     )
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+        engine = SequenceParallelOffEngine(engine, model)
     schedule = schedule_from_config(cfg.grpo, ps.dp)
     sampler = PromptSampler(
         len(prompts), schedule, dp_rank=ps.dp_rank, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle

@@ -2,13 +2,22 @@
 
 Layout of ``<checkpoint dir>/step_00000042/``:
 
-- ``rank_00000.pt`` .. one file per global rank (torch.save): that rank's model chunks
-  (``module.state_dict()`` per virtual stage), optimizer and LR scheduler state, and its
-  :class:`TrainState` (RNG states, producer queue + sampler cursor, planner pool, LCM buffers,
-  policy version, step, metrics history). Saving per rank covers every (tp, pp, dp) layout
-  without a resharding step; resume needs the same parallel layout (checked).
-- ``meta.json``: step, world size, the per-rank parallel coordinates, ``"complete": true``.
-  Written last.
+- ``model_optim/``: the model chunks and the optimizer (Adam moments, the distributed
+  optimizer's sharded state included) through megatron-core's distributed checkpointing
+  (rlbatch.engine.dist_checkpoint): tensors keyed by global name and offset, so a checkpoint
+  saved at one (tp, pp, vpp, dp) layout loads at another.
+- ``rank_00000.pt`` .. one file per global rank (torch.save): the LR scheduler state and that
+  rank's :class:`TrainState` (RNG states, producer queue + sampler cursor, planner pool, LCM
+  buffers, policy version, step, metrics history). Plain torch modules (no sharded state dict)
+  keep their model / optimizer ``state_dict()`` here instead.
+- ``meta.json``: step, world size, the parallel layout and per-rank coordinates,
+  ``"complete": true``. Written last.
+
+Resume at the same layout restores everything (bit-exact). At another layout
+(:func:`reshard_train_state`): model and optimizer are resharded; the scheduler, step counters,
+metrics history and the sampler's global cursor come from rank 0; per-rank state that is tied
+to the old data-parallel sharding (queued generated rounds, pool contents, LCM buffers, RNG
+streams) must be empty or is re-seeded (docs/resume.md).
 
 Atomicity: every rank writes into ``.tmp-step_00000042`` (same parent, so the rename stays on
 one file system), each file written to ``*.part``, flushed, fsynced and renamed; after a
@@ -34,7 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+SHARDED_DIR = "model_optim"
+"""Sub-directory of a checkpoint holding the distributed (megatron) model + optimizer state."""
 _NAME_RE = re.compile(r"^step_(\d{8})$")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
@@ -102,6 +113,10 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`capture_rng_state`'s states; an empty dict (a resume at another parallel
+    layout) keeps the streams this run seeded."""
+    if not state:
+        return
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -226,12 +241,20 @@ def save_checkpoint(
     root = Path(ckpt_dir)
     final = root / checkpoint_name(step)
     tmp = root / (_TMP_PREFIX + final.name)
+    payload = dict(payload)
+    sharded = payload.pop("sharded", None)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
+        if sharded is not None:
+            (tmp / SHARDED_DIR).mkdir()
     sync()
+    if sharded is not None:
+        from rlbatch.engine.dist_checkpoint import save_sharded
+
+        save_sharded(tmp / SHARDED_DIR, sharded.model, sharded.optimizer)
     _write_atomic(tmp / rank_file(rank), lambda fh: torch.save(payload, fh))
     sync()
     if rank == 0:
@@ -258,23 +281,94 @@ def _commit(tmp: Path, final: Path, step: int, world_size: int, meta: dict[str, 
         shutil.rmtree(old)
 
 
-def load_checkpoint(path: str | Path, *, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
-    """This rank's payload; refuses a checkpoint written by another world size."""
+def load_checkpoint(
+    path: str | Path, *, rank: int = 0, world_size: int = 1, layout: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """This rank's payload. ``layout``: this run's parallel sizes (default: megatron's, when it
+    is initialized). At the saved layout the rank's own file; at another one (only checkpoints
+    with sharded model state) rank 0's file with its TrainState reduced to the layout-free part
+    (:func:`reshard_train_state`) and ``"resharded": True``."""
     path = Path(path)
     meta = read_meta(path)
     if meta is None:
         raise FileNotFoundError(f"{path} is not a complete checkpoint")
-    if meta["world_size"] != world_size:
+    layout = layout if layout is not None else _current_layout()
+    saved = meta.get("parallel")
+    same = meta["world_size"] == world_size and (None in (layout, saved) or saved == layout)
+    sharded = (path / SHARDED_DIR).is_dir()
+    if not same and not sharded:
         raise ValueError(
             f"checkpoint {path} was written by {meta['world_size']} ranks, this run has "
-            f"{world_size}: resume with the same parallel layout (tp, pp, vpp, dp)"
+            f"{world_size} (layouts {saved} vs {layout}) and it has no sharded model state: "
+            "resume with the same parallel layout (tp, pp, vpp, dp)"
         )
-    return torch.load(path / rank_file(rank), map_location="cpu", weights_only=False)
+    payload = torch.load(
+        path / rank_file(rank if same else 0), map_location="cpu", weights_only=False
+    )
+    if sharded:
+        payload["sharded_dir"] = path / SHARDED_DIR
+    if not same:
+        payload["train_state"] = reshard_train_state(payload["train_state"], keep_history=rank == 0)
+        payload["resharded"] = True
+    return payload
+
+
+def _current_layout() -> dict[str, int] | None:
+    """(tp, pp, vpp, cp, dp) of this process when megatron's parallel state is initialized."""
+    if "megatron.core.parallel_state" not in sys.modules:
+        return None
+    from rlbatch.engine import parallel
+
+    if not parallel.is_initialized():
+        return None
+    ps = parallel.current_state()
+    return {k: getattr(ps, k) for k in ("tp", "pp", "vpp", "cp", "dp")}
+
+
+def reshard_train_state(data: dict[str, Any], *, keep_history: bool) -> dict[str, Any]:
+    """Rank 0's TrainState for a run at another parallel layout: step, policy version, metrics
+    history, LCM counters and the sampler's global cursor carry over; the RNG streams are the
+    new run's own. Per-rank work in flight (queued generated rounds, the round being trained,
+    pending LCM buffers, pool contents) belongs to the old data-parallel sharding: it must be
+    empty (else ValueError naming the setting that fills it)."""
+    producer = dict(data.get("producer") or {})
+    pending = {
+        "producer queue (grpo.num_steps_async > 0)": producer.get("queue"),
+        "round being trained (grpo.steps_per_generation > 1)": (
+            producer.get("current") and not producer.get("round_done")
+        ),
+        "LCM buffer": (data.get("aggregator") or {}).get("buffer"),
+        "pool batcher (batching.*.mode=pool)": data.get("planner"),
+    }
+    busy = [name for name, value in pending.items() if value]
+    if busy:
+        raise ValueError(
+            "resume at another parallel layout needs a checkpoint without per-rank work in "
+            f"flight; this one holds: {', '.join(busy)}. Resume at the saved layout, or save "
+            "where none is pending (grpo.num_steps_async=0, a step that ends a generation round)"
+        )
+    producer["current"] = None
+    out = dict(data)
+    out["producer"] = producer
+    out["rng"] = {}
+    out["planner"] = {}
+    if not keep_history:
+        out["metrics_history"] = []
+    return out
 
 
 # ------------------------------------------------------------------------------------------
 # Rank payload: model chunks + optimizer + scheduler + TrainState
 # ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardedState:
+    """Model chunks + optimizer that save_checkpoint writes through megatron's distributed
+    checkpointing (collectively) instead of into the rank file."""
+
+    model: list[Any]
+    optimizer: Any
 
 
 def build_payload(
@@ -283,27 +377,39 @@ def build_payload(
     scheduler: Any,
     state: TrainState,
 ) -> dict[str, Any]:
-    return {
-        "model": [chunk.state_dict() for chunk in model],
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+    from rlbatch.engine.dist_checkpoint import is_sharded_model
+
+    payload: dict[str, Any] = {
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "train_state": state.to_dict(),
     }
+    if is_sharded_model(model):
+        payload["sharded"] = ShardedState(list(model), optimizer)
+    else:
+        payload["model"] = [chunk.state_dict() for chunk in model]
+        payload["optimizer"] = optimizer.state_dict() if optimizer is not None else None
+    return payload
 
 
 def apply_payload(
     payload: dict[str, Any], model: list[torch.nn.Module], optimizer: Any, scheduler: Any
 ) -> TrainState:
-    """Load model/optimizer/scheduler in place; return the TrainState (RNG not yet restored)."""
-    if len(payload["model"]) != len(model):
-        raise ValueError(
-            f"checkpoint has {len(payload['model'])} model chunks, this run {len(model)} "
-            "(parallel.vpp differs?)"
-        )
-    for chunk, sd in zip(model, payload["model"], strict=True):
-        chunk.load_state_dict(sd)
-    if optimizer is not None and payload["optimizer"] is not None:
-        optimizer.load_state_dict(payload["optimizer"])
+    """Load model/optimizer/scheduler in place (collective for sharded checkpoints); return the
+    TrainState (RNG not yet restored)."""
+    if "sharded_dir" in payload:
+        from rlbatch.engine.dist_checkpoint import load_sharded
+
+        load_sharded(payload["sharded_dir"], list(model), optimizer)
+    else:
+        if len(payload["model"]) != len(model):
+            raise ValueError(
+                f"checkpoint has {len(payload['model'])} model chunks, this run {len(model)} "
+                "(parallel.vpp differs?)"
+            )
+        for chunk, sd in zip(model, payload["model"], strict=True):
+            chunk.load_state_dict(sd)
+        if optimizer is not None and payload["optimizer"] is not None:
+            optimizer.load_state_dict(payload["optimizer"])
     if scheduler is not None and payload["scheduler"] is not None:
         scheduler.load_state_dict(payload["scheduler"])
     return TrainState.from_dict(payload["train_state"])

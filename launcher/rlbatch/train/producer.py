@@ -266,6 +266,9 @@ class RunAheadProducer:
             "current": self.current,
             "expected_step": self._expected_step,
             "lag": self.lag,
+            # the next step starts a new round: `current` is spent (a resume at another
+            # parallel layout may then drop it; rlbatch.train.checkpoint.reshard_train_state)
+            "round_done": self.schedule.round_position(self._expected_step)[1:] == (0, 0),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -59,11 +59,19 @@ def plan_of(ranks: list[list[MicroBatch]], group_size: int) -> PassPlan:
 
 
 def make_cfg(
-    tp: int = 1, pp: int = 1, vpp: int = 1, dp: int = 1, hf_path: Optional[str] = None
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    dp: int = 1,
+    hf_path: Optional[str] = None,
+    sequence_parallel: bool = False,
+    distributed_optimizer: bool = False,
 ) -> RunConfig:
     cfg = RunConfig()
     cfg.model = replace(MODEL, hf_path=hf_path)
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.dp = tp, pp, vpp, dp
+    cfg.parallel.sequence_parallel = sequence_parallel
+    cfg.parallel.use_distributed_optimizer = distributed_optimizer
     cfg.trainer.optim.lr = 1e-2
     cfg.trainer.optim.clip_grad = 0.5
     cfg.trainer.max_steps = 10
@@ -123,4 +131,25 @@ def run_case(
         hf.load_hf_into(chunks, cfg.model.hf_path)
     lp, ent = logprobs.compute_logprobs(chunks, seqs, infer_plan(cfg), round_to=ROUND, entropy=True)
     result["logprobs"], result["entropy"] = lp, ent
+    result["rollout"] = generate(chunks)
+    result["sequence_parallel"] = [
+        bool(config.sequence_parallel),
+        all(getattr(p, "sequence_parallel", False) for n, p in chunks[0].named_parameters()
+            if "layernorm" in n),
+    ]  # fmt: skip
     return result
+
+
+def generate(chunks: list[Any]) -> list[tuple[list[int], list[float]]]:
+    """Sampled completions (seeded) of three prompts, with sequence parallelism switched off
+    for generation as the trainer does."""
+    from rlbatch.engine.model import sequence_parallel_off
+    from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
+    from rlbatch.grpo.types import Prompt
+
+    prompts = [Prompt(index=i, prompt_ids=tuple(seq[:5]), answer="") for i, seq in
+               enumerate(sequences()[:3])]  # fmt: skip
+    engine = MegatronRolloutEngine(chunks, SamplingParams(max_new_tokens=6, eos_id=-1, top_k=20))
+    with sequence_parallel_off(chunks):
+        samples = engine.generate(prompts, 2, 0, seed=3)
+    return [(s.response_ids, s.behaviour_logps) for s in samples]

@@ -1,6 +1,6 @@
 """torchrun worker of tests/dist/test_engine_parallel.py: one parallel layout per launch.
 
-Usage: engine_worker.py MODE HF_DIR OUT_DIR   (MODE: pp2 | vpp | tp2 | dp2)
+Usage: engine_worker.py MODE HF_DIR OUT_DIR   (MODE: pp2 | vpp | tp2 | tp2sp | dp2 | dp2do)
 Writes OUT_DIR/rank{r}.pt with the case results (gathered on rank 0) and checks of
 rlbatch.distributed.
 """
@@ -21,7 +21,9 @@ LAYOUTS = {  # mode -> (tp, pp, vpp, dp, micro-batches of this rank, N)
     "pp2": (1, 2, 1, 1, lambda r: MICRO_BATCHES[:3], None),
     "vpp": (1, 2, 2, 1, lambda r: MICRO_BATCHES[:5], 3),
     "tp2": (2, 1, 1, 1, lambda r: MICRO_BATCHES[:3], None),
+    "tp2sp": (2, 1, 1, 1, lambda r: MICRO_BATCHES[:3], None),  # + sequence parallel
     "dp2": (1, 1, 1, 2, lambda r: MICRO_BATCHES[3 * r : 3 * r + 3], None),
+    "dp2do": (1, 1, 1, 2, lambda r: MICRO_BATCHES[3 * r : 3 * r + 3], None),  # + distributed opt
 }
 
 
@@ -53,12 +55,24 @@ def distributed_checks(mode: str) -> dict:
 def main() -> None:
     mode, hf_dir, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     tp, pp, vpp, dp, mbs, group = LAYOUTS[mode]
-    cfg = make_cfg(tp, pp, vpp, dp, hf_dir)
+    cfg = make_cfg(
+        tp,
+        pp,
+        vpp,
+        dp,
+        hf_dir,
+        sequence_parallel=mode == "tp2sp",
+        distributed_optimizer=mode == "dp2do",
+    )
     cfg.parallel.microbatch_group_size_per_vp_stage = group
     state = parallel.initialize(cfg)
     export = str(out_dir / "export")
     result = run_case(
-        cfg, mbs(state.dp_rank), dp=dp, step=mode in ("dp2", "tp2"), export_dir=export
+        cfg,
+        mbs(state.dp_rank),
+        dp=dp,
+        step=mode in ("dp2", "dp2do", "tp2", "tp2sp"),
+        export_dir=export,
     )
     result["state"] = state
     result["distributed"] = distributed_checks(mode)
