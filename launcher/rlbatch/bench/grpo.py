@@ -119,7 +119,7 @@ def produce_samples(world: World, args: argparse.Namespace, aggregated: bool, cl
     from rlbatch.grpo.lcm import LCMAggregator, Stages, plan_aggregation
     from rlbatch.grpo.rewards import build_reward_fn
     from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams, as_rollout_fn
-    from rlbatch.train.build import make_ref_logps_fn, make_reward_batch_fn
+    from rlbatch.train.build import make_logps_fn, make_reward_batch_fn
 
     cfg = world.cfg
     use_lcm(cfg, args, aggregated)
@@ -132,11 +132,11 @@ def produce_samples(world: World, args: argparse.Namespace, aggregated: bool, cl
     stages = Stages(
         rollout_fn=clock.wrap("rollout", as_rollout_fn(engine, 0), gen_tokens),
         reward_fn=make_reward_batch_fn(build_reward_fn(cfg.data), tok),
-        old_logps_fn=clock.wrap("old", make_ref_logps_fn(world.model, cfg), all_tokens),
+        old_logps_fn=clock.wrap("old", make_logps_fn(world.model, cfg), all_tokens),
         ref_logps_fn=(
             None
             if world.ref is None  # grpo.beta == 0: no reference pass
-            else clock.wrap("ref", make_ref_logps_fn(world.ref, cfg), all_tokens)
+            else clock.wrap("ref", make_logps_fn(world.ref, cfg), all_tokens)
         ),
     )
     g = cfg.grpo

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from rlbatch.config.schema import RunConfig
+from rlbatch.config.schema import RunConfig, ScaleRewards
 from rlbatch.grpo.lcm import LCMAggregator
 from rlbatch.grpo.rewards import RewardFn, RewardInput, score
 from rlbatch.grpo.rollout import RolloutEngine, as_rollout_fn
@@ -38,17 +38,25 @@ def make_generate_fn(
     The request's prompts are pushed as training micro-batches of ``train_micro_batch_size``
     prompts, then flushed (a round never leaves a partial buffer behind); the examples come back
     in push order, so sample ``g*G + j`` is completion j of the request's prompt g. Group ids
-    are set to the sampler's (unique over the run and across ranks). ``batch_repeat`` is not
-    applied here: the producer reuses rounds (docs/training_loop.md).
+    are set to the sampler's (unique over the run and across ranks). With
+    ``grpo.aggregation.proceed_num_steps`` = k, every k micro-batches end with a flush (an
+    aggregation round never spans more). ``batch_repeat`` is not applied here: the producer
+    repeats each mini-batch in the same a a b b order (docs/training_loop.md).
     """
 
     def generate(request: GenerationRequest, snapshot: PolicySnapshot) -> list[Sample]:
         aggregator.stages.rollout_fn = as_rollout_fn(engine, snapshot.version)
         batch = [prompts[i] for i in request.prompt_indices]
+        micro = [
+            batch[i : i + train_micro_batch_size]
+            for i in range(0, len(batch), train_micro_batch_size)
+        ]
+        bound = aggregator.plan.proceed_num_steps or max(len(micro), 1)
         examples = []
-        for start in range(0, len(batch), train_micro_batch_size):
-            examples.extend(aggregator.push(batch[start : start + train_micro_batch_size]))
-        examples.extend(aggregator.flush())
+        for start in range(0, len(micro), bound):
+            for mb in micro[start : start + bound]:
+                examples.extend(aggregator.push(mb))
+            examples.extend(aggregator.flush())
         samples = [s for ex in examples for s in ex.samples]
         group = request.num_generations
         for g, gid in enumerate(request.group_ids):
@@ -83,9 +91,10 @@ def make_reward_batch_fn(fn: RewardFn, tokenizer: Any) -> Callable[[list[Sample]
     return reward_batch
 
 
-def make_ref_logps_fn(ref_model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], list]:
-    """Reference-model logprobs of the response tokens, chunked by an infer plan (batching.infer)
-    over this rank's samples (every DP rank scores its own samples: plan dp = 1)."""
+def make_logps_fn(model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], list]:
+    """Logprobs of the response tokens under ``model`` (the reference model, or the policy for
+    the old pass) at ``rollout.temperature``, chunked by an infer plan (batching.infer) over this
+    rank's samples (every DP rank scores its own samples: plan dp = 1)."""
     from rlbatch.batching.cost import cost_model_for
     from rlbatch.batching.planner import plan_pass
     from rlbatch.engine.logprobs import compute_logprobs
@@ -106,7 +115,13 @@ def make_ref_logps_fn(ref_model: list[Any], cfg: RunConfig) -> Callable[[list[Sa
             cost=cost,
             seed=cfg.trainer.seed,
         )
-        logps = compute_logprobs(ref_model, sequences, plan, round_to=infer.sequence_length_round)
+        logps = compute_logprobs(
+            model,
+            sequences,
+            plan,
+            round_to=infer.sequence_length_round,
+            temperature=cfg.rollout.temperature,
+        )
         # logps[i][j] = log p(token j+1 | ..j): the response starts at len(prompt) - 1
         return [
             lp[len(s.prompt.prompt_ids) - 1 :].tolist()
@@ -142,21 +157,53 @@ def build_aggregator(cfg: RunConfig, tokenizer: Any, ref: list[Any] | None, dp_r
     stages = Stages(
         rollout_fn=no_rollout,
         reward_fn=make_reward_batch_fn(build_reward_fn(cfg.data), tokenizer),
-        old_logps_fn=None,  # old = behaviour logps (rollout); the loss corrects the lag
-        ref_logps_fn=make_ref_logps_fn(ref, cfg) if ref is not None else None,
+        old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
+        ref_logps_fn=make_logps_fn(ref, cfg) if ref is not None else None,
     )
+    # scale_rewards=batch: the aggregator only centres; the round's first step divides by the
+    # std of the whole generation batch over every DP rank (make_round_start)
+    scale = ScaleRewards(cfg.grpo.scale_rewards)
     return LCMAggregator(
         plan_aggregation(cfg),
         stages,
         beta=cfg.grpo.beta,
-        scale_rewards=cfg.grpo.scale_rewards,
+        scale_rewards=ScaleRewards.none if scale == ScaleRewards.batch else scale,
         advantage_eps=cfg.grpo.advantage_eps,
         seed=rank_seed(cfg.trainer.seed, dp_rank),
     )
 
 
+def make_round_start(cfg: RunConfig, model: list[Any]) -> Callable[[list[Sample]], dict]:
+    """round_start(round samples) -> metrics: what a round's first step runs before training,
+    with the policy at the round's start version (rlbatch.grpo.proximal): the batch reward std
+    over all DP ranks (scale_rewards=batch) and the old-logprob pass (off-policy samples)."""
+    import time
+
+    from rlbatch import distributed
+    from rlbatch.grpo.lcm import aggregation_plan
+    from rlbatch.grpo.proximal import compute_old_logps, scale_by_batch_std
+
+    plan = aggregation_plan(cfg)
+    old_fn = make_logps_fn(model, cfg) if plan.old_pass else None
+    batch_scale = ScaleRewards(cfg.grpo.scale_rewards) == ScaleRewards.batch
+
+    def round_start(samples: list[Sample]) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if batch_scale:
+            std = scale_by_batch_std(samples, cfg.grpo.advantage_eps, distributed.dp_gather_object)
+            metrics["reward_batch_std"] = std
+        if old_fn is not None:
+            started = time.perf_counter()
+            compute_old_logps(samples, old_fn, plan)
+            metrics["old_logps_seconds"] = time.perf_counter() - started
+        return metrics
+
+    return round_start
+
+
 def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler: Any, ps: Any):
-    """The loop's TrainStepFn on rlbatch.grpo.step.run_train_step."""
+    """The loop's TrainStepFn: the round's first step prepares the round
+    (:func:`make_round_start`), then rlbatch.grpo.step.run_train_step."""
     from rlbatch import distributed
     from rlbatch.grpo.step import Layout, Reducers, run_train_step
 
@@ -167,8 +214,11 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
         gather_samples=distributed.dp_gather_object,
     )
 
+    round_start = make_round_start(cfg, model)
+
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
-        return run_train_step(
+        prepared = round_start(batch.round_samples) if batch.new_round else {}
+        metrics = run_train_step(
             cfg,
             model,
             optimizer,
@@ -177,9 +227,9 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             step=step - 1,
             layout=layout,
             reducers=reducers,
-            current_version=step - 1,
             inject_nan=inject_nan,
         )
+        return metrics | prepared
 
     return train_step
 

@@ -113,6 +113,9 @@ class StepBatch:
     """First step of a round (the buffer was just taken from the queue)."""
     generated: list[int] = field(default_factory=list)
     """Rounds generated at the start of this step (for logs and tests)."""
+    round_samples: list[Sample] = field(default_factory=list)
+    """This rank's whole round buffer (``samples`` are some of these objects): what the
+    round's first step prepares (old logps, batch-scaled advantages)."""
 
     @property
     def staleness_mean(self) -> float:
@@ -231,7 +234,6 @@ class RunAheadProducer:
             self.schedule,
             seed=self.seed,
             round_index=rnd,
-            iteration=iteration,
             slice_index=slice_index,
         )
         rows = expand_groups(groups, self.schedule.num_generations)
@@ -244,6 +246,7 @@ class RunAheadProducer:
             round_start_step=rnd * self.schedule.steps_per_round,
             new_round=new_round,
             generated=generated,
+            round_samples=self.current.samples,
         )
         if batch.staleness_max > self.max_staleness:
             raise AssertionError(f"staleness {batch.staleness_max} > max_staleness at step {step}")

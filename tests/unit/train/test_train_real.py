@@ -12,7 +12,13 @@ from rlbatch.config.schema import FailKind, RunConfig  # noqa: E402
 from rlbatch.train.health import InjectedFailure  # noqa: E402
 from rlbatch.train.metrics import read_jsonl  # noqa: E402
 
-TIMING = ("step_time_s", "tokens_per_s", "train_seconds", "train_tokens_per_s")
+TIMING = (
+    "step_time_s",
+    "tokens_per_s",
+    "train_seconds",
+    "train_tokens_per_s",
+    "old_logps_seconds",
+)
 
 
 def _cfg(run_dir, **debug):
