@@ -254,10 +254,9 @@ class BatchingPassConfig:
     """Best-fit rule of the pool batcher."""
     pool_packing: bool = False
     """Pool batcher packs (THD) instead of padding."""
-    infinite_loop: bool = True
-    """Pool batcher restarts the data with an epoch-reseeded global shuffle."""
     pool_micro_batches_per_step: int = 1
-    """Pool batcher: micro-batches per rank per optimizer step (raised to a VPP-valid count)."""
+    """Pool batcher: at least this many micro-batches per rank per pass (raised to a VPP-valid
+    count; more when the pass needs more)."""
     cost_linear: Optional[float] = None
     """a in the DP cost model a*L + b*L^2; null = derived from the model dimensions."""
     cost_quadratic: Optional[float] = None
@@ -431,6 +430,9 @@ class LoggingConfig:
     """Write TensorBoard events to <run_dir>/tb when tensorboard is installed."""
     plot: bool = True
     """Write <run_dir>/metrics.png at the end."""
+    plans: bool = False
+    """Write each step's train-pass plan (rlbatch-plan's JSON) and the mini-batch's lengths to
+    <run_dir>/plans/step_NNNNN.json."""
 
 
 @dataclass
@@ -458,11 +460,9 @@ class PlanConfig:
     num_samples: int = 8192
     """Samples of the synthetic workload."""
     seed: int = 0
-    """Seed of the synthetic workload and the planner."""
+    """Seed of the synthetic workload (the planner uses trainer.seed, as training does)."""
     json: bool = False
     """Print exactly one JSON document on stdout and nothing else."""
-    num_steps: int = 1
-    """Optimizer steps to plan (pool mode)."""
     pass_: PassKind = PassKind.train
     """Which pass to plan: train | infer (spelled ``plan.pass`` in configs)."""
 

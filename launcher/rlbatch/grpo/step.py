@@ -297,10 +297,12 @@ def run_train_step(
     layout: Optional[Layout] = None,
     reducers: Optional[Reducers] = None,
     inject_nan: bool = False,
+    plan_sink: Optional[Callable[[list[int], PassPlan], None]] = None,
 ) -> dict[str, Any]:
     """One GRPO optimizer step on this rank's share of the mini-batch; returns metrics that
     are identical on every rank. A non-finite loss or gradient (debug.detect_nan) skips the
-    update and reports ``nonfinite_micro_batch`` / NaN loss and grad_norm."""
+    update and reports ``nonfinite_micro_batch`` / NaN loss and grad_norm. ``plan_sink(lengths,
+    plan)`` receives the mini-batch's lengths and the train pass's plan (logging.plans)."""
     started = time.perf_counter()
     # Megatron's optimizer leaves param.grad aliased to main_grad after step(); without clearing
     # it, the next backward adds the first micro-batch's gradient twice (Megatron's own
@@ -310,6 +312,8 @@ def run_train_step(
     reducers = reducers or Reducers.from_distributed()
     mini_batch = gather_mini_batch(samples, reducers)
     plan = plan_train_pass(cfg, mini_batch, layout, step)
+    if plan_sink is not None:
+        plan_sink([s.length for s in mini_batch], plan)
     settings = LossSettings.from_config(cfg)
     normalizer = build_normalizer(
         cfg,

@@ -8,6 +8,7 @@ engine (rlbatch.engine.*), rlbatch.distributed and the GRPO train step per docs/
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -201,6 +202,23 @@ def make_round_start(cfg: RunConfig, model: list[Any]) -> Callable[[list[Sample]
     return round_start
 
 
+def make_plan_writer(cfg: RunConfig) -> Callable[[int, list[int], Any], None]:
+    """write(step, lengths, plan): <run_dir>/plans/step_NNNNN.json with the mini-batch's lengths
+    and rlbatch-plan's JSON of the train pass (logging.plans)."""
+    import json
+    from pathlib import Path
+
+    assert cfg.run_dir is not None
+    folder = Path(cfg.run_dir) / "plans"
+
+    def write(step: int, lengths: list[int], plan: Any) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        doc = {"step": step, "lengths": lengths, "plan": plan.to_json()}
+        (folder / f"step_{step:05d}.json").write_text(json.dumps(doc))
+
+    return write
+
+
 def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler: Any, ps: Any):
     """The loop's TrainStepFn: the round's first step prepares the round
     (:func:`make_round_start`), then rlbatch.grpo.step.run_train_step."""
@@ -215,6 +233,7 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     )
 
     round_start = make_round_start(cfg, model)
+    write_plan = make_plan_writer(cfg) if cfg.logging.plans and ps.rank == 0 else None
 
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
         prepared = round_start(batch.round_samples) if batch.new_round else {}
@@ -228,6 +247,7 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             layout=layout,
             reducers=reducers,
             inject_nan=inject_nan,
+            plan_sink=None if write_plan is None else partial(write_plan, step),
         )
         return metrics | prepared
 
