@@ -362,6 +362,9 @@ class GRPOConfig:
     """Largest allowed policy lag of a trained sample; the producer waits beyond it."""
     importance_weight_cap: float = 2.0
     """Truncation of the behaviour-policy importance weight for stale samples."""
+    overlap_generation: bool = True
+    """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a thread on a
+    model copy while training runs; false = generate inline (same samples, no overlap)."""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     """LCM aggregation of rollout / ref / old / train micro sizes (seed 000)."""
 

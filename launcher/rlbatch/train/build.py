@@ -70,6 +70,29 @@ def make_generate_fn(
     return generate
 
 
+def overlaps_generation(cfg: RunConfig) -> bool:
+    """Generation of the next round runs in a worker process while training runs
+    (grpo.num_steps_async > 0; rlbatch.train.generation_worker), when generation issues no
+    collective: tp = pp = cp = 1. Other layouts generate the due rounds inline (the same
+    samples and versions, no overlap). docs/training_loop.md, "Async run-ahead"."""
+    p, g = cfg.parallel, cfg.grpo
+    ahead = min(g.num_steps_async, g.max_staleness) > 0
+    return g.overlap_generation and ahead and p.tp == p.pp == p.cp == 1
+
+
+def weights_snapshot(model: list[Any]) -> list[dict[str, Any]]:
+    """A clone of the weights of every model chunk (the hand-over to the generation worker,
+    taken by the training thread between two optimizer steps)."""
+    import torch
+
+    from rlbatch.engine.model import unwrap
+
+    return [
+        {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in sd.items()}
+        for sd in (unwrap(c).state_dict() for c in model)
+    ]
+
+
 def make_reward_batch_fn(fn: RewardFn, tokenizer: Any) -> Callable[[list[Sample]], list[float]]:
     """The aggregator's reward_fn: decode responses (EOS excluded) and score them."""
 
@@ -278,28 +301,48 @@ def build_components(cfg: RunConfig) -> Any:
     optimizer, scheduler = build_optimizer(cfg, model)
     tokenizer = build_tokenizer(cfg.model)
     prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)
-    aggregator = build_aggregator(cfg, tokenizer, build_reference(cfg, model), ps.dp_rank)
-    engine = MegatronRolloutEngine(
-        model,
-        SamplingParams.from_config(cfg.rollout, tokenizer.eos_id, tokenizer.pad_id),
-        kv_cache=cfg.rollout.kv_cache,
-    )
+    ref = build_reference(cfg, model)
     schedule = schedule_from_config(cfg.grpo, ps.dp)
     sampler = PromptSampler(
         len(prompts), schedule, dp_rank=ps.dp_rank, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
     )
-    generate = make_generate_fn(
-        prompts,
-        aggregator,
-        engine,
-        train_micro_batch_size=cfg.grpo.aggregation.train_micro_batch_size,
-    )
+    threaded = overlaps_generation(cfg)
+    if threaded:  # a worker process generates; the cores are shared: half the threads each
+        import torch
+
+        from rlbatch.train.generation_worker import GenerationWorker
+
+        threads = max(1, torch.get_num_threads() // 2)
+        torch.set_num_threads(threads)
+        generate: Any = GenerationWorker(
+            cfg,
+            dp_rank=ps.dp_rank,
+            threads=threads,
+            ref_weights=weights_snapshot(ref) if ref is not None else None,
+        )
+        aggregator: Any = generate  # its state_dict is the worker aggregator's
+    else:
+        aggregator = build_aggregator(cfg, tokenizer, ref, ps.dp_rank)
+        engine = MegatronRolloutEngine(
+            model,
+            SamplingParams.from_config(cfg.rollout, tokenizer.eos_id, tokenizer.pad_id),
+            kv_cache=cfg.rollout.kv_cache,
+        )
+        generate = make_generate_fn(
+            prompts,
+            aggregator,
+            engine,
+            train_micro_batch_size=cfg.grpo.aggregation.train_micro_batch_size,
+        )
     producer = RunAheadProducer(
         sampler,
         generate,
         num_steps_async=cfg.grpo.num_steps_async,
         max_staleness=cfg.grpo.max_staleness,
         seed=cfg.trainer.seed,
+        threaded=threaded,
+        snapshot_fn=(lambda: weights_snapshot(model)) if threaded else None,
+        timeout_s=float(cfg.trainer.timeout_s),
     )
     layout = {k: getattr(ps, k) for k in ("tp", "pp", "vpp", "cp", "dp")}
     return Components(

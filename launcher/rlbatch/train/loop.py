@@ -131,7 +131,10 @@ def run(cfg: RunConfig) -> None:
     from rlbatch.train.build import build_components
 
     components = build_components(cfg)
-    train(cfg, components)
+    try:
+        train(cfg, components)
+    finally:
+        components.producer.close()
 
 
 def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
