@@ -5,7 +5,6 @@ default recipe ``+recipe=grpo_qwen`` composed with Hydra), run in turns so that 
 hits all of them alike:
 
 - ``sync``: grpo.num_steps_async=0, ``--threads`` torch threads (T);
-- ``sync_2x``: the same with 2T threads (all the cores the overlap uses);
 - ``async_inline``: num_steps_async=1, generation inline (overlap_generation=false), T threads:
   the same samples as ``async_overlap``, nothing overlaps;
 - ``async_overlap``: num_steps_async=1, the next round generated in a thread on a model copy
@@ -27,7 +26,6 @@ from typing import Any
 
 VARIANTS = {  # name: (overrides, threads as a multiple of T)
     "sync": (["grpo.num_steps_async=0"], 1),
-    "sync_2x": (["grpo.num_steps_async=0"], 2),
     "async_inline": (["grpo.num_steps_async=1", "grpo.overlap_generation=false"], 1),
     "async_overlap": (["grpo.num_steps_async=1", "grpo.overlap_generation=true"], 2),
 }
@@ -79,7 +77,6 @@ def run_async(steps: int, repeats: int, per_side: int, warmup: int) -> dict[str,
         "step_times_s": step_times,
         "ratios": {
             "async_overlap_over_sync": median["async_overlap"] / median["sync"],
-            "async_overlap_over_sync_2x": median["async_overlap"] / median["sync_2x"],
             "async_overlap_over_async_inline": median["async_overlap"] / median["async_inline"],
         },
         "identical_to_inline": stable["async_inline"] == stable["async_overlap"],

@@ -272,7 +272,7 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             inject_nan=inject_nan,
             plan_sink=None if write_plan is None else partial(write_plan, step),
         )
-        return metrics | prepared
+        return metrics | prepared | {"batch_seconds": batch.batch_seconds}
 
     return train_step
 

@@ -30,6 +30,7 @@ Two fillers, same samples and versions (tested):
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,6 +114,9 @@ class StepBatch:
     """First step of a round (the buffer was just taken from the queue)."""
     generated: list[int] = field(default_factory=list)
     """Rounds generated at the start of this step (for logs and tests)."""
+    batch_seconds: float = 0.0
+    """Time batch_for_step took: generating the due rounds inline, or waiting for the
+    generation thread (what generation cost this step beyond the overlap)."""
     round_samples: list[Sample] = field(default_factory=list)
     """This rank's whole round buffer (``samples`` are some of these objects): what the
     round's first step prepares (old logps, batch-scaled advantages)."""
@@ -216,6 +220,7 @@ class RunAheadProducer:
         """Samples of optimizer ``step``; generates the rounds due at policy version ``step``."""
         if step != self._expected_step:
             raise RuntimeError(f"producer expected step {self._expected_step}, got {step}")
+        started = time.perf_counter()
         rnd, iteration, slice_index = self.schedule.round_position(step)
         new_round = iteration == 0 and slice_index == 0
         if self._thread is not None:
@@ -246,6 +251,7 @@ class RunAheadProducer:
             round_start_step=rnd * self.schedule.steps_per_round,
             new_round=new_round,
             generated=generated,
+            batch_seconds=time.perf_counter() - started,
             round_samples=self.current.samples,
         )
         if batch.staleness_max > self.max_staleness:
