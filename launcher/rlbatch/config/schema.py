@@ -225,7 +225,7 @@ class RolloutConfig:
     max_new_tokens: int = 24
     """Longest response in tokens."""
     temperature: float = 1.0
-    """Sampling temperature (> 0)."""
+    """Sampling temperature (> 0); every logprob the loss compares is taken at it."""
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
     top_k: int = 0
@@ -319,9 +319,9 @@ class AggregationConfig:
     rollout_micro_batch_size: Optional[int] = None
     """Prompts per rollout chunk; null = rollout.micro_batch_size."""
     ref_logps_micro_batch_size: int = 4
-    """Prompts per reference-logprob chunk."""
+    """Prompts per reference-logprob chunk (when logps_use_infer_budget is false)."""
     old_logps_micro_batch_size: int = 4
-    """Prompts per old-logprob chunk."""
+    """Prompts per old-logprob chunk (when logps_use_infer_budget is false)."""
     train_micro_batch_size: int = 4
     """Prompts per training micro-batch fed to the aggregator (seed 000's input unit)."""
     logps_use_infer_budget: bool = True
@@ -335,7 +335,8 @@ class GRPOConfig:
     num_generations: int = 8
     """Completions per prompt (sample_repeat)."""
     num_iterations: int = 1
-    """Optimizer passes over each generation (batch_repeat)."""
+    """Optimizer passes over each generation (batch_repeat): each mini-batch is trained this
+    many times in a row (a a b b); > 1 runs the old-logprob pass."""
     global_batch_size: int = 64
     """Samples (completions) per optimizer step over all DP ranks: the mini-batch."""
     steps_per_generation: Optional[int] = None
@@ -351,17 +352,20 @@ class GRPOConfig:
     loss_agg_mode: LossAggMode = LossAggMode.token_mean
     """Divisor kind of the loss."""
     scale_rewards: ScaleRewards = ScaleRewards.group
-    """Std used to scale advantages."""
+    """Std used to scale advantages: the group's, the whole generation batch's (all DP ranks),
+    or none."""
     advantage_eps: float = 1e-4
     """Added to the std before dividing."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_new_tokens without EOS from the loss."""
     num_steps_async: int = 0
-    """Generation runs this many optimizer steps ahead of training (0 = synchronous)."""
+    """Generation runs this many optimizer steps ahead of training (0 = synchronous); > 0 runs
+    the old-logprob pass."""
     max_staleness: int = 1
     """Largest allowed policy lag of a trained sample; the producer waits beyond it."""
     importance_weight_cap: float = 2.0
-    """Truncation of the behaviour-policy importance weight for stale samples."""
+    """Cap of the per-token weight pi_old / pi_behaviour (off-policy samples, after the
+    old-logprob pass)."""
     overlap_generation: bool = True
     """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a thread on a
     model copy while training runs; false = generate inline (same samples, no overlap)."""

@@ -18,6 +18,7 @@ TIMING = (
     "train_seconds",
     "train_tokens_per_s",
     "old_logps_seconds",
+    "batch_seconds",
 )
 
 
