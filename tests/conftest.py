@@ -24,3 +24,33 @@ def subprocess_env() -> dict[str, str]:
 def bin_dir() -> Path:
     """Directory of the installed console scripts (rlbatch-train, ...)."""
     return Path(sys.executable).parent
+
+
+# Only tests that need (or must not have) a GPU, or an optional extra, may skip. Any other skip (an import that
+# regressed, an importorskip of a required dependency) would silently turn a core test off, so
+# it is reported as a failure instead.
+_MAY_SKIP = ("gpu", "cpu_only", "optional_extra")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not any(item.get_closest_marker(m) for m in _MAY_SKIP):
+        if getattr(report, "wasxfail", None) is None:
+            report.outcome = "failed"
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+            report.longrepr = (
+                f"core test skipped ({reason}); only tests marked gpu or optional_extra may "
+                "skip: install the missing dependency or fix the import"
+            )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A whole module skipped at import (a module-level importorskip) is a failure too, except
+    in tests/gpu/, whose modules may need CUDA-only packages."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not str(report.nodeid).replace("\\", "/").startswith("tests/gpu"):
+        report.outcome = "failed"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
+import megatron.core  # noqa: F401
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from dist_launch import run_torchrun  # noqa: E402

@@ -1,5 +1,6 @@
-"""rlbatch-logprobs end to end on 2 processes (pp=2, vpp=2, packed infer plan) against
-transformers' Qwen2 in float64 on the same local HF directory."""
+"""rlbatch-logprobs end to end on 2 processes against transformers in float64 on the same
+local HF directory: Qwen2 with pp=2 + vpp=2 (packed infer plan), Qwen3 with tp=2, Llama-3
+with pp=2."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import subprocess
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
-from hf_reference import reference_logps, save_tiny_qwen2  # noqa: E402
+from hf_reference import reference_logps, save_tiny, save_tiny_qwen2  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -49,3 +50,28 @@ def test_rlbatch_logprobs_pp2_vpp2(tmp_path, bin_dir, subprocess_env):
             want = reference_logps(ref, p + c)[len(p) - 1 :]
             assert o["completion_start"] == len(p)
         assert o["token_logprobs"] == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "variant,layout",
+    [("qwen3", ["parallel.tp=2"]), ("llama3", ["parallel.pp=2"])],
+)
+def test_rlbatch_logprobs_qwen3_tp2_llama3_pp2(tmp_path, bin_dir, subprocess_env, variant, layout):
+    """Qwen3 (QK-norm, head_dim != hidden / heads) split over tp=2 and Llama-3 (llama3 RoPE
+    scaling, sequences past its original context) over pp=2, both saved by transformers 5."""
+    ref = save_tiny(tmp_path / "hf", variant)
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(0, 259, (n,), generator=g).tolist() for n in (70, 9, 41)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    cmd = [
+        str(bin_dir / "rlbatch-logprobs"), f"model.hf_path={tmp_path / 'hf'}",
+        f"logprobs.input={tmp_path / 'in.jsonl'}", f"logprobs.output={tmp_path / 'out.jsonl'}",
+        *layout,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    for o, ids in zip(out, rows, strict=True):
+        assert o["token_logprobs"] == pytest.approx(reference_logps(ref, ids), abs=1e-4)

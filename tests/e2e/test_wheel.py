@@ -69,7 +69,8 @@ def test_wheel_ships_conf_and_recipes(wheel_venv, subprocess_env):
         "from rlbatch.cli.common import compose;"
         "cfg = compose(['+recipe=grpo_qwen', 'batching@batching.train=packed'], 't');"
         "print(conf_dir()); print(recipes_dir()); print(cfg.batching.train.mode.name);"
-        "print(sorted(r.name for r in list_recipes()))"
+        "print(sorted(r.name for r in list_recipes()));"
+        "print(compose(['+recipe=grpo_qwen2_5_math'], 't').data.path)"
     )
     out = subprocess.run(
         [str(py), "-c", code],
@@ -83,6 +84,7 @@ def test_wheel_ships_conf_and_recipes(wheel_venv, subprocess_env):
     assert out[1].startswith(str(wheel_venv)) and out[1].endswith("rlbatch/recipes")
     assert out[2] == "packed"
     assert "grpo_qwen" in out[3] and "grpo_qwen2_5_7b" in out[3]
+    assert out[4].startswith(str(wheel_venv)) and Path(out[4]).is_file()  # the GSM8K sample
 
 
 def test_wheel_console_scripts(wheel_venv, subprocess_env):
@@ -105,5 +107,5 @@ def test_wheel_console_scripts(wheel_venv, subprocess_env):
         cwd=wheel_venv,
     ).stdout
     assert "max_steps:" in cfg and "batching:" in cfg
-    for script in ("rlbatch-plan", "rlbatch-bench", "rlbatch-logprobs"):
+    for script in ("rlbatch-plan", "rlbatch-bench", "rlbatch-logprobs", "rlbatch-export"):
         assert (wheel_venv / "bin" / script).is_file()

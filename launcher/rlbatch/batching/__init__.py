@@ -1,4 +1,4 @@
-"""rlbatch.batching: the pure micro-batch planner (design.md section 4, docs/batching.md).
+"""rlbatch.batching: the pure micro-batch planner (docs/batching.md).
 
 Ints and config in, frozen plan objects out. No torch, torch.distributed, megatron, hydra,
 omegaconf, logging or environment reads (tests/unit/batching/test_purity.py enforces it).

@@ -35,10 +35,11 @@ TOKEN_COUNT = CostModel(1.0, 0.0)
 def linear_flops_per_token(model: ModelConfig) -> float:
     """Forward FLOPs per token that do not depend on sequence length (2 per multiply-add)."""
     h = model.hidden_size
-    head_dim = h // model.num_attention_heads
+    head_dim = model.head_dim or h // model.num_attention_heads
+    q = model.num_attention_heads * head_dim  # h unless head_dim is set (Qwen3)
     kv = model.num_query_groups * head_dim
-    qkv = h * (h + 2 * kv)
-    out = h * h
+    qkv = h * (q + 2 * kv)
+    out = q * h
     mlp = 3 * h * model.ffn_hidden_size  # SwiGLU: gate, up, down
     logits = h * model.vocab_size
     return 2.0 * (model.num_layers * (qkv + out + mlp) + logits)
@@ -47,7 +48,8 @@ def linear_flops_per_token(model: ModelConfig) -> float:
 def attention_flops_per_token_pair(model: ModelConfig) -> float:
     """Forward FLOPs per (query, key) pair: QK^T and AV, 2*h each; causal masking halves the
     pairs, so b*L^2 with b = 2*h per layer counts the L^2/2 pairs a causal kernel computes."""
-    return 2.0 * model.hidden_size * model.num_layers
+    head_dim = model.head_dim or model.hidden_size // model.num_attention_heads
+    return 2.0 * model.num_attention_heads * head_dim * model.num_layers
 
 
 def cost_model_for(model: ModelConfig, cfg: BatchingPassConfig) -> CostModel:

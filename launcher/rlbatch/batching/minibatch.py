@@ -1,4 +1,4 @@
-"""Mini-batches: the samples of one optimizer step (design.md section 4, rule 6).
+"""Mini-batches: the samples of one optimizer step (docs/batching.md, rule 6).
 
 A mini-batch is a fixed number of samples, chosen by a seeded shuffle of whole sibling groups;
 dynamic batching happens inside it. The number of optimizer steps therefore never depends on

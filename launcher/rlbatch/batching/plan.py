@@ -93,7 +93,7 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class PlanStats:
-    """Quality figures of a plan (design.md section 4)."""
+    """Quality figures of a plan (docs/batching.md)."""
 
     lower_bound: int
     """max(ceil(T / (D*B)), ceil(#(L > B/2) / D)): no plan can use fewer micro-batches per rank."""

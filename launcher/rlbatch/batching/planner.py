@@ -1,4 +1,4 @@
-"""plan_pass: one pass over a mini-batch -> a global PassPlan (design.md section 4).
+"""plan_pass: one pass over a mini-batch -> a global PassPlan (docs/batching.md).
 
 Pipeline (every mode): prepare lengths (oversize policy, rounding) -> bins (which samples share
 a micro-batch; mode-specific) -> count M per rank (ceil(bins / dp), raised to megatron-core's

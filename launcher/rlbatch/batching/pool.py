@@ -1,4 +1,4 @@
-"""Pool mode (cosmos-rl, seed 004): one pass over a mini-batch, streamed through per-rank pools.
+"""Pool mode (after cosmos-rl's pool batcher): one pass over a mini-batch, streamed through per-rank pools.
 
 Pool mode has one meaning, in training and in rlbatch-plan alike: the samples of the pass (the
 step's mini-batch) form a stream in a global order shuffled from (seed, step) (one permutation
@@ -16,7 +16,7 @@ micro-batch each from their pool until stream and pools are empty:
 
 The micro-batches then get an equal count per rank, at least ``pool_micro_batches_per_step``
 and valid for megatron's interleaved schedule, and a cost-balanced assignment like every other
-mode. Nothing outlives the pass: a mini-batch is a fixed set of samples (design rule 6), so no
+mode. Nothing outlives the pass: a mini-batch is a fixed set of samples (rule 6 of docs/batching.md), so no
 pool state is carried to the next step or checkpointed.
 """
 

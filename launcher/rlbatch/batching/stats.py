@@ -1,4 +1,4 @@
-"""Quality figures of a plan (design.md section 4): lower bound, padding, balance, lockstep."""
+"""Quality figures of a plan (docs/batching.md): lower bound, padding, balance, lockstep."""
 
 from __future__ import annotations
 

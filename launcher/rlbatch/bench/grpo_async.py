@@ -40,7 +40,7 @@ def run_variant(name: str, steps: int, per_side: int, run_dir: Path) -> list[dic
     import torch
 
     from rlbatch.cli.common import compose
-    from rlbatch.train.loop import run
+    from rlbatch.train.build import run
     from rlbatch.train.metrics import read_jsonl
 
     extra, factor = VARIANTS[name]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
@@ -37,14 +38,21 @@ def _escape(e: Any) -> str:
     return escape(str(e).split("=", 1)[1])
 
 
+ExtraCheck = Callable[[RunConfig], tuple[list[ConfigError], list[str]]]
+"""A command's own checks before it runs: (errors, warnings) of a typed config."""
+
+
 def to_validated_run_config(
-    cfg: Any, command: str, scope: frozenset[str] | None = None
+    cfg: Any, command: str, scope: frozenset[str] | None = None, extra: ExtraCheck | None = None
 ) -> RunConfig:
     """Composed DictConfig -> validated RunConfig, or print all errors and exit 2.
 
     ``scope`` is the config sections the command uses (rlbatch.config.validate.*_SCOPE; default:
     training's). With ``model.hf_path`` set, the checkpoint's architecture replaces the preset's
-    before the rules run, so e.g. layer divisibility is checked against the real model.
+    before the rules run, so e.g. layer divisibility is checked against the real model. Multi-node
+    keys left null come from the job scheduler's environment (rlbatch.runtime.scheduler).
+    ``extra`` (e.g. rlbatch-train's dataset and reward checks) adds its errors to the same
+    report and prints its warnings.
     """
     from omegaconf import OmegaConf
 
@@ -54,26 +62,59 @@ def to_validated_run_config(
     scope = TRAIN_SCOPE if scope is None else scope
     container = OmegaConf.to_container(cfg, resolve=True)
     run_cfg, errors = check_structure(container)  # type: ignore[arg-type]
+    if "parallel" in scope:
+        from rlbatch.runtime.scheduler import apply_scheduler_env
+
+        errors += apply_scheduler_env(run_cfg.parallel, os.environ)
     if "model" in scope:
         errors += _adopt_hf_architecture(run_cfg, command)
+    if extra is not None:
+        extra_errors, warnings = extra(run_cfg)
+        errors += extra_errors
+        _warn(command, warnings)
     try:
         return check(run_cfg, errors, scope)
     except ConfigErrors as err:
         fail_config(err, command)
 
 
+def _warn(command: str, warnings: list[str]) -> None:
+    if warnings:
+        from rich.console import Console
+
+        console = Console(stderr=True, highlight=False)
+        for w in warnings:
+            console.print(f"[yellow]{command}: warning:[/] {_escape_markup(w)}")
+
+
+def _escape_markup(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
 def _adopt_hf_architecture(cfg: RunConfig, command: str) -> list[ConfigError]:
-    """Take the architecture of ``model.hf_path``'s config.json (torch-free); note what changed."""
+    """Take the architecture of ``model.hf_path``'s config.json (torch-free; a hub id is first
+    resolved to its local snapshot, which the workers then read); note what changed."""
     path = cfg.model.hf_path
-    if not path or not Path(path).is_dir():
-        return []  # a missing directory is reported by the model.hf_path rule
+    if not path:
+        return []
     from rlbatch.engine.hf_config import resolve_model_config
+    from rlbatch.engine.hub import resolve_hf_path
 
     try:
-        cfg.model, changed = resolve_model_config(cfg.model)
+        local = resolve_hf_path(path)
+    except ConfigErrors as err:
+        return list(err.errors)
+    if not local.is_dir():
+        return []  # a missing directory is reported by the model.hf_path rule
+    try:
+        cfg.model, changed = resolve_model_config(replace(cfg.model, hf_path=str(local)))
+    except ConfigErrors as err:
+        return [ConfigError("model.hf_path", path, f"config.json {e}") for e in err.errors]
     except (OSError, ValueError, KeyError, TypeError) as err:
         detail = f"config.json lacks {err}" if isinstance(err, KeyError) else str(err)
-        return [ConfigError("model.hf_path", path, f"not a usable HF Qwen2 directory: {detail}")]
+        return [ConfigError("model.hf_path", path, f"not a usable HF model directory: {detail}")]
     if changed:
         from rich.console import Console
 

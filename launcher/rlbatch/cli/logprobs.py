@@ -21,7 +21,7 @@ USAGE = (
     "score sequences. rlbatch-logprobs logprobs.input=IN.jsonl logprobs.output=OUT.jsonl "
     "[model.hf_path=DIR] [KEY=VALUE ...]"
 )
-LOGPROBS_ENTRY = "rlbatch.cli.logprobs_job:run"
+LOGPROBS_ENTRY = "rlbatch.jobs.logprobs:run"
 
 
 def main(argv: list[str] | None = None) -> None:

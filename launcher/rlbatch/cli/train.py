@@ -17,9 +17,10 @@ from rlbatch.config.store import conf_dir, register_configs
 USAGE = "GRPO training on megatron-core. rlbatch-train [+recipe=NAME] [KEY=VALUE ...] [-m]"
 HYDRA_FLAGS = (
     "Hydra flags: -m/--multirun (sweeps: KEY=a,b), --cfg job (print the composed config),\n"
-    "--info, --hydra-help. Run directory: outputs/<date>/<time>-<id>/ (multirun: multirun/...)."
+    "--info, --hydra-help. Run directory: outputs/<date>/<time>-<id>/, or outputs/<run_id>/ with\n"
+    "parallel.run_id (multi-node: every node shares it) (multirun: multirun/...)."
 )
-TRAIN_ENTRY = "rlbatch.train.loop:run"
+TRAIN_ENTRY = "rlbatch.train.build:run"
 
 
 def _task(cfg) -> None:
@@ -27,9 +28,10 @@ def _task(cfg) -> None:
 
     from hydra.core.hydra_config import HydraConfig
 
+    from rlbatch.grpo.preflight import check_before_launch
     from rlbatch.runtime.driver import launch
 
-    run_cfg = to_validated_run_config(cfg, "rlbatch-train")
+    run_cfg = to_validated_run_config(cfg, "rlbatch-train", extra=check_before_launch)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     code = launch(run_cfg, run_dir, entry=TRAIN_ENTRY)
     if code:

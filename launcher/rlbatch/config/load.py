@@ -70,6 +70,14 @@ def _check_scalar(key: str, value: Any, tp: Any, errors: list[ConfigError]) -> A
     raise TypeError(f"schema field {key} has unsupported type {tp!r}")
 
 
+def _check_list(key: str, value: Any, item_tp: Any, errors: list[ConfigError]) -> Any:
+    """A list field; a single value means a one-element list (``data.reward_fn=f.py:fn``)."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    before = len(errors)
+    out = [_check_scalar(f"{key}[{i}]", v, item_tp, errors) for i, v in enumerate(items)]
+    return _MISSING if len(errors) > before else out
+
+
 def _check_node(prefix: str, data: Any, cls: type, errors: list[ConfigError]) -> dict[str, Any]:
     """Walk ``data`` against dataclass ``cls``; return a clean dict of field name -> value."""
     if not isinstance(data, dict):
@@ -98,7 +106,10 @@ def _check_node(prefix: str, data: Any, cls: type, errors: list[ConfigError]) ->
         if dataclasses.is_dataclass(tp):
             clean[name] = _check_node(dotted, value, tp, errors)  # type: ignore[arg-type]
             continue
-        converted = _check_scalar(dotted, value, tp, errors)
+        if typing.get_origin(tp) is list:
+            converted = _check_list(dotted, value, typing.get_args(tp)[0], errors)
+        else:
+            converted = _check_scalar(dotted, value, tp, errors)
         if converted is not _MISSING:
             clean[name] = converted
     return clean

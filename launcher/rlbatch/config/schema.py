@@ -37,14 +37,14 @@ class OversizePolicy(str, Enum):
 
 
 class PoolStrategy(str, Enum):
-    """Best-fit rule of the pool batcher (seed 004)."""
+    """Best-fit rule of the pool batcher (docs/batching.md, pool mode)."""
 
     prefer_closest = "prefer_closest"
     prefer_first = "prefer_first"
 
 
 class NormalizationMode(str, Enum):
-    """How the loss divisor is computed across micro-batches and DP ranks (design.md 6)."""
+    """How the loss divisor is computed across micro-batches and DP ranks (docs/normalization.md)."""
 
     eager_global = "eager_global"
     per_micro_batch = "per_micro_batch"
@@ -86,6 +86,7 @@ class DataSource(str, Enum):
     builtin = "builtin"
     jsonl = "jsonl"
     parquet = "parquet"
+    hf_disk = "hf_disk"
 
 
 class BuiltinTask(str, Enum):
@@ -102,11 +103,47 @@ class RewardKind(str, Enum):
     exact_match = "exact_match"
     math = "math"
     format = "format"  # type: ignore[assignment]  # shadows str.format; the user-facing name
+    math_verify = "math_verify"
+
+
+class AnswerFormat(str, Enum):
+    """How the reference answer is read from the answer field."""
+
+    raw = "raw"
+    gsm8k = "gsm8k"
+
+
+class WandbMode(str, Enum):
+    """wandb.init's mode: offline writes to <run_dir>/wandb for a later ``wandb sync``."""
+
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
 
 
 class ChatTemplate(str, Enum):
     none = "none"
     qwen = "qwen"
+    model = "model"
+    """The chat_template of the model's tokenizer_config.json (rendered as transformers does)."""
+
+
+class Architecture(str, Enum):
+    """Hugging Face architecture the model maps to (import, export, tensor names)."""
+
+    qwen2 = "qwen2"
+    qwen3 = "qwen3"
+    llama = "llama"
+
+
+class RopeScaling(str, Enum):
+    """RoPE scaling (transformers' rope_type): none, linear (positions / factor), llama3
+    (Llama-3.1 frequency bands), yarn."""
+
+    none = "none"
+    linear = "linear"
+    llama3 = "llama3"
+    yarn = "yarn"
 
 
 class RolloutBackend(str, Enum):
@@ -182,6 +219,26 @@ class ModelConfig:
     """Share input embedding and output layer (Qwen2.5 <= 3B: true)."""
     add_qkv_bias: bool = True
     """Bias on Q, K, V projections (Qwen2 architecture)."""
+    architecture: Architecture = Architecture.qwen2
+    """HF architecture (qwen2, qwen3, llama): tensor names and config.json of the HF export."""
+    head_dim: Optional[int] = None
+    """Per-head width (HF head_dim); null = hidden_size / num_attention_heads."""
+    qk_layernorm: bool = False
+    """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    rope_scaling: RopeScaling = RopeScaling.none
+    """RoPE scaling type (transformers' rope_type)."""
+    rope_scaling_factor: float = 1.0
+    """RoPE scaling factor (linear, llama3, yarn)."""
+    rope_original_max_position_embeddings: Optional[int] = None
+    """Context length before scaling (llama3, yarn); null = max_position_embeddings."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: low-frequency band factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: high-frequency band factor."""
+    rope_beta_fast: float = 32.0
+    """yarn scaling: beta_fast."""
+    rope_beta_slow: float = 1.0
+    """yarn scaling: beta_slow."""
     init_method_std: float = 0.02
     """Std of the random initialisation when no weights are loaded."""
     params_dtype: Dtype = Dtype.fp32
@@ -189,7 +246,8 @@ class ModelConfig:
     recompute: Recompute = Recompute.none
     """Activation recomputation."""
     hf_path: Optional[str] = None
-    """Local Hugging Face Qwen2 directory (config.json + *.safetensors) to load; null = random."""
+    """Hugging Face checkpoint to load (config.json + *.safetensors): a local directory or a
+    hub id (org/name, resolved through the huggingface_hub cache); null = random init."""
     tokenizer_path: Optional[str] = None
     """Local HF tokenizer directory; null = hf_path, or the built-in byte tokenizer."""
 
@@ -201,7 +259,8 @@ class DataConfig:
     task: BuiltinTask = BuiltinTask.digit_copy
     """Built-in task when source=builtin."""
     path: Optional[str] = None
-    """JSONL / Parquet file when source is jsonl or parquet."""
+    """JSONL / Parquet file (source jsonl / parquet), or a directory written by HF datasets'
+    ``save_to_disk`` (source hf_disk)."""
     prompt_key: str = "prompt"
     """Field holding the prompt text."""
     answer_key: str = "answer"
@@ -213,7 +272,14 @@ class DataConfig:
     chat_template: ChatTemplate = ChatTemplate.none
     """Wrap prompts in a chat template (qwen for real Qwen tokenizers)."""
     reward: RewardKind = RewardKind.task
-    """Reward function."""
+    """Reward function (built-in); data.reward_fn, when set, replaces it."""
+    reward_fn: list[str] = field(default_factory=list)
+    """Rewards by import path, summed with data.reward_weights: ``PATH.py:function``,
+    ``module.path:function`` or a built-in name (math, format, ...); [] = data.reward."""
+    reward_weights: Optional[list[float]] = None
+    """Weight of each data.reward_fn entry in the total reward; null = 1.0 each."""
+    answer_format: AnswerFormat = AnswerFormat.raw
+    """raw: the answer field as is; gsm8k: the text after its last '####' (GSM8K's format)."""
     shuffle: bool = True
     """Reshuffle prompts every epoch (seeded by trainer.seed and the epoch)."""
 
@@ -306,12 +372,18 @@ class ParallelConfig:
     """torch.distributed backend; auto = nccl with CUDA, gloo otherwise."""
     nnodes: int = 1
     """Nodes (torchrun --nnodes)."""
-    node_rank: int = 0
-    """This node's rank (torchrun --node_rank)."""
+    node_rank: Optional[int] = None
+    """This node's rank, 0..nnodes-1 (torchrun --node-rank); null = SLURM_NODEID under SLURM,
+    else 0 on a single node (multi-node without SLURM: set it on each node)."""
     nproc_per_node: Optional[int] = None
     """Workers on this node; null = tp*pp*cp*dp / nnodes."""
     rdzv_endpoint: Optional[str] = None
-    """host:port of the rendezvous for multi-node; null = a free local port."""
+    """host:port of node 0 (rank 0 serves the rendezvous) for multi-node; null = under SLURM the
+    first host of SLURM_JOB_NODELIST, port 29500 + job id % 1000; single node: a free local port."""
+    run_id: Optional[str] = None
+    """Id shared by every node of a run: torchrun's --rdzv-id and the run directory
+    (outputs/<run_id>); null = multi-node: the scheduler's job id (SLURM_JOB_ID[.SLURM_STEP_ID],
+    PBS_JOBID, LSB_JOBID), single node: the run directory's name (a new one per run)."""
 
 
 @dataclass
@@ -323,7 +395,7 @@ class AggregationConfig:
     old_logps_micro_batch_size: int = 4
     """Prompts per old-logprob chunk (when logps_use_infer_budget is false)."""
     train_micro_batch_size: int = 4
-    """Prompts per training micro-batch fed to the aggregator (seed 000's input unit)."""
+    """Prompts per training micro-batch fed to the aggregator (its input unit)."""
     logps_use_infer_budget: bool = True
     """Ref/old passes are cut by batching.infer (token budget) instead of fixed chunk sizes."""
     proceed_num_steps: Optional[int] = None
@@ -370,7 +442,7 @@ class GRPOConfig:
     """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a thread on a
     model copy while training runs; false = generate inline (same samples, no overlap)."""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
-    """LCM aggregation of rollout / ref / old / train micro sizes (seed 000)."""
+    """LCM aggregation of rollout / ref / old / train micro sizes (docs/lcm_aggregation.md)."""
 
 
 @dataclass
@@ -397,8 +469,11 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0
-    """Save every this many optimizer steps (0 = only at the end)."""
+    every_steps: int = 50
+    """Save every this many optimizer steps (0 = by every_minutes only); always at the end."""
+    every_minutes: float = 30.0
+    """Also save when this many minutes passed since the last save (rank 0's clock, all ranks
+    agree; 0 = off), so a crash loses at most this much work whatever the step time."""
     keep_last: int = 2
     """Checkpoints kept on disk."""
     dir: Optional[str] = None
@@ -426,6 +501,34 @@ class TrainerConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = False
+    """Log every step's metrics and the resolved config to Weights & Biases (pip install wandb)."""
+    project: str = "rlbatch"
+    """wandb project."""
+    entity: Optional[str] = None
+    """wandb entity (team or user); null = the account's default."""
+    name: Optional[str] = None
+    """Run name; null = the run directory's name."""
+    tags: list[str] = field(default_factory=list)
+    """Run tags."""
+    mode: WandbMode = WandbMode.online
+    """online | offline (files under <run_dir>/wandb, ``wandb sync`` later) | disabled."""
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = False
+    """Log every step's metrics and the resolved config to MLflow (pip install mlflow)."""
+    tracking_uri: Optional[str] = None
+    """MLflow tracking URI (http://host:5000, file:///path); null = <run_dir>/mlruns."""
+    experiment: str = "rlbatch"
+    """Experiment name (created when missing)."""
+    run_name: Optional[str] = None
+    """Run name; null = the run directory's name."""
+
+
+@dataclass
 class LoggingConfig:
     level: str = "INFO"
     """Log level of rank 0 (other ranks log warnings only)."""
@@ -434,12 +537,16 @@ class LoggingConfig:
     jsonl: bool = True
     """Write <run_dir>/metrics.jsonl."""
     tensorboard: bool = True
-    """Write TensorBoard events to <run_dir>/tb when tensorboard is installed."""
+    """Write TensorBoard events to <run_dir>/tb (needs tensorboard; warns when missing)."""
     plot: bool = True
     """Write <run_dir>/metrics.png at the end."""
     plans: bool = False
     """Write each step's train-pass plan (rlbatch-plan's JSON) and the mini-batch's lengths to
     <run_dir>/plans/step_NNNNN.json."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases sink (optional extra ``wandb``)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow sink (optional extra ``mlflow``)."""
 
 
 @dataclass

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
+from datetime import datetime
 from importlib import resources
 from pathlib import Path
 
 _RUN_UID = f"{os.getpid()}{secrets.token_hex(2)}"
+_STARTED = datetime.now()
 
 
 def conf_dir() -> Path:
@@ -54,7 +56,8 @@ def list_recipes() -> list[RecipeInfo]:
 
 def register_configs() -> None:
     """Register the recipes as group ``recipe`` (so ``+recipe=NAME`` works), the typed schema as
-    ``rlbatch_schema`` (for reference and tooling) and the run-id resolver. Idempotent."""
+    ``rlbatch_schema`` (for reference and tooling), the run-id resolver and ``rlbatch_conf``
+    (the path of a file under conf/). Idempotent."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
@@ -65,6 +68,23 @@ def register_configs() -> None:
     for recipe in list_recipes():
         node = OmegaConf.load(recipe.path)
         store.store(group="recipe", name=recipe.name, node=node, package="_global_")
+    if not OmegaConf.has_resolver("rlbatch_conf"):
+        # Files shipped next to the configs (e.g. conf/data/gsm8k_sample.jsonl), by absolute path.
+        OmegaConf.register_new_resolver("rlbatch_conf", lambda rel: str(conf_dir() / rel))
     if not OmegaConf.has_resolver("rlbatch_uid"):
         # Part of every run directory name: runs started in the same second never collide.
         OmegaConf.register_new_resolver("rlbatch_uid", lambda: _RUN_UID)
+    if not OmegaConf.has_resolver("rlbatch_run_name"):
+        OmegaConf.register_new_resolver("rlbatch_run_name", run_name)
+
+
+def run_name(run_id: str | None, nnodes: int) -> str:
+    """The run directory under outputs/: ``<run_id>`` when every node must find the same one
+    (parallel.run_id, or a multi-node run's scheduler job id), else ``<date>/<time>-<uid>``."""
+    from rlbatch.runtime.scheduler import scheduler_run_id
+
+    if run_id is None and nnodes > 1:
+        run_id = scheduler_run_id(os.environ)
+    if run_id is not None:
+        return run_id
+    return f"{_STARTED:%Y-%m-%d}/{_STARTED:%H-%M-%S}-{_RUN_UID}"

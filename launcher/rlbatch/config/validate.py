@@ -6,6 +6,7 @@ Runs in the driver before anything heavy is imported (no torch, no megatron here
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from rlbatch.config.schema import (
     BatchingPassConfig,
     DataSource,
     OversizePolicy,
+    ParallelConfig,
     RunConfig,
 )
 
@@ -132,6 +134,7 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[
         "grpo.max_staleness": g.max_staleness,
         "trainer.optim.warmup_steps": t.optim.warmup_steps,
         "trainer.checkpoint.every_steps": t.checkpoint.every_steps,
+        "trainer.checkpoint.every_minutes": t.checkpoint.every_minutes,
         "trainer.optim.clip_grad": t.optim.clip_grad,
     }
     for key, value in non_negative.items():
@@ -229,12 +232,38 @@ def _check_world(cfg: RunConfig, errors: list[ConfigError]) -> None:
         errors.append(
             ConfigError("parallel.nnodes", p.nnodes, f"must divide tp*pp*cp*dp = {total} workers")
         )
-    if p.nnodes > 1 and not p.rdzv_endpoint:
-        errors.append(
-            ConfigError("parallel.rdzv_endpoint", None, "multi-node needs host:port of node 0")
-        )
-    if not 0 <= p.node_rank < max(p.nnodes, 1):
+    if p.node_rank is not None and not 0 <= p.node_rank < max(p.nnodes, 1):
         errors.append(ConfigError("parallel.node_rank", p.node_rank, "must be in [0, nnodes)"))
+    if p.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", p.run_id):
+        errors.append(
+            ConfigError("parallel.run_id", p.run_id, "use letters, digits, '.', '_', '-' only")
+        )
+    if p.nnodes > 1:
+        errors += _multi_node_errors(p)
+
+
+def _multi_node_errors(p: ParallelConfig) -> list[ConfigError]:
+    """Keys every node of a multi-node run needs (filled from SLURM's environment when given)."""
+    multi = f"multi-node (nnodes={p.nnodes}): "
+    needed = {
+        "parallel.run_id": (
+            p.run_id,
+            multi + "every node must share one run id (torchrun's --rdzv-id and the run directory "
+            "outputs/<run_id>) and no scheduler job id was found (SLURM_JOB_ID, PBS_JOBID, "
+            "LSB_JOBID): set parallel.run_id=NAME, the same on every node",
+        ),
+        "parallel.node_rank": (
+            p.node_rank,
+            multi + "not under SLURM (no SLURM_NODEID): set parallel.node_rank=0..nnodes-1 "
+            "on each node",
+        ),
+        "parallel.rdzv_endpoint": (
+            p.rdzv_endpoint,
+            multi + "not under SLURM (no SLURM_JOB_NODELIST): set "
+            "parallel.rdzv_endpoint=HOST:PORT of node 0, the same on every node",
+        ),
+    }
+    return [ConfigError(key, None, fix) for key, (value, fix) in needed.items() if value is None]
 
 
 def _check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -247,7 +276,7 @@ def _check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"must divide model.num_attention_heads = {m.num_attention_heads}",
             )
         )
-    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
         errors.append(
             ConfigError(
                 "model.hidden_size",
@@ -366,15 +395,44 @@ def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     f"data.source={cfg.data.source.name} needs a file: set data.path=FILE",
                 )
             )
+        elif cfg.data.source == DataSource.hf_disk:
+            if not Path(cfg.data.path).is_dir():
+                errors.append(
+                    ConfigError("data.path", cfg.data.path, "no such directory (HF save_to_disk)")
+                )
         elif not Path(cfg.data.path).is_file():
             errors.append(ConfigError("data.path", cfg.data.path, "no such file"))
 
 
+TRACKING_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
+"""logging.<sink> -> the package it needs (each an optional extra of the same name)."""
+
+
+def _check_tracking(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """An enabled tracking sink needs its package (TensorBoard only warns: rlbatch-train)."""
+    import importlib.util
+
+    for sink, package in TRACKING_PACKAGES.items():
+        if getattr(cfg.logging, sink).enabled and importlib.util.find_spec(package) is None:
+            errors.append(
+                ConfigError(
+                    f"logging.{sink}.enabled",
+                    True,
+                    f"needs the {package} package: pip install 'rlbatch[{sink}]', or set"
+                    f" logging.{sink}.enabled=false",
+                )
+            )
+
+
 def _check_model_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    from rlbatch.engine.hub import looks_like_hub_id
+
     for key, path in (
         ("model.hf_path", cfg.model.hf_path),
         ("model.tokenizer_path", cfg.model.tokenizer_path),
     ):
+        if key == "model.hf_path" and path is not None and looks_like_hub_id(path):
+            continue  # a hub id: resolved (or reported) by the CLI before these rules
         if path is not None and not Path(path).is_dir():
             errors.append(ConfigError(key, path, "no such directory (a local HF model dir)"))
 
@@ -408,6 +466,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"data"}), _check_data),
     Rule(frozenset({"model"}), _check_model_paths),
     Rule(frozenset({"trainer"}), _check_resume),
+    Rule(frozenset({"logging"}), _check_tracking),
 )
 
 

@@ -20,6 +20,7 @@ from rlbatch.config.schema import (
     OptimConfig,
     ParallelConfig,
     Recompute,
+    RopeScaling,
 )
 
 DTYPES = {Dtype.fp32: torch.float32, Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16}
@@ -43,7 +44,7 @@ def transformer_config(
     """Qwen2-architecture TransformerConfig (RMSNorm, SwiGLU, RoPE, GQA, QKV bias).
 
     CPU (no CUDA): CPU initialisation, fp32 pipeline, every CUDA fusion off, dropout 0
-    (shared/megatron-cpu.md). ``variable_seq_lengths=True`` always (the plan's micro-batches
+    (docs/engine.md). ``variable_seq_lengths=True`` always (the plan's micro-batches
     differ in shape); megatron 0.16.1 then requires moe_token_dispatcher_type="alltoall" even
     for dense models. With interleaving (vpp > 1): overlap_p2p_comm=True and
     batch_p2p_comm=False (the default batched p2p is silently wrong with pp=2, where the
@@ -60,7 +61,8 @@ def transformer_config(
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
-        kv_channels=model.hidden_size // model.num_attention_heads,
+        kv_channels=model.head_dim or model.hidden_size // model.num_attention_heads,
+        qk_layernorm=model.qk_layernorm,
         normalization="RMSNorm",
         layernorm_epsilon=model.rms_norm_eps,
         gated_linear_unit=True,
@@ -102,7 +104,35 @@ def transformer_config(
         )
     elif model.recompute == Recompute.selective:
         kwargs.update(recompute_granularity="selective")
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if model.rope_scaling == RopeScaling.yarn:
+        # GPTModel and attention read these optional attributes (not dataclass fields)
+        config.yarn_rotary_scaling_factor = model.rope_scaling_factor
+        config.yarn_original_max_position_embeddings = (
+            model.rope_original_max_position_embeddings or model.max_position_embeddings
+        )
+        config.yarn_beta_fast = model.rope_beta_fast
+        config.yarn_beta_slow = model.rope_beta_slow
+        config.yarn_mscale = 1.0
+        config.yarn_mscale_all_dim = 0.0
+        config.yarn_correction_range_round_to_int = True
+    return config
+
+
+def rope_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """GPTModel's position-embedding arguments for ``model.rope_*`` (llama3's band factors
+    are applied by :func:`rlbatch.engine.model.build_chunk`)."""
+    scaling = RopeScaling(model.rope_scaling)
+    kwargs: dict[str, Any] = dict(
+        position_embedding_type="yarn" if scaling == RopeScaling.yarn else "rope",
+        rotary_percent=1.0,
+        rotary_base=model.rope_theta,
+    )
+    if scaling == RopeScaling.linear:
+        kwargs["seq_len_interpolation_factor"] = model.rope_scaling_factor
+    elif scaling == RopeScaling.llama3:
+        kwargs.update(rope_scaling=True, rope_scaling_factor=model.rope_scaling_factor)
+    return kwargs
 
 
 def ddp_config(parallel: ParallelConfig) -> Any:

@@ -1,6 +1,6 @@
 """megatron-core 0.16.1 on a CUDA-less machine: the CPU compatibility layer, in one module.
 
-megatron-core hard-codes CUDA in a handful of places (shared/megatron-cpu.md lists them). When
+megatron-core hard-codes CUDA in a handful of places (docs/engine.md lists them). When
 CUDA is unavailable, :func:`install` replaces the module-level name ``torch`` **inside those
 megatron modules only** with a proxy that forwards everything to torch except:
 
@@ -39,6 +39,7 @@ PATCHED_MODULES = (
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.models.common.language_module.language_module",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",

@@ -34,6 +34,7 @@ from rlbatch.engine.hf_config import (
     ARCH_FIELDS,
     HF_CONFIG,
     config_from_hf,
+    head_dim_of,
     hf_config_dict,
     read_hf_config,
     resolve_model_config,
@@ -166,6 +167,9 @@ def _targets(chunk: Any, model_cfg: ModelConfig) -> Iterator[tuple[str, str, Any
                 "qkv_b",
                 tuple(attn + f"{x}_proj.bias" for x in "qkv"),
             )
+        if pre + "self_attention.q_layernorm.weight" in params:  # Qwen3 QK-norm
+            yield pre + "self_attention.q_layernorm.weight", "rep", attn + "q_norm.weight"
+            yield pre + "self_attention.k_layernorm.weight", "rep", attn + "k_norm.weight"
         yield pre + "self_attention.linear_proj.weight", "col", attn + "o_proj.weight"
         yield (
             pre + "mlp.linear_fc1.weight",
@@ -209,6 +213,7 @@ def _model_cfg_of(chunk: Any) -> ModelConfig:
         ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads,
         num_query_groups=c.num_query_groups or c.num_attention_heads,
+        head_dim=c.kv_channels,
         vocab_size=emb if emb is not None else 0,
         tie_word_embeddings=bool(chunk.share_embeddings_and_output_weights),
     )
@@ -258,7 +263,7 @@ def _full_tensors(chunk: Any, cfg: ModelConfig, grads: bool = False) -> dict[str
     rank, size, group = _tp()
     params = dict(chunk.named_parameters())
     out: dict[str, torch.Tensor] = {}
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_dim_of(cfg)
     for name, kind, src in _targets(chunk, cfg):
         p = _grad_of(params[name]) if grads else params[name].detach().clone()
         if kind == "rep":
@@ -317,13 +322,73 @@ def gather_full(model: Any, model_cfg: ModelConfig, grads: bool = False) -> dict
     return tensors
 
 
-def export_hf(
-    model: Any, model_cfg: ModelConfig, path: str | Path, dtype: Optional[torch.dtype] = None
-) -> None:
-    """Write config.json + model.safetensors of the full model (every rank calls; global rank
-    0 writes). Tensors are gathered over tp (all_gather) and to rank 0 (gather_object)."""
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+GENERATION_CONFIG = "generation_config.json"
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+"""Largest safetensors shard of an export (one tensor larger than this gets its own file)."""
+
+
+def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Tensor names (sorted) grouped into consecutive shards of at most ``max_bytes`` each."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in sorted(sizes):
+        if shards[-1] and used + sizes[name] > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += sizes[name]
+    return shards
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_bytes: int) -> None:
+    """model-0000i-of-0000n.safetensors + model.safetensors.index.json (transformers' layout)."""
     from safetensors.torch import save_file
 
+    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    shards = plan_shards(sizes, max_bytes)
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: tensors[k] for k in names}, str(out / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in names})
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_side_files(model_cfg: ModelConfig, out: Path) -> None:
+    """Tokenizer files and generation_config.json copied from the source model
+    (model.tokenizer_path, else model.hf_path); generation_config.json from the tokenizer's
+    special tokens when the source has none."""
+    import shutil
+
+    from rlbatch.engine.tokenizer import build_tokenizer
+
+    sources = [Path(p) for p in (model_cfg.tokenizer_path, model_cfg.hf_path) if p]
+    for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
+        found = next((src / name for src in sources if (src / name).is_file()), None)
+        if found is not None:
+            shutil.copyfile(found, out / name)
+    if not (out / GENERATION_CONFIG).is_file():
+        tok = build_tokenizer(model_cfg)
+        gen = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+        (out / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def export_hf(
+    model: Any,
+    model_cfg: ModelConfig,
+    path: str | Path,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """Write a Hugging Face directory of the full model: sharded safetensors + index,
+    config.json, generation_config.json and the source model's tokenizer files (every rank
+    calls; global rank 0 writes). Tensors are gathered over tp (all_gather) and to rank 0
+    (gather_object)."""
     tensors = gather_full(model, model_cfg)
     if not tensors:
         return
@@ -332,6 +397,7 @@ def export_hf(
     tensors = {k: v.to(out_dtype).contiguous() for k, v in sorted(tensors.items())}
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
+    write_safetensors(tensors, out, max_shard_bytes)
     config = hf_config_dict(cfg, _DTYPE_NAMES.get(out_dtype, "float32"))
     (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    write_side_files(cfg, out)

@@ -1,58 +1,237 @@
-"""Hugging Face Qwen2 ``config.json`` <-> ModelConfig, without torch (the CLI may use it to
-validate a run against the checkpoint's architecture before launching workers)."""
+"""Hugging Face ``config.json`` <-> ModelConfig, without torch (the CLI validates a run against
+the checkpoint's architecture before launching workers).
+
+Reads the layouts of transformers 4 (top-level ``rope_theta``, ``rope_scaling``) and 5
+(``rope_parameters``) for the dense Qwen2 / Qwen2.5, Qwen3 and Llama (2, 3, 3.1, 3.2)
+architectures. Every field that changes the forward either maps exactly onto a ModelConfig
+field or is a :class:`ConfigErrors` naming the field and its value: nothing is ignored.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlbatch.config.schema import Dtype, ModelConfig
+from rlbatch.config.errors import ConfigError, ConfigErrors
+from rlbatch.config.schema import Architecture, Dtype, ModelConfig, RopeScaling
 
 HF_CONFIG = "config.json"
+
+_CLASSES = {
+    Architecture.qwen2: "Qwen2ForCausalLM",
+    Architecture.qwen3: "Qwen3ForCausalLM",
+    Architecture.llama: "LlamaForCausalLM",
+}
+_ROPE_TYPES = {
+    "default": RopeScaling.none,
+    "linear": RopeScaling.linear,
+    "llama3": RopeScaling.llama3,
+    "yarn": RopeScaling.yarn,
+}
+_DEFAULT_THETA = 10000.0
+_YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
+_LLAMA3_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+_ALLOWED_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
 
 # ------------------------------------------------------------------------------ config
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     file = Path(path) / HF_CONFIG
     if not file.is_file():
-        raise FileNotFoundError(
-            f"model.hf_path={path}: no {HF_CONFIG} (a local HF Qwen2 directory)"
-        )
+        raise FileNotFoundError(f"model.hf_path={path}: no {HF_CONFIG} (a Hugging Face model)")
     return json.loads(file.read_text())
 
 
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE settings of either layout as one dict (rope_theta, rope_type, factor, ...):
+    transformers 5 ``rope_parameters`` over transformers 4 ``rope_scaling`` + ``rope_theta``."""
+    params: dict[str, Any] = {"rope_theta": hf.get("rope_theta", _DEFAULT_THETA)}
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(hf.get(key), dict):
+            params.update({k: v for k, v in hf[key].items() if v is not None})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def _rope_fields(hf: dict[str, Any], errors: list[ConfigError]) -> dict[str, Any]:
+    params = rope_parameters(hf)
+    kind = str(params["rope_type"])
+    out: dict[str, Any] = {"rope_theta": float(params["rope_theta"])}
+    if kind not in _ROPE_TYPES:
+        errors.append(ConfigError("rope_parameters.rope_type", kind, _unsupported_rope(kind)))
+        return out
+    scaling = _ROPE_TYPES[kind]
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        errors.append(
+            ConfigError(
+                "partial_rotary_factor",
+                params["partial_rotary_factor"],
+                "rotary on part of the head is not supported (supported: 1.0)",
+            )
+        )
+    allowed = (
+        _ALLOWED_ROPE_KEYS
+        | ({"factor"} if scaling == RopeScaling.linear else set())
+        | (_LLAMA3_KEYS if scaling == RopeScaling.llama3 else set())
+        | (
+            _YARN_KEYS | {"mscale", "mscale_all_dim", "attention_factor", "truncate"}
+            if scaling == RopeScaling.yarn
+            else set()
+        )
+    )
+    for key in sorted(set(params) - allowed):
+        errors.append(
+            ConfigError(
+                f"rope_parameters.{key}", params[key], f"not supported with rope_type={kind}"
+            )
+        )
+    out["rope_scaling"] = scaling
+    if scaling == RopeScaling.none:
+        return out
+    out["rope_scaling_factor"] = float(params.get("factor", 1.0))
+    original = params.get("original_max_position_embeddings")
+    if scaling in (RopeScaling.llama3, RopeScaling.yarn):
+        original = original or hf.get("max_position_embeddings", 32768)
+        out["rope_original_max_position_embeddings"] = int(original)
+    if scaling == RopeScaling.llama3:
+        out["rope_low_freq_factor"] = float(params.get("low_freq_factor", 1.0))
+        out["rope_high_freq_factor"] = float(params.get("high_freq_factor", 4.0))
+    if scaling == RopeScaling.yarn:
+        _check_yarn(params, errors)
+        out["rope_beta_fast"] = float(params.get("beta_fast") or 32.0)
+        out["rope_beta_slow"] = float(params.get("beta_slow") or 1.0)
+    return out
+
+
+def _unsupported_rope(kind: str) -> str:
+    return (
+        f"RoPE type {kind!r} is not supported by rlbatch's megatron-core model "
+        "(supported: default, linear, llama3, yarn)"
+    )
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """transformers' and megatron's default YaRN cos/sin scale: 0.1 ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def _check_yarn(params: dict[str, Any], errors: list[ConfigError]) -> None:
+    if params.get("factor") is None:
+        errors.append(ConfigError("rope_parameters.factor", None, "yarn needs a factor"))
+        return
+    for key in ("mscale", "mscale_all_dim"):
+        if params.get(key) not in (None, 0, 1):
+            errors.append(
+                ConfigError(f"rope_parameters.{key}", params[key], "yarn mscale is not supported")
+            )
+    given = params.get("attention_factor")
+    if given is not None and not math.isclose(
+        float(given), yarn_attention_factor(float(params["factor"])), rel_tol=1e-9
+    ):
+        errors.append(
+            ConfigError(
+                "rope_parameters.attention_factor",
+                given,
+                "only the default 0.1*ln(factor)+1 is supported",
+            )
+        )
+    if params.get("truncate", True) is not True:
+        errors.append(
+            ConfigError("rope_parameters.truncate", params["truncate"], "supported: true")
+        )
+
+
+def _arch_checks(hf: dict[str, Any], arch: Architecture, errors: list[ConfigError]) -> None:
+    """Forward-changing options outside the mapped set: an error each when set."""
+    if hf.get("hidden_act", "silu") != "silu":
+        errors.append(ConfigError("hidden_act", hf["hidden_act"], "supported: silu (SwiGLU)"))
+    if arch != Architecture.qwen2 and hf.get("attention_bias"):
+        errors.append(
+            ConfigError(
+                "attention_bias",
+                True,
+                "a bias on q/k/v and o_proj is not supported for this architecture",
+            )
+        )
+    if hf.get("mlp_bias"):
+        errors.append(ConfigError("mlp_bias", True, "MLP biases are not supported"))
+    if float(hf.get("attention_dropout") or 0.0) != 0.0:
+        errors.append(ConfigError("attention_dropout", hf["attention_dropout"], "supported: 0.0"))
+    if hf.get("quantization_config"):
+        errors.append(
+            ConfigError("quantization_config", "set", "quantized checkpoints are not supported")
+        )
+    window = hf.get("sliding_window")
+    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    uses_window = hf.get("use_sliding_window", arch == Architecture.llama and window)
+    if sliding or (uses_window and window and window < hf.get("max_position_embeddings", 0)):
+        errors.append(
+            ConfigError(
+                "sliding_window",
+                window,
+                "sliding-window attention is not supported (use_sliding_window must be false, "
+                "or the window cover max_position_embeddings)",
+            )
+        )
+
+
 def config_from_hf(path: str | Path) -> dict[str, Any]:
-    """ModelConfig fields of a local HF Qwen2 / Qwen2.5 directory."""
+    """ModelConfig fields of a local HF Qwen2 / Qwen2.5 / Qwen3 / Llama directory. Raises
+    ConfigErrors listing every unsupported field."""
     hf = read_hf_config(path)
     model_type = hf.get("model_type", "qwen2")
-    if model_type != "qwen2":
-        raise ValueError(f"model.hf_path={path}: model_type {model_type!r}, expected 'qwen2'")
+    try:
+        arch = Architecture(model_type)
+    except ValueError:
+        raise ConfigErrors(
+            [
+                ConfigError(
+                    "model_type",
+                    model_type,
+                    f"{path}: supported architectures: {', '.join(a.value for a in Architecture)}",
+                )
+            ]
+        ) from None
+    errors: list[ConfigError] = []
     heads = hf["num_attention_heads"]
+    _arch_checks(hf, arch, errors)
+    fields = _rope_fields(hf, errors)
+    if errors:
+        raise ConfigErrors(errors)
     dtype = {"bfloat16": Dtype.bf16, "float16": Dtype.fp16}.get(
         str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), Dtype.fp32
     )
     return {
+        **fields,
         "name": Path(path).name,
+        "architecture": arch,
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": hf["hidden_size"],
         "ffn_hidden_size": hf["intermediate_size"],
         "num_attention_heads": heads,
         "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim"),
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": hf.get("max_position_embeddings", 32768),
-        "rope_theta": float(hf.get("rope_theta", 10000.0)),
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "add_qkv_bias": True,
+        "add_qkv_bias": arch == Architecture.qwen2,
+        "qk_layernorm": arch == Architecture.qwen3,
         "params_dtype": dtype,
     }
 
 
 ARCH_FIELDS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+    "architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "num_query_groups", "head_dim", "vocab_size", "rope_theta", "rms_norm_eps",
+    "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "rope_scaling", "rope_scaling_factor",
+    "rope_original_max_position_embeddings", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_beta_fast", "rope_beta_slow",
 )  # fmt: skip
 
 
@@ -62,34 +241,74 @@ def resolve_model_config(model: ModelConfig) -> tuple[ModelConfig, list[str]]:
     fields that changed (callers warn: the preset is ignored for those)."""
     if not model.hf_path:
         return model, []
-    fields = config_from_hf(model.hf_path)
+    from rlbatch.engine.hub import resolve_hf_path
+
+    path = resolve_hf_path(model.hf_path)
+    defaults = ModelConfig()
+    fields = config_from_hf(path)
+    new = {k: fields.get(k, getattr(defaults, k)) for k in ARCH_FIELDS}
     changed = [
-        f"model.{k}: {getattr(model, k)} -> {fields[k]}"
+        f"model.{k}: {getattr(model, k)} -> {new[k]}"
         for k in ARCH_FIELDS
-        if getattr(model, k) != fields[k]
+        if getattr(model, k) != new[k]
     ]
-    return replace(model, **{k: fields[k] for k in ARCH_FIELDS}), changed
+    return replace(model, **new, hf_path=str(path)), changed
+
+
+def head_dim_of(model: ModelConfig) -> int:
+    return model.head_dim or model.hidden_size // model.num_attention_heads
+
+
+def _rope_dict(model: ModelConfig) -> dict[str, Any] | None:
+    """transformers-4 ``rope_scaling`` (transformers 5 reads it too)."""
+    scaling = RopeScaling(model.rope_scaling)
+    if scaling == RopeScaling.none:
+        return None
+    out: dict[str, Any] = {"rope_type": scaling.value, "factor": model.rope_scaling_factor}
+    if scaling in (RopeScaling.llama3, RopeScaling.yarn):
+        out["original_max_position_embeddings"] = (
+            model.rope_original_max_position_embeddings or model.max_position_embeddings
+        )
+    if scaling == RopeScaling.llama3:
+        out.update(
+            low_freq_factor=model.rope_low_freq_factor,
+            high_freq_factor=model.rope_high_freq_factor,
+        )
+    if scaling == RopeScaling.yarn:
+        out.update(beta_fast=model.rope_beta_fast, beta_slow=model.rope_beta_slow)
+    return out
 
 
 def hf_config_dict(model: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
-    """A transformers Qwen2Config dict for ``model``."""
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+    """A transformers config dict (Qwen2 / Qwen3 / Llama) for ``model``."""
+    arch = Architecture(model.architecture)
+    out: dict[str, Any] = {
+        "architectures": [_CLASSES[arch]],
+        "model_type": arch.value,
         "hidden_act": "silu",
         "hidden_size": model.hidden_size,
         "intermediate_size": model.ffn_hidden_size,
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_query_groups,
+        "head_dim": head_dim_of(model),
         "vocab_size": model.vocab_size,
         "max_position_embeddings": model.max_position_embeddings,
         "rope_theta": model.rope_theta,
+        "rope_scaling": _rope_dict(model),
         "rms_norm_eps": model.rms_norm_eps,
         "tie_word_embeddings": model.tie_word_embeddings,
         "initializer_range": model.init_method_std,
         "attention_dropout": 0.0,
         "use_cache": True,
-        "use_sliding_window": False,
         "torch_dtype": dtype_name,
     }
+    if arch == Architecture.qwen2 and model.head_dim is None:
+        del out["head_dim"]  # Qwen2Config has no head_dim
+    if arch in (Architecture.qwen2, Architecture.qwen3):
+        out["use_sliding_window"] = False
+    else:
+        out.update(attention_bias=False, mlp_bias=False)
+    if arch == Architecture.qwen3:
+        out["attention_bias"] = False
+    return out

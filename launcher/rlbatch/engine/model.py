@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from rlbatch.config.schema import ModelConfig, RunConfig
+from rlbatch.config.schema import ModelConfig, RopeScaling, RunConfig
 from rlbatch.engine import adapter
 
 
@@ -33,10 +33,10 @@ def layer_spec(model: ModelConfig) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if have_transformer_engine():
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     from rlbatch.engine.attention import SegmentedDotProductAttention
 
-    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
     # packed micro-batches run as THD here too (per-sequence attention, no block mask)
     spec.submodules.self_attention.submodules.core_attention = SegmentedDotProductAttention
     return spec
@@ -46,7 +46,7 @@ def check_model_config(model: ModelConfig, tp: int = 1, pp: int = 1, vpp: int = 
     errors = []
     if model.num_attention_heads % model.num_query_groups:
         errors.append("model.num_query_groups must divide model.num_attention_heads")
-    if model.hidden_size % model.num_attention_heads:
+    if model.head_dim is None and model.hidden_size % model.num_attention_heads:
         errors.append("model.num_attention_heads must divide model.hidden_size")
     if model.num_query_groups % tp:
         errors.append(
@@ -71,7 +71,7 @@ def build_chunk(
     """One GPTModel (a pipeline stage, or a virtual one)."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
+    chunk = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(model),
         vocab_size=model.vocab_size,
@@ -80,10 +80,30 @@ def build_chunk(
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=model.rope_theta,
         vp_stage=vp_stage,
+        **adapter.rope_kwargs(model),
+    )
+    if model.rope_scaling == RopeScaling.llama3:
+        _set_llama3_bands(chunk.rotary_pos_emb, model)
+    return chunk
+
+
+def _set_llama3_bands(rope: Any, model: ModelConfig) -> None:
+    """Megatron's llama3 scaling with this model's band factors and original context (its
+    RotaryEmbedding applies the Llama-3.1 values 1 / 4 / 8192 itself)."""
+    dim = rope.inv_freq.numel() * 2
+    base = 1.0 / (
+        model.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rope.inv_freq.device) / dim)
+    )
+    rope.inv_freq = rope._apply_scaling(
+        base,
+        factor=model.rope_scaling_factor,
+        low_freq_factor=model.rope_low_freq_factor,
+        high_freq_factor=model.rope_high_freq_factor,
+        original_max_position_embeddings=(
+            model.rope_original_max_position_embeddings or model.max_position_embeddings
+        ),
     )
 
 

@@ -80,12 +80,41 @@ class HFTokenizer:
         self.pad_id = int(pad) if pad is not None else self.eos_id
         self.bos_id = _special_id(self._tok, meta.get("bos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = _chat_template(self.path, meta.get("chat_template"))
+        """The model's jinja chat template (data.chat_template=model), or None."""
+        self.special_tokens = {
+            key: _token_text(meta[key])
+            for key in SPECIAL_TOKENS
+            if _token_text(meta.get(key)) is not None
+        }
+        """bos_token, eos_token, ... as text: variables of the chat template."""
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")  # fmt: skip
+
+
+def _token_text(value: Any) -> Optional[str]:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(path: Path, configured: Any) -> Optional[str]:
+    """chat_template.jinja, else tokenizer_config.json's chat_template (a string, or a list of
+    named templates: the one named "default")."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    if isinstance(configured, list):
+        named = {t.get("name"): t.get("template") for t in configured if isinstance(t, dict)}
+        configured = named.get("default")
+    return configured if isinstance(configured, str) else None
 
 
 def build_tokenizer(model: ModelConfig) -> Tokenizer:

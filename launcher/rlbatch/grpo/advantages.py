@@ -1,4 +1,4 @@
-"""Group-relative advantages (seed 003; design.md section 7).
+"""Group-relative advantages (docs/grpo_loss.md).
 
 A = (r - mean_group) / (std + eps), groups = contiguous runs of `group_size` rewards.
 ``scale_rewards``: ``group`` divides by the group's std, ``batch`` by the std of the whole

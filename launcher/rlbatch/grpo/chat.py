@@ -1,13 +1,21 @@
 """Chat templates, applied to prompt text before tokenizing (``data.chat_template``).
 
-``qwen`` is the Qwen2.5 ChatML format (what its tokenizer_config.json chat_template renders
-with ``add_generation_prompt=True``); ``none`` passes a plain-text prompt through unchanged.
+``model`` renders the model's own template (tokenizer_config.json ``chat_template`` or
+chat_template.jinja) with jinja2 exactly as transformers' ``apply_chat_template`` does
+(sandboxed environment, trim_blocks / lstrip_blocks, loop controls, ``tojson``,
+``raise_exception``, ``strftime_now``, the special tokens as variables,
+``add_generation_prompt=True``); the built-in byte tokenizer has no template and gets ChatML.
+``qwen`` is the built-in Qwen2.5 ChatML format; ``none`` passes a plain-text prompt through
+unchanged.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from typing import Union
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Optional, Union
 
 from rlbatch.config.schema import ChatTemplate
 
@@ -40,9 +48,56 @@ def render_qwen(prompt: PromptContent, system: str = QWEN_DEFAULT_SYSTEM) -> str
     return "".join(parts) + "<|im_start|>assistant\n"
 
 
-def apply_chat_template(template: ChatTemplate, prompt: PromptContent) -> str:
-    """The text to tokenize for `prompt` (a string, or a list of {role, content} messages)."""
+@lru_cache(maxsize=8)
+def _compile(template: str) -> Any:
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_template(
+    template: str, prompt: PromptContent, special_tokens: Optional[Mapping[str, str]] = None
+) -> str:
+    """A model's jinja chat template over ``prompt`` with ``add_generation_prompt=True``."""
+    return _compile(template).render(
+        messages=_as_messages(prompt), add_generation_prompt=True, **(special_tokens or {})
+    )
+
+
+def apply_chat_template(
+    template: ChatTemplate, prompt: PromptContent, tokenizer: Any = None
+) -> str:
+    """The text to tokenize for `prompt` (a string, or a list of {role, content} messages).
+    ``data.chat_template=model`` uses ``tokenizer.chat_template`` (ChatML when the tokenizer
+    has none: the built-in byte tokenizer)."""
     template = ChatTemplate(template)
+    if template == ChatTemplate.model:
+        own = getattr(tokenizer, "chat_template", None)
+        if own is None:
+            if getattr(tokenizer, "path", None) is not None:  # an HF tokenizer without one
+                raise ValueError(
+                    f"data.chat_template=model: {tokenizer.path} has no chat_template "
+                    "(tokenizer_config.json or chat_template.jinja): set data.chat_template="
+                    "qwen or none"
+                )
+            return render_qwen(prompt)
+        return render_template(own, prompt, getattr(tokenizer, "special_tokens", None))
     if template == ChatTemplate.qwen:
         return render_qwen(prompt)
     if not isinstance(prompt, str):

@@ -1,24 +1,29 @@
-"""Prompt datasets: built-in tasks, local JSONL or Parquet files (``data.*``).
+"""Prompt datasets: built-in tasks, local JSONL or Parquet files, HF ``save_to_disk``
+directories (``data.*``).
 
-``load_examples`` reads raw (prompt, answer) pairs; ``build_prompts`` applies the chat template,
-tokenizes and rejects prompts longer than ``data.max_prompt_len`` (naming their indices).
+``read_examples`` reads raw (prompt, answer, extra fields) rows and collects every bad row (not
+UTF-8, not JSON, missing or wrongly typed fields); ``prompt_length_problems`` applies the chat
+template, tokenizes and finds every prompt longer than ``data.max_prompt_len``. The driver runs
+both before launch (rlbatch.grpo.preflight); workers load through ``load_prompts``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlbatch.config.schema import DataConfig, DataSource
+from rlbatch.config.schema import AnswerFormat, DataConfig, DataSource
 from rlbatch.grpo.chat import PromptContent, apply_chat_template
 from rlbatch.grpo.tasks import generate_examples
 from rlbatch.grpo.types import Prompt
 
-MAX_LISTED_ERRORS = 10
-"""Offending indices listed in one error message."""
+MAX_LISTED_ERRORS = 20
+"""Bad rows listed in one error message (then a count of the rest)."""
+GSM8K_MARKER = "####"
+"""GSM8K answers end with '#### <final answer>'."""
 
 
 class TextTokenizer(Protocol):
@@ -33,47 +38,122 @@ class RawExample:
 
     prompt: PromptContent
     answer: str
+    fields: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The row's other fields."""
+    where: str = ""
+    """Where the row is in the file ("line 3", "row 7"), for error messages."""
 
 
-def load_examples(cfg: DataConfig, seed: int) -> list[RawExample]:
-    """The dataset's rows in file order (built-in: generated from `seed`)."""
+@dataclass(frozen=True)
+class RowProblem:
+    """One bad row of a dataset file."""
+
+    where: str
+    message: str
+
+
+class DatasetError(ValueError):
+    """Every bad row of a dataset (the first MAX_LISTED_ERRORS listed, then a count)."""
+
+    def __init__(self, path: str | None, problems: list[RowProblem]):
+        self.path = path
+        self.problems = list(problems)
+        super().__init__(describe_problems(path, self.problems))
+
+
+def describe_problems(path: str | None, problems: list[RowProblem]) -> str:
+    """'3 bad row(s) in FILE:' then one indented line per row (first 20), then the rest's count."""
+    lines = [f"{len(problems)} bad row(s) in {path}:"]
+    lines += [f"    {p.where}: {p.message}" for p in problems[:MAX_LISTED_ERRORS]]
+    if len(problems) > MAX_LISTED_ERRORS:
+        lines.append(f"    ... and {len(problems) - MAX_LISTED_ERRORS} more")
+    return "\n".join(lines)
+
+
+def read_examples(cfg: DataConfig, seed: int) -> tuple[list[RawExample], list[RowProblem]]:
+    """The dataset's good rows in file order and every bad row (built-in: generated)."""
     source = DataSource(cfg.source)
     if source == DataSource.builtin:
         return [
-            RawExample(e.prompt, e.answer)
-            for e in generate_examples(cfg.task, cfg.num_prompts, seed)
-        ]
+            RawExample(e.prompt, e.answer, where=f"row {i}")
+            for i, e in enumerate(generate_examples(cfg.task, cfg.num_prompts, seed))
+        ], []
     if cfg.path is None:
         raise ValueError(
             f"data.path is null but data.source={source.value}: set data.path to a local"
             f" {source.value} file, or data.source=builtin"
         )
     path = Path(cfg.path).expanduser()
-    if not path.is_file():
+    if source == DataSource.hf_disk:
+        if not path.is_dir():
+            raise ValueError(f"data.path={cfg.path} is not a directory (HF datasets save_to_disk)")
+        rows, problems = _read_hf_disk(path), list[RowProblem]()
+    elif not path.is_file():
         raise ValueError(f"data.path={cfg.path} does not exist or is not a file: fix the path")
-    rows = _read_jsonl(path) if source == DataSource.jsonl else _read_parquet(path)
-    if not rows:
-        raise ValueError(f"data.path={cfg.path} holds no rows: a dataset needs at least one prompt")
-    return [_row_to_example(row, i, cfg) for i, row in enumerate(rows)]
+    elif source == DataSource.jsonl:
+        rows, problems = _read_jsonl(path)
+    else:
+        rows, problems = _read_parquet(path), list[RowProblem]()
+    examples = []
+    for where, row in rows:
+        example = _row_to_example(row, where, cfg, problems)
+        if example is not None:
+            examples.append(example)
+    problems.sort(key=lambda p: row_position(p.where))
+    if not rows and not problems:
+        problems.append(RowProblem("file", "holds no rows: a dataset needs at least one prompt"))
+    return examples, problems
 
 
-def _read_jsonl(path: Path) -> list[Mapping[str, Any]]:
-    rows: list[Mapping[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+def load_examples(cfg: DataConfig, seed: int) -> list[RawExample]:
+    """The dataset's rows in file order; DatasetError listing every bad row."""
+    examples, problems = read_examples(cfg, seed)
+    if problems:
+        raise DatasetError(cfg.path, problems)
+    return examples
+
+
+Rows = list[tuple[str, Mapping[str, Any]]]
+
+
+def row_position(where: str) -> int:
+    """'line 12' / 'row 3' -> 12 / 3 (file order of the problems)."""
+    tail = where.rsplit(" ", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _read_jsonl(path: Path) -> tuple[Rows, list[RowProblem]]:
+    rows: Rows = []
+    problems: list[RowProblem] = []
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                problems.append(
+                    RowProblem(
+                        where,
+                        f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}):"
+                        " re-encode the file as UTF-8",
+                    )
+                )
+                continue
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"data.path={path} line {line_no} is not valid JSON: {e}") from e
+                problems.append(RowProblem(where, f"not valid JSON ({e.msg} at column {e.colno})"))
+                continue
             if not isinstance(row, dict):
-                raise ValueError(f"data.path={path} line {line_no} is not a JSON object")
-            rows.append(row)
-    return rows
+                problems.append(RowProblem(where, f"is a JSON {type(row).__name__}, not an object"))
+                continue
+            rows.append((where, row))
+    return rows, problems
 
 
-def _read_parquet(path: Path) -> list[Mapping[str, Any]]:
+def _read_parquet(path: Path) -> Rows:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
@@ -81,48 +161,115 @@ def _read_parquet(path: Path) -> list[Mapping[str, Any]]:
             f"data.path={path} is Parquet (data.source=parquet) but pyarrow is not installed:"
             " pip install pyarrow, or convert the file to JSONL and set data.source=jsonl"
         ) from e
-    return pq.read_table(path).to_pylist()
+    return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
 
 
-def _row_to_example(row: Mapping[str, Any], index: int, cfg: DataConfig) -> RawExample:
+def _read_hf_disk(path: Path) -> Rows:
+    try:
+        from datasets import Dataset, load_from_disk
+    except ImportError as e:
+        raise ValueError(
+            f"data.path={path} is an HF datasets directory (data.source=hf_disk) but datasets"
+            " is not installed: pip install 'rlbatch[datasets]'"
+        ) from e
+    ds = load_from_disk(str(path))
+    if not isinstance(ds, Dataset):
+        splits = list(ds.keys())
+        raise ValueError(
+            f"data.path={path} holds the splits {splits}: save one split"
+            f" (ds[{splits[0]!r}].save_to_disk(PATH)) and point data.path at it"
+        )
+    return [(f"row {i}", row) for i, row in enumerate(ds)]
+
+
+def _is_messages(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(
+        isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt
+    )
+
+
+def _row_to_example(
+    row: Mapping[str, Any], where: str, cfg: DataConfig, problems: list[RowProblem]
+) -> RawExample | None:
     missing = [k for k in (cfg.prompt_key, cfg.answer_key) if k not in row]
     if missing:
-        raise ValueError(
-            f"data.path={cfg.path} row {index} has no field {missing[0]!r} (fields:"
-            f" {sorted(row)}): set data.prompt_key / data.answer_key to the file's field names"
+        problems.append(
+            RowProblem(
+                where,
+                f"no field {missing[0]!r} (fields: {sorted(row)}): set data.prompt_key /"
+                " data.answer_key to the file's field names",
+            )
         )
-    prompt = row[cfg.prompt_key]
-    if not isinstance(prompt, (str, list)):
-        raise ValueError(
-            f"data.path={cfg.path} row {index}: {cfg.prompt_key!r} is {type(prompt).__name__};"
-            " it must be a string or a list of {role, content} messages"
+        return None
+    prompt, answer = row[cfg.prompt_key], row[cfg.answer_key]
+    if not isinstance(prompt, str) and not _is_messages(prompt):
+        problems.append(
+            RowProblem(
+                where,
+                f"{cfg.prompt_key!r} is {type(prompt).__name__}: it must be a string or a list"
+                " of {role, content} messages",
+            )
         )
-    return RawExample(prompt=prompt, answer=str(row[cfg.answer_key]))
+        return None
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        problems.append(
+            RowProblem(
+                where,
+                f"{cfg.answer_key!r} is {type(answer).__name__}: it must be a string or number",
+            )
+        )
+        return None
+    answer = str(answer)
+    if AnswerFormat(cfg.answer_format) == AnswerFormat.gsm8k:
+        if GSM8K_MARKER not in answer:
+            problems.append(
+                RowProblem(
+                    where,
+                    f"{cfg.answer_key!r} has no '{GSM8K_MARKER} <answer>' (data.answer_format=gsm8k):"
+                    " fix the row, or set data.answer_format=raw",
+                )
+            )
+            return None
+        answer = extract_gsm8k_answer(answer)
+    extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.answer_key)}
+    return RawExample(prompt=prompt, answer=answer, fields=extra, where=where)
+
+
+def extract_gsm8k_answer(text: str) -> str:
+    """The final answer of a GSM8K solution: after its last '####', thousands commas removed."""
+    return text.rsplit(GSM8K_MARKER, 1)[1].strip().replace(",", "")
+
+
+def prompt_length_problems(
+    cfg: DataConfig, tokenizer: TextTokenizer, examples: Sequence[RawExample]
+) -> tuple[list[Prompt], list[RowProblem]]:
+    """Templated, tokenized prompts and every prompt longer than data.max_prompt_len."""
+    prompts, too_long = [], []
+    for i, ex in enumerate(examples):
+        text = apply_chat_template(cfg.chat_template, ex.prompt, tokenizer)
+        ids = tuple(int(t) for t in tokenizer.encode(text))
+        if len(ids) > cfg.max_prompt_len:
+            too_long.append(
+                RowProblem(
+                    ex.where or f"index {i}",
+                    f"prompt is {len(ids)} tokens (chat template included), over"
+                    f" data.max_prompt_len={cfg.max_prompt_len}: raise data.max_prompt_len (and"
+                    " the token budgets), or filter the dataset",
+                )
+            )
+        prompts.append(
+            Prompt(index=i, prompt_ids=ids, answer=ex.answer, text=text, fields=ex.fields)
+        )
+    return prompts, too_long
 
 
 def build_prompts(
     cfg: DataConfig, tokenizer: TextTokenizer, examples: Sequence[RawExample]
 ) -> list[Prompt]:
     """Template and tokenize `examples`; every prompt longer than max_prompt_len is an error."""
-    prompts, too_long = [], []
-    for i, ex in enumerate(examples):
-        text = apply_chat_template(cfg.chat_template, ex.prompt)
-        ids = tuple(int(t) for t in tokenizer.encode(text))
-        if len(ids) > cfg.max_prompt_len:
-            too_long.append((i, len(ids)))
-        prompts.append(Prompt(index=i, prompt_ids=ids, answer=ex.answer, text=text))
+    prompts, too_long = prompt_length_problems(cfg, tokenizer, examples)
     if too_long:
-        listed = ", ".join(f"index {i} ({n} tokens)" for i, n in too_long[:MAX_LISTED_ERRORS])
-        more = (
-            f" and {len(too_long) - MAX_LISTED_ERRORS} more"
-            if len(too_long) > MAX_LISTED_ERRORS
-            else ""
-        )
-        raise ValueError(
-            f"{len(too_long)} prompt(s) are longer than data.max_prompt_len={cfg.max_prompt_len}:"
-            f" {listed}{more}. Raise data.max_prompt_len (and the token budgets), or filter the"
-            " dataset"
-        )
+        raise DatasetError(cfg.path if cfg.path else f"data.task={cfg.task.value}", too_long)
     return prompts
 
 

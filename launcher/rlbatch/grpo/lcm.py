@@ -1,4 +1,4 @@
-"""LCM aggregation of training micro-batches (seed 000 with design.md section 5's fixes).
+"""LCM aggregation of training micro-batches (after Tunix's aggregator, with the fixes in docs/lcm_aggregation.md).
 
 Vocabulary (docs/lcm_aggregation.md): a *training micro-batch* here is the aggregator's input
 unit, a list of prompts; ``sample_repeat`` = grpo.num_generations; ``batch_repeat`` =
@@ -56,7 +56,7 @@ class AggregationPlan:
     def service_target_bs(self) -> int:
         """lcm of the rollout, train and (fixed-size) ref/old chunk sizes, in prompts.
 
-        The train micro size is included (seed 000 leaves it out, so a merged batch split
+        The train micro size is included (Tunix leaves it out, so a merged batch split
         back raggedly); the ref/old sizes count only for a pass that runs, and not when those
         passes use the infer token budget (then no fixed chunk size needs to divide the batch).
         The config validator applies this same rule.
@@ -179,7 +179,7 @@ def chunk_slices(n: int, size: int) -> list[slice]:
 
 
 def repeat_in_order(examples: Sequence[TrainExample], batch_repeat: int) -> list[TrainExample]:
-    """Each example batch_repeat times, consecutively: a a b b (seed 000 order invariant)."""
+    """Each example batch_repeat times, consecutively: a a b b (the order invariant of docs/lcm_aggregation.md)."""
     return [dataclasses.replace(ex, iteration=k) for ex in examples for k in range(batch_repeat)]
 
 

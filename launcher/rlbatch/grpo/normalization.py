@@ -1,10 +1,10 @@
-"""Loss normalization across micro-batches and DP ranks (design.md section 6, seed 001).
+"""Loss normalization across micro-batches and DP ranks (docs/normalization.md; the problem is Fast-LLM issue #510).
 
 Three modes, all built on the loss's (numerator, local count) pair (:mod:`rlbatch.grpo.loss`):
 
 - ``eager_global``: prepare every micro-batch of the step first, all-reduce the summed count
   over DP -> D, and scale each numerator by 1/D inside the loss. Exact, not lazy.
-- ``per_micro_batch`` (seed 001 Option B): lazy; micro-batch i is scaled by
+- ``per_micro_batch`` (Fast-LLM #510's option B): lazy; micro-batch i is scaled by
   1 / (DP-sum of its own count x M). Exact across DP; across micro-batches exact only when
   every micro-batch has the same count, per-micro-batch weighted otherwise (biased).
 - ``deferred_global`` (Option A): lazy; every micro-batch is scaled by the same constant 1/c

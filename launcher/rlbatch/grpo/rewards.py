@@ -1,21 +1,25 @@
-"""Reward functions, selected by ``data.reward`` (RewardKind) through an explicit registry.
+"""Reward functions: built-ins selected by ``data.reward`` (RewardKind) through an explicit
+registry, or a weighted list by import path (``data.reward_fn``, rlbatch.grpo.user_rewards).
 
-Every reward function maps one :class:`RewardInput` to a float. ``build_reward_fn`` is the only
-factory; it also checks that the kind fits the data source (``task`` needs a built-in task).
+Every built-in maps one :class:`RewardInput` to a float. ``build_reward_fn`` is the factory of
+one built-in (it checks that the kind fits the data source: ``task`` needs a built-in task);
+``build_rewards`` assembles the run's :class:`RewardSet`, whose components are each logged as
+``reward/<name>_mean``.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from rlbatch.config.schema import BuiltinTask, DataConfig, DataSource, RewardKind
 from rlbatch.grpo.tasks import task_reward
 from rlbatch.grpo.types import Sample
+from rlbatch.grpo.user_rewards import Completion, UserReward, call_reward, load_reward
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,12 @@ class RewardInput:
     """Reference answer of the prompt."""
     num_response_tokens: int
     """Response tokens, EOS excluded."""
+    response_ids: tuple[int, ...] = ()
+    """Response token ids, EOS excluded."""
+    fields: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """The dataset row's other fields (not the prompt, not the answer)."""
+    prompt_index: int = -1
+    """Index of the prompt in the dataset (names the sample in errors)."""
 
 
 RewardFn = Callable[[RewardInput], float]
@@ -91,6 +101,27 @@ def math_reward(x: RewardInput) -> float:
     return 1.0 if math.isclose(float(got), float(want), rel_tol=1e-6, abs_tol=1e-9) else 0.0
 
 
+def math_verify_reward(x: RewardInput) -> float:
+    """1.0 when math-verify finds the response's final answer symbolically equal to the
+    reference (fractions, roots, intervals, tuples, sets, LaTeX or plain); needs the ``math``
+    extra (pip install math-verify)."""
+    from math_verify import parse, verify
+
+    gold = parse(_as_latex(x.answer))
+    if not gold:
+        return 0.0
+    return 1.0 if verify(gold, parse(x.response)) else 0.0
+
+
+def _as_latex(answer: str) -> str:
+    """A bare reference answer (``\\frac{1}{2}``, ``(1, 2]``) inside $...$ so math-verify's LaTeX
+    extraction sees all of it; text that already has delimiters or \\boxed is left alone."""
+    text = answer.strip()
+    if "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text:
+        return text
+    return f"${text}$"
+
+
 _FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
 _FORMAT_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
@@ -115,6 +146,7 @@ _REGISTRY: dict[RewardKind, Callable[[DataConfig], RewardFn]] = {
     RewardKind.exact_match: lambda cfg: exact_match_reward,
     RewardKind.math: lambda cfg: math_reward,
     RewardKind.format: lambda cfg: format_reward,
+    RewardKind.math_verify: lambda cfg: math_verify_reward,
 }
 
 
@@ -129,13 +161,101 @@ def build_reward_fn(cfg: DataConfig) -> RewardFn:
     return _REGISTRY[kind](cfg)
 
 
-def score(fn: RewardFn, inputs: Sequence[RewardInput]) -> list[float]:
-    """`fn` over a batch; a non-finite reward is an error naming the sample."""
+@dataclass(frozen=True)
+class RewardComponent:
+    """One term of the total reward: ``weight * score(batch)``, logged as reward/<name>_mean."""
+
+    name: str
+    weight: float
+    score: Callable[[Sequence[RewardInput]], list[float]]
+
+
+@dataclass(frozen=True)
+class RewardSet:
+    """The run's rewards; the total of a sample is the weighted sum of its components."""
+
+    components: tuple[RewardComponent, ...]
+
+    def score(self, inputs: Sequence[RewardInput]) -> tuple[list[float], dict[str, list[float]]]:
+        """(total per sample, each component's values per sample by name)."""
+        parts = {c.name: c.score(inputs) for c in self.components}
+        totals = [
+            sum(c.weight * parts[c.name][i] for c in self.components) for i in range(len(inputs))
+        ]
+        return totals, parts
+
+
+def _builtin_component(kind: RewardKind, cfg: DataConfig, name: str, weight: float):
+    fn = build_reward_fn(_with_reward(cfg, kind))
+    return RewardComponent(name, weight, lambda inputs: score(fn, inputs, name))
+
+
+def _with_reward(cfg: DataConfig, kind: RewardKind) -> DataConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, reward=kind)
+
+
+def _user_component(reward: UserReward, name: str, weight: float) -> RewardComponent:
+    def score_user(inputs: Sequence[RewardInput]) -> list[float]:
+        batch = [
+            Completion(
+                prompt=x.prompt,
+                completion=x.response,
+                completion_ids=list(x.response_ids),
+                answer=x.answer,
+                fields=x.fields,
+                label=f"sample {i} (prompt index {x.prompt_index})",
+            )
+            for i, x in enumerate(inputs)
+        ]
+        return call_reward(reward, batch)
+
+    return RewardComponent(name, weight, score_user)
+
+
+def reward_names(specs: Sequence[str]) -> list[str]:
+    """Metric names of data.reward_fn entries: the function (or built-in) name, made unique."""
+    names: list[str] = []
+    for spec in specs:
+        base = spec.rpartition(":")[2] or spec
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}_{k}", k + 1
+        names.append(name)
+    return names
+
+
+def component_names(cfg: DataConfig) -> list[str]:
+    """Names of the run's reward components (without loading anything)."""
+    return reward_names(cfg.reward_fn) if cfg.reward_fn else [RewardKind(cfg.reward).value]
+
+
+def build_rewards(cfg: DataConfig) -> RewardSet:
+    """data.reward_fn (weighted by data.reward_weights) when set, else data.reward alone."""
+    if not cfg.reward_fn:
+        kind = RewardKind(cfg.reward)
+        return RewardSet((_builtin_component(kind, cfg, component_names(cfg)[0], 1.0),))
+    weights = cfg.reward_weights or [1.0] * len(cfg.reward_fn)
+    components = []
+    for spec, name, weight in zip(cfg.reward_fn, reward_names(cfg.reward_fn), weights, strict=True):
+        if ":" in spec:
+            components.append(_user_component(load_reward(spec), name, weight))
+        else:
+            components.append(_builtin_component(RewardKind(spec), cfg, name, weight))
+    return RewardSet(tuple(components))
+
+
+def score(fn: RewardFn, inputs: Sequence[RewardInput], name: str = "reward") -> list[float]:
+    """`fn` over a batch; a non-finite reward is an error naming the reward and the sample."""
     out = []
     for i, x in enumerate(inputs):
         r = float(fn(x))
         if not math.isfinite(r):
-            raise ValueError(f"reward of sample {i} is {r}: reward functions must be finite")
+            raise ValueError(
+                f"{name} of sample {i} (prompt index {x.prompt_index}) is {r}: reward functions"
+                " must be finite"
+            )
         out.append(r)
     return out
 
@@ -158,6 +278,9 @@ def reward_input(sample: Sample, tokenizer: TextDecoder) -> RewardInput:
         response=tokenizer.decode(ids),
         answer=sample.prompt.answer,
         num_response_tokens=len(ids),
+        response_ids=tuple(ids),
+        fields=sample.prompt.fields,
+        prompt_index=sample.prompt.index,
     )
 
 

@@ -106,7 +106,7 @@ class StepState:
 
 def gather_mini_batch(samples: list[Sample], reducers: Reducers) -> list[Sample]:
     """The global mini-batch (every DP replica's share, in DP-rank order): every rank plans
-    the same global pass from the same global lengths (design.md section 2)."""
+    the same global pass from the same global lengths (docs/interfaces.md)."""
     shares = reducers.gather_samples(samples)
     return [s for share in shares for s in share]
 

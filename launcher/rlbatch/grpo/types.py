@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,8 @@ class Prompt:
     answer: str
     """Reference answer given to the reward function."""
     text: str = ""
+    fields: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The dataset row's other fields (given to reward functions that ask for them)."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pathlib import Path
 from rlbatch.config.load import dump_run_config
 from rlbatch.config.schema import RunConfig
 from rlbatch.config.validate import world_size
+from rlbatch.runtime.lifeline import child_env
 
 log = logging.getLogger("rlbatch")
 
@@ -27,7 +28,12 @@ STOP_GRACE_S = 10.0
 
 
 def torchrun_command(cfg: RunConfig, resolved: Path, entry: str) -> list[str]:
-    """The torchrun command line of one run (single node: standalone rendezvous)."""
+    """The torchrun command line of one run.
+
+    Single node: standalone rendezvous. Multi-node: torchrun's static rendezvous at
+    ``parallel.rdzv_endpoint``, served by node 0, so node r holds global ranks
+    ``r * nproc .. (r + 1) * nproc - 1`` and rank 0 (metrics, checkpoint commits) is on node 0.
+    """
     p = cfg.parallel
     nproc = p.nproc_per_node or world_size(cfg) // p.nnodes
     cmd = [sys.executable, "-m", "rlbatch.runtime.torchrun", f"--nproc-per-node={nproc}"]
@@ -36,13 +42,20 @@ def torchrun_command(cfg: RunConfig, resolved: Path, entry: str) -> list[str]:
     else:
         cmd += [
             f"--nnodes={p.nnodes}",
-            f"--node-rank={p.node_rank}",
-            "--rdzv-backend=c10d",
+            f"--node-rank={p.node_rank or 0}",
+            "--rdzv-backend=static",
             f"--rdzv-endpoint={p.rdzv_endpoint}",
-            f"--rdzv-id=rlbatch-{resolved.parent.name}",
+            f"--rdzv-id=rlbatch-{p.run_id or resolved.parent.name}",
         ]
     cmd += ["--max-restarts=0", "--monitor-interval=0.5", "-m", "rlbatch.runtime.worker"]
     return cmd + ["--config", str(resolved), "--entry", entry]
+
+
+def resolved_path(cfg: RunConfig, run_dir: Path) -> Path:
+    """<run_dir>/resolved.yaml; node r > 0 of a multi-node run writes resolved.node<r>.yaml, so
+    nodes sharing the run directory never read each other's half-written file."""
+    rank = cfg.parallel.node_rank or 0
+    return run_dir / (RESOLVED if rank == 0 else f"resolved.node{rank}.yaml")
 
 
 def worker_env(cfg: RunConfig) -> dict[str, str]:
@@ -56,16 +69,23 @@ def worker_env(cfg: RunConfig) -> dict[str, str]:
 
 
 def launch(cfg: RunConfig, run_dir: Path, entry: str) -> int:
-    """Write <run_dir>/resolved.yaml, run the workers, return 0 or the failure's exit code."""
+    """Write <run_dir>/resolved.yaml, run the workers, return 0 or the failure's exit code.
+
+    Multi-node: every node calls this with the same ``run_dir``, which must be on a filesystem
+    all nodes share (each rank writes its checkpoint shard there; rank 0 commits it)."""
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_dir = str(run_dir)
-    resolved = run_dir / RESOLVED
+    if cfg.parallel.run_id is None:
+        cfg.parallel.run_id = run_dir.name
+    resolved = resolved_path(cfg, run_dir)
     dump_run_config(cfg, resolved)
     cmd = torchrun_command(cfg, resolved, entry)
-    log.info("run directory: %s (%d worker(s))", run_dir, world_size(cfg))
+    nodes = cfg.parallel.nnodes
+    where = f", node {cfg.parallel.node_rank} of {nodes}" if nodes > 1 else ""
+    log.info("run directory: %s (%d worker(s)%s)", run_dir, world_size(cfg), where)
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, env=worker_env(cfg), start_new_session=True)
+    proc = subprocess.Popen(cmd, env=child_env(worker_env(cfg)), start_new_session=True)
     try:
         code = proc.wait()
     except KeyboardInterrupt:

@@ -2,7 +2,8 @@
 
     python -m rlbatch.runtime.worker --config RUN_DIR/resolved.yaml --entry module:function
 
-A failure is written to <run_dir>/errors/rank<N>.txt for the driver to show, then the process
+The worker dies with its torchrun (SIGKILL: an orphan has nothing left to finish; checkpoints
+commit atomically). A failure is written to <run_dir>/errors/rank<N>.txt for the driver to show, then the process
 exits non-zero so torchrun stops the other ranks.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from pathlib import Path
 from rlbatch.config.errors import ConfigErrors
 from rlbatch.config.load import load_run_config
 from rlbatch.config.schema import RunConfig
+from rlbatch.runtime.lifeline import die_with_parent
 from rlbatch.runtime.logs import setup_logging
 
 
@@ -41,6 +44,7 @@ def _report(run_dir: Path, rank: int, exc: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent(signal.SIGKILL)
     parser = argparse.ArgumentParser(prog="rlbatch.runtime.worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--entry", required=True)

@@ -15,9 +15,15 @@ import numpy as np
 
 from rlbatch.config.schema import RunConfig, ScaleRewards
 from rlbatch.grpo.lcm import LCMAggregator
-from rlbatch.grpo.rewards import RewardFn, RewardInput, score
+from rlbatch.grpo.rewards import (
+    RewardComponent,
+    RewardFn,
+    RewardSet,
+    reward_input,
+)
 from rlbatch.grpo.rollout import RolloutEngine, as_rollout_fn
 from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.train.loop import Components, train
 from rlbatch.train.producer import GenerateFn, PolicySnapshot
 from rlbatch.train.sampler import GenerationRequest
 
@@ -93,26 +99,37 @@ def weights_snapshot(model: list[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def make_reward_batch_fn(fn: RewardFn, tokenizer: Any) -> Callable[[list[Sample]], list[float]]:
-    """The aggregator's reward_fn: decode responses (EOS excluded) and score them."""
+def make_reward_batch_fn(
+    fn: RewardFn | RewardSet, tokenizer: Any
+) -> Callable[[list[Sample]], list[float]]:
+    """The aggregator's reward_fn: decode responses (EOS excluded) and score them; each
+    component's value goes to the sample's metrics as ``reward/<name>``."""
+    rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
 
     def reward_batch(samples: list[Sample]) -> list[float]:
-        inputs = []
-        for s in samples:
-            ids = list(s.response_ids)
-            if ids and ids[-1] == tokenizer.eos_id:
-                ids = ids[:-1]
-            inputs.append(
-                RewardInput(
-                    prompt=s.prompt.text,
-                    response=tokenizer.decode(ids),
-                    answer=s.prompt.answer,
-                    num_response_tokens=len(ids),
-                )
-            )
-        return score(fn, inputs)
+        totals, parts = rewards.score([reward_input(s, tokenizer) for s in samples])
+        for name, values in parts.items():
+            for s, v in zip(samples, values, strict=True):
+                s.metrics[f"reward/{name}"] = v
+        return totals
 
     return reward_batch
+
+
+def single_component(fn: RewardFn) -> RewardComponent:
+    from rlbatch.grpo.rewards import score
+
+    return RewardComponent("reward", 1.0, lambda inputs: score(fn, inputs))
+
+
+def reward_means(samples: Sequence[Sample], names: Sequence[str], dist: Any) -> dict[str, float]:
+    """``reward/<name>_mean`` of each reward component over the step's samples (all ranks)."""
+    local = [float(len(samples))] + [
+        sum(s.metrics.get(f"reward/{n}", 0.0) for s in samples) for n in names
+    ]
+    total = dist.all_reduce_sum(local)
+    count = max(total[0], 1.0)
+    return {f"reward/{n}_mean": v / count for n, v in zip(names, total[1:], strict=True)}
 
 
 def make_logps_fn(model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], list]:
@@ -173,14 +190,14 @@ def build_reference(cfg: RunConfig, policy: list[Any]) -> list[Any] | None:
 def build_aggregator(cfg: RunConfig, tokenizer: Any, ref: list[Any] | None, dp_rank: int):
     """The LCM aggregator of this rank (rollout_fn is set per round by make_generate_fn)."""
     from rlbatch.grpo.lcm import Stages, plan_aggregation
-    from rlbatch.grpo.rewards import build_reward_fn
+    from rlbatch.grpo.rewards import build_rewards
 
     def no_rollout(rows: list[Prompt], seed: int) -> list[Sample]:
         raise RuntimeError("rollout_fn is set by the producer's generate_fn for each round")
 
     stages = Stages(
         rollout_fn=no_rollout,
-        reward_fn=make_reward_batch_fn(build_reward_fn(cfg.data), tokenizer),
+        reward_fn=make_reward_batch_fn(build_rewards(cfg.data), tokenizer),
         old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
         ref_logps_fn=make_logps_fn(ref, cfg) if ref is not None else None,
     )
@@ -246,7 +263,12 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     """The loop's TrainStepFn: the round's first step prepares the round
     (:func:`make_round_start`), then rlbatch.grpo.step.run_train_step."""
     from rlbatch import distributed
+    from rlbatch.distributed import WorldDist
+    from rlbatch.grpo.rewards import component_names
     from rlbatch.grpo.step import Layout, Reducers, run_train_step
+
+    names = component_names(cfg.data)
+    world = WorldDist()
 
     layout = Layout(dp=ps.dp, dp_rank=ps.dp_rank, cp=ps.cp, pp=ps.pp, vpp=ps.vpp, rank=ps.rank)
     reducers = Reducers(
@@ -272,32 +294,40 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             inject_nan=inject_nan,
             plan_sink=None if write_plan is None else partial(write_plan, step),
         )
-        return metrics | prepared | {"batch_seconds": batch.batch_seconds}
+        return {
+            **reward_means(batch.samples, names, world),
+            **metrics,
+            **prepared,
+            "batch_seconds": batch.batch_seconds,
+        }
 
     return train_step
 
 
-def build_components(cfg: RunConfig) -> Any:
-    """The loop's Components for a real run: engine, data, GRPO stages, producer."""
-    import logging
+def run(cfg: RunConfig) -> None:
+    """Worker entry of rlbatch-train (inside each torchrun process): build, then train; the
+    producer (and its generation worker, if any) is closed at the end."""
+    components = build_components(cfg)
+    try:
+        train(cfg, components)
+    finally:
+        components.producer.close()
 
+
+def build_components(cfg: RunConfig) -> Components:
+    """The loop's Components for a real run: engine, data, GRPO stages, producer."""
     from rlbatch.distributed import WorldDist
-    from rlbatch.engine import hf, parallel
-    from rlbatch.engine.model import build_model, build_optimizer
+    from rlbatch.engine import hf
+    from rlbatch.engine.model import build_optimizer
+    from rlbatch.engine.setup import set_up_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
     from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
-    from rlbatch.train.loop import Components
     from rlbatch.train.producer import RunAheadProducer
     from rlbatch.train.sampler import PromptSampler, schedule_from_config
 
-    ps = parallel.initialize(cfg)
-    cfg.model, changed = hf.resolve_model_config(cfg.model)
-    for note in changed:
-        logging.getLogger("rlbatch.train").warning("from %s: %s", cfg.model.hf_path, note)
-    model = build_model(cfg)
-    if cfg.model.hf_path:
-        hf.load_hf_into(model, cfg.model.hf_path)
+    setup = set_up_model(cfg, wrap_ddp=True)  # cfg.model: the architecture of model.hf_path
+    cfg, model, ps = setup.cfg, setup.model, setup.state
     optimizer, scheduler = build_optimizer(cfg, model)
     tokenizer = build_tokenizer(cfg.model)
     prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)

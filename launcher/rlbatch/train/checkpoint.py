@@ -1,4 +1,4 @@
-"""Atomic, resumable checkpoints (design.md section 7; docs/resume.md).
+"""Atomic, resumable checkpoints (docs/resume.md).
 
 Layout of ``<checkpoint dir>/step_00000042/``:
 

@@ -1,11 +1,12 @@
-"""The GRPO training loop: ``rlbatch.train.loop:run(cfg)``, the worker entry of rlbatch-train.
+"""The GRPO training loop: :func:`train` over :class:`Components` (the worker entry of rlbatch-train
+is ``rlbatch.train.build:run``, which builds the components and calls it).
 
 One optimizer step (docs/training_loop.md):
 
     heartbeat -> fault injection -> producer.batch_for_step (generation due at this policy
     version: sample prompts, LCM aggregate, roll out, reward, advantages, logps) -> ranks agree on
     (step, round, stream position) -> train_step (plan, passes, optimizer step) -> finite check ->
-    metrics (DP-reduced) -> checkpoint every trainer.checkpoint.every_steps
+    metrics (DP-reduced) -> checkpoint every trainer.checkpoint.every_steps / every_minutes
 
 and at the end: final checkpoint, HF export, summary table, plot. :func:`train` is generic over
 :class:`Components`, so the loop's own behaviour (resume, faults, metrics) is tested with small
@@ -126,17 +127,6 @@ def run_dir(cfg: RunConfig) -> Path:
 # ------------------------------------------------------------------------------------------
 
 
-def run(cfg: RunConfig) -> None:
-    """Worker entry of rlbatch-train (inside each torchrun process)."""
-    from rlbatch.train.build import build_components
-
-    components = build_components(cfg)
-    try:
-        train(cfg, components)
-    finally:
-        components.producer.close()
-
-
 def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     """Resume, run optimizer steps up to trainer.max_steps, finish. Returns rank 0's history."""
     rank = comps.dist.rank
@@ -152,6 +142,7 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     )
     heartbeat = Heartbeat(run_dir(cfg), rank)
     last_saved = start if state is not None else -1
+    saved_at = time.monotonic()
     try:
         for index in range(start, cfg.trainer.max_steps):
             step = index + 1
@@ -159,11 +150,13 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
                 cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
             )
             logger.log(record)
-            every = cfg.trainer.checkpoint.every_steps
-            if every > 0 and step % every == 0:
+            due = _guarded(
+                cfg, comps, heartbeat, step, lambda s=step, t=saved_at: _save_due(cfg, comps, s, t)
+            )
+            if due:
                 heartbeat.beat(step, "checkpoint")
                 _guarded(cfg, comps, heartbeat, step, lambda s=step: _save(cfg, comps, s, logger))
-                last_saved = step
+                last_saved, saved_at = step, time.monotonic()
         final = cfg.trainer.max_steps
         if start > final:
             log.warning(
@@ -177,6 +170,18 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     finally:
         logger.close()
     return logger.history
+
+
+def _save_due(cfg: RunConfig, comps: Components, step: int, saved_at: float) -> bool:
+    """trainer.checkpoint.every_steps, or every_minutes since the last save by rank 0's clock
+    (one small collective, so every rank takes the same decision)."""
+    ckpt = cfg.trainer.checkpoint
+    if ckpt.every_steps > 0 and step % ckpt.every_steps == 0:
+        return True
+    if ckpt.every_minutes <= 0:
+        return False
+    overdue = time.monotonic() - saved_at >= ckpt.every_minutes * 60
+    return bool(comps.dist.all_gather_object(overdue)[0])
 
 
 def _guarded(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int, fn):

@@ -1,4 +1,5 @@
-"""Per-optimizer-step metrics: metrics.jsonl, TensorBoard, rich progress, summary table.
+"""Per-optimizer-step metrics: metrics.jsonl, trackers (TensorBoard, wandb, MLflow:
+rlbatch.train.tracking), rich progress, summary table.
 
 Rank 0 only: on other ranks :class:`MetricsLogger` does nothing (the values it gets are already
 reduced by rlbatch.distributed). ``step`` in a record is 1-based: the number of optimizer steps
@@ -8,7 +9,6 @@ state after the record with ``"step": 12``).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -26,6 +26,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+
+from rlbatch.train.tracking import Sink, open_sinks
 
 REQUIRED_KEYS = (
     "step",
@@ -109,14 +111,6 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _tensorboard_writer(log_dir: Path, purge_step: int) -> Any | None:
-    if importlib.util.find_spec("tensorboard") is None:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step or None)
-
-
 class MetricsLogger:
     """Sink of per-step records. Use :meth:`log` once per optimizer step, :meth:`close` at end."""
 
@@ -141,7 +135,7 @@ class MetricsLogger:
         self.history: list[dict[str, Any]] = []
         self.console = console or Console(stderr=True)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
-        self._writer = None
+        self._sinks: list[Sink] = []
         self._progress: Progress | None = None
         self._task: Any = None
         self._line_every = max(1, max_steps // 20)
@@ -153,8 +147,7 @@ class MetricsLogger:
         self.history = list(history) if history is not None else kept
         if self.cfg.jsonl and history is not None and _steps(kept) != _steps(self.history):
             write_jsonl(self.jsonl_path, self.history)  # resumed into another run directory
-        if self.cfg.tensorboard:
-            self._writer = _tensorboard_writer(self.run_dir / "tb", start_step + 1)
+        self._sinks = open_sinks(self.cfg, self.run_dir, start_step)
         if self.cfg.progress and self.console.is_terminal:
             self._start_progress(start_step)
 
@@ -187,10 +180,8 @@ class MetricsLogger:
             with open(self.jsonl_path, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
                 fh.flush()
-        if self._writer is not None:
-            for key, value in rec.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._writer.add_scalar(key, value, rec["step"])
+        for sink in self._sinks:
+            sink.log(rec, rec["step"])
         self._report(rec)
 
     def _report(self, rec: dict[str, Any]) -> None:
@@ -206,9 +197,9 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def print_summary(self) -> None:
         if self.enabled and self.history:

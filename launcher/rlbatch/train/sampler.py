@@ -1,4 +1,4 @@
-"""Prompt sampling and the generation schedule of the GRPO loop (design.md section 7, seed 003).
+"""Prompt sampling and the generation schedule of the GRPO loop (docs/training_loop.md).
 
 Pure Python + numpy: no torch, no torch.distributed. Every rank builds the same objects from the
 same config; only ``dp_rank`` differs, so no communication is needed to agree on the data.
@@ -11,7 +11,7 @@ Vocabulary (docs/training_loop.md):
   optimizer steps.
 - *global stream*: the concatenation of per-epoch permutations of the dataset. Epoch ``e``'s
   permutation is a pure function of ``(seed, e)`` and covers the WHOLE dataset (a global
-  shuffle, not a shuffle inside a rank's shard: seed 004's bug). Rounds cut the stream into
+  shuffle, not a shuffle inside a rank's shard, which would keep each rank on its own slice forever). Rounds cut the stream into
   consecutive blocks; a round may straddle an epoch boundary. Nothing is dropped or repeated:
   each prompt appears exactly once per epoch, over all ranks together.
 - *DP sharding*: a round's block is split into ``dp`` equal contiguous slices, rank ``r`` takes
@@ -33,7 +33,7 @@ import numpy as np
 
 # Domain tags of the seeded generators (so that the epoch shuffle and the mini-batch shuffle of
 # the same numbers never share a stream). numpy's SeedSequence hashes the whole tuple: no
-# collisions between (seed, epoch) pairs, unlike seed + epoch or seed * 1000 + shard (seed 004).
+# collisions between (seed, epoch) pairs, unlike seed + epoch or seed * 1000 + shard (which collide past 1000 shards).
 _EPOCH_TAG = 0x5EED_E90C
 _MINIBATCH_TAG = 0x5EED_B47C
 

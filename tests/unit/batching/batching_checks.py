@@ -1,4 +1,4 @@
-"""Independent checks of the planner's rules (design.md section 4), shared by the tests.
+"""Independent checks of the planner's rules (docs/batching.md), shared by the tests.
 
 Everything here recomputes from the plan's raw fields and the input lengths; it does not call
 the planner's own stats code.

@@ -1,4 +1,4 @@
-"""Golden cases (seed 002's example, budget-respecting) and worst cases."""
+"""Golden cases (ROLL's dynamic-batching worked example, budget-respecting) and worst cases."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def samples_of(plan):  # type: ignore[no-untyped-def]
 
 
 def test_seed_002_dynamic_respects_the_budget() -> None:
-    """The seed's answer puts 2 rows x 6 = 12 tokens in a 10-token micro-batch (design.md 9).
+    """ROLL's published answer puts 2 rows x 6 = 12 tokens in a 10-token micro-batch.
     Rounded lengths are 8,6,8,6,2,4,8,6: no two of 8/6 fit 10 padded tokens, so they sit alone;
     3 and 1 (padded 4 and 2) could share one, but 7 runs need 4 per rank anyway, so that pair
     is split too (its halves get padded lengths 4 and 2, recomputed)."""

@@ -1,4 +1,4 @@
-"""Hypothesis properties: every rule of design.md section 4 in every mode, dp 1..64, pp/vpp."""
+"""Hypothesis properties: every rule of docs/batching.md in every mode, dp 1..64, pp/vpp."""
 
 from __future__ import annotations
 

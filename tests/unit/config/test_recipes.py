@@ -13,7 +13,12 @@ from rlbatch.config.store import list_recipes
 
 RECIPES = [r.name for r in list_recipes()]
 # Site-specific values a recipe's launch line asks the user for.
-SITE = {"grpo_qwen2_5_7b": ["data.path={data}", "parallel.rdzv_endpoint=node0:29500"]}
+SITE = {
+    "grpo_qwen2_5_7b": [
+        "data.path={data}",
+        *("parallel.rdzv_endpoint=node0:29500", "parallel.node_rank=0", "parallel.run_id=q7b"),
+    ]
+}
 
 
 @pytest.fixture
@@ -88,7 +93,8 @@ def test_help_lists_recipes_and_groups(bin_dir, subprocess_env):
 def test_cli_import_stays_light():
     """Importing the CLI must not import torch or megatron (fast --help)."""
     code = (
-        "import sys, rlbatch.cli.train, rlbatch.cli.plan, rlbatch.cli.bench, rlbatch.cli.logprobs;"
+        "import sys, rlbatch.cli.train, rlbatch.cli.plan, rlbatch.cli.bench, rlbatch.cli.logprobs,"
+        " rlbatch.cli.export;"
         "bad=[m for m in ('torch','megatron') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

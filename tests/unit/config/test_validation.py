@@ -49,7 +49,19 @@ CASES = [
     (["grpo.num_steps_async=2", "grpo.max_staleness=1"], "grpo.max_staleness", "num_steps_async"),
     (["data=jsonl"], "data.path", "data.path"),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume", "auto"),
+    (["data.reward_weights=[1.0,abc]"], "data.reward_weights[1]", "number"),
+    (["data.source=hf_disk", "data.path=/nonexistent"], "data.path", "save_to_disk"),
 ]
+
+
+def test_list_keys_take_one_value_or_a_list(tmp_path):
+    """data.reward_fn=f.py:fn is a one-element list; lists survive resolved.yaml."""
+    from rlbatch.config.load import dump_run_config
+
+    cfg = compose(BASE + ["data.reward_fn=f.py:fn", "logging.wandb.tags=[a,b]"], "t")
+    assert cfg.data.reward_fn == ["f.py:fn"] and cfg.logging.wandb.tags == ["a", "b"]
+    dump_run_config(cfg, tmp_path / "resolved.yaml")
+    assert load_run_config(tmp_path / "resolved.yaml") == cfg
 
 
 def _errors_for(overrides):
@@ -173,8 +185,8 @@ def test_architecture_of_hf_checkpoint_is_validated_not_the_presets(tmp_path, ca
 
 
 def test_unusable_hf_directory_is_a_config_error(tmp_path, capsys):
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
     with pytest.raises(SystemExit):
         compose(BASE + [f"model.hf_path={tmp_path}"], "t")
     err = capsys.readouterr().err
-    assert "model.hf_path" in err and "qwen2" in err
+    assert "model.hf_path" in err and "mistral" in err and "qwen3" in err

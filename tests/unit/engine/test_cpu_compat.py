@@ -12,7 +12,10 @@ from engine_helpers import megatron_world  # noqa: F401
 
 from rlbatch.engine import cpu_compat
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op on CUDA")
+pytestmark = [
+    pytest.mark.cpu_only,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op on CUDA"),
+]
 
 
 def test_install_is_idempotent_and_pinned(megatron_world):

@@ -8,15 +8,12 @@ import json
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-
 from engine_helpers import megatron_world  # noqa: F401, E402
 
 from hf_reference import reference_logps, save_tiny_qwen2  # noqa: E402
-from rlbatch.cli import logprobs_job  # noqa: E402
 from rlbatch.config.schema import BatchingMode, RunConfig  # noqa: E402
 from rlbatch.engine.tokenizer import ByteTokenizer  # noqa: E402
+from rlbatch.jobs import logprobs as logprobs_job  # noqa: E402
 
 
 def test_logprobs_job_matches_transformers(megatron_world, tmp_path):

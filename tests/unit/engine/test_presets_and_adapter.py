@@ -1,4 +1,5 @@
-"""Model presets match the public Qwen2.5 configs; the adapter's Megatron settings."""
+"""Model presets match the public Qwen2.5, Qwen3 and Llama-3 configs; the adapter's Megatron
+settings."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def test_transformer_config_cpu_and_interleaving():
     assert flat.virtual_pipeline_model_parallel_size is None
 
 
+@pytest.mark.cpu_only
 def test_bf16_training_on_cpu_is_a_config_error_naming_the_key():
     """megatron-core's mixed-precision optimizers need CUDA: on CPU the user gets the key and
     the fix instead of a dtype error from deep inside the optimizer's first step."""
@@ -76,3 +78,34 @@ def test_bf16_training_on_cpu_is_a_config_error_naming_the_key():
         adapter.optimizer_config(OptimConfig(), model, ParallelConfig())
     fp32 = adapter.optimizer_config(OptimConfig(), ModelConfig(), ParallelConfig())
     assert fp32.params_dtype == torch.float32 and not fp32.bf16
+
+
+# Qwen3 and Llama-3 presets: parameter counts of the public checkpoints (tied embeddings
+# counted once), counted on transformers' own model built from the preset's exported config.
+PUBLIC_PARAMS = {
+    "qwen3_0_6b": 596_049_920,
+    "qwen3_1_7b": 1_720_574_976,  # model card: 1.7B, 1.4B non-embedding
+    "qwen3_8b": 8_190_735_360,
+    "llama3_2_1b": 1_235_814_400,
+    "llama3_1_8b": 8_030_261_248,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_PARAMS))
+def test_qwen3_llama3_presets_match_public_models(name, tmp_path):
+    import json
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from rlbatch.engine.hf_config import config_from_hf, hf_config_dict
+
+    m = _load(name)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(m)))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == PUBLIC_PARAMS[name]
+    back = config_from_hf(tmp_path)  # the export's config.json reads back to the preset
+    for key, value in back.items():
+        if key not in ("name", "params_dtype"):
+            assert getattr(m, key) == value, key

@@ -22,7 +22,8 @@ def test_byte_tokenizer_round_trip_and_fits_tiny_model():
 
 
 def test_hf_tokenizer_dir(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
+
     vocab = {"<pad>": 0, "<|endoftext|>": 1, "[UNK]": 2, "hello": 3, "world": 4}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from rlbatch.config.schema import BuiltinTask, ChatTemplate, DataConfig, DataSource
+from rlbatch.config.schema import AnswerFormat, BuiltinTask, ChatTemplate, DataConfig, DataSource
 from rlbatch.grpo.chat import QWEN_DEFAULT_SYSTEM, apply_chat_template
-from rlbatch.grpo.data import load_examples, load_prompts
+from rlbatch.grpo.data import DatasetError, load_examples, load_prompts, read_examples
 
 
 class ByteEncoder:
@@ -42,7 +42,7 @@ def test_jsonl_missing_key_names_row_and_keys(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a", "answer": "1"}\n{"question": "b", "answer": "2"}\n')
     cfg = DataConfig(source=DataSource.jsonl, path=str(path))
-    with pytest.raises(ValueError, match="row 1 has no field 'prompt'.*data.prompt_key"):
+    with pytest.raises(ValueError, match="line 2: no field 'prompt'.*data.prompt_key"):
         load_examples(cfg, seed=0)
 
 
@@ -62,8 +62,8 @@ def test_too_long_prompts_are_rejected_with_their_index(tmp_path):
         load_prompts(cfg, ByteEncoder(), seed=0)
     msg = str(err.value)
     assert "data.max_prompt_len=32" in msg
-    assert "index 1 (41 tokens)" in msg and "index 3 (34 tokens)" in msg
-    assert "index 0" not in msg
+    assert "line 2: prompt is 41 tokens" in msg and "line 4: prompt is 34 tokens" in msg
+    assert "line 1" not in msg and msg.startswith("2 bad row(s)")
 
 
 def test_parquet_without_pyarrow_names_the_path(tmp_path, monkeypatch):
@@ -116,3 +116,71 @@ def test_jsonl_chat_messages_are_templated(tmp_path):
     )
     (p,) = load_prompts(cfg, ByteEncoder(), seed=0)
     assert p.text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_every_bad_row_is_reported_at_once(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [
+        b'{"prompt": "ok", "answer": "1"}',
+        b'{"prompt": "no answer"}',
+        b"{not json",
+        b'{"prompt": "caf\xe9", "answer": "2"}',  # Latin-1, not UTF-8
+        b'{"prompt": 7, "answer": "3"}',
+        b'{"prompt": "p", "answer": null}',
+        b"[1, 2]",
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = DataConfig(source=DataSource.jsonl, path=str(path))
+    with pytest.raises(DatasetError) as err:
+        load_examples(cfg, seed=0)
+    assert [p.where for p in err.value.problems] == [f"line {i}" for i in (2, 3, 4, 5, 6, 7)]
+    msg = str(err.value)
+    assert "line 4: not UTF-8 (byte 0xe9" in msg and "line 3: not valid JSON" in msg
+    assert "line 5: 'prompt' is int" in msg and "line 6: 'answer' is NoneType" in msg
+
+
+def test_listing_stops_at_20_then_counts(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join("{bad" for _ in range(25)))
+    with pytest.raises(DatasetError) as err:
+        load_examples(DataConfig(source=DataSource.jsonl, path=str(path)), seed=0)
+    msg = str(err.value)
+    assert msg.startswith("25 bad row(s)") and "line 20:" in msg and "line 21:" not in msg
+    assert msg.endswith("... and 5 more")
+
+
+def test_gsm8k_answers_and_extra_fields(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [
+        {"question": "Q1", "answer": "3 + 4 = 7\n#### 7", "id": "a"},
+        {"question": "Q2", "answer": "so 1,200 in all.\n#### 1,200", "id": "b"},
+        {"question": "Q3", "answer": "no marker", "id": "c"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataConfig(
+        source=DataSource.jsonl,
+        path=str(path),
+        prompt_key="question",
+        answer_format=AnswerFormat.gsm8k,
+    )
+    examples, problems = read_examples(cfg, seed=0)
+    assert [(e.prompt, e.answer, e.fields) for e in examples] == [
+        ("Q1", "7", {"id": "a"}),
+        ("Q2", "1200", {"id": "b"}),
+    ]
+    assert [(p.where, "####" in p.message) for p in problems] == [("line 3", True)]
+
+
+def test_hf_save_to_disk_directory_is_a_source(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="optional extra 'datasets' not installed")
+    ds = datasets.Dataset.from_dict({"prompt": ["a", "b"], "answer": [1, 2], "src": ["x", "y"]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    cfg = DataConfig(source=DataSource.hf_disk, path=str(tmp_path / "ds"))
+    ex = load_examples(cfg, seed=0)
+    assert [(e.prompt, e.answer, e.fields) for e in ex] == [
+        ("a", "1", {"src": "x"}),
+        ("b", "2", {"src": "y"}),
+    ]
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"splits \['train'\].*save one split"):
+        load_examples(DataConfig(source=DataSource.hf_disk, path=str(tmp_path / "dd")), seed=0)

@@ -1,4 +1,4 @@
-"""LCM aggregator bookkeeping, one test per invariant (design.md section 5), with
+"""LCM aggregator bookkeeping, one test per invariant (docs/lcm_aggregation.md), with
 deterministic fakes of the injected stage callables."""
 
 import math

@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 import random
 
+import megatron.core  # noqa: F401
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
+import torch
 
 from rlbatch.config.schema import BatchingMode, NormalizationMode, RunConfig  # noqa: E402
 from rlbatch.grpo.types import Prompt, Sample  # noqa: E402

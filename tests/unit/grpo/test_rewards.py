@@ -101,3 +101,34 @@ def test_sample_reward_fn_strips_eos_and_counts_tokens():
     four = Sample(q, 0, [*b"abcd", 258], [0.0] * 5, truncated=False, policy_version=0)
     five = Sample(q, 0, list(b"abcde"), [0.0] * 5, truncated=True, policy_version=0)
     assert fn([four, five]) == pytest.approx([1.0, 1 - 1 / 24])
+
+
+# Reference: hand-checked mathematics (each pair equal or not by definition).
+MATH_VERIFY_TABLE = [
+    (r"\frac{\sqrt{3}}{2}", r"The answer is $\boxed{\frac{\sqrt3}{2}}$", 1.0),
+    (r"\frac{\sqrt{3}}{2}", r"so $\boxed{\frac{1}{2}}$", 0.0),
+    (r"\frac{1}{2}", r"$\boxed{0.5}$", 1.0),
+    (r"(1, 2]", r"The set is $\boxed{(1,2]}$", 1.0),
+    (r"(1, 2]", r"$\boxed{[1,2]}$", 0.0),
+    (r"(3, -1)", r"$\boxed{(3,-1)}$", 1.0),
+    (r"(3, -1)", r"$\boxed{(-1,3)}$", 0.0),
+    (r"2\sqrt{2}", r"$\boxed{\sqrt{8}}$", 1.0),
+    (r"x^2+2x+1", r"$\boxed{(x+1)^2}$", 1.0),
+    (r"\{1, 2\}", r"$\boxed{\{2, 1\}}$", 1.0),
+    ("72", r"48 + 24 = 72, so \boxed{72}", 1.0),
+    ("72", "the answer is 71", 0.0),
+]
+
+
+@pytest.mark.parametrize("answer,response,want", MATH_VERIFY_TABLE)
+def test_math_verify_symbolic_equivalence(answer, response, want):
+    pytest.importorskip("math_verify", reason="optional extra 'math' (math-verify) not installed")
+    fn = build_reward_fn(DataConfig(source=DataSource.jsonl, reward=RewardKind.math_verify))
+    assert fn(x(response, answer)) == want
+
+
+def test_numeric_math_misses_what_math_verify_catches():
+    """The dependency-free default compares numbers only: a root scores 0 even when right."""
+    fn = build_reward_fn(DataConfig(source=DataSource.jsonl, reward=RewardKind.math))
+    assert fn(x(r"$\boxed{\sqrt{8}}$", r"2\sqrt{2}")) == 0.0
+    assert fn(x(r"$\boxed{0.5}$", "1/2")) == 1.0

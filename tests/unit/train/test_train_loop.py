@@ -127,6 +127,7 @@ def _cfg(tmp_path, **debug):
     cfg.trainer.max_steps = 8
     cfg.trainer.checkpoint.every_steps = 2
     cfg.trainer.checkpoint.keep_last = 2
+    cfg.trainer.checkpoint.every_minutes = 0  # the peers below count the collectives per step
     cfg.grpo.num_steps_async = 1
     cfg.logging.tensorboard = False
     for key, value in debug.items():
@@ -178,6 +179,17 @@ def test_nan_loss_stops_with_named_step_and_keeps_last_good_checkpoint(tmp_path)
         train(cfg, _components(cfg))
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.parametrize(("minutes", "kept"), [(1e-9, [6, 7, 8]), (60.0, [8])])
+def test_every_minutes_saves_when_overdue_and_keeps_the_last(tmp_path, minutes, kept):
+    cfg = _cfg(tmp_path)
+    cfg.trainer.checkpoint.every_steps = 0
+    cfg.trainer.checkpoint.every_minutes = minutes
+    cfg.trainer.checkpoint.keep_last = 3
+    train(cfg, _components(cfg))
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == [f"step_{step:08d}" for step in kept]
 
 
 class TwoRankView(LocalDist):

@@ -131,7 +131,11 @@ def test_tensorboard_scalars_when_available(tmp_path, monkeypatch):
         def close(self):
             calls.append("closed")
 
-    monkeypatch.setattr(metrics, "_tensorboard_writer", lambda log_dir, purge: FakeWriter())
+    from rlbatch.train.tracking import TensorBoardSink
+
+    sink = TensorBoardSink.__new__(TensorBoardSink)
+    sink.writer = FakeWriter()
+    monkeypatch.setattr(metrics, "open_sinks", lambda cfg, run_dir, start: [sink])
     log = MetricsLogger(
         tmp_path,
         LoggingConfig(tensorboard=True),

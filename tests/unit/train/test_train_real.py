@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("rlbatch.grpo.step")
-
-from rlbatch.config.schema import FailKind, RunConfig  # noqa: E402
-from rlbatch.train.health import InjectedFailure  # noqa: E402
-from rlbatch.train.metrics import read_jsonl  # noqa: E402
+import rlbatch.grpo.step  # noqa: F401  (an import regression fails, never skips)
+from rlbatch.config.schema import FailKind, RunConfig
+from rlbatch.train.health import InjectedFailure
+from rlbatch.train.metrics import read_jsonl
 
 TIMING = (
     "step_time_s",
@@ -48,7 +46,7 @@ def _metrics(run_dir):
 
 
 def test_real_loop_resumes_bit_exactly(tmp_path):
-    from rlbatch.train.loop import run
+    from rlbatch.train.build import run
 
     run(_cfg(tmp_path / "ref"))
     expected = _metrics(tmp_path / "ref")
@@ -68,8 +66,7 @@ def test_overlapped_generation_equals_inline(tmp_path):
     """num_steps_async=1 with generation in its own thread on a model copy (weights handed over
     per version) trains on exactly the samples inline generation produces: every metric equal,
     every sample tagged with the version the schedule names."""
-    from rlbatch.train.build import overlaps_generation
-    from rlbatch.train.loop import run
+    from rlbatch.train.build import overlaps_generation, run
 
     runs = {}
     for overlap in (True, False):

@@ -141,23 +141,18 @@ def run(cfg: RunConfig) -> None:
     import torch.distributed as dist
 
     from rlbatch.batching import cost_model_for, plan_pass
-    from rlbatch.engine import hf, logprobs, parallel
-    from rlbatch.engine.model import build_model
+    from rlbatch.engine import logprobs, parallel
+    from rlbatch.engine.setup import set_up_model
     from rlbatch.engine.tokenizer import build_tokenizer
 
-    if not cfg.logprobs.input or not cfg.logprobs.output:
+    source, target = cfg.logprobs.input, cfg.logprobs.output
+    if not source or not target:
         raise ValueError("set logprobs.input and logprobs.output")
     owns_world = not dist.is_initialized()
-    state = parallel.initialize(cfg)
-    cfg.model, changed = hf.resolve_model_config(cfg.model)
-    if state.rank == 0:
-        for note in changed:
-            log.warning("from %s: %s", cfg.model.hf_path, note)
-    rows = read_rows(cfg.logprobs.input, lambda: build_tokenizer(cfg.model))
-    check_rows(rows, cfg.model.vocab_size, cfg.model.max_position_embeddings, cfg.logprobs.input)
-    model = build_model(cfg, wrap_ddp=False)
-    if cfg.model.hf_path:
-        hf.load_hf_into(model, cfg.model.hf_path)
+    setup = set_up_model(cfg, wrap_ddp=False)
+    cfg, model, state = setup.cfg, setup.model, setup.state
+    rows = read_rows(source, lambda: build_tokenizer(cfg.model))
+    check_rows(rows, cfg.model.vocab_size, cfg.model.max_position_embeddings, source)
     infer = cfg.batching.infer
     lengths = [len(r.ids) for r in rows]
     plan = plan_pass(
@@ -195,7 +190,7 @@ def run(cfg: RunConfig) -> None:
             output_record(i, row, logps[i].tolist(), None if ents is None else ents[i].tolist())
             for i, row in enumerate(rows)
         ]
-        write_jsonl(cfg.logprobs.output, records)
-        log.info("wrote %s (%d lines)", cfg.logprobs.output, len(records))
+        write_jsonl(target, records)
+        log.info("wrote %s (%d lines)", target, len(records))
     if owns_world:  # a caller's world (tests, notebooks) is left as it is
         parallel.destroy()

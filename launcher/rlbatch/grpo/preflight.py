@@ -1,0 +1,185 @@
+"""Checks rlbatch-train runs in the driver before launching any worker: the dataset and the
+reward functions, reported as configuration errors (every one at once) and warnings.
+
+- the dataset is read and every bad row is listed (not UTF-8, not JSON, missing or wrongly typed
+  prompt / answer, prompts over data.max_prompt_len with the run's tokenizer and chat template);
+- each data.reward_fn entry is imported and its signature checked (and the dataset fields it
+  asks for must exist); relative file paths are made absolute so workers find them;
+- an enabled sink whose package is missing is an error (logging.wandb / logging.mlflow);
+  TensorBoard enabled but missing is a warning.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from rlbatch.config.errors import ConfigError
+from rlbatch.config.schema import DataConfig, DataSource, RewardKind, RunConfig
+
+
+def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
+    """(errors, warnings) of the data, rewards and tracking sinks of ``cfg``; rewrites relative
+    data.reward_fn file paths to absolute ones."""
+    errors: list[ConfigError] = []
+    fields = _check_dataset(cfg, errors)
+    _check_rewards(cfg.data, fields, errors)
+    return errors, tracking_warnings(cfg)
+
+
+def tracking_warnings(cfg: RunConfig) -> list[str]:
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return [
+            "logging.tensorboard=true but tensorboard is not installed: no TensorBoard events"
+            " will be written (pip install 'rlbatch[tensorboard]', or set"
+            " logging.tensorboard=false to silence this)"
+        ]
+    return []
+
+
+def _check_dataset(cfg: RunConfig, errors: list[ConfigError]) -> set[str] | None:
+    """Every bad row as one data.path error; returns the fields every good row has (None when
+    the file could not be read: then field checks are skipped)."""
+    from rlbatch.grpo.data import (
+        describe_problems,
+        prompt_length_problems,
+        read_examples,
+        row_position,
+    )
+
+    data = cfg.data
+    if data.source != DataSource.builtin and not _path_exists(data):
+        return None  # the data.path rule of rlbatch.config.validate reports it
+    try:
+        examples, problems = read_examples(data, cfg.trainer.seed)
+    except ValueError as err:
+        errors.append(ConfigError("data.path", data.path, str(err)))
+        return None
+    tokenizer = _tokenizer(cfg)
+    if tokenizer is not None:
+        problems += prompt_length_problems(data, tokenizer, examples)[1]
+        problems.sort(key=lambda p: row_position(p.where))
+    if problems:
+        where = data.path if data.source != DataSource.builtin else f"data.task={data.task.name}"
+        errors.append(ConfigError("data.path", data.path, describe_problems(where, problems)))
+    if not examples:
+        return None
+    common = set(examples[0].fields)
+    for ex in examples[1:]:
+        common &= set(ex.fields)
+    return common
+
+
+def _path_exists(data: DataConfig) -> bool:
+    if not data.path:
+        return False
+    path = Path(data.path).expanduser()
+    return path.is_dir() if data.source == DataSource.hf_disk else path.is_file()
+
+
+def _tokenizer(cfg: RunConfig):
+    """The run's tokenizer, or None when its directory is wrong (reported by another rule)."""
+    from rlbatch.engine.tokenizer import build_tokenizer
+
+    try:
+        return build_tokenizer(cfg.model)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _check_rewards(data: DataConfig, fields: set[str] | None, errors: list[ConfigError]) -> None:
+    from rlbatch.grpo.user_rewards import RewardSpecError, is_import_spec, load_reward
+
+    kinds = [] if data.reward_fn else [RewardKind(data.reward)]
+    for i, spec in enumerate(data.reward_fn):
+        key = f"data.reward_fn[{i}]"
+        if not is_import_spec(spec):
+            if spec in RewardKind.__members__:
+                kinds.append(RewardKind[spec])
+            else:
+                choices = ", ".join(RewardKind.__members__)
+                errors.append(
+                    ConfigError(
+                        key,
+                        spec,
+                        f"is neither PATH.py:function, module:function nor one of {choices}",
+                    )
+                )
+            continue
+        spec = _absolute_spec(spec)
+        data.reward_fn[i] = spec
+        try:
+            reward = load_reward(spec)
+        except RewardSpecError as err:
+            errors.append(ConfigError(key, spec, str(err)))
+            continue
+        missing = [f for f in reward.field_args if fields is not None and f not in fields]
+        if missing:
+            errors.append(
+                ConfigError(
+                    key,
+                    spec,
+                    f"parameter(s) {missing} name no field of every dataset row (row fields:"
+                    f" {sorted(fields or [])}): rename them to prompt/completion/completion_ids/"
+                    "answer (or their plurals), give them defaults, or add the fields",
+                )
+            )
+    _check_kinds(data, kinds, errors)
+    _check_weights(data, errors)
+
+
+def _absolute_spec(spec: str) -> str:
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py"):
+        return f"{Path(target).expanduser().resolve()}:{attr}"
+    return spec
+
+
+def _check_kinds(data: DataConfig, kinds: list[RewardKind], errors: list[ConfigError]) -> None:
+    key = "data.reward_fn" if data.reward_fn else "data.reward"
+    if RewardKind.task in kinds and data.source != DataSource.builtin:
+        errors.append(
+            ConfigError(
+                key,
+                "task",
+                f"needs data.source=builtin (got {data.source.name}): a file dataset has no task"
+                " reward; use exact_match, math, math_verify, format or your own function",
+            )
+        )
+    if RewardKind.math_verify in kinds and importlib.util.find_spec("math_verify") is None:
+        errors.append(
+            ConfigError(
+                key,
+                "math_verify",
+                "needs the math-verify package: pip install 'rlbatch[math]', or use the"
+                " dependency-free numeric reward math",
+            )
+        )
+
+
+def _check_weights(data: DataConfig, errors: list[ConfigError]) -> None:
+    weights = data.reward_weights
+    if weights is None:
+        return
+    if not data.reward_fn:
+        errors.append(
+            ConfigError(
+                "data.reward_weights",
+                weights,
+                "weighs the entries of data.reward_fn, which is empty: set data.reward_fn, or"
+                " data.reward_weights=null",
+            )
+        )
+    elif len(weights) != len(data.reward_fn):
+        errors.append(
+            ConfigError(
+                "data.reward_weights",
+                weights,
+                f"has {len(weights)} weight(s) for {len(data.reward_fn)} data.reward_fn"
+                " entries: give one weight per entry",
+            )
+        )
+    bad = [w for w in weights if not math.isfinite(w)]
+    if bad:
+        errors.append(ConfigError("data.reward_weights", weights, "weights must be finite"))
