@@ -9,7 +9,6 @@ from rlbatch.batching.cost import TOKEN_COUNT, CostModel, cost_model_for
 from rlbatch.batching.minibatch import split_mini_batches
 from rlbatch.batching.plan import MicroBatch, PassPlan, PlanStats, RankPlan
 from rlbatch.batching.planner import plan_pass
-from rlbatch.batching.pool import PoolBatcher
 from rlbatch.batching.stats import compute_stats, lower_bound, micro_batch_cost
 from rlbatch.batching.vpp import is_valid_count, resolve_group_size, valid_count
 from rlbatch.batching.workloads import GROUP_SIZE, MAX_LENGTH, make_workload
@@ -22,7 +21,6 @@ __all__ = [
     "MicroBatch",
     "PassPlan",
     "PlanStats",
-    "PoolBatcher",
     "RankPlan",
     "compute_stats",
     "cost_model_for",

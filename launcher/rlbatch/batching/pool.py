@@ -1,8 +1,10 @@
-"""Pool mode (after cosmos-rl's pool batcher): streaming, step-based micro-batching from per-rank pools.
+"""Pool mode (after cosmos-rl's pool batcher): one pass over a mini-batch, streamed through per-rank pools.
 
-The data is one **global** stream: a permutation of all samples, reshuffled every epoch from
-(seed, epoch) (not a shuffle within each rank's shard). Each rank keeps a pool of up to
-``pool_size`` samples, refilled from the shared stream, and forms its micro-batches from it:
+Pool mode has one meaning, in training and in rlbatch-plan alike: the samples of the pass (the
+step's mini-batch) form a stream in a global order shuffled from (seed, step) (one permutation
+over all ranks' samples, not a shuffle within each rank's shard). Each DP rank keeps a pool of
+up to ``pool_size`` samples refilled from that stream; the ranks take turns forming one
+micro-batch each from their pool until stream and pools are empty:
 
 - padded, ``prefer_closest``: anchor = the oldest sample in the pool (no starvation), then
   repeatedly add the sample whose rounded length is closest to the current padded length, while
@@ -12,36 +14,31 @@ The data is one **global** stream: a permutation of all samples, reshuffled ever
 - ``pool_packing``: anchor = the oldest, then repeatedly the longest sample that still fits the
   packed budget (a best fit; the seed's greedy takes them in arrival order).
 
-Every step each rank forms M micro-batches (M = the VPP-valid count >= micro_batches_per_step);
-the step's dp*M micro-batches are then assigned to ranks balancing cost, exactly M each, like
-every other mode. State (stream cursor, epoch, pool contents, seed) is a small JSON-able dict:
-resume continues identically without replaying data.
+The micro-batches then get an equal count per rank, at least ``pool_micro_batches_per_step``
+and valid for megatron's interleaved schedule, and a cost-balanced assignment like every other
+mode. Nothing outlives the pass: a mini-batch is a fixed set of samples (rule 6 of docs/batching.md), so no
+pool state is carried to the next step or checkpointed.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
-from typing import Any
+from collections.abc import Sequence
 
 from rlbatch.batching.assemble import Prepared, assemble_plan, prepare_lengths
-from rlbatch.batching.cost import TOKEN_COUNT, CostModel
+from rlbatch.batching.cost import CostModel
 from rlbatch.batching.plan import PassPlan
-from rlbatch.batching.vpp import resolve_group_size, valid_count
 from rlbatch.config.schema import BatchingPassConfig, PoolStrategy
 
 _POS_BITS = 64  # a pool key is rounded_len << 64 | stream position (unique, arrival order)
 _POS_MASK = (1 << _POS_BITS) - 1
-STATE_VERSION = 1
 
 
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> list[int]:
-    """The global order of one epoch (the same on every rank)."""
+def step_permutation(num_samples: int, seed: int, step: int) -> list[int]:
+    """The global stream order of the pass at ``step`` (the same on every rank)."""
     perm = list(range(num_samples))
-    random.Random(f"rlbatch-pool:{seed}:{epoch}").shuffle(perm)
+    random.Random(f"rlbatch-pool:{seed}:{step}").shuffle(perm)
     return perm
 
 
@@ -70,81 +67,22 @@ class _Pool:
         self.arrival.remove(position)
         return self.sample_at.pop(position)
 
-    def entries(self) -> list[list[int]]:
-        return [[self.sample_at[p], p] for p in self.arrival]
 
+class _PoolStream:
+    """The pass's stream (shuffled from seed and step) and the dp per-rank pools it refills."""
 
-class PoolBatcher:
-    """Step-based pool batching over a dataset of ``lengths`` (indices are dataset indices).
-
-    ``next_step()`` returns the PassPlan of one optimizer step (every rank the same count), or
-    None once the data is exhausted (infinite_loop=False). ``state_dict()`` /
-    ``load_state_dict()`` save and restore the exact position.
-    """
-
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        cfg: BatchingPassConfig,
-        *,
-        dp: int,
-        pp: int = 1,
-        vpp: int = 1,
-        microbatch_group_size: int | None = None,
-        micro_batches_per_step: int | None = None,
-        cost: CostModel | None = None,
-        seed: int = 0,
-        pass_name: str = "train",
-    ) -> None:
-        if dp < 1:
-            raise ValueError(f"parallel.dp={dp} must be >= 1")
-        if cfg.pool_size < 1:
-            raise ValueError(f"batching.{pass_name}.pool_size={cfg.pool_size} must be >= 1")
-        per_step = (
-            cfg.pool_micro_batches_per_step
-            if micro_batches_per_step is None
-            else micro_batches_per_step
-        )
-        if per_step < 1:
-            raise ValueError(
-                f"batching.{pass_name}.pool_micro_batches_per_step={per_step} must be >= 1"
-            )
-        self.cfg = cfg
-        self.dp, self.pp, self.vpp = dp, pp, vpp
-        self.group_size = resolve_group_size(pp, vpp, microbatch_group_size)
-        self.per_step = valid_count(per_step, pp, vpp, self.group_size)
-        self.cost = cost or TOKEN_COUNT
-        self.seed = seed
-        self.prep: Prepared = prepare_lengths(lengths, cfg, pass_name)
-        self.num_samples = len(self.prep.lengths)
-        self.epoch = 0
+    def __init__(self, prep: Prepared, cfg: BatchingPassConfig, dp: int, seed: int, step: int):
+        self.prep, self.cfg = prep, cfg
+        self.perm = step_permutation(len(prep.lengths), seed, step)
         self.cursor = 0
-        self.step = 0
         self.pools = [_Pool() for _ in range(dp)]
-        self._perm = epoch_permutation(self.num_samples, seed, 0)
 
-    # -- stream --------------------------------------------------------------------------
-    def _next_sample(self) -> tuple[int, int] | None:
-        """(sample, global stream position), or None when the data is exhausted."""
-        if self.cursor >= self.num_samples:
-            if not self.cfg.infinite_loop or self.num_samples == 0:
-                return None
-            self.epoch += 1
-            self.cursor = 0
-            self._perm = epoch_permutation(self.num_samples, self.seed, self.epoch)
-        position = self.epoch * self.num_samples + self.cursor
-        sample = self._perm[self.cursor]
-        self.cursor += 1
-        return sample, position
+    def refill(self, pool: _Pool) -> None:
+        while len(pool) < self.cfg.pool_size and self.cursor < len(self.perm):
+            sample = self.perm[self.cursor]
+            pool.add(sample, self.cursor, self.prep.rounded[sample])
+            self.cursor += 1
 
-    def _refill(self, pool: _Pool) -> None:
-        while len(pool) < self.cfg.pool_size:
-            nxt = self._next_sample()
-            if nxt is None:
-                return
-            pool.add(nxt[0], nxt[1], self.prep.rounded[nxt[0]])
-
-    # -- one micro-batch -----------------------------------------------------------------
     def form_micro_batch(self, pool: _Pool) -> list[int]:
         """Take one micro-batch's samples out of the pool (decreasing rounded length)."""
         if not pool:
@@ -207,81 +145,6 @@ class PoolBatcher:
             rows += 1
             padded = max(padded, key >> _POS_BITS)
 
-    # -- steps ---------------------------------------------------------------------------
-    def next_step(self) -> PassPlan | None:
-        """The plan of the next optimizer step, or None when the data is exhausted."""
-        started = time.perf_counter()
-        bins: list[list[int]] = []
-        for pool in self.pools:
-            for _ in range(self.per_step):
-                self._refill(pool)
-                mb = self.form_micro_batch(pool)
-                if mb:
-                    bins.append(mb)
-        if not bins:
-            return None
-        consumed = [s for b in bins for s in b]
-        plan = assemble_plan(
-            bins,
-            self.prep,
-            self.cfg,
-            mode="pool",
-            packed=self.cfg.pool_packing,
-            dp=self.dp,
-            pp=self.pp,
-            vpp=self.vpp,
-            mb_group_size=self.group_size,
-            cost=self.cost,
-            started=started,
-            min_count=self.per_step,
-            samples=consumed,
-            extra={"step": self.step, "epoch": self.epoch},
-        )
-        self.step += 1
-        return plan
-
-    def __iter__(self) -> Iterator[PassPlan]:
-        while True:
-            plan = self.next_step()
-            if plan is None:
-                return
-            yield plan
-
-    # -- state ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able position: seed, epoch, cursor, step and every pool's contents (the epoch
-        permutation is a function of seed and epoch, so no RNG object needs saving)."""
-        return {
-            "version": STATE_VERSION,
-            "num_samples": self.num_samples,
-            "dp": self.dp,
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "cursor": self.cursor,
-            "step": self.step,
-            "pools": [p.entries() for p in self.pools],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, mine in (
-            ("version", STATE_VERSION),
-            ("num_samples", self.num_samples),
-            ("dp", self.dp),
-        ):
-            if state.get(key) != mine:
-                raise ValueError(f"pool state has {key}={state.get(key)!r}, this batcher {mine!r}")
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
-        self.cursor = int(state["cursor"])
-        self.step = int(state["step"])
-        self._perm = epoch_permutation(self.num_samples, self.seed, self.epoch)
-        self.pools = []
-        for entries in state["pools"]:
-            pool = _Pool()
-            for sample, position in entries:
-                pool.add(int(sample), int(position), self.prep.rounded[int(sample)])
-            self.pools.append(pool)
-
 
 def plan_pool_pass(
     lengths: Sequence[int],
@@ -298,35 +161,31 @@ def plan_pool_pass(
     started: float,
 ) -> PassPlan:
     """One pass over ``lengths`` in pool mode: the per-rank pools drain the (step-seeded) global
-    stream once, each rank forming micro-batches in turn; the micro-batches then get equal,
-    VPP-valid counts and a cost-balanced assignment like every mode."""
-    batcher = PoolBatcher(
-        lengths,
-        replace(cfg, infinite_loop=False),
-        dp=dp,
-        pp=pp,
-        vpp=vpp,
-        microbatch_group_size=mb_group_size if vpp > 1 else None,
-        micro_batches_per_step=1,
-        cost=cost,
-        seed=seed,
-        pass_name=pass_name,
-    )
-    batcher.epoch = step
-    batcher._perm = epoch_permutation(batcher.num_samples, seed, step)
+    stream, the ranks forming one micro-batch each in turn; the micro-batches then get equal,
+    VPP-valid counts of at least ``cfg.pool_micro_batches_per_step`` and a cost-balanced
+    assignment like every mode."""
+    if cfg.pool_size < 1:
+        raise ValueError(f"batching.{pass_name}.pool_size={cfg.pool_size} must be >= 1")
+    if cfg.pool_micro_batches_per_step < 1:
+        raise ValueError(
+            f"batching.{pass_name}.pool_micro_batches_per_step="
+            f"{cfg.pool_micro_batches_per_step} must be >= 1"
+        )
+    prep = prepare_lengths(lengths, cfg, pass_name)
+    stream = _PoolStream(prep, cfg, dp, seed, step)
     bins: list[list[int]] = []
     active = True
     while active:
         active = False
-        for pool in batcher.pools:
-            batcher._refill(pool)
-            mb = batcher.form_micro_batch(pool)
+        for pool in stream.pools:
+            stream.refill(pool)
+            mb = stream.form_micro_batch(pool)
             if mb:
                 bins.append(mb)
                 active = True
     return assemble_plan(
         bins,
-        batcher.prep,
+        prep,
         cfg,
         mode="pool",
         packed=cfg.pool_packing,
@@ -336,4 +195,5 @@ def plan_pool_pass(
         mb_group_size=mb_group_size,
         cost=cost,
         started=started,
+        min_count=cfg.pool_micro_batches_per_step if bins else 0,
     )

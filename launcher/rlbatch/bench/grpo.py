@@ -1,6 +1,7 @@
 """rlbatch-bench grpo: one GRPO step on the tiny model, timed by stage.
 
     rlbatch-bench grpo [--prompts 16] [--generations 4] [--repeats 3] [--threads 1] [--json]
+    rlbatch-bench grpo --async [--steps 12] [--repeats 3] [--threads 1]   (rlbatch.bench.grpo_async)
 
 Stages: rollout (generation on the policy, KV cache), ref (reference logprobs), old (policy
 logprobs before the update), train (forward/backward + optimizer step through
@@ -38,6 +39,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument(
+        "--async",
+        dest="run_async",
+        action="store_true",
+        help="instead: step time of the default recipe, sync vs async run-ahead (overlap)",
+    )
+    p.add_argument("--steps", type=int, default=12, help="--async: optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="--async: first steps not timed")
     return p.parse_args(argv)
 
 
@@ -119,7 +128,7 @@ def produce_samples(world: World, args: argparse.Namespace, aggregated: bool, cl
     from rlbatch.grpo.lcm import LCMAggregator, Stages, plan_aggregation
     from rlbatch.grpo.rewards import build_reward_fn
     from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams, as_rollout_fn
-    from rlbatch.train.build import make_ref_logps_fn, make_reward_batch_fn
+    from rlbatch.train.build import make_logps_fn, make_reward_batch_fn
 
     cfg = world.cfg
     use_lcm(cfg, args, aggregated)
@@ -132,11 +141,11 @@ def produce_samples(world: World, args: argparse.Namespace, aggregated: bool, cl
     stages = Stages(
         rollout_fn=clock.wrap("rollout", as_rollout_fn(engine, 0), gen_tokens),
         reward_fn=make_reward_batch_fn(build_reward_fn(cfg.data), tok),
-        old_logps_fn=clock.wrap("old", make_ref_logps_fn(world.model, cfg), all_tokens),
+        old_logps_fn=clock.wrap("old", make_logps_fn(world.model, cfg), all_tokens),
         ref_logps_fn=(
             None
             if world.ref is None  # grpo.beta == 0: no reference pass
-            else clock.wrap("ref", make_ref_logps_fn(world.ref, cfg), all_tokens)
+            else clock.wrap("ref", make_logps_fn(world.ref, cfg), all_tokens)
         ),
     )
     g = cfg.grpo
@@ -245,6 +254,12 @@ def format_report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.run_async:
+        from rlbatch.bench.grpo_async import format_async, run_async
+
+        result = run_async(args.steps, args.repeats, args.threads, args.warmup)
+        print(json.dumps(result, indent=2) if args.json else format_async(result))
+        return 0
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0

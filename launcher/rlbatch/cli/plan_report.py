@@ -1,15 +1,10 @@
 """rlbatch-plan's body: load lengths, plan the chosen pass, print a rich summary or one JSON.
 
 ``run_plan_command(cfg) -> exit code`` (0 ok, 2 bad input). Imports no torch. The JSON document
-is ``PassPlan.to_json()``; in pool mode it covers ``plan.num_steps`` optimizer steps (see
-docs/batching.md, "rlbatch-plan"):
-
-    {"mode": "pool", "dp", "num_micro_batches" (per rank, all steps), "microbatch_group_size",
-     "ranks": [{"rank", "micro_batches": [...all steps, in order...]}],
-     "stats": {... over all steps ...},
-     "num_steps", "steps": [{"step", "epoch", "num_micro_batches", "stats"}]}
-
-Step s of rank r is micro_batches[sum of earlier steps' counts : + steps[s].num_micro_batches].
+is ``PassPlan.to_json()``. The lengths are planned as ONE pass, exactly as training plans the
+pass of its first optimizer step over the same lengths: the same planner, cost model, layout,
+``grpo.num_generations`` sibling groups and seed (``trainer.seed``, step 0; pool mode's stream
+shuffle depends on both). A test compares the two (docs/batching.md, "rlbatch-plan").
 """
 
 from __future__ import annotations
@@ -24,13 +19,12 @@ from rlbatch.batching import (
     GROUP_SIZE,
     CostModel,
     PassPlan,
-    PoolBatcher,
     cost_model_for,
     make_workload,
     micro_batch_cost,
     plan_pass,
 )
-from rlbatch.config.schema import BatchingMode, BatchingPassConfig, PassKind, RunConfig, Workload
+from rlbatch.config.schema import BatchingPassConfig, PassKind, RunConfig, Workload
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -78,73 +72,18 @@ def _pass_config(cfg: RunConfig) -> tuple[str, BatchingPassConfig]:
 
 
 def build_document(cfg: RunConfig) -> tuple[dict[str, Any], list[PassPlan], CostModel]:
-    """Plan as configured. Returns the JSON document, the plan(s) and the cost model."""
+    """Plan as configured. Returns the JSON document, the plan (a one-item list) and the cost
+    model."""
     lengths, group = load_lengths(cfg)
     name, pcfg = _pass_config(cfg)
     par = cfg.parallel
     cost = cost_model_for(cfg.model, pcfg)
-    if BatchingMode(pcfg.mode) != BatchingMode.pool:
-        plan = plan_pass(
-            lengths, pcfg, dp=par.dp, pp=par.pp, vpp=par.vpp,
-            microbatch_group_size=par.microbatch_group_size_per_vp_stage, group_size=group,
-            cost=cost, seed=cfg.plan.seed, pass_name=name,
-        )  # fmt: skip
-        return plan.to_json(), [plan], cost
-    if cfg.plan.num_steps < 1:
-        raise PlanInputError(f"plan.num_steps={cfg.plan.num_steps} must be >= 1")
-    batcher = PoolBatcher(
+    plan = plan_pass(
         lengths, pcfg, dp=par.dp, pp=par.pp, vpp=par.vpp,
-        microbatch_group_size=par.microbatch_group_size_per_vp_stage, cost=cost,
-        seed=cfg.plan.seed, pass_name=name,
+        microbatch_group_size=par.microbatch_group_size_per_vp_stage, group_size=group,
+        cost=cost, seed=cfg.trainer.seed, step=0, pass_name=name,
     )  # fmt: skip
-    plans: list[PassPlan] = []
-    for _ in range(cfg.plan.num_steps):
-        step = batcher.next_step()
-        if step is None:
-            break
-        plans.append(step)
-    return pool_document(plans, par.dp), plans, cost
-
-
-def pool_document(plans: Sequence[PassPlan], dp: int) -> dict[str, Any]:
-    """One document for several pool steps: ranks concatenated over steps, totals in stats."""
-    per_rank: list[list[dict[str, Any]]] = [[] for _ in range(dp)]
-    for p in plans:
-        for r, rp in enumerate(p.ranks):
-            per_rank[r].extend(mb.to_json() for mb in rp.micro_batches)
-    ranks = [{"rank": r, "micro_batches": mbs} for r, mbs in enumerate(per_rank)]
-    real = sum(mb.real_tokens for p in plans for rp in p.ranks for mb in rp.micro_batches)
-    computed = sum(mb.computed_tokens for p in plans for rp in p.ranks for mb in rp.micro_batches)
-    stats = [p.stats for p in plans]
-    return {
-        "mode": "pool",
-        "dp": dp,
-        "num_micro_batches": sum(p.num_micro_batches for p in plans),
-        "microbatch_group_size": plans[0].microbatch_group_size if plans else 1,
-        "ranks": ranks,
-        "stats": {
-            "lower_bound": sum(s.lower_bound for s in stats),
-            "padding_efficiency": real / computed if computed else 1.0,
-            "token_imbalance": max((s.token_imbalance for s in stats), default=1.0),
-            "cost_imbalance": max((s.cost_imbalance for s in stats), default=1.0),
-            "lockstep_efficiency": min((s.lockstep_efficiency for s in stats), default=1.0),
-            "max_computed_tokens": max((s.max_computed_tokens for s in stats), default=0),
-            "planner_seconds": sum(s.planner_seconds for s in stats),
-            "oversize": sum(s.oversize for s in stats),
-            "fillers": sum(s.fillers for s in stats),
-            "truncated_tokens": sum(s.truncated_tokens for s in stats),
-        },
-        "num_steps": len(plans),
-        "steps": [
-            {
-                "step": p.extra.get("step", i),
-                "epoch": p.extra.get("epoch", 0),
-                "num_micro_batches": p.num_micro_batches,
-                "stats": p.stats.to_json(),
-            }
-            for i, p in enumerate(plans)
-        ],
-    }
+    return plan.to_json(), [plan], cost
 
 
 def print_summary(
@@ -205,8 +144,6 @@ def print_summary(
     stats.add_row("truncated tokens", str(s.get("truncated_tokens", 0)))
     stats.add_row("filler micro-batches", str(s["fillers"]))
     stats.add_row("planner seconds", f"{s['planner_seconds']:.4f}")
-    if "num_steps" in doc:
-        stats.add_row("pool steps planned", str(doc["num_steps"]))
     console.print(stats)
 
 

@@ -36,8 +36,10 @@ multiple of `tp*cp`; `batching.*.max_tokens` at least the longest possible seque
 `truncate`; `parallel.vpp > 1` needs `pp > 1` and `model.num_layers` divisible by `pp*vpp`;
 `grpo.global_batch_size` (and `generation_batch_size`) a multiple of
 `num_generations * parallel.dp`; `steps_per_generation` and `generation_batch_size` exclusive;
-`tp*pp*cp*dp` equal to `nproc_per_node * nnodes`; the LCM of the aggregation micro sizes no
-larger than the prompts a DP rank generates per round; `max_staleness >= num_steps_async`;
+`tp*pp*cp*dp` equal to `nproc_per_node * nnodes`; the aggregation's service_target_bs (the
+LCM of the rollout and train micro sizes, plus the ref / old sizes of passes that run when they
+are not cut by the infer budget: the runtime's own rule) no larger than the prompts a DP rank
+generates per round; `max_staleness >= num_steps_async`;
 files and directories named by `data.path`, `model.hf_path`, `trainer.resume` exist.
 
 Each command checks the sections it uses: `rlbatch-train` all of them; `rlbatch-plan` only

@@ -291,7 +291,7 @@ class RolloutConfig:
     max_new_tokens: int = 24
     """Longest response in tokens."""
     temperature: float = 1.0
-    """Sampling temperature (> 0)."""
+    """Sampling temperature (> 0); every logprob the loss compares is taken at it."""
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
     top_k: int = 0
@@ -320,10 +320,9 @@ class BatchingPassConfig:
     """Best-fit rule of the pool batcher."""
     pool_packing: bool = False
     """Pool batcher packs (THD) instead of padding."""
-    infinite_loop: bool = True
-    """Pool batcher restarts the data with an epoch-reseeded global shuffle."""
     pool_micro_batches_per_step: int = 1
-    """Pool batcher: micro-batches per rank per optimizer step (raised to a VPP-valid count)."""
+    """Pool batcher: at least this many micro-batches per rank per pass (raised to a VPP-valid
+    count; more when the pass needs more)."""
     cost_linear: Optional[float] = None
     """a in the DP cost model a*L + b*L^2; null = derived from the model dimensions."""
     cost_quadratic: Optional[float] = None
@@ -392,9 +391,9 @@ class AggregationConfig:
     rollout_micro_batch_size: Optional[int] = None
     """Prompts per rollout chunk; null = rollout.micro_batch_size."""
     ref_logps_micro_batch_size: int = 4
-    """Prompts per reference-logprob chunk."""
+    """Prompts per reference-logprob chunk (when logps_use_infer_budget is false)."""
     old_logps_micro_batch_size: int = 4
-    """Prompts per old-logprob chunk."""
+    """Prompts per old-logprob chunk (when logps_use_infer_budget is false)."""
     train_micro_batch_size: int = 4
     """Prompts per training micro-batch fed to the aggregator (its input unit)."""
     logps_use_infer_budget: bool = True
@@ -408,7 +407,8 @@ class GRPOConfig:
     num_generations: int = 8
     """Completions per prompt (sample_repeat)."""
     num_iterations: int = 1
-    """Optimizer passes over each generation (batch_repeat)."""
+    """Optimizer passes over each generation (batch_repeat): each mini-batch is trained this
+    many times in a row (a a b b); > 1 runs the old-logprob pass."""
     global_batch_size: int = 64
     """Samples (completions) per optimizer step over all DP ranks: the mini-batch."""
     steps_per_generation: Optional[int] = None
@@ -424,17 +424,23 @@ class GRPOConfig:
     loss_agg_mode: LossAggMode = LossAggMode.token_mean
     """Divisor kind of the loss."""
     scale_rewards: ScaleRewards = ScaleRewards.group
-    """Std used to scale advantages."""
+    """Std used to scale advantages: the group's, the whole generation batch's (all DP ranks),
+    or none."""
     advantage_eps: float = 1e-4
     """Added to the std before dividing."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_new_tokens without EOS from the loss."""
     num_steps_async: int = 0
-    """Generation runs this many optimizer steps ahead of training (0 = synchronous)."""
+    """Generation runs this many optimizer steps ahead of training (0 = synchronous); > 0 runs
+    the old-logprob pass."""
     max_staleness: int = 1
     """Largest allowed policy lag of a trained sample; the producer waits beyond it."""
     importance_weight_cap: float = 2.0
-    """Truncation of the behaviour-policy importance weight for stale samples."""
+    """Cap of the per-token weight pi_old / pi_behaviour (off-policy samples, after the
+    old-logprob pass)."""
+    overlap_generation: bool = True
+    """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a thread on a
+    model copy while training runs; false = generate inline (same samples, no overlap)."""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     """LCM aggregation of rollout / ref / old / train micro sizes (docs/lcm_aggregation.md)."""
 
@@ -534,6 +540,9 @@ class LoggingConfig:
     """Write TensorBoard events to <run_dir>/tb (needs tensorboard; warns when missing)."""
     plot: bool = True
     """Write <run_dir>/metrics.png at the end."""
+    plans: bool = False
+    """Write each step's train-pass plan (rlbatch-plan's JSON) and the mini-batch's lengths to
+    <run_dir>/plans/step_NNNNN.json."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases sink (optional extra ``wandb``)."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
@@ -565,11 +574,9 @@ class PlanConfig:
     num_samples: int = 8192
     """Samples of the synthetic workload."""
     seed: int = 0
-    """Seed of the synthetic workload and the planner."""
+    """Seed of the synthetic workload (the planner uses trainer.seed, as training does)."""
     json: bool = False
     """Print exactly one JSON document on stdout and nothing else."""
-    num_steps: int = 1
-    """Optimizer steps to plan (pool mode)."""
     pass_: PassKind = PassKind.train
     """Which pass to plan: train | infer (spelled ``plan.pass`` in configs)."""
 

@@ -70,12 +70,11 @@ def generation_batch_size(cfg: RunConfig) -> int:
 
 
 def lcm_micro_sizes(cfg: RunConfig) -> int:
-    """service_target_bs of the LCM aggregation, in prompts (docs/lcm_aggregation.md)."""
-    a = cfg.grpo.aggregation
-    rollout = a.rollout_micro_batch_size or cfg.rollout.micro_batch_size
-    sizes = [rollout, a.ref_logps_micro_batch_size, a.old_logps_micro_batch_size]
-    sizes.append(a.train_micro_batch_size)
-    return math.lcm(*[max(1, s) for s in sizes])
+    """service_target_bs of the LCM aggregation, in prompts: the runtime's own rule
+    (rlbatch.grpo.lcm.AggregationPlan.service_target_bs)."""
+    from rlbatch.grpo.lcm import aggregation_plan
+
+    return aggregation_plan(cfg).service_target_bs
 
 
 def _positive(key: str, value: float | int | None, errors: list[ConfigError]) -> None:
@@ -357,7 +356,8 @@ def _check_grpo(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 ConfigError(
                     "grpo.aggregation",
                     f"lcm({target})",
-                    f"the LCM of the rollout/ref/old/train micro sizes ({target} prompts) exceeds "
+                    f"the LCM of the rollout/train (and fixed-size ref/old) micro sizes ({target} "
+                    "prompts) exceeds "
                     f"the {prompts_per_rank} prompts each DP rank generates per round: choose "
                     f"micro sizes whose LCM divides {prompts_per_rank}",
                 )

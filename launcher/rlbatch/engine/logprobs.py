@@ -29,21 +29,48 @@ def _tp_group() -> tuple[int, Any]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(label) from (vocab-parallel) logits [..., V/tp] in float32; labels [...].
-    (megatron's vocab_parallel_cross_entropy shifts its input in place: we pass a copy.)"""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    x = logits.float()
-    x = x.clone() if x is logits else x.contiguous()
-    return -vocab_parallel_cross_entropy(x, labels)
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` (the same tensor at temperature 1): the distribution the
+    rollout sampled from, which every logprob the GRPO loss compares must use."""
+    return logits / temperature if temperature != 1.0 else logits
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the full (tp-sharded) vocabulary, float32 [...]."""
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """log p_T(label) per position from (vocab-parallel) logits ``[..., V/tp]``, differentiable:
+    the one implementation of the train, reference and old passes.
+
+    With tp == 1 and float64 logits (or no process group) it is ``log_softmax`` in float64
+    (exactness checks); otherwise megatron's ``vocab_parallel_cross_entropy`` in float32, which
+    subtracts the row max from its input in place: the input is copied first unless
+    ``inplace`` (the train pass: the logits are not read afterwards, and a per-row shift changes
+    neither logprobs nor entropy)."""
     import torch.distributed as dist
 
-    x = logits.float()
+    x = scale_logits(logits, temperature)
+    if _tp_group()[0] == 1 and (x.dtype == torch.float64 or not dist.is_initialized()):
+        return torch.log_softmax(x, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    x = x.float()
+    if x is logits and not inplace:
+        x = x.clone()
+    return -vocab_parallel_cross_entropy(x.contiguous(), labels)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) over the full (tp-sharded) vocabulary per row
+    of ``[..., V/tp]``, no grad; float64 logits stay float64, others are computed in float32."""
+    import torch.distributed as dist
+
+    x = scale_logits(logits, temperature)
+    x = x if x.dtype == torch.float64 else x.float()
     size, group = _tp_group()
     m = x.max(dim=-1, keepdim=True).values
     if size > 1:
@@ -108,10 +135,9 @@ def compute_logprobs(
 
     def loss_fn(output: torch.Tensor, inputs: schedule.MicroBatchInputs):
         with torch.no_grad():
-            logits = output / temperature if temperature != 1.0 else output
             assert inputs.labels is not None
-            logps = token_logprobs(logits, inputs.labels)  # [R, S]
-            ents = token_entropy(logits) if entropy else None
+            ents = token_entropy(output, temperature=temperature) if entropy else None
+            logps = token_logprobs(output, inputs.labels, temperature=temperature)  # [R, S]
             for seg, i in zip(inputs.segments, inputs.micro_batch.samples, strict=True):
                 cut = slice(seg.start, seg.start + seg.length - 1)
                 results[i] = (

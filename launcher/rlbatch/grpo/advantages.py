@@ -25,6 +25,11 @@ def _unbiased_std(x: np.ndarray, axis: int | None = None) -> np.ndarray:
     return x.std(axis=axis, ddof=1)
 
 
+def unbiased_std(values: Sequence[float]) -> float:
+    """The unbiased (n - 1) std of ``values`` in float64; 0 for fewer than two values."""
+    return float(_unbiased_std(np.asarray(values, dtype=np.float64)))
+
+
 def compute_advantages(
     rewards: Sequence[float], group_size: int, scale: ScaleRewards, eps: float
 ) -> list[float]:

@@ -47,25 +47,39 @@ class AggregationPlan:
     batch_repeat: int
     logps_use_infer_budget: bool = False
     proceed_num_steps: Optional[int] = None
+    ref_pass: bool = True
+    """The reference-logprob pass runs (grpo.beta > 0)."""
+    old_pass: bool = True
+    """The old-logprob pass runs (samples are off-policy: :func:`old_pass_runs`)."""
 
     @property
     def service_target_bs(self) -> int:
         """lcm of the rollout, train and (fixed-size) ref/old chunk sizes, in prompts.
 
         The train micro size is included (Tunix leaves it out, so a merged batch split
-        back raggedly); ref/old sizes are left out when those passes use the infer token
-        budget, since then no fixed chunk size needs to divide the batch.
+        back raggedly); the ref/old sizes count only for a pass that runs, and not when those
+        passes use the infer token budget (then no fixed chunk size needs to divide the batch).
+        The config validator applies this same rule.
         """
         sizes = [self.rollout_micro, self.train_micro]
         if not self.logps_use_infer_budget:
-            sizes += [self.ref_micro, self.old_micro]
-        return math.lcm(*sizes)
+            sizes += [self.ref_micro] if self.ref_pass else []
+            sizes += [self.old_micro] if self.old_pass else []
+        return math.lcm(*[max(1, s) for s in sizes])
 
 
-def plan_aggregation(cfg: RunConfig) -> AggregationPlan:
-    """The aggregation plan ``grpo.aggregation`` / ``rollout`` / ``grpo`` describe."""
+def old_pass_runs(cfg: RunConfig) -> bool:
+    """The old-logprob (proximal policy) pass runs when the samples are off-policy: trained
+    more than once (grpo.num_iterations > 1) or generated ahead (grpo.num_steps_async > 0)."""
+    g = cfg.grpo
+    return g.num_iterations > 1 or min(g.num_steps_async, g.max_staleness) > 0
+
+
+def aggregation_plan(cfg: RunConfig) -> AggregationPlan:
+    """The aggregation plan ``grpo.aggregation`` / ``rollout`` / ``grpo`` describe (unchecked:
+    the validator reads its service_target_bs; :func:`plan_aggregation` checks it)."""
     agg = cfg.grpo.aggregation
-    plan = AggregationPlan(
+    return AggregationPlan(
         rollout_micro=agg.rollout_micro_batch_size or cfg.rollout.micro_batch_size,
         ref_micro=agg.ref_logps_micro_batch_size,
         old_micro=agg.old_logps_micro_batch_size,
@@ -74,7 +88,14 @@ def plan_aggregation(cfg: RunConfig) -> AggregationPlan:
         batch_repeat=cfg.grpo.num_iterations,
         logps_use_infer_budget=agg.logps_use_infer_budget,
         proceed_num_steps=agg.proceed_num_steps,
+        ref_pass=cfg.grpo.beta > 0,
+        old_pass=old_pass_runs(cfg),
     )
+
+
+def plan_aggregation(cfg: RunConfig) -> AggregationPlan:
+    """:func:`aggregation_plan`, checked: a ValueError lists every problem."""
+    plan = aggregation_plan(cfg)
     errors = aggregation_errors(plan)
     if errors:
         raise ValueError("invalid LCM aggregation config:\n  " + "\n  ".join(errors))
@@ -165,6 +186,32 @@ def repeat_in_order(examples: Sequence[TrainExample], batch_repeat: int) -> list
 def slice_rows(value: Any, rows: slice) -> Any:
     """Rows `rows` of a list, numpy array or torch tensor (first dimension)."""
     return value[rows]
+
+
+def logps_in_chunks(
+    fn: LogpsFn,
+    samples: list[Sample],
+    plan: AggregationPlan,
+    micro: int,
+    chunks: Optional[list[int]] = None,
+) -> list[list[float]]:
+    """A logprob pass (ref or old) over ``samples`` in chunks of ``micro`` prompts (x
+    sample_repeat rows), or one call on all of them when the pass plans its own micro-batches
+    under the infer token budget (``logps_use_infer_budget``). Appends each call's rows to
+    ``chunks``."""
+    size = len(samples) if plan.logps_use_infer_budget else micro * plan.sample_repeat
+    out: list[list[float]] = []
+    for sl in chunk_slices(len(samples), max(size, 1)):
+        part = fn(samples[sl])
+        if chunks is not None:
+            chunks.append(len(samples[sl]))
+        for s, lp in zip(samples[sl], part, strict=True):
+            if len(lp) != len(s.response_ids):
+                raise RuntimeError(
+                    f"logps_fn returned {len(lp)} logprobs for {len(s.response_ids)} tokens"
+                )
+        out.extend(list(lp) for lp in part)
+    return out
 
 
 class LCMAggregator:
@@ -293,18 +340,7 @@ class LCMAggregator:
         self, fn: Optional[LogpsFn], samples: list[Sample], micro: int, chunks: list[int]
     ) -> list[list[float]]:
         assert fn is not None
-        size = len(samples) if self.plan.logps_use_infer_budget else micro * self.plan.sample_repeat
-        out: list[list[float]] = []
-        for sl in chunk_slices(len(samples), size):
-            part = fn(samples[sl])
-            chunks.append(len(samples[sl]))
-            for s, lp in zip(samples[sl], part, strict=True):
-                if len(lp) != len(s.response_ids):
-                    raise RuntimeError(
-                        f"logps_fn returned {len(lp)} logprobs for {len(s.response_ids)} tokens"
-                    )
-            out.extend(list(lp) for lp in part)
-        return out
+        return logps_in_chunks(fn, samples, self.plan, micro, chunks)
 
     def _split(
         self,

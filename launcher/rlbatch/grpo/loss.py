@@ -56,6 +56,8 @@ class LossSettings:
     max_response_len: int = 1
     """Dr. GRPO's constant (seq-mean-token-sum-norm): rollout.max_new_tokens."""
     mask_truncated_completions: bool = False
+    temperature: float = 1.0
+    """rollout.temperature: the current policy's logprobs are those of logits / temperature."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LossSettings:
@@ -68,6 +70,7 @@ class LossSettings:
             importance_weight_cap=g.importance_weight_cap,
             max_response_len=cfg.rollout.max_new_tokens,
             mask_truncated_completions=g.mask_truncated_completions,
+            temperature=cfg.rollout.temperature,
         )
 
     @property
@@ -161,19 +164,13 @@ def row_offsets(lengths: Sequence[int], packed: bool, round_to: int) -> list[tup
 
 
 def _fill_logps(
-    sample: Sample,
-    stale: bool,
-    n: int,
-    old: torch.Tensor,
-    behaviour: torch.Tensor,
-    ref: torch.Tensor,
+    sample: Sample, n: int, old: torch.Tensor, behaviour: torch.Tensor, ref: torch.Tensor
 ) -> bool:
     """Write the first n response tokens' old / behaviour / ref logps into the given views
-    (old defaults to behaviour; a fresh sample's behaviour is its old). True if ref was set."""
+    (without an old pass, old is the behaviour: the weight is exactly 1). True if ref was set."""
     old_l = sample.old_logps if sample.old_logps is not None else sample.behaviour_logps
     old.copy_(torch.tensor(old_l[:n], dtype=torch.float64))
-    beh_l = sample.behaviour_logps if stale else old_l
-    behaviour.copy_(torch.tensor(beh_l[:n], dtype=torch.float64))
+    behaviour.copy_(torch.tensor(sample.behaviour_logps[:n], dtype=torch.float64))
     if sample.ref_logps is None:
         return False
     ref.copy_(torch.tensor(sample.ref_logps[:n], dtype=torch.float64))
@@ -186,15 +183,15 @@ def build_grpo_batch(
     *,
     round_to: int,
     mask_truncated: bool = False,
-    current_version: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[GRPOBatch, torch.Tensor]:
     """The GRPO fields and the input tokens ``[R, S]`` of one planned micro-batch.
 
     ``samples`` are the micro-batch's samples in plan order. ``micro_batch.lengths`` may be
     shorter than a sample (oversize ``truncate``): only the kept response tokens carry loss.
-    Old logps default to the behaviour logps (synchronous GRPO). A sample is stale when its
-    policy_version < current_version: only stale samples get the behaviour importance weight.
+    Old logps default to the behaviour logps (on-policy GRPO: no old pass, weight exactly 1).
+    A sample whose old logps come from an old-logprob pass gets the behaviour importance weight
+    pi_old / pi_behaviour (``behaviour_logps`` is set when any sample has one).
     """
     rows = max(1, micro_batch.num_rows)
     width = micro_batch.padded_len
@@ -220,11 +217,8 @@ def build_grpo_batch(
         sl = slice(col + p_len - 1, col + p_len - 1 + n_resp)  # positions predicting the response
         mask[row, sl] = True
         seq_index[row, sl] = j
-        stale = current_version is not None and sample.policy_version < current_version
-        any_stale |= stale
-        any_ref |= _fill_logps(
-            sample, stale, n_resp, old[row, sl], behaviour[row, sl], ref[row, sl]
-        )
+        any_stale |= sample.old_logps is not None
+        any_ref |= _fill_logps(sample, n_resp, old[row, sl], behaviour[row, sl], ref[row, sl])
     batch = GRPOBatch(
         labels=labels,
         loss_mask=mask,
@@ -239,69 +233,19 @@ def build_grpo_batch(
 
 
 # ------------------------------------------------------------------------------------------
-# Token log-probabilities and entropy from (vocab-parallel) logits
-# ------------------------------------------------------------------------------------------
-
-
-def _tp_world_size() -> int:
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return parallel_state.get_tensor_model_parallel_world_size()
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log pi(label) per position. ``logits`` [R, S, V/tp] (vocab-parallel shard).
-
-    Uses megatron's ``vocab_parallel_cross_entropy`` (float32 math) so tp > 1 works; with
-    tp == 1 and float64 logits it stays in float64 (log_softmax), for exactness checks.
-    """
-    if _tp_world_size() == 1 and (
-        logits.dtype == torch.float64 or not torch.distributed.is_initialized()
-    ):
-        logp_all = torch.log_softmax(logits, dim=-1)
-        return logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    # Like Megatron's own LM loss, the kernel subtracts the row max from float32 logits in
-    # place (no copy of [R, S, V/tp]); grpo_loss computes the entropy before, from the same
-    # tensor, and the entropy does not change under a per-row shift anyway.
-    return -vocab_parallel_cross_entropy(logits.float(), labels)
-
-
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the full (all tp shards) next-token distribution per row of ``[..., V/tp]``,
-    no grad."""
-    z = logits.float() if logits.dtype != torch.float64 else logits
-    lse_local = torch.logsumexp(z, dim=-1, keepdim=True)  # [R, S, 1]
-    if _tp_world_size() == 1:
-        lse = lse_local
-        p_z = (torch.exp(z - lse) * z).sum(-1)
-    else:
-        from megatron.core.tensor_parallel import (
-            gather_from_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
-
-        lse = torch.logsumexp(gather_from_tensor_model_parallel_region(lse_local), dim=-1)
-        lse = lse.unsqueeze(-1)
-        p_z = reduce_from_tensor_model_parallel_region((torch.exp(z - lse) * z).sum(-1))
-    return lse.squeeze(-1) - p_z
-
-
-# ------------------------------------------------------------------------------------------
 # The loss
 # ------------------------------------------------------------------------------------------
 
 
 def grpo_loss(logits: torch.Tensor, batch: GRPOBatch, settings: LossSettings) -> LossTerms:
     """GRPO loss of one micro-batch from the training forward's logits [R, S, V/tp]."""
+    from rlbatch.engine.logprobs import token_entropy, token_logprobs
+
     mask = batch.loss_mask
-    with torch.no_grad():
-        entropy = token_entropy(logits[mask])  # [N]: only the loss-carrying positions
-    logps = token_logps(logits, batch.labels)[mask]
+    temperature = settings.temperature
+    # entropy first: the logprob kernel may shift the logits in place (harmless: per row)
+    entropy = token_entropy(logits[mask], temperature=temperature)  # [N]: loss positions only
+    logps = token_logprobs(logits, batch.labels, temperature=temperature, inplace=True)[mask]
     return loss_from_logps(logps, batch, settings, entropy=entropy)
 
 

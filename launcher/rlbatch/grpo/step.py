@@ -31,6 +31,7 @@ from rlbatch.grpo.normalization import (
     identity_reduce,
     scale_gradients,
 )
+from rlbatch.grpo.proximal import importance_weight_max
 from rlbatch.grpo.types import Sample
 
 
@@ -137,7 +138,6 @@ def make_prepare(
     cfg: RunConfig,
     samples: Sequence[Sample],
     rank_plan: RankPlan,
-    current_version: Optional[int],
 ) -> Callable[[int], GRPOBatch]:
     """prepare(i): the GRPO fields and tokens of this rank's i-th micro-batch (called lazily,
     once per micro-batch, by the normalizer's iterator)."""
@@ -151,7 +151,6 @@ def make_prepare(
             mb,
             round_to=round_to,
             mask_truncated=cfg.grpo.mask_truncated_completions,
-            current_version=current_version,
         )
         batch.to(device)
         batch.tokens = tokens.to(device)  # type: ignore[attr-defined]
@@ -297,12 +296,13 @@ def run_train_step(
     step: int,
     layout: Optional[Layout] = None,
     reducers: Optional[Reducers] = None,
-    current_version: Optional[int] = None,
     inject_nan: bool = False,
+    plan_sink: Optional[Callable[[list[int], PassPlan], None]] = None,
 ) -> dict[str, Any]:
     """One GRPO optimizer step on this rank's share of the mini-batch; returns metrics that
     are identical on every rank. A non-finite loss or gradient (debug.detect_nan) skips the
-    update and reports ``nonfinite_micro_batch`` / NaN loss and grad_norm."""
+    update and reports ``nonfinite_micro_batch`` / NaN loss and grad_norm. ``plan_sink(lengths,
+    plan)`` receives the mini-batch's lengths and the train pass's plan (logging.plans)."""
     started = time.perf_counter()
     # Megatron's optimizer leaves param.grad aliased to main_grad after step(); without clearing
     # it, the next backward adds the first micro-batch's gradient twice (Megatron's own
@@ -312,6 +312,8 @@ def run_train_step(
     reducers = reducers or Reducers.from_distributed()
     mini_batch = gather_mini_batch(samples, reducers)
     plan = plan_train_pass(cfg, mini_batch, layout, step)
+    if plan_sink is not None:
+        plan_sink([s.length for s in mini_batch], plan)
     settings = LossSettings.from_config(cfg)
     normalizer = build_normalizer(
         cfg,
@@ -322,7 +324,7 @@ def run_train_step(
         device=_device(),
     )
     state = StepState()
-    prepare = make_prepare(cfg, mini_batch, plan.for_rank(layout.dp_rank), current_version)
+    prepare = make_prepare(cfg, mini_batch, plan.for_rank(layout.dp_rank))
     loss_fn = make_loss_fn(
         settings, normalizer, state, detect_nan=cfg.debug.detect_nan, inject_nan=inject_nan
     )
@@ -342,6 +344,9 @@ def run_train_step(
         check_finite=cfg.debug.detect_nan,
     )
     metrics = step_metrics(result, plan, grad_norm, lr, seconds())
+    metrics["is_weight_max"] = importance_weight_max(
+        mini_batch, cfg.grpo.mask_truncated_completions
+    )
     if not stepped:
         metrics["nonfinite_micro_batch"] = f"gradients (grad norm {grad_norm})"
     return metrics

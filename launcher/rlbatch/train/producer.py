@@ -15,21 +15,22 @@ Semantics (docs/training_loop.md, "Async run-ahead"):
 
 Two fillers, same samples and versions (tested):
 
-- inline (``threaded=False``, what the loop uses): at the start of each step the due rounds are
-  generated in the training thread with the live model, which is at exactly the version the
-  schedule names. On CPU a second thread makes nothing faster, and Megatron collectives issued
-  from two threads on one gloo group are unsafe (tp/pp > 1 generation communicates).
-- threaded (``threaded=True``): a generation thread generates round r as soon as the training
-  thread has handed over the snapshot of version gen_version(r) (``snapshot_fn()`` taken at
-  that version, stored per needed version under a lock: the hand-over is atomic and a round
-  never sees a newer policy than the schedule says). Only for a ``generate_fn`` without
-  collectives on the training groups (pp = tp = 1 generation on its own model copy, or an
-  external server). :class:`VersionedSlot` is the single-slot form for such servers.
+- inline (``threaded=False``): at the start of each step the due rounds are generated in the
+  training thread with the live model, which is at exactly the version the schedule names.
+- threaded (``threaded=True``, the loop's mode when generation can overlap training): a
+  generation thread generates round r as soon as the training thread has handed over the
+  snapshot of version gen_version(r) (``snapshot_fn()`` taken at that version, stored per needed
+  version under a lock: the hand-over is atomic and a round never sees a newer policy than the
+  schedule says). Only for a ``generate_fn`` without collectives on the training groups: the
+  real one is a generation worker process (rlbatch.train.generation_worker) whose call blocks
+  on a pipe, so generation and training run on different cores. :class:`VersionedSlot` is the
+  single-slot form for external servers.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,6 +114,12 @@ class StepBatch:
     """First step of a round (the buffer was just taken from the queue)."""
     generated: list[int] = field(default_factory=list)
     """Rounds generated at the start of this step (for logs and tests)."""
+    batch_seconds: float = 0.0
+    """Time batch_for_step took: generating the due rounds inline, or waiting for the
+    generation thread (what generation cost this step beyond the overlap)."""
+    round_samples: list[Sample] = field(default_factory=list)
+    """This rank's whole round buffer (``samples`` are some of these objects): what the
+    round's first step prepares (old logps, batch-scaled advantages)."""
 
     @property
     def staleness_mean(self) -> float:
@@ -133,12 +140,12 @@ class RunAheadProducer:
     Call :meth:`batch_for_step` once per optimizer step, in order, when the policy has taken
     exactly ``step`` optimizer steps.
 
-    ``threaded=False`` (the loop's mode): due rounds are generated inline with the live model.
+    ``threaded=False``: due rounds are generated inline with the live model.
     ``threaded=True``: a generation thread produces the same rounds from versioned snapshots
     (``snapshot_fn()`` is called in the training thread when a version is needed and handed
     over under a lock); only for a ``generate_fn`` that issues no collective on the training
-    process groups (e.g. pp = tp = 1 generation on its own model copy). Same samples, same
-    versions; call :meth:`close` at the end.
+    process groups (a generation worker process). Same samples, same versions; call
+    :meth:`close` at the end.
     """
 
     def __init__(
@@ -213,6 +220,7 @@ class RunAheadProducer:
         """Samples of optimizer ``step``; generates the rounds due at policy version ``step``."""
         if step != self._expected_step:
             raise RuntimeError(f"producer expected step {self._expected_step}, got {step}")
+        started = time.perf_counter()
         rnd, iteration, slice_index = self.schedule.round_position(step)
         new_round = iteration == 0 and slice_index == 0
         if self._thread is not None:
@@ -231,7 +239,6 @@ class RunAheadProducer:
             self.schedule,
             seed=self.seed,
             round_index=rnd,
-            iteration=iteration,
             slice_index=slice_index,
         )
         rows = expand_groups(groups, self.schedule.num_generations)
@@ -244,6 +251,8 @@ class RunAheadProducer:
             round_start_step=rnd * self.schedule.steps_per_round,
             new_round=new_round,
             generated=generated,
+            batch_seconds=time.perf_counter() - started,
+            round_samples=self.current.samples,
         )
         if batch.staleness_max > self.max_staleness:
             raise AssertionError(f"staleness {batch.staleness_max} > max_staleness at step {step}")
@@ -285,9 +294,13 @@ class RunAheadProducer:
         self._expected_step = int(state["expected_step"])
 
     def close(self) -> None:
-        """Stop the generation thread (no-op when not threaded)."""
+        """Stop the generation thread (when threaded), then release the generate_fn's resources
+        when it has any (``close()``: a generation worker process)."""
         if self._thread is not None:
             self._thread.stop()
+        close = getattr(self.generate_fn, "close", None)
+        if callable(close):
+            close()
 
 
 class _GenerationThread:

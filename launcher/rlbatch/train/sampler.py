@@ -16,10 +16,11 @@ Vocabulary (docs/training_loop.md):
   each prompt appears exactly once per epoch, over all ranks together.
 - *DP sharding*: a round's block is split into ``dp`` equal contiguous slices, rank ``r`` takes
   slice ``r`` (verifiers #112: every rank read the same prompts).
-- *mini-batch order inside a round* (:func:`minibatch_groups`): for iteration ``i`` the rank's
-  groups are permuted by a generator seeded with ``(seed, round, i)``; step ``s`` of the
-  iteration takes the ``s``-th contiguous slice of ``groups_per_rank_step`` groups. Groups stay
-  whole and contiguous, siblings in generation order.
+- *mini-batch order inside a round* (:func:`minibatch_groups`): the rank's groups are permuted
+  by a generator seeded with ``(seed, round)`` and cut into ``steps_per_generation`` contiguous
+  slices of ``groups_per_rank_step`` groups (the mini-batches). Each mini-batch is trained
+  ``num_iterations`` times in a row, the order a a b b of the LCM aggregator's
+  ``batch_repeat``. Groups stay whole and contiguous, siblings in generation order.
 """
 
 from __future__ import annotations
@@ -82,9 +83,11 @@ class GenerationSchedule:
         return self.groups_per_rank_step * self.num_generations
 
     def round_position(self, step: int) -> tuple[int, int, int]:
-        """(round, iteration, slice) that optimizer step ``step`` (0-based) trains on."""
+        """(round, iteration, slice) that optimizer step ``step`` (0-based) trains on: slice
+        (mini-batch) s of a round is trained at its iterations 0 .. num_iterations - 1 in a row
+        (a a b b)."""
         rnd, k = divmod(step, self.steps_per_round)
-        iteration, slice_index = divmod(k, self.steps_per_generation)
+        slice_index, iteration = divmod(k, self.num_iterations)
         return rnd, iteration, slice_index
 
 
@@ -281,14 +284,13 @@ def minibatch_groups(
     *,
     seed: int,
     round_index: int,
-    iteration: int,
     slice_index: int,
 ) -> list[int]:
-    """Group indices (into one rank's round buffer) of one optimizer step, in order.
+    """Group indices (into one rank's round buffer) of mini-batch ``slice_index``, in order.
 
-    Iteration ``i`` of round ``r`` permutes the groups with a generator seeded by
-    ``(seed, r, i)`` (every iteration reshuffled, the first one too); slice ``s``
-    is the ``s``-th run of ``groups_per_rank_step`` groups of that permutation.
+    Round ``r`` permutes its groups with a generator seeded by ``(seed, r)``; slice ``s`` is the
+    ``s``-th run of ``groups_per_rank_step`` groups of that permutation, the same at every
+    iteration (each mini-batch is repeated as a whole: a a b b).
     """
     per_step = schedule.groups_per_rank_step
     if num_groups != per_step * schedule.steps_per_generation:
@@ -296,7 +298,7 @@ def minibatch_groups(
             f"round buffer holds {num_groups} groups, expected "
             f"{per_step} x {schedule.steps_per_generation}"
         )
-    rng = np.random.default_rng([_MINIBATCH_TAG, seed, round_index, iteration])
+    rng = np.random.default_rng([_MINIBATCH_TAG, seed, round_index])
     perm = rng.permutation(num_groups)
     return [int(g) for g in perm[slice_index * per_step : (slice_index + 1) * per_step]]
 

@@ -12,6 +12,8 @@ dp=2 the 2k groups alternate over the ranks. Usage: normalization_invariance.py 
 
 from __future__ import annotations
 
+import math
+
 import os
 import random
 import sys
@@ -223,6 +225,9 @@ def reference_grad(model, samples, settings) -> torch.Tensor:
             lp = logp_all[p - 1 + k, tok]
             r, a = torch.exp(lp - s.old_logps[k]), s.advantage
             pg = torch.maximum(-a * r, -a * r.clamp(1 - st.epsilon_low, 1 + st.epsilon_high))
+            # the old pass ran: the truncated weight pi_old / pi_behaviour multiplies the surrogate
+            w = min(math.exp(s.old_logps[k] - s.behaviour_logps[k]), st.importance_weight_cap)
+            pg = w * pg
             d = s.ref_logps[k] - lp
             terms.append(pg + st.beta * (torch.exp(d) - d - 1))
         per_seq.append(torch.stack(terms))

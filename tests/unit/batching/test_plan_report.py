@@ -66,14 +66,23 @@ def test_infer_pass_uses_the_infer_budget(capsys: pytest.CaptureFixture[str]) ->
     assert doc["stats"]["max_computed_tokens"] <= 32768
 
 
-def test_pool_json_covers_num_steps(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = make_config(synthetic=Workload.grpo_math, num_samples=1024, num_steps=5)
+def test_pool_json_is_one_pass_like_training(capsys: pytest.CaptureFixture[str]) -> None:
+    """Pool mode previews one pass, as training plans its first step: plan_pass with
+    trainer.seed and step 0; pool_micro_batches_per_step raises the count (3 -> VPP-valid 4)."""
+    from rlbatch.batching import GROUP_SIZE, cost_model_for, make_workload, plan_pass
+
+    cfg = make_config(synthetic=Workload.grpo_math, num_samples=96)
     cfg.batching.train.mode = BatchingMode.pool
     cfg.batching.train.pool_micro_batches_per_step = 3
     doc = run_json(cfg, capsys)
-    assert doc["mode"] == "pool" and doc["num_steps"] == 5 and len(doc["steps"]) == 5
-    assert all(step["num_micro_batches"] == 4 for step in doc["steps"])  # VPP-valid: 3 -> 4
-    assert all(len(r["micro_batches"]) == doc["num_micro_batches"] == 20 for r in doc["ranks"])
+    assert doc["mode"] == "pool" and doc["num_micro_batches"] == 4
+    train = plan_pass(
+        make_workload(Workload.grpo_math, 96, 0), cfg.batching.train, dp=4, pp=2, vpp=2,
+        group_size=GROUP_SIZE[Workload.grpo_math], cost=cost_model_for(cfg.model, cfg.batching.train),
+        seed=cfg.trainer.seed, step=0,
+    ).to_json()  # fmt: skip
+    doc["stats"].pop("planner_seconds"), train["stats"].pop("planner_seconds")
+    assert doc == train
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "pool"])

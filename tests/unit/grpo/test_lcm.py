@@ -85,7 +85,13 @@ def test_service_target_includes_train_micro():
     cfg.grpo.aggregation.logps_use_infer_budget = False
     p = plan_aggregation(cfg)
     assert (p.rollout_micro, p.sample_repeat) == (3, cfg.grpo.num_generations)
-    assert p.service_target_bs == math.lcm(3, 2, 4, 4) == 12
+    # beta = 0 and on-policy: neither the ref nor the old pass runs, their sizes do not count
+    assert (p.ref_pass, p.old_pass) == (False, False)
+    assert p.service_target_bs == math.lcm(3, 2) == 6
+    cfg.grpo.beta, cfg.grpo.num_iterations = 0.1, 2
+    cfg.grpo.aggregation.ref_logps_micro_batch_size = 4
+    cfg.grpo.aggregation.old_logps_micro_batch_size = 5
+    assert plan_aggregation(cfg).service_target_bs == math.lcm(3, 2, 4, 5) == 60
 
 
 def test_bad_sizes_name_the_keys():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlbatch.config.schema import LossAggMode, RunConfig
+from rlbatch.engine.logprobs import token_entropy, token_logprobs
 from rlbatch.grpo.loss import (
     STAT_INDEX,
     GRPOBatch,
@@ -18,8 +19,6 @@ from rlbatch.grpo.loss import (
     grpo_loss,
     loss_from_logps,
     summarize_stats,
-    token_entropy,
-    token_logps,
 )
 
 ALL_MODES = list(LossAggMode)
@@ -181,7 +180,7 @@ def test_logits_path_logps_and_entropy_float64():
     rows, width, vocab = 2, 5, 11
     logits = torch.randn(rows, width, vocab, generator=g, dtype=torch.float64) * 2
     labels = torch.randint(0, vocab, (rows, width), generator=g)
-    lp = token_logps(logits, labels)
+    lp = token_logprobs(logits, labels)
     ent = token_entropy(logits)
     for i in range(rows):
         for t in range(width):
@@ -248,13 +247,14 @@ def test_build_grpo_batch_layouts_truncation_staleness_filler():
     a, b = _sample(3, 4, version=2), _sample(2, 5, version=1, seed=1)
     # packed, round 4: a at columns 0..6 (slots 8), b truncated by the planner to 5 tokens
     mb = MicroBatch((0, 1), (7, 5), padded_len=16, computed_tokens=16, real_tokens=12, packed=True)
-    batch, tokens = build_grpo_batch([a, b], mb, round_to=4, current_version=2)
+    a.old_logps = None  # a: no old pass (on-policy): its weight is exactly 1
+    batch, tokens = build_grpo_batch([a, b], mb, round_to=4)
     assert tokens[0, :7].tolist() == [1, 2, 3, 100, 101, 102, 103]
     assert tokens[0, 8:13].tolist() == [1, 2, 100, 101, 102]
     assert batch.labels[0, 2].item() == 100 and batch.labels[0, 9].item() == 100
     assert batch.loss_mask[0].nonzero().flatten().tolist() == [2, 3, 4, 5, 9, 10, 11]
     assert batch.seq_index[0, 9].item() == 1
-    # a is fresh (version 2): behaviour == old; b is stale: its own behaviour logps (3 kept)
+    # a has no old pass: behaviour == old; b has one: its own behaviour logps (3 kept)
     assert torch.equal(batch.behaviour_logps[0, 2:6], batch.old_logps[0, 2:6])
     assert batch.behaviour_logps[0, 9:12].tolist() == pytest.approx(b.behaviour_logps[:3])
     settings = LossSettings(loss_agg_mode=LossAggMode.seq_mean_token_sum)

@@ -5,6 +5,7 @@ equals it only for uniform micro-batches, and the lazy modes prepare one micro-b
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -106,6 +107,9 @@ def reference_grads(model: TinyLM, samples: list[Sample], st: LossSettings, mask
             r = torch.exp(lp - s.old_logps[k])
             a = s.advantage
             pg = torch.maximum(-a * r, -a * r.clamp(1 - st.epsilon_low, 1 + st.epsilon_high))
+            # the old pass ran: the truncated weight pi_old / pi_behaviour multiplies the surrogate
+            w = min(math.exp(s.old_logps[k] - s.behaviour_logps[k]), st.importance_weight_cap)
+            pg = w * pg
             d = s.ref_logps[k] - lp
             terms.append(pg + st.beta * (torch.exp(d) - d - 1))
         per_seq.append(torch.stack(terms))

@@ -9,6 +9,7 @@ clipping. A NaN loss skips the update and names the micro-batch and rank.
 
 from __future__ import annotations
 
+import math
 import random
 
 import megatron.core  # noqa: F401
@@ -28,8 +29,9 @@ def world():
     return parallel
 
 
-def make_cfg(mode: NormalizationMode) -> RunConfig:
+def make_cfg(mode: NormalizationMode, temperature: float = 1.0) -> RunConfig:
     cfg = RunConfig()
+    cfg.rollout.temperature = temperature
     cfg.normalization.mode = mode
     cfg.grpo.num_generations = 4
     cfg.grpo.beta = 0.05
@@ -55,59 +57,70 @@ def make_samples(n: int = 16) -> list[Sample]:
                 truncated=False,
                 policy_version=0,
                 advantage=rng.uniform(-1.5, 1.5),
-                old_logps=[b + rng.uniform(-0.1, 0.1) for b in beh],
+                old_logps=[b + rng.uniform(-0.3, 0.9) for b in beh],
                 ref_logps=[b + rng.uniform(-0.1, 0.1) for b in beh],
             )
         )
     return out
 
 
-def reference_grad_norm(model, samples, cfg) -> tuple[float, float]:
-    """token-mean objective written directly on the unwrapped GPTModel, float64 math."""
+def reference_grad_norm(model, samples, cfg) -> tuple[float, float, list[float]]:
+    """token-mean decoupled objective written directly on the unwrapped GPTModel, float64
+    math: logprobs of logits / rollout.temperature, the surrogate clipped around old, times the
+    truncated weight pi_old / pi_behaviour. Returns (grad norm, loss, raw weights)."""
     from rlbatch.engine.model import unwrap
 
-    gpt, terms = unwrap(model[0]), []
+    gpt, terms, weights = unwrap(model[0]), [], []
     lo, hi = 1 - cfg.grpo.epsilon_low, 1 + cfg.grpo.epsilon_high
+    temp, cap = cfg.rollout.temperature, cfg.grpo.importance_weight_cap
     for s in samples:
         ids = torch.tensor([s.input_ids])
         w = ids.shape[1]
         mask = torch.ones(w, w, dtype=torch.bool).triu_(1).view(1, 1, w, w)
-        logp = torch.log_softmax(gpt(ids, torch.arange(w).unsqueeze(0), mask)[0].double(), -1)
+        logits = gpt(ids, torch.arange(w).unsqueeze(0), mask)[0].double()
+        logp = torch.log_softmax(logits / temp, -1)
         p = len(s.prompt.prompt_ids)
         for k, tok in enumerate(s.response_ids):
             lp = logp[p - 1 + k, tok]
             r, a = torch.exp(lp - s.old_logps[k]), s.advantage
             d = s.ref_logps[k] - lp
             kl = torch.exp(d) - d - 1
-            terms.append(torch.maximum(-a * r, -a * r.clamp(lo, hi)) + cfg.grpo.beta * kl)
+            raw = math.exp(s.old_logps[k] - s.behaviour_logps[k])
+            weights.append(raw)
+            pg = torch.maximum(-a * r, -a * r.clamp(lo, hi))
+            terms.append(min(raw, cap) * pg + cfg.grpo.beta * kl)
     loss = torch.stack(terms).mean()
     grads = torch.autograd.grad(loss, [p for p in gpt.parameters()])
-    return torch.cat([g.flatten() for g in grads]).norm().item(), loss.item()
+    return torch.cat([g.flatten() for g in grads]).norm().item(), loss.item(), weights
 
 
-def one_step(world, mode, *, inject_nan=False):
+def one_step(world, mode, *, inject_nan=False, temperature=1.0):
     from rlbatch.engine.model import build_model, build_optimizer
     from rlbatch.grpo.step import run_train_step
 
-    cfg = make_cfg(mode)
+    cfg = make_cfg(mode, temperature)
     world.seed(cfg.trainer.seed)
     model = build_model(cfg, calculate_per_token_loss=True)
     optimizer, scheduler = build_optimizer(cfg, model)
     samples = make_samples()
-    ref_norm, ref_loss = reference_grad_norm(model, samples, cfg)
+    ref_norm, ref_loss, weights = reference_grad_norm(model, samples, cfg)
     before = [p.detach().clone() for p in model[0].parameters()]
     metrics = run_train_step(
         cfg, model, optimizer, scheduler, samples, step=1, inject_nan=inject_nan
     )
     changed = any(not torch.equal(a, b) for a, b in zip(before, model[0].parameters(), strict=True))
+    metrics["reference_weights"] = weights
     return metrics, ref_norm, ref_loss, changed
 
 
 @pytest.mark.parametrize(
-    "mode", [NormalizationMode.deferred_global, NormalizationMode.eager_global]
+    ("mode", "temperature"),
+    [(NormalizationMode.deferred_global, 1.0), (NormalizationMode.eager_global, 0.7)],
 )
-def test_step_grad_norm_and_loss_are_exact(world, mode):
-    metrics, ref_norm, ref_loss, changed = one_step(world, mode)
+def test_step_grad_norm_and_loss_are_exact(world, mode, temperature):
+    """Stale samples (old logps from an old pass, behaviour logps from an older policy): the
+    step's gradient, loss and importance-weight metrics equal the float64 reference."""
+    metrics, ref_norm, ref_loss, changed = one_step(world, mode, temperature=temperature)
     assert metrics["num_micro_batches"] >= 3  # dynamic batching cut the 16 samples
     assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
@@ -116,6 +129,15 @@ def test_step_grad_norm_and_loss_are_exact(world, mode):
         assert key in metrics
     assert 0 < metrics["entropy"] <= torch.log(torch.tensor(264.0)).item()
     assert metrics["tokens"] == sum(len(s.response_ids) for s in make_samples())
+    weights = metrics["reference_weights"]
+    cap = make_cfg(mode).grpo.importance_weight_cap
+    assert metrics["is_weight_mean"] == pytest.approx(
+        sum(min(w, cap) for w in weights) / len(weights), rel=1e-6
+    )
+    assert metrics["is_weight_max"] == pytest.approx(max(weights), rel=1e-12)
+    capped = sum(w > cap for w in weights) / len(weights)
+    assert 0 < capped < 1  # the cap truncates some tokens, not all
+    assert metrics["is_capped_fraction"] == pytest.approx(capped, abs=1e-12)
 
 
 def test_per_micro_batch_step_reports_its_bias(world):

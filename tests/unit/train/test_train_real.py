@@ -10,7 +10,14 @@ from rlbatch.config.schema import FailKind, RunConfig
 from rlbatch.train.health import InjectedFailure
 from rlbatch.train.metrics import read_jsonl
 
-TIMING = ("step_time_s", "tokens_per_s", "train_seconds", "train_tokens_per_s")
+TIMING = (
+    "step_time_s",
+    "tokens_per_s",
+    "train_seconds",
+    "train_tokens_per_s",
+    "old_logps_seconds",
+    "batch_seconds",
+)
 
 
 def _cfg(run_dir, **debug):
@@ -53,3 +60,22 @@ def test_real_loop_resumes_bit_exactly(tmp_path):
     cfg.trainer.resume = "auto"
     run(cfg)
     assert _metrics(tmp_path / "run") == expected
+
+
+def test_overlapped_generation_equals_inline(tmp_path):
+    """num_steps_async=1 with generation in its own thread on a model copy (weights handed over
+    per version) trains on exactly the samples inline generation produces: every metric equal,
+    every sample tagged with the version the schedule names."""
+    from rlbatch.train.build import overlaps_generation, run
+
+    runs = {}
+    for overlap in (True, False):
+        cfg = _cfg(tmp_path / str(overlap))
+        cfg.trainer.checkpoint.every_steps = 0
+        cfg.grpo.overlap_generation = overlap
+        assert overlaps_generation(cfg) is overlap
+        run(cfg)
+        runs[overlap] = _metrics(tmp_path / str(overlap))
+    assert runs[True] == runs[False]
+    assert [r["staleness_mean"] for r in runs[True]] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["is_weight_max"] > 1.0 for r in runs[True][1:])

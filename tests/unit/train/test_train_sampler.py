@@ -57,14 +57,15 @@ def test_round_position_order():
         num_generations=2, global_batch_size=4, dp=1, steps_per_generation=2, num_iterations=2
     )
     got = [s.round_position(t) for t in range(9)]
+    # (round, iteration, slice): each mini-batch (slice) twice in a row, a a b b
     assert got == [
         (0, 0, 0),
-        (0, 0, 1),
         (0, 1, 0),
+        (0, 0, 1),
         (0, 1, 1),
         (1, 0, 0),
-        (1, 0, 1),
         (1, 1, 0),
+        (1, 0, 1),
         (1, 1, 1),
         (2, 0, 0),
     ]
@@ -144,21 +145,21 @@ def test_deterministic_and_seed_dependent():
     assert order(3) != order(4)
 
 
-def test_minibatches_cover_buffer_once_per_iteration_and_reshuffle():
+def test_minibatches_cover_buffer_once_and_reshuffle_per_round():
     s = derive_schedule(
         num_generations=2, global_batch_size=6, dp=1, steps_per_generation=4, num_iterations=2
     )
     n = s.prompts_per_rank_round  # 12 groups
-    per_iter = []
-    for it in range(2):
+    per_round = []
+    for rnd in (5, 6):
         groups = [
             g
             for sl in range(4)
-            for g in minibatch_groups(n, s, seed=1, round_index=5, iteration=it, slice_index=sl)
+            for g in minibatch_groups(n, s, seed=1, round_index=rnd, slice_index=sl)
         ]
         assert sorted(groups) == list(range(n))
-        per_iter.append(groups)
-    assert per_iter[0] != per_iter[1]
+        per_round.append(groups)
+    assert per_round[0] != per_round[1]
     assert expand_groups([3, 0], 2) == [6, 7, 0, 1]
 
 

@@ -1,0 +1,67 @@
+"""What runs at the first optimizer step of a generation round, on the training side.
+
+A round's samples may have been generated ahead of time (``grpo.num_steps_async``) and are
+trained ``steps_per_generation * num_iterations`` times. Two things need the whole round and
+the policy at the round's first step, so they run there (docs/training_loop.md):
+
+- ``scale_rewards=batch``: the std of the rewards of the whole generation batch, over every DP
+  rank (one gather of the rewards), divides the group-centred rewards;
+- the old-logprob pass (proximal policy pi_old, when :func:`rlbatch.grpo.lcm.old_pass_runs`):
+  this rank's round samples through the policy as it is at the round's first step, in the
+  aggregation plan's chunks (or under the infer token budget). The loss clips against pi_old
+  and weights each token by pi_old / pi_behaviour, truncated (docs/grpo_loss.md).
+
+Both act in place on the round's ``Sample`` objects, which the producer keeps (and checkpoints)
+for the rest of the round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from rlbatch.grpo.advantages import unbiased_std
+from rlbatch.grpo.lcm import AggregationPlan, LogpsFn, logps_in_chunks
+from rlbatch.grpo.types import Sample
+
+GatherFn = Callable[[Any], list[Any]]
+"""One object per DP rank, in DP-rank order (rlbatch.distributed.dp_gather_object)."""
+
+
+def scale_by_batch_std(samples: Sequence[Sample], eps: float, gather: GatherFn) -> float:
+    """Divide each sample's group-centred advantage by (std + eps), std = the unbiased std of
+    the rewards of the whole generation batch (every DP rank's round samples). Returns std."""
+    shares = gather([s.reward for s in samples])
+    rewards = [r for share in shares for r in share]
+    std = unbiased_std(rewards)
+    for s in samples:
+        s.advantage = s.advantage / (std + eps)
+    return std
+
+
+def compute_old_logps(
+    samples: list[Sample],
+    logps_fn: LogpsFn,
+    plan: AggregationPlan,
+    chunks: Optional[list[int]] = None,
+) -> None:
+    """Set ``Sample.old_logps`` of every sample from ``logps_fn`` (the policy now), chunked
+    like the aggregator's logprob passes (``grpo.aggregation.old_logps_micro_batch_size``)."""
+    logps = logps_in_chunks(logps_fn, samples, plan, plan.old_micro, chunks)
+    for s, lp in zip(samples, logps, strict=True):
+        s.old_logps = lp
+
+
+def importance_weight_max(samples: Sequence[Sample], mask_truncated: bool) -> float:
+    """Largest raw (before the cap) pi_old / pi_behaviour over the loss-carrying response tokens
+    of ``samples``; 1.0 when no sample has old logps (on-policy: every weight is 1)."""
+    best = -math.inf
+    for s in samples:
+        if s.old_logps is None or (mask_truncated and s.truncated):
+            continue
+        diffs = [o - b for o, b in zip(s.old_logps, s.behaviour_logps, strict=True)]
+        best = max(best, max(diffs, default=-math.inf))
+    if best == -math.inf:
+        return 1.0
+    return math.exp(best) if best < 709.0 else math.inf

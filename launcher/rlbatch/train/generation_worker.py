@@ -1,0 +1,204 @@
+"""A generation worker process: async run-ahead that really overlaps with training.
+
+The trainer's producer (``RunAheadProducer(threaded=True)``) calls :class:`GenerationWorker` as
+its generate_fn from its generation thread; the call ships the request (and, once per policy
+version, the weight snapshot) to a spawned process and blocks on the pipe, which releases the
+GIL: the worker generates round t + 1 on its own cores while the trainer trains step t.
+
+The worker holds everything generation needs, built from the same config as the trainer's
+inline path (rlbatch.train.build): its own copy of the policy's architecture (no DDP, no
+grads), the reference model (weights sent once, at start), the tokenizer, the prompts, the
+reward function and its DP rank's LCM aggregator. It has its own torch.distributed world of one
+and its own Megatron parallel state, so it never issues a collective on the trainer's process
+groups, and it needs none itself: only layouts whose generation is local (tp = pp = cp = 1)
+use it. Samples, versions and the aggregator's counters (seeds) are those the inline path
+produces: same seed, same results (tested). The aggregator's state comes back with every round,
+for checkpoints, and is restored into the worker on resume.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Optional
+
+from rlbatch.config.schema import RunConfig
+from rlbatch.grpo.types import Sample
+from rlbatch.train.producer import PolicySnapshot
+from rlbatch.train.sampler import GenerationRequest
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+class GenerationWorkerError(RuntimeError):
+    """The generation worker failed; carries its traceback."""
+
+
+class GenerationWorker:
+    """generate_fn (and aggregator state) backed by a spawned generation process."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        dp_rank: int,
+        threads: int,
+        ref_weights: Optional[list[dict[str, Any]]],
+    ) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(
+            target=_serve,
+            args=(cfg, dp_rank, threads, ref_weights, child),
+            name=f"rlbatch-generation-{dp_rank}",
+            daemon=True,
+        )
+        self._process.start()
+        child.close()
+        self._sent_version: Optional[int] = None
+        self.aggregator_state: dict[str, Any] = {}
+        self._pending_state: Optional[dict[str, Any]] = None
+
+    def _call(self, *message: Any) -> Any:
+        self._conn.send(message)
+        kind, payload = self._conn.recv()
+        if kind == "error":
+            raise GenerationWorkerError(f"generation worker failed:\n{payload}")
+        return payload
+
+    def __call__(self, request: GenerationRequest, snapshot: PolicySnapshot) -> list[Sample]:
+        if self._pending_state is not None:
+            self._call("load_state", self._pending_state)
+            self._pending_state = None
+        weights = None
+        if snapshot.weights is not None and snapshot.version != self._sent_version:
+            weights = snapshot.weights
+        samples, state = self._call("generate", request, snapshot.version, weights)
+        if weights is not None:
+            self._sent_version = snapshot.version
+        self.aggregator_state = state
+        return samples
+
+    # the Components.aggregator contract (checkpoints)
+    def state_dict(self) -> dict[str, Any]:
+        return self.aggregator_state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.aggregator_state = state
+        self._pending_state = state  # sent before the next round (from the generation thread)
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+        self._conn.close()
+
+
+def _serve(
+    cfg: RunConfig,
+    dp_rank: int,
+    threads: int,
+    ref_weights: Optional[list[dict[str, Any]]],
+    conn: Any,
+) -> None:
+    """The worker's main loop: build, then answer generate / load_state / stop messages."""
+    try:
+        generate, aggregator, load = _build(cfg, dp_rank, threads, ref_weights)
+    except BaseException:  # noqa: BLE001 - reported to the trainer
+        _answer_errors(conn, traceback.format_exc())
+        return
+    while True:
+        message = conn.recv()
+        try:
+            if message[0] == "stop":
+                return
+            if message[0] == "load_state":
+                aggregator.load_state_dict(message[1])
+                conn.send(("ok", None))
+            else:
+                _, request, version, weights = message
+                if weights is not None:
+                    load(weights)
+                samples = generate(request, PolicySnapshot(version))
+                conn.send(("ok", (samples, aggregator.state_dict())))
+        except BaseException:  # noqa: BLE001 - reported to the trainer
+            conn.send(("error", traceback.format_exc()))
+
+
+def _answer_errors(conn: Any, text: str) -> None:
+    """Answer every request with the build error until the trainer stops us."""
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message[0] == "stop":
+            return
+        conn.send(("error", text))
+
+
+def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
+    """generate_fn, aggregator and load(weights) in this process (a world of one)."""
+    import copy
+
+    import torch
+
+    from rlbatch.engine import parallel
+    from rlbatch.engine.model import build_model
+    from rlbatch.engine.tokenizer import build_tokenizer
+    from rlbatch.grpo.data import load_prompts
+    from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
+    from rlbatch.train.build import build_aggregator, make_generate_fn
+
+    for key in _TORCHRUN_ENV:  # a world of one, apart from the trainer's
+        os.environ.pop(key, None)
+    local = copy.deepcopy(cfg)
+    local.parallel.dp = 1
+    local.parallel.nproc_per_node = None
+    local.parallel.nnodes = 1
+    local.trainer.num_threads = threads
+    parallel.initialize(local)
+    torch.set_num_threads(threads)
+
+    def frozen() -> list[Any]:
+        chunks = build_model(local, wrap_ddp=False)
+        for chunk in chunks:
+            chunk.eval()
+            for p in chunk.parameters():
+                p.requires_grad_(False)
+        return chunks
+
+    model = frozen()
+    ref = None
+    if ref_weights is not None:
+        ref = frozen()
+        for chunk, weights in zip(ref, ref_weights, strict=True):
+            chunk.load_state_dict(weights)
+
+    def load(weights: list[dict[str, Any]]) -> None:
+        with torch.no_grad():
+            for chunk, w in zip(model, weights, strict=True):
+                chunk.load_state_dict(w)
+
+    tokenizer = build_tokenizer(local.model)
+    prompts = load_prompts(local.data, tokenizer, local.trainer.seed)
+    aggregator = build_aggregator(local, tokenizer, ref, dp_rank)
+    engine = MegatronRolloutEngine(
+        model,
+        SamplingParams.from_config(local.rollout, tokenizer.eos_id, tokenizer.pad_id),
+        kv_cache=local.rollout.kv_cache,
+    )
+    generate = make_generate_fn(
+        prompts,
+        aggregator,
+        engine,
+        train_micro_batch_size=local.grpo.aggregation.train_micro_batch_size,
+    )
+    return generate, aggregator, load
