@@ -8,7 +8,9 @@ weights: ``tiny`` = vocab 512, hidden 128, 4 layers, 4 heads / 2 KV heads, tied;
 ~26M parameters) for the same prompts with the same sampling settings (temperature 1, no top-k
 / top-p, the same EOS id, ``--max-new-tokens``). Per cell (model x batch size x prompt-length
 spread) the variants run interleaved in one process, ``--repeats`` times; the report gives the
-median generated tokens/s of each and the ratio to transformers:
+median generated tokens per second of each and the ratio to transformers. Seconds are this
+process's CPU seconds by default (``--clock cpu``, one thread): on a shared machine they do not
+count time spent waiting for a core; ``--clock wall --threads N`` on a quiet one.
 
 - ``hf``: ``model.generate`` on batches of ``batch size`` rows (left padding, KV cache);
 - ``rlbatch``: ``MegatronRolloutEngine`` (continuous batching of ``batch size`` slots);
@@ -58,7 +60,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=32, help="completions per measurement")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median)")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument(
+        "--clock", choices=("cpu", "wall"), default="cpu", help="tokens per CPU or wall second"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     return p.parse_args(argv)
 
@@ -145,6 +150,12 @@ def run_rlbatch(model: Any, prompts: list[list[int]], batch: int, max_new: int, 
     return sum(len(s.response_ids) for s in engine.generate(rows, 1, 0, seed))
 
 
+def _clock(args: argparse.Namespace) -> float:
+    """CPU seconds of this process (--clock cpu: robust on a shared machine with one thread)
+    or wall-clock seconds (--clock wall)."""
+    return time.process_time() if args.clock == "cpu" else time.perf_counter()
+
+
 def measure_cell(hf_model: Any, model: Any, args: argparse.Namespace, batch: int, spread: str):
     import random
 
@@ -169,9 +180,9 @@ def measure_cell(hf_model: Any, model: Any, args: argparse.Namespace, batch: int
         fn(0)  # warm-up
     for r in range(args.repeats):
         for name, fn in variants.items():
-            t0 = time.perf_counter()
+            t0 = _clock(args)
             tokens = fn(r + 1)
-            rates[name].append(tokens / (time.perf_counter() - t0))
+            rates[name].append(tokens / (_clock(args) - t0))
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratios = [a / b for a, b in zip(rates["rlbatch"], rates["hf"], strict=True)]
     return {

@@ -375,7 +375,17 @@ def _megatron_engine(cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunk
     )
 
 
-_ENGINES = {RolloutBackend.megatron: _megatron_engine}
+def _dynamic_engine(cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool) -> Any:
+    from rlbatch.engine.dynamic_rollout import DynamicRolloutEngine
+
+    params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id)
+    return DynamicRolloutEngine(model, params)
+
+
+_ENGINES = {
+    RolloutBackend.megatron: _megatron_engine,
+    RolloutBackend.megatron_dynamic: _dynamic_engine,
+}
 
 
 def build_rollout_engine(

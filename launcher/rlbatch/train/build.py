@@ -193,7 +193,7 @@ def build_components(cfg: RunConfig) -> Any:
     from rlbatch.engine.model import build_model, build_optimizer
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
+    from rlbatch.grpo.rollout import build_rollout_engine
     from rlbatch.train.loop import Components
     from rlbatch.train.producer import RunAheadProducer
     from rlbatch.train.sampler import PromptSampler, schedule_from_config
@@ -209,10 +209,8 @@ def build_components(cfg: RunConfig) -> Any:
     tokenizer = build_tokenizer(cfg.model)
     prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)
     aggregator = build_aggregator(cfg, tokenizer, build_reference(cfg, model), ps.dp_rank)
-    engine = MegatronRolloutEngine(
-        model,
-        SamplingParams.from_config(cfg.rollout, tokenizer.eos_id, tokenizer.pad_id),
-        kv_cache=cfg.rollout.kv_cache,
+    engine = build_rollout_engine(
+        cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=False
     )
     schedule = schedule_from_config(cfg.grpo, ps.dp)
     sampler = PromptSampler(
