@@ -1,6 +1,7 @@
 """rlbatch-bench grpo: one GRPO step on the tiny model, timed by stage.
 
     rlbatch-bench grpo [--prompts 16] [--generations 4] [--repeats 3] [--threads 1] [--json]
+    rlbatch-bench grpo --against trl    (TRL's GRPOTrainer vs rlbatch: see rlbatch.bench.grpo_trl)
 
 Stages: rollout (generation on the policy, KV cache), ref (reference logprobs), old (policy
 logprobs before the update), train (forward/backward + optimizer step through
@@ -38,6 +39,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument(
+        "--against", choices=("trl",), help="compare whole steps with TRL's GRPOTrainer instead"
+    )
+    p.add_argument("--completion-tokens", default="64,256", help="--against trl: caps to run")
+    p.add_argument("--workload", default="issue,longtail", help="--against trl: issue,longtail")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="--against trl")
     return p.parse_args(argv)
 
 
@@ -245,6 +252,12 @@ def format_report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.against == "trl":
+        from rlbatch.bench import grpo_trl
+
+        result = grpo_trl.run(args)
+        print(json.dumps(result, indent=2) if args.json else grpo_trl.format_report(result))
+        return 0
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0

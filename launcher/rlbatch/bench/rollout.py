@@ -83,13 +83,16 @@ def prompt_lengths(spread: str, rows: int, seed: int = 0) -> list[int]:
     return out[:rows]
 
 
-def write_checkpoint(name: str, path: Path) -> None:
+def write_checkpoint(name: str, path: Path, *, eos_id: int = EOS_ID, pad_id: int = 0) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     fields = MODELS[name] | dict(
-        tie_word_embeddings=True, max_position_embeddings=2048, eos_token_id=EOS_ID, pad_token_id=0
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
     )
     config = Qwen2Config(**fields)
     Qwen2ForCausalLM(config).save_pretrained(path)
