@@ -18,8 +18,10 @@ TRL runs with and without gradient checkpointing (its default is on).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -159,7 +161,8 @@ def measure(path: Path, name: str, max_new: int, ckpt: bool, repeats: int, clock
         trainer = build_trl(
             path, prompts, gens, max_new, ckpt, Path(out), repeats + 1, Interleave()
         )
-        trainer.train()
+        with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs on stdout
+            trainer.train()
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {"tokens_per_s": med, "dynamic_over_trl": med["dynamic"] / med["trl"],
             "packed_over_trl": med["packed"] / med["trl"]}  # fmt: skip

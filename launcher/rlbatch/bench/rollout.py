@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for batch in [int(b) for b in args.batch_sizes.split(",")]:
                 for spread in args.spreads.split(","):
                     cell = measure_cell(hf_model, model, args, batch, spread)
+                    print(name, batch, spread, json.dumps(cell), file=sys.stderr, flush=True)
                     cells.append({"model": name, "params": params, "batch": batch,
                                   "spread": spread} | cell)  # fmt: skip
     return {"cells": cells, "setup": vars(args)}
