@@ -2,6 +2,7 @@
 
     rlbatch-bench grpo [--prompts 16] [--generations 4] [--repeats 3] [--threads 1] [--json]
     rlbatch-bench grpo --async [--steps 12] [--repeats 3] [--threads 1]   (rlbatch.bench.grpo_async)
+    rlbatch-bench grpo --against trl    (TRL's GRPOTrainer vs rlbatch: see rlbatch.bench.grpo_trl)
 
 Stages: rollout (generation on the policy, KV cache), ref (reference logprobs), old (policy
 logprobs before the update), train (forward/backward + optimizer step through
@@ -47,6 +48,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=12, help="--async: optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="--async: first steps not timed")
+    p.add_argument(
+        "--against", choices=("trl",), help="compare whole steps with TRL's GRPOTrainer instead"
+    )
+    p.add_argument("--completion-tokens", default="64,256", help="--against trl: caps to run")
+    p.add_argument("--workload", default="issue,longtail", help="--against trl: issue,longtail")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="--against trl")
     return p.parse_args(argv)
 
 
@@ -259,6 +266,12 @@ def main(argv: list[str]) -> int:
 
         result = run_async(args.steps, args.repeats, args.threads, args.warmup)
         print(json.dumps(result, indent=2) if args.json else format_async(result))
+        return 0
+    if args.against == "trl":
+        from rlbatch.bench import grpo_trl
+
+        result = grpo_trl.run(args)
+        print(json.dumps(result, indent=2) if args.json else grpo_trl.format_report(result))
         return 0
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else format_report(result))

@@ -3,6 +3,7 @@
 rlbatch-bench batching   planner quality and speed on synthetic long-tailed workloads
 rlbatch-bench engine     forward+backward tokens/s: fixed vs dynamic vs packed batching
 rlbatch-bench grpo       one GRPO step timed by stage, batching and aggregation compared
+rlbatch-bench rollout    generation tokens/s: rlbatch against transformers' generate
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ BENCHES = {
     "batching": ("rlbatch.bench.batching", "planner quality and speed on synthetic workloads"),
     "engine": ("rlbatch.bench.engine", "forward+backward tokens/s: fixed vs dynamic vs packed"),
     "grpo": ("rlbatch.bench.grpo", "one GRPO step timed by stage; batching and LCM compared"),
+    "rollout": ("rlbatch.bench.rollout", "generation tokens/s against transformers' generate"),
 }
 
 

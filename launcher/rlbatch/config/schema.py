@@ -147,9 +147,11 @@ class RopeScaling(str, Enum):
 
 
 class RolloutBackend(str, Enum):
-    """Generation engine; ``megatron`` generates on the policy itself (KV cache)."""
+    """Generation engine; ``megatron`` generates on the policy itself (KV cache, continuous
+    batching); ``megatron_dynamic`` through megatron-core's DynamicInferenceEngine (CUDA only)."""
 
     megatron = "megatron"
+    megatron_dynamic = "megatron_dynamic"
 
 
 class DistBackend(str, Enum):
@@ -287,7 +289,8 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     backend: RolloutBackend = RolloutBackend.megatron
-    """Generation engine."""
+    """Generation engine: megatron (built-in, CPU and GPU) or megatron_dynamic (megatron-core's
+    DynamicInferenceEngine: paged KV cache, CUDA graphs; CUDA only, pp=1)."""
     max_new_tokens: int = 24
     """Longest response in tokens."""
     temperature: float = 1.0

@@ -4,8 +4,13 @@ once per packed sequence.
 Megatron's local attention refuses ``packed_seq_params``; the alternative, one row with a
 block-diagonal causal mask, computes the full (sum of lengths)^2 score matrix, most of it
 masked. Here each sequence of the pack (``cu_seqlens``) gets its own causal attention, so the
-cost follows sum(length^2) as with TE's THD kernels, and the math per sequence is exactly
-Megatron's (same scaling, softmax, dropout RNG): packed logits equal unpacked ones.
+cost follows sum(length^2) as with TE's THD kernels: packed logits equal unpacked ones.
+
+Without attention dropout (rlbatch's default) sequences of equal length share one batched
+``torch.nn.functional.scaled_dot_product_attention`` call (causal, grouped-query heads, the
+layer's softmax scale): far fewer kernel calls than one Megatron attention per sequence, which
+dominated packed training on CPU. With dropout, Megatron's own attention runs per sequence
+(same dropout RNG use as unpacked).
 """
 
 from __future__ import annotations
@@ -25,6 +30,32 @@ def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
 
 class SegmentedDotProductAttention(DotProductAttention):
     """DotProductAttention that also takes THD input: per-sequence causal attention."""
+
+    def _fused_ok(self) -> bool:
+        dropout = self.attention_dropout.p if self.training else 0.0
+        return dropout == 0.0 and not self.config.apply_query_key_layer_scaling
+
+    def _grouped_sdpa(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int]
+    ) -> torch.Tensor:
+        """Causal attention per sequence, sequences of one length batched together.
+        query [t, np, hn], key / value [t, ng, hn] -> [t, 1, np * hn]."""
+        by_len: dict[int, list[int]] = {}
+        for start, end in itertools.pairwise(bounds):
+            if end > start:
+                by_len.setdefault(end - start, []).append(start)
+        out = query.new_zeros(query.shape[0], query.shape[1] * query.shape[2])
+        for length, starts in by_len.items():
+            rows = torch.cat([torch.arange(s, s + length) for s in starts]).to(query.device)
+            q, k, v = (
+                t[rows].view(len(starts), length, t.shape[1], t.shape[2]).transpose(1, 2)
+                for t in (query, key, value)
+            )  # [b, heads, s, hn]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True
+            )  # [b, np, s, hn]
+            out[rows] = o.transpose(1, 2).reshape(len(starts) * length, -1)
+        return out[:, None]  # [t, 1, hp]
 
     def forward(  # type: ignore[override]
         self,
@@ -46,6 +77,8 @@ class SegmentedDotProductAttention(DotProductAttention):
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
         bounds = [int(b) for b in cu.tolist()]
+        if self._fused_ok():
+            return self._grouped_sdpa(query, key, value, bounds)
         outputs = []
         for start, end in itertools.pairwise(bounds):
             if end == start:

@@ -18,6 +18,7 @@ logprob pass must divide its logits by the same temperature to compare like with
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -91,118 +92,53 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+# ------------------------------------------------------------------------------ sampling
+# Sampling noise is a hash of (seed, row, token index, vocabulary id), not a generator's
+# stream: a row's sample does not depend on which rows share its batch, the order rows enter
+# a continuous batch, the rollout chunk size or the decoding path (lean, megatron, pipeline).
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # < 2**31: products of 32-bit values stay inside int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash, elementwise on int64 tensors holding values in [0, 2**32)."""
+    for _ in range(3):
+        x = x ^ (x >> 16)
+        x = (x * _MUL) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, num_rows: int) -> torch.Tensor:
+    """One sampling key per row [R] (int64 in [0, 2**32)) from the seed and the row index."""
+    s = _mix(torch.tensor([seed & _M32, (seed >> 32) & _M32], dtype=torch.long))
+    base = _mix(s[0:1] ^ _mix(s[1:2] + 0x9E3779B9 & _M32))
+    return _mix(base ^ torch.arange(num_rows, dtype=torch.long))
+
+
+def exponential_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) variates [n, V] (float64) for rows with these keys at these token indices."""
+    device = keys.device
+    state = _mix(keys ^ _mix(steps.to(device) & _M32))  # [n]
+    ids = _mix(torch.arange(vocab, device=device, dtype=torch.long) + 0x632BE5AB)  # [V]
+    bits = _mix(state[:, None] ^ ids[None])  # [n, V]
+    return -torch.log((bits.double() + 0.5) / 2.0**32)
+
+
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, steps: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of logits [B, V]: (tokens [B], behaviour logprobs [B])."""
-    scaled = logits.float() / params.temperature
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator)  # [B, 1]
-    return tokens[:, 0], logp_all.gather(-1, tokens)[:, 0]
+    """Sample one token per row of logits [n, V]: (tokens [n], behaviour logprobs [n]).
 
-
-# ------------------------------------------------------------------------------ forwards
-def _causal_mask(batch: int, q_len: int, k_len: int) -> torch.Tensor:
-    """Megatron's boolean mask [B, 1, q, k], True = masked; queries are the last q positions."""
-    q = torch.arange(k_len - q_len, k_len)[:, None]
-    k = torch.arange(k_len)[None, :]
-    return (k > q)[None, None].expand(batch, 1, q_len, k_len)
-
-
-class _Forward:
-    """Logits at position end - 1 of tokens[:, :end], through this rank's model chunks.
-
-    pp = 1: one chunk, logits returned. pp > 1: virtual stage v * pp + r runs chunk v on
-    pipeline rank r; hidden states [S, B, H] go to the next stage by point-to-point send
-    (one forward-only pass through the pipeline per decoding step); only the last stage
-    returns logits, the others None. One StaticInferenceContext per chunk with kv_cache.
+    The exponential race argmax(log p - log E), E ~ Exp(1), draws exactly from p (the
+    tempered, top-k / top-p filtered softmax) without normalising it; the logprob is the
+    tempered full-vocabulary one of the chosen token: logit / T - logsumexp(logits / T).
     """
-
-    def __init__(self, chunks: list[Any], batch: int, max_len: int, kv_cache: bool) -> None:
-        self.chunks = chunks
-        self.pp = distributed.pp_size()
-        self.device = _device_of(chunks[0])
-        self.contexts: list[Any] = [None] * len(chunks)
-        if kv_cache:
-            from megatron.core.inference.contexts import StaticInferenceContext
-
-            self.contexts = [StaticInferenceContext(batch, max_len) for _ in chunks]
-
-    def __call__(self, tokens: torch.Tensor, start: int, end: int) -> Optional[torch.Tensor]:
-        batch = tokens.shape[0]
-        if self.contexts[0] is None:
-            start = 0  # recompute the whole prefix
-        positions = torch.arange(start, end, device=self.device)[None].expand(batch, end - start)
-        mask = _causal_mask(batch, end - start, end).to(self.device)
-        inputs = tokens[:, start:end].to(self.device)
-        logits = None
-        for v, (chunk, ctx) in enumerate(zip(self.chunks, self.contexts, strict=True)):
-            stage, last_stage = _stage_of(v, self.pp), len(self.chunks) * self.pp - 1
-            if stage > 0:
-                _set_input_tensor(chunk, _recv_hidden(chunk, end - start, batch, self.device))
-            if ctx is not None:
-                assert start == ctx.sequence_len_offset, "KV cache steps must be consecutive"
-                if start > 0:
-                    ctx.enable_decode_mode()
-            out = chunk(
-                inputs,
-                positions,
-                mask,
-                inference_context=ctx,
-                runtime_gather_output=True,
-            )  # last stage: logits [B, S or 1, V]; other stages: hidden [S, B, H]
-            if ctx is not None:
-                ctx.sequence_len_offset = end
-            if stage == last_stage:
-                logits = out[:, -1, :].float().cpu()  # sampling runs on the CPU generator
-            else:
-                _send_hidden(out)
-        return logits
-
-
-# Point-to-point hidden states between pipeline stages for generation (the sampled tokens go
-# back to every stage by rlbatch.distributed.broadcast_from_last_stage).
-def _stage_of(chunk_index: int, pp: int) -> int:
-    if pp == 1:
-        return chunk_index
-    from megatron.core import parallel_state as ps
-
-    return chunk_index * pp + ps.get_pipeline_model_parallel_rank()
-
-
-def _set_input_tensor(chunk: Any, hidden: torch.Tensor) -> None:
-    from megatron.core.utils import get_attr_wrapped_model
-
-    get_attr_wrapped_model(chunk, "set_input_tensor")(hidden)
-
-
-def _config_of(chunk: Any) -> Any:
-    from megatron.core.utils import get_attr_wrapped_model
-
-    return get_attr_wrapped_model(chunk, "config")
-
-
-def _device_of(chunk: Any) -> torch.device:
-    return next(chunk.parameters()).device
-
-
-def _recv_hidden(chunk: Any, seq: int, batch: int, device: torch.device) -> torch.Tensor:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    config = _config_of(chunk)
-    dtype = config.pipeline_dtype or config.params_dtype
-    hidden = torch.empty(seq, batch, config.hidden_size, dtype=dtype, device=device)
-    dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-    return hidden
-
-
-def _send_hidden(hidden: torch.Tensor) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    dist.send(hidden.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    scaled = logits.float() / params.temperature
+    filtered = filter_logits(scaled, params.top_k, params.top_p)
+    noise = exponential_noise(keys, steps, scaled.shape[-1])
+    tokens = torch.argmax(filtered.double() - torch.log(noise), dim=-1)  # [n]
+    chosen = scaled.gather(-1, tokens[:, None])[:, 0]
+    return tokens, chosen - torch.logsumexp(scaled, dim=-1)
 
 
 # ------------------------------------------------------------------------------ decoding
@@ -215,67 +151,129 @@ class Decoded:
     truncated: list[bool]
 
 
-def decode(
+class _Outputs:
+    """Tokens and logprobs of every row, written as they are sampled."""
+
+    def __init__(self, num_rows: int, max_new: int, device: torch.device) -> None:
+        self.tokens = torch.zeros(num_rows, max_new, dtype=torch.long, device=device)
+        self.logps = torch.zeros(num_rows, max_new, dtype=torch.float64, device=device)
+        self.count = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.hit_eos = torch.zeros(num_rows, dtype=torch.bool, device=device)
+
+    def add(self, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, params: Any) -> Any:
+        """Record one token for each of rows; returns the mask of rows that just finished."""
+        n = self.count[rows]
+        self.tokens[rows, n] = tok
+        self.logps[rows, n] = lp.double()
+        self.count[rows] = n + 1
+        eos = tok == params.eos_id
+        self.hit_eos[rows] |= eos
+        return eos | (n + 1 >= params.max_new_tokens)
+
+    def decoded(self) -> Decoded:
+        count, tokens, logps = self.count.tolist(), self.tokens.cpu(), self.logps.cpu()
+        return Decoded(
+            response_ids=[tokens[i, :n].tolist() for i, n in enumerate(count)],
+            logps=[logps[i, :n].tolist() for i, n in enumerate(count)],
+            truncated=[not h for h in self.hit_eos.tolist()],
+        )
+
+
+def decode_continuous(
+    decoder: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    params: SamplingParams,
+    keys: torch.Tensor,
+    num_slots: int,
+    calls: list[int],
+) -> Decoded:
+    """Continuous batching on a per-slot decoder (engine.generation.LeanDecoder): up to
+    num_slots rows at once; a row leaves when it ends and the next prompt takes its slot.
+    `calls` gets the number of rows of every prefill."""
+    queue = deque(range(len(prompt_ids)))
+    out = _Outputs(len(prompt_ids), params.max_new_tokens, decoder.device)
+    keys = keys.to(decoder.device)
+    first = [queue.popleft() for _ in range(num_slots)]
+    rows = torch.tensor(first, device=decoder.device)  # [S] row held by each slot
+    logits = decoder.prefill(range(num_slots), [prompt_ids[r] for r in first])
+    calls.append(num_slots)
+    while len(rows):
+        tok, lp = sample_tokens(logits, params, keys[rows], out.count[rows])
+        finished = out.add(rows, tok, lp, params)
+        if not bool(finished.any()):
+            logits = decoder.decode(tok)
+            continue
+        ended = torch.nonzero(finished)[:, 0].tolist()
+        refill, dropped = ended[: len(queue)], set(ended[len(queue) :])
+        if dropped:
+            kept = [i for i in range(len(rows)) if i not in dropped]
+            index = torch.tensor(kept, dtype=torch.long, device=decoder.device)
+            decoder.keep(index)
+            rows, tok, logits = rows[index], tok[index], logits[index]
+            refill = [kept.index(i) for i in refill]
+        if not len(rows):
+            break
+        if len(refill) < len(rows):  # rows that go on (refilled slots compute a spare step)
+            logits = decoder.decode(tok)
+        if refill:
+            new = [queue.popleft() for _ in refill]
+            slot_index = torch.tensor(refill, device=decoder.device)
+            logits[slot_index] = decoder.prefill(refill, [prompt_ids[r] for r in new])
+            rows[slot_index] = torch.tensor(new, device=decoder.device)
+            calls.append(len(refill))
+    return out.decoded()
+
+
+def decode_lockstep(
     forward: Any,
     prompt_ids: Sequence[Sequence[int]],
     params: SamplingParams,
-    generator: torch.Generator,
+    keys: torch.Tensor,
 ) -> Decoded:
-    """The decoding loop shared by the KV-cache and recompute paths.
+    """All rows advance together until the last one ends (the megatron and pipeline path).
 
-    `forward(tokens [B, T], start, end) -> logits [B, V]` at position end - 1.
+    `forward(tokens [B, T], start, end) -> logits [B, V]` at position end - 1 (None on
+    pipeline stages other than the last). Prefill covers the shortest prompt; a longer prompt
+    feeds its own tokens at the positions it still has (the sample drawn there is discarded).
     """
     lens = torch.tensor([len(p) for p in prompt_ids])
-    if int(lens.min()) < 1:
-        raise ValueError("a prompt has no tokens: every prompt needs >= 1 token (e.g. a BOS)")
     batch, p_min = len(prompt_ids), int(lens.min())
     pipelined = getattr(forward, "pp", 1) > 1
     total = int(lens.max()) + params.max_new_tokens
     tokens = torch.full((batch, total), params.pad_id, dtype=torch.long)
     for i, p in enumerate(prompt_ids):
         tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-    num_new = torch.zeros(batch, dtype=torch.long)
+    out = _Outputs(batch, params.max_new_tokens, torch.device("cpu"))
     done = torch.zeros(batch, dtype=torch.bool)
-    hit_eos = torch.zeros(batch, dtype=torch.bool)
-    logps = torch.zeros(batch, params.max_new_tokens, dtype=torch.float64)
     logits = forward(tokens, 0, p_min)
     for t in range(p_min, total):
-        new_tok, new_lp = _sample_step(logits, params, generator, batch, pipelined)
+        new_tok, new_lp = _sample_step(logits, params, keys, out.count, pipelined)
         active = (t >= lens) & ~done  # rows generating at position t
-        tokens[:, t] = torch.where(
-            active, new_tok, torch.where(t < lens, tokens[:, t], params.pad_id)
-        )
+        tokens[:, t] = torch.where(active, new_tok, tokens[:, t])
         idx = torch.nonzero(active)[:, 0]
-        logps[idx, num_new[idx]] = new_lp[idx].double()
-        num_new += active.long()
-        eos = active & (new_tok == params.eos_id)
-        hit_eos |= eos
-        done |= eos | (num_new >= params.max_new_tokens)
+        done[idx] |= out.add(idx, new_tok[idx], new_lp[idx], params)
         if bool(done.all()):
             break
         logits = forward(tokens, t, t + 1)
-    return Decoded(
-        response_ids=[tokens[i, lens[i] : lens[i] + num_new[i]].tolist() for i in range(batch)],
-        logps=[logps[i, : num_new[i]].tolist() for i in range(batch)],
-        truncated=[not bool(h) for h in hit_eos],
-    )
+    return out.decoded()
 
 
 def _sample_step(
     logits: Optional[torch.Tensor],
     params: SamplingParams,
-    generator: torch.Generator,
-    batch: int,
+    keys: torch.Tensor,
+    steps: torch.Tensor,
     pipelined: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample on the stage that has logits; with pp > 1 every stage gets its tokens."""
     both = None
     if logits is not None:
-        tok, lp = sample_tokens(logits, params, generator)
+        tok, lp = sample_tokens(logits, params, keys.to(logits.device), steps)
         both = torch.stack([tok.double(), lp.double()])  # token ids < 2**53 are exact
     if pipelined:
-        both = distributed.broadcast_from_last_stage(both, (2, batch), torch.float64).cpu()
+        both = distributed.broadcast_from_last_stage(both, (2, len(keys)), torch.float64)
     assert both is not None
+    both = both.cpu()
     return both[0].long(), both[1]
 
 
@@ -285,8 +283,11 @@ class MegatronRolloutEngine:
     stage; pp=1: a single model). Every pipeline rank calls generate with the same prompts and
     seed and gets the same samples.
 
-    `chunk_size`: prompts per generation chunk (rollout.micro_batch_size); None = one chunk
-    (when the LCM aggregator already chunks). Generation is per DP rank on its own prompts.
+    `chunk_size`: prompts whose rows decode at once (rollout.micro_batch_size); None = all rows
+    at once (when the LCM aggregator already chunks). With the KV cache on a tp = pp = 1 model
+    the rows form a continuous batch of that many slots (a finished row's slot takes the next
+    row); otherwise the rows decode in lockstep chunks through megatron's forward. Both give
+    the same samples. Generation is per DP rank on its own prompts.
     """
 
     def __init__(
@@ -296,42 +297,53 @@ class MegatronRolloutEngine:
         *,
         kv_cache: bool = True,
         chunk_size: Optional[int] = None,
+        continuous: bool = True,
     ) -> None:
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.params = params
         self.kv_cache = kv_cache
         self.chunk_size = chunk_size
+        self.continuous = continuous
+        """False: lockstep chunks through megatron's forward even where the continuous batch
+        could run (benchmarks and parity tests compare both)."""
         self.calls: list[int] = []
-        """Rows per decoding chunk, in call order (tests and benchmarks read it)."""
+        """Rows per prefill, in call order (tests and benchmarks read it)."""
 
     def generate(
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
     ) -> list[Sample]:
-        rows = [(g, p) for g, p in enumerate(prompts) for _ in range(num_generations)]
-        size = len(rows) if self.chunk_size is None else self.chunk_size * num_generations
-        samples: list[Sample] = []
-        was_training = [c.training for c in self.chunks]
-        for c in self.chunks:
-            c.eval()  # megatron uses the inference context only outside training mode
-        try:
-            with torch.no_grad():
-                for k, start in enumerate(range(0, len(rows), max(size, 1))):
-                    chunk = rows[start : start + size]
-                    samples += self._generate_chunk(chunk, policy_version, seed, k)
-        finally:
-            for c, mode in zip(self.chunks, was_training, strict=True):
-                c.train(mode)
-        return samples
+        from rlbatch.engine import generation
 
-    def _generate_chunk(
-        self, rows: list[tuple[int, Prompt]], policy_version: int, seed: int, chunk_index: int
-    ) -> list[Sample]:
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + chunk_index) % 2**63)
+        rows = [(g, p) for g, p in enumerate(prompts) for _ in range(num_generations)]
+        if not rows:
+            return []
         prompt_ids = [p.prompt_ids for _, p in rows]
+        if min(len(p) for p in prompt_ids) < 1:
+            raise ValueError("a prompt has no tokens: every prompt needs >= 1 token (e.g. a BOS)")
+        size = len(rows) if self.chunk_size is None else self.chunk_size * num_generations
+        size = max(1, min(size, len(rows)))
+        keys = row_keys(seed, len(rows))
         max_len = max(len(p) for p in prompt_ids) + self.params.max_new_tokens
-        forward = _Forward(self.chunks, len(rows), max_len, self.kv_cache)
-        out = decode(forward, prompt_ids, self.params, generator)
-        self.calls.append(len(rows))
+        with generation.inference_mode(self.chunks):
+            if (
+                self.continuous
+                and self.kv_cache
+                and generation.lean_decoding_supported(self.chunks)
+            ):
+                decoder = generation.LeanDecoder(self.chunks[0], size, max_len)
+                out = decode_continuous(decoder, prompt_ids, self.params, keys, size, self.calls)
+            else:
+                out = Decoded([], [], [])
+                for start in range(0, len(rows), size):
+                    part = prompt_ids[start : start + size]
+                    forward = generation.PipelineForward(
+                        self.chunks, len(part), max_len, self.kv_cache
+                    )
+                    done = decode_lockstep(forward, part, self.params, keys[start : start + size])
+                    self.calls.append(len(part))
+                    out.response_ids += done.response_ids
+                    out.logps += done.logps
+                    out.truncated += done.truncated
         return [
             Sample(
                 prompt=p,
@@ -363,7 +375,17 @@ def _megatron_engine(cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunk
     )
 
 
-_ENGINES = {RolloutBackend.megatron: _megatron_engine}
+def _dynamic_engine(cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool) -> Any:
+    from rlbatch.engine.dynamic_rollout import DynamicRolloutEngine
+
+    params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id)
+    return DynamicRolloutEngine(model, params)
+
+
+_ENGINES = {
+    RolloutBackend.megatron: _megatron_engine,
+    RolloutBackend.megatron_dynamic: _dynamic_engine,
+}
 
 
 def build_rollout_engine(

@@ -340,7 +340,7 @@ def build_components(cfg: RunConfig) -> Components:
     from rlbatch.engine.setup import set_up_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
+    from rlbatch.grpo.rollout import build_rollout_engine
     from rlbatch.train.producer import RunAheadProducer
     from rlbatch.train.sampler import PromptSampler, schedule_from_config
 
@@ -371,10 +371,8 @@ def build_components(cfg: RunConfig) -> Components:
         aggregator: Any = generate  # its state_dict is the worker aggregator's
     else:
         aggregator = build_aggregator(cfg, tokenizer, ref, ps.dp_rank)
-        engine: RolloutEngine = MegatronRolloutEngine(
-            model,
-            SamplingParams.from_config(cfg.rollout, tokenizer.eos_id, tokenizer.pad_id),
-            kv_cache=cfg.rollout.kv_cache,
+        engine: RolloutEngine = build_rollout_engine(
+            cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=False
         )
         if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
             engine = SequenceParallelOffEngine(engine, model)

@@ -154,7 +154,7 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     from rlbatch.engine.model import build_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
+    from rlbatch.grpo.rollout import build_rollout_engine
     from rlbatch.train.build import build_aggregator, make_generate_fn
 
     for key in _TORCHRUN_ENV:  # a world of one, apart from the trainer's
@@ -190,10 +190,8 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     tokenizer = build_tokenizer(local.model)
     prompts = load_prompts(local.data, tokenizer, local.trainer.seed)
     aggregator = build_aggregator(local, tokenizer, ref, dp_rank)
-    engine = MegatronRolloutEngine(
-        model,
-        SamplingParams.from_config(local.rollout, tokenizer.eos_id, tokenizer.pad_id),
-        kv_cache=local.rollout.kv_cache,
+    engine = build_rollout_engine(
+        local, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=False
     )
     generate = make_generate_fn(
         prompts,

@@ -169,3 +169,16 @@ def test_filter_logits_against_a_float64_reference():
                 want.add(i)
                 mass += math.exp(row[i]) / z
             assert {i for i, k in enumerate(k_row) if k} == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only error")
+def test_dynamic_backend_is_a_config_error_without_cuda(model):
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.grpo.rollout import build_rollout_engine
+
+    cfg = RunConfig()
+    cfg.rollout.backend = "megatron_dynamic"
+    with pytest.raises(ValueError) as err:
+        build_rollout_engine(cfg, [model], eos_id=258, pad_id=256)
+    assert "rollout.backend=megatron_dynamic" in str(err.value)
+    assert "rollout.backend=megatron" in str(err.value).split("set ")[-1]

@@ -1,0 +1,318 @@
+"""Generation plumbing on megatron-core GPTModel chunks: the forwards that rollout decodes with.
+
+Two runners, both returning logits only for the positions that are sampled next:
+
+- :class:`LeanDecoder` (tp = 1, pp = 1, one chunk): the policy's own weights (the megatron
+  modules' parameters, not copies) driven by a handful of torch ops per layer, with a per-slot
+  KV cache. Each slot holds one sequence at its own length, so a finished row's slot takes a new
+  prompt while the others keep decoding (continuous batching). Prefill is packed: every new
+  prompt in full, each distinct prompt once (a GRPO group shares one prompt), attention per
+  prompt, and logits only at each prompt's last position. The math is the layer's own (RMSNorm,
+  rotary embedding, grouped-query attention with softmax scale 1/sqrt(head dim), SwiGLU), so it
+  is the same model as megatron's forward up to float rounding; tests compare both, and with
+  transformers' Qwen2.
+- :class:`PipelineForward` (any tp / pp / vpp): megatron's forward through this rank's chunks
+  with ``StaticInferenceContext`` (KV cache) or full recompute; hidden states go between
+  pipeline stages by point-to-point send, the sampled tokens come back by broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from rlbatch import distributed
+from rlbatch.engine.model import unwrap
+
+
+@contextmanager
+def inference_mode(chunks: list[Any]) -> Iterator[None]:
+    """Chunks in eval mode (megatron reads its inference context only then), no autograd;
+    training modes restored afterwards."""
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for c, mode in zip(chunks, was_training, strict=True):
+            c.train(mode)
+
+
+# ------------------------------------------------------------------------------ lean path
+@dataclass(frozen=True)
+class _Layer:
+    norm1: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: Optional[torch.Tensor]
+    proj_w: torch.Tensor
+    norm2: torch.Tensor
+    fc1_w: torch.Tensor
+    fc2_w: torch.Tensor
+
+
+def lean_decoding_supported(chunks: list[Any]) -> bool:
+    """True when :class:`LeanDecoder` computes exactly this model: one chunk, tp = pp = 1, the
+    Qwen2 block (RMSNorm, SwiGLU, rotary, no linear biases besides QKV, no QK norm)."""
+    if len(chunks) != 1 or distributed.pp_size() > 1:
+        return False
+    model = unwrap(chunks[0])
+    c = model.config
+    return bool(
+        c.tensor_model_parallel_size == 1
+        and c.normalization == "RMSNorm"
+        and c.gated_linear_unit
+        and c.activation_func is F.silu
+        and not c.add_bias_linear
+        and not getattr(c, "qk_layernorm", False)
+        and not c.layernorm_zero_centered_gamma
+        and getattr(model, "position_embedding_type", "rope") == "rope"
+        and getattr(model.rotary_pos_emb, "rotary_interleaved", False) is False
+        and model.pre_process
+        and model.post_process
+    )
+
+
+def _norm_weight(linear: Any, norm: Any) -> torch.Tensor:
+    """Norm weight: fused into the next linear (Transformer Engine spec) or its own module."""
+    fused = getattr(linear, "layer_norm_weight", None)
+    return fused if fused is not None else norm.weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (non-interleaved halves), x [..., hn], cos / sin broadcastable."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LeanDecoder:
+    """Per-slot KV-cached forward of a tp = pp = 1 GPTModel (see the module docstring).
+
+    ``prefill(slots, prompts) -> logits [n, V]`` writes each prompt's keys/values into its slot
+    and returns the logits at its last token; ``decode(tokens [S]) -> logits [S, V]`` appends one
+    token to every slot; ``keep(slots)`` drops the other slots (rows that left the batch).
+    """
+
+    def __init__(self, chunk: Any, num_slots: int, max_len: int) -> None:
+        model = unwrap(chunk)
+        c = model.config
+        self.heads, self.groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
+        self.head_dim, self.eps = c.kv_channels, c.layernorm_epsilon
+        self.embed = model.embedding.word_embeddings.weight
+        self.final_norm = model.decoder.final_layernorm.weight
+        self.out_w = (
+            model.shared_embedding_or_output_weight()
+            if model.share_embeddings_and_output_weights
+            else model.output_layer.weight
+        )
+        self.layers = [self._layer(layer) for layer in model.decoder.layers]
+        device, dtype = self.embed.device, self.embed.dtype
+        inv_freq = model.rotary_pos_emb.inv_freq.to(device=device, dtype=torch.float32)
+        freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, hn]
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        shape = (num_slots, self.groups, max_len, self.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
+        self.lens = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.device = device
+
+    @staticmethod
+    def _layer(layer: Any) -> _Layer:
+        attn, mlp = layer.self_attention, layer.mlp
+        return _Layer(
+            norm1=_norm_weight(attn.linear_qkv, layer.input_layernorm),
+            qkv_w=attn.linear_qkv.weight,
+            qkv_b=attn.linear_qkv.bias,
+            proj_w=attn.linear_proj.weight,
+            norm2=_norm_weight(mlp.linear_fc1, layer.pre_mlp_layernorm),
+            fc1_w=mlp.linear_fc1.weight,
+            fc2_w=mlp.linear_fc2.weight,
+        )
+
+    def _split_qkv(self, h: torch.Tensor, layer: _Layer) -> tuple[torch.Tensor, ...]:
+        """h [N, H] -> q [N, nh, hn], k / v [N, ng, hn] (fused per query group)."""
+        qkv = F.linear(F.rms_norm(h, h.shape[-1:], layer.norm1, self.eps), layer.qkv_w, layer.qkv_b)
+        per_group = self.heads // self.groups
+        qkv = qkv.view(-1, self.groups, (per_group + 2) * self.head_dim)
+        q, k, v = qkv.split([per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        return q.reshape(-1, self.heads, self.head_dim), k, v
+
+    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        h = F.linear(F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps), layer.fc1_w)
+        gate, up = h.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.fc2_w)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.out_w)
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Full forward of each distinct prompt once; its keys/values go to every slot that holds
+        it. Returns logits [len(slots), V] at each prompt's last token."""
+        unique: dict[tuple[int, ...], int] = {}
+        owner = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+        seqs = list(unique)
+        lens = [len(s) for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s], device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [N, 1, hn]
+        slot_t = torch.tensor(list(slots), device=self.device)
+        src = torch.tensor(owner, device=self.device)
+        x = self.embed[ids]  # [N, H]
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._split_qkv(x, layer)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            outs, start = [], 0
+            for j, n in enumerate(lens):
+                qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+                outs.append(
+                    F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                    .transpose(0, 1)
+                    .reshape(n, -1)
+                )
+                for slot in slot_t[src == j].tolist():
+                    self.k[li][slot, :, :n] = ks
+                    self.v[li][slot, :, :n] = vs
+                start += n
+            x = x + F.linear(torch.cat(outs), layer.proj_w)
+            x = self._mlp(x, layer)
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        self.lens[slot_t] = torch.tensor(lens, device=self.device)[src]
+        return self._logits(x[last][src])
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens [S] (one per slot) at each slot's length: logits [S, V]."""
+        slots = torch.arange(len(tokens), device=self.device)
+        pos = self.lens
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [S, 1, hn]
+        width = int(pos.max()) + 1
+        mask = (torch.arange(width, device=self.device)[None] <= pos[:, None])[:, None, None]
+        x = self.embed[tokens.to(self.device)]  # [S, H]
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._split_qkv(x, layer)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self.k[li][slots, :, pos] = k
+            self.v[li][slots, :, pos] = v
+            out = F.scaled_dot_product_attention(
+                q[:, :, None],  # [S, nh, 1, hn]
+                self.k[li][:, :, :width],
+                self.v[li][:, :, :width],
+                attn_mask=mask,
+                enable_gqa=True,
+            )
+            x = x + F.linear(out.reshape(len(tokens), -1), layer.proj_w)
+            x = self._mlp(x, layer)
+        self.lens = pos + 1
+        return self._logits(x)
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Keep only these slots (in this order): rows that left the batch free their cache."""
+        self.k = [k[slots] for k in self.k]
+        self.v = [v[slots] for v in self.v]
+        self.lens = self.lens[slots]
+
+
+# -------------------------------------------------------------------------- megatron path
+def _causal_mask(batch: int, q_len: int, k_len: int) -> torch.Tensor:
+    """Megatron's boolean mask [B, 1, q, k], True = masked; queries are the last q positions."""
+    q = torch.arange(k_len - q_len, k_len)[:, None]
+    k = torch.arange(k_len)[None, :]
+    return (k > q)[None, None].expand(batch, 1, q_len, k_len)
+
+
+class PipelineForward:
+    """Logits at position end - 1 of tokens[:, :end], through this rank's model chunks.
+
+    pp = 1: one chunk, logits returned. pp > 1: virtual stage v * pp + r runs chunk v on
+    pipeline rank r; hidden states [S, B, H] go to the next stage by point-to-point send
+    (one forward-only pass through the pipeline per decoding step); only the last stage
+    returns logits, the others None. One StaticInferenceContext per chunk with kv_cache.
+    """
+
+    def __init__(self, chunks: list[Any], batch: int, max_len: int, kv_cache: bool) -> None:
+        self.chunks = chunks
+        self.pp = distributed.pp_size()
+        self.device = next(chunks[0].parameters()).device
+        self.contexts: list[Any] = [None] * len(chunks)
+        if kv_cache:
+            from megatron.core.inference.contexts import StaticInferenceContext
+
+            self.contexts = [StaticInferenceContext(batch, max_len) for _ in chunks]
+
+    def __call__(self, tokens: torch.Tensor, start: int, end: int) -> Optional[torch.Tensor]:
+        batch = tokens.shape[0]
+        if self.contexts[0] is None:
+            start = 0  # recompute the whole prefix
+        positions = torch.arange(start, end, device=self.device)[None].expand(batch, end - start)
+        mask = _causal_mask(batch, end - start, end).to(self.device)
+        inputs = tokens[:, start:end].to(self.device)
+        logits = None
+        for v, (chunk, ctx) in enumerate(zip(self.chunks, self.contexts, strict=True)):
+            stage, last_stage = _stage_of(v, self.pp), len(self.chunks) * self.pp - 1
+            if stage > 0:
+                _set_input_tensor(chunk, _recv_hidden(chunk, end - start, batch, self.device))
+            if ctx is not None:
+                assert start == ctx.sequence_len_offset, "KV cache steps must be consecutive"
+                if start > 0:
+                    ctx.enable_decode_mode()
+            out = chunk(
+                inputs,
+                positions,
+                mask,
+                inference_context=ctx,
+                runtime_gather_output=True,
+            )  # last stage: logits [B, S or 1, V]; other stages: hidden [S, B, H]
+            if ctx is not None:
+                ctx.sequence_len_offset = end
+            if stage == last_stage:
+                logits = out[:, -1, :].float()
+            else:
+                _send_hidden(out)
+        return logits
+
+
+# Point-to-point hidden states between pipeline stages for generation (the sampled tokens go
+# back to every stage by rlbatch.distributed.broadcast_from_last_stage).
+def _stage_of(chunk_index: int, pp: int) -> int:
+    if pp == 1:
+        return chunk_index
+    from megatron.core import parallel_state as ps
+
+    return chunk_index * pp + ps.get_pipeline_model_parallel_rank()
+
+
+def _set_input_tensor(chunk: Any, hidden: torch.Tensor) -> None:
+    from megatron.core.utils import get_attr_wrapped_model
+
+    get_attr_wrapped_model(chunk, "set_input_tensor")(hidden)
+
+
+def _config_of(chunk: Any) -> Any:
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(chunk, "config")
+
+
+def _recv_hidden(chunk: Any, seq: int, batch: int, device: torch.device) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    config = _config_of(chunk)
+    dtype = config.pipeline_dtype or config.params_dtype
+    hidden = torch.empty(seq, batch, config.hidden_size, dtype=dtype, device=device)
+    dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+    return hidden
+
+
+def _send_hidden(hidden: torch.Tensor) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.send(hidden.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())

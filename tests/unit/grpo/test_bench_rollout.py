@@ -1,0 +1,36 @@
+"""rlbatch-bench rollout and rlbatch-bench grpo --against trl run end to end (tiny settings):
+every cell reports both frameworks' tokens/s on the same workload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_bench_rollout_json(capsys):
+    from rlbatch.bench import rollout as bench
+
+    args = ["--models", "tiny", "--batch-sizes", "4", "--spreads", "uniform,longtail"]
+    args += ["--rows", "8", "--max-new-tokens", "4", "--repeats", "1", "--json"]
+    assert bench.main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(c["batch"], c["spread"]) for c in doc["cells"]] == [(4, "uniform"), (4, "longtail")]
+    for cell in doc["cells"]:
+        assert set(cell["tokens_per_s"]) == {"hf", "rlbatch", "rlbatch_lockstep"}
+        assert all(v > 0 for v in cell["tokens_per_s"].values())
+
+
+def test_bench_grpo_against_trl_json(capsys):
+    pytest.importorskip("trl")  # the optional bench extra
+    from rlbatch.bench import grpo as bench
+
+    args = ["--against", "trl", "--workload", "issue", "--completion-tokens", "4"]
+    assert bench.main(args + ["--repeats", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["trl_gradient_checkpointing"] for c in doc["cells"]] == [True, False]
+    for cell in doc["cells"]:
+        assert set(cell["tokens_per_s"]) == {"trl", "dynamic", "packed"}
+        assert all(v > 0 for v in cell["tokens_per_s"].values())
