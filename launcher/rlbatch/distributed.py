@@ -9,6 +9,7 @@ initialized (rlbatch.engine.parallel.initialize), else the world.
 - ``all_gather_object``, ``barrier``, ``check_same_across_ranks`` (plan-hash agreement).
 - ``broadcast_from_last_stage``: values computed on the last pipeline stage to every stage.
 - ``WorldDist``: the training loop's DistOps.
+- ``CollectiveTimeoutError`` / ``as_collective_timeout``: a backend's timeout as one type.
 """
 
 from __future__ import annotations
@@ -22,6 +23,31 @@ import torch
 import torch.distributed as dist
 
 Number = Union[int, float]
+
+
+# ---------------------------------------------------------------------------------- timeouts
+class CollectiveTimeoutError(RuntimeError):
+    """A collective got no answer within the process group's timeout (trainer.timeout_s)."""
+
+
+# How the backends word a timed-out collective. NCCL raises torch's DistBackendError; gloo a
+# plain RuntimeError ("Timed out waiting ...ms for recv", "Application timeout caused pair
+# closure"), so for gloo the message is the only mark. This module is the one place that knows.
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def as_collective_timeout(exc: BaseException) -> Optional[CollectiveTimeoutError]:
+    """``exc`` as a CollectiveTimeoutError when it reports a timed-out collective, else None."""
+    if isinstance(exc, CollectiveTimeoutError):
+        return exc
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc).lower()
+    if any(word in text for word in _TIMEOUT_WORDS):
+        timeout = CollectiveTimeoutError(str(exc))
+        timeout.__cause__ = exc
+        return timeout
+    return None
 
 
 # ------------------------------------------------------------------------------------ groups

@@ -64,3 +64,23 @@ def test_no_import_cycle_in_the_package():
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_megatron_is_imported_only_by_the_engine():
+    """megatron-core's names stay behind rlbatch.engine (and the one module that reduces across
+    ranks, which reads megatron's process groups): the rest speaks rlbatch's own terms."""
+    allowed = ("rlbatch/engine/", "rlbatch/distributed.py")
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        if rel.startswith(allowed):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "megatron" or n.startswith("megatron.") for n in names):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert offenders == []

@@ -103,6 +103,10 @@ class GRPOBatch:
     """Position of the micro-batch in the rank's plan (for error messages)."""
     loss_scale: torch.Tensor | float = 1.0
     """Set by the normalizer: the factor the numerator is multiplied by in the loss."""
+    tokens: Optional[torch.Tensor] = None
+    """[R, S] long: the input token ids the schedule feeds the model (set when prepared)."""
+    micro_batch: Optional[MicroBatch] = None
+    """The plan's micro-batch these rows come from (layout and sample order; set when prepared)."""
 
     @property
     def num_seqs(self) -> int:
@@ -112,7 +116,7 @@ class GRPOBatch:
         """Move every tensor field (in place) to ``device``; returns self."""
         for name in ("labels", "loss_mask", "seq_index", "old_logps", "advantages"):
             setattr(self, name, getattr(self, name).to(device))
-        for name in ("behaviour_logps", "ref_logps"):
+        for name in ("behaviour_logps", "ref_logps", "tokens"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))

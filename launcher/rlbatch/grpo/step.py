@@ -152,10 +152,8 @@ def make_prepare(
             round_to=round_to,
             mask_truncated=cfg.grpo.mask_truncated_completions,
         )
-        batch.to(device)
-        batch.tokens = tokens.to(device)  # type: ignore[attr-defined]
-        batch.micro_batch = mb  # type: ignore[attr-defined]
-        return batch
+        batch.tokens, batch.micro_batch = tokens, mb
+        return batch.to(device)
 
     return prepare
 

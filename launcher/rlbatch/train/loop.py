@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlbatch.config.schema import RunConfig
+from rlbatch.distributed import as_collective_timeout
 from rlbatch.train.checkpoint import (
     TrainState,
     apply_payload,
@@ -188,9 +189,9 @@ def _guarded(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int,
     """Run ``fn``; turn a collective timeout into an error naming the silent ranks."""
     try:
         return fn()
-    except RuntimeError as exc:
-        text = str(exc).lower()
-        if "timed out" not in text and "timeout" not in text:
+    except RuntimeError as error:
+        exc = as_collective_timeout(error)
+        if exc is None:
             raise
         try:
             beat = json.loads(heartbeat.path.read_text())
