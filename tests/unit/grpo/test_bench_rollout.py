@@ -23,6 +23,7 @@ def test_bench_rollout_json(capsys):
         assert all(v > 0 for v in cell["tokens_per_s"].values())
 
 
+@pytest.mark.optional_extra
 def test_bench_grpo_against_trl_json(capsys):
     pytest.importorskip("trl")  # the optional bench extra
     from rlbatch.bench import grpo as bench
