@@ -1,7 +1,8 @@
 """data.chat_template=model through the real rlbatch-train: the prompts are rendered by the
-tokenizer's own template (a tokenizer made in the test). The run is stopped at prompt loading
-by data.max_prompt_len, whose error reports each prompt's templated token count: it must be
-the count of transformers' apply_chat_template(tokenize=True, add_generation_prompt=True)."""
+tokenizer's own template (a tokenizer made in the test). The run is stopped before launch by
+the dataset check of data.max_prompt_len, which reports each prompt's templated token count:
+it must be the count of transformers' apply_chat_template(tokenize=True,
+add_generation_prompt=True)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_rlbatch_train_renders_the_model_template(tmp_path, bin_dir, subprocess_
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=300
     )
-    assert proc.returncode != 0
+    assert proc.returncode == 2  # the pre-launch dataset check: nothing was run
     text = " ".join((proc.stdout + proc.stderr).split())
-    listed = ", ".join(f"index {i} ({n} tokens)" for i, n in enumerate(counts))
-    assert f"are longer than data.max_prompt_len=8: {listed}" in text, text[-3000:]
+    for line, n in enumerate(counts, 1):
+        expected = f"line {line}: prompt is {n} tokens (chat template included)"
+        assert expected in text, text[-3000:]
