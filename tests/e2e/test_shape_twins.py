@@ -45,7 +45,7 @@ def _train(bin_dir, env, cwd, overrides):
 def test_recipe_shape_twin_runs_and_resumes_exactly(name, bin_dir, subprocess_env, tmp_path):
     cfg = compose_recipe(name)
     overrides = [f"+recipe={name}", *twin_overrides(cfg), "trainer.checkpoint.every_steps=1"]
-    if cfg.data.source.value == "jsonl":  # a site-specific dataset: a few math prompts
+    if cfg.data.source.value == "jsonl" and cfg.data.path is None:  # a site's own dataset
         data = tmp_path / "math.jsonl"
         data.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in MATH))
         overrides.append(f"data.path={data}")
