@@ -12,7 +12,6 @@ world is created from an in-memory store, so the same code runs under pytest.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -21,34 +20,7 @@ import torch.distributed as dist
 
 from rlbatch.config.schema import DistBackend, ParallelConfig, RunConfig
 from rlbatch.engine import cpu_compat
-
-
-@dataclass(frozen=True)
-class ParallelState:
-    """Where this process sits; all sizes are the actual Megatron ones."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    tp: int
-    pp: int
-    vpp: int
-    cp: int
-    dp: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    cp_rank: int
-    device: str
-    """"cpu" or "cuda:<local_rank>"."""
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+from rlbatch.layout import ParallelLayout
 
 
 def _backend(parallel: ParallelConfig) -> str:
@@ -86,7 +58,7 @@ def check_world(parallel: ParallelConfig, world_size: int) -> None:
         raise ValueError(f"parallel.cp={parallel.cp}: context parallelism needs CUDA (set cp=1)")
 
 
-def initialize(cfg: RunConfig) -> ParallelState:
+def initialize(cfg: RunConfig) -> ParallelLayout:
     """Init torch.distributed (torchrun env or a world of 1), Megatron's parallel state and the
     seeds (trainer.seed). Installs the CPU layer when CUDA is unavailable."""
     from megatron.core import parallel_state as ps
@@ -109,18 +81,19 @@ def initialize(cfg: RunConfig) -> ParallelState:
         context_parallel_size=p.cp,
     )
     seed(cfg.trainer.seed)
-    return current_state()
+    return current_layout()
 
 
-def current_state() -> ParallelState:
-    """The ParallelState of an initialized process."""
+def current_layout() -> ParallelLayout:
+    """This process's ParallelLayout (a single process when nothing is initialized)."""
     from megatron.core import parallel_state as ps
 
+    if not is_initialized():
+        return ParallelLayout()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return ParallelState(
+    return ParallelLayout(
         rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
         local_rank=local_rank,
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),

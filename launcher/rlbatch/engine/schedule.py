@@ -95,7 +95,7 @@ def causal_mask(length: int, device: Any = None) -> torch.Tensor:
 
 
 @dataclass
-class Layout:
+class AttentionInputs:
     """Position ids, attention mask and (packed) THD parameters of a micro-batch."""
 
     position_ids: torch.Tensor
@@ -111,12 +111,12 @@ def layout(
     device: Any = None,
     *,
     thd: bool = True,
-) -> Layout:
+) -> AttentionInputs:
     rows, width = max(1, micro_batch.num_rows), micro_batch.padded_len
     if not micro_batch.packed or micro_batch.filler:
         positions = torch.arange(width, device=device).expand(rows, width)
         mask = causal_mask(width, device)[None, None].expand(rows, 1, width, width)
-        return Layout(positions, mask)
+        return AttentionInputs(positions, mask)
     segs = segments(micro_batch, round_to)
     positions = torch.zeros(1, width, dtype=torch.long, device=device)
     blocks = torch.full((width,), -1, dtype=torch.long, device=device)
@@ -128,9 +128,9 @@ def layout(
         positions[0, tail:] = torch.arange(width - tail, device=device)
         blocks[tail:] = len(segs)
     if thd:
-        return Layout(positions, None, packed_seq_params(segs, width, device))
+        return AttentionInputs(positions, None, packed_seq_params(segs, width, device))
     mask = causal_mask(width, device) | (blocks[:, None] != blocks[None, :])
-    return Layout(positions, mask[None, None])
+    return AttentionInputs(positions, mask[None, None])
 
 
 def packed_seq_params(segs: Sequence[Segment], width: int, device: Any) -> Any:

@@ -3,7 +3,7 @@
 setup = set_up_model(cfg, wrap_ddp=True)   # init parallel, resolve HF config, build, load
 setup.cfg.model      # the architecture of model.hf_path's config.json (cfg is not changed)
 setup.model          # this rank's chunks, HF weights loaded when model.hf_path is set
-setup.state          # rlbatch.engine.parallel's ParallelState
+setup.state          # this rank's rlbatch.layout.ParallelLayout
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class ModelSetup:
     model: list[Any]
     """This rank's model chunks (one per virtual pipeline stage)."""
     state: Any
-    """rlbatch.engine.parallel.ParallelState of this rank."""
+    """This rank's rlbatch.layout.ParallelLayout."""
 
 
 def set_up_model(cfg: RunConfig, *, wrap_ddp: bool, load_weights: bool = True) -> ModelSetup:

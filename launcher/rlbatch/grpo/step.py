@@ -33,29 +33,7 @@ from rlbatch.grpo.normalization import (
 )
 from rlbatch.grpo.proximal import importance_weight_max
 from rlbatch.grpo.types import Sample
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where this process sits (from the engine's parallel state)."""
-
-    dp: int = 1
-    dp_rank: int = 0
-    cp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    rank: int = 0
-    """Global rank (for error messages)."""
-
-    @classmethod
-    def current(cls) -> Layout:
-        """From the engine's (Megatron's) parallel state; one process without it."""
-        from rlbatch.engine import parallel
-
-        if not parallel.is_initialized():
-            return cls()
-        st = parallel.current_state()
-        return cls(dp=st.dp, dp_rank=st.dp_rank, cp=st.cp, pp=st.pp, vpp=st.vpp, rank=st.rank)
+from rlbatch.layout import ParallelLayout
 
 
 @dataclass
@@ -112,7 +90,7 @@ def gather_mini_batch(samples: list[Sample], reducers: Reducers) -> list[Sample]
 
 
 def plan_train_pass(
-    cfg: RunConfig, samples: Sequence[Sample], layout: Layout, step: int
+    cfg: RunConfig, samples: Sequence[Sample], layout: ParallelLayout, step: int
 ) -> PassPlan:
     """The train pass over the mini-batch: cfg.batching.train, the model's cost model, and the
     dp / pp / vpp layout (megatron's interleaving rule on the micro-batch count)."""
@@ -158,6 +136,13 @@ def make_prepare(
     return prepare
 
 
+def _current_layout() -> ParallelLayout:
+    """The engine's (megatron's) layout of this process; a single process without it."""
+    from rlbatch.engine import parallel
+
+    return parallel.current_layout()
+
+
 def _device() -> torch.device:
     """The engine's device (cuda:<local_rank> on GPU, else cpu)."""
     from rlbatch.engine import parallel
@@ -191,7 +176,7 @@ def make_loss_fn(
 def run_train_pass(
     model: list[Any],
     plan: PassPlan,
-    layout: Layout,
+    layout: ParallelLayout,
     prepare: Callable[[int], GRPOBatch],
     normalizer: Normalizer,
     loss_fn: Callable,
@@ -208,7 +193,7 @@ def run_train_pass(
 
 
 def finish_gradients(
-    model: list[Any], normalizer: Normalizer, state: StepState, layout: Layout
+    model: list[Any], normalizer: Normalizer, state: StepState, layout: ParallelLayout
 ) -> tuple[StepResult, Optional[str]]:
     """After the schedule (grads already DP-reduced by finalize_model_grads): the ONE bundled
     reduction -> D, metrics and non-finite-loss flags; the deferred correction c/D BEFORE
@@ -292,7 +277,7 @@ def run_train_step(
     samples: list[Sample],
     *,
     step: int,
-    layout: Optional[Layout] = None,
+    layout: Optional[ParallelLayout] = None,
     reducers: Optional[Reducers] = None,
     inject_nan: bool = False,
     plan_sink: Optional[Callable[[list[int], PassPlan], None]] = None,
@@ -306,7 +291,7 @@ def run_train_step(
     # it, the next backward adds the first micro-batch's gradient twice (Megatron's own
     # train_step calls optimizer.zero_grad() before its schedule too).
     optimizer.zero_grad()
-    layout = layout or Layout.current()
+    layout = layout or _current_layout()
     reducers = reducers or Reducers.from_distributed()
     mini_batch = gather_mini_batch(samples, reducers)
     plan = plan_train_pass(cfg, mini_batch, layout, step)
@@ -350,7 +335,7 @@ def run_train_step(
     return metrics
 
 
-def megatron_scaling(model: list[Any], plan: PassPlan, layout: Layout) -> MegatronScaling:
+def megatron_scaling(model: list[Any], plan: PassPlan, layout: ParallelLayout) -> MegatronScaling:
     """What Megatron's schedule and DDP will do to each micro-batch's loss (cancelled by the
     normalizer): read from the model's TransformerConfig."""
     config = getattr(model[0], "config", None)

@@ -283,12 +283,12 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     from rlbatch import distributed
     from rlbatch.distributed import WorldDist
     from rlbatch.grpo.rewards import component_names
-    from rlbatch.grpo.step import Layout, Reducers, run_train_step
+    from rlbatch.grpo.step import Reducers, run_train_step
 
     names = component_names(cfg.data)
     world = WorldDist()
 
-    layout = Layout(dp=ps.dp, dp_rank=ps.dp_rank, cp=ps.cp, pp=ps.pp, vpp=ps.vpp, rank=ps.rank)
+    layout = ps
     reducers = Reducers(
         reduce_dp=distributed.reduce_dp,
         reduce_step=distributed.reduce_step,
@@ -392,7 +392,7 @@ def build_components(cfg: RunConfig) -> Components:
         snapshot_fn=(lambda: weights_snapshot(model)) if threaded else None,
         timeout_s=float(cfg.trainer.timeout_s),
     )
-    layout = {k: getattr(ps, k) for k in ("tp", "pp", "vpp", "cp", "dp")}
+    layout = ps.sizes()
     return Components(
         model=model,
         optimizer=optimizer,

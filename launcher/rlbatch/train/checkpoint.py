@@ -321,8 +321,7 @@ def _current_layout() -> dict[str, int] | None:
 
     if not parallel.is_initialized():
         return None
-    ps = parallel.current_state()
-    return {k: getattr(ps, k) for k in ("tp", "pp", "vpp", "cp", "dp")}
+    return parallel.current_layout().sizes()
 
 
 def reshard_train_state(data: dict[str, Any], *, keep_history: bool) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def train_step(cfg, chunks, optimizer, scheduler, dp_rank: int) -> dict:
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    state = parallel.current_state()
+    state = parallel.current_layout()
     mine_losses = [float(m["loss_sum"]) for m in out] if state.tp_rank == 0 else []
     gathered = distributed.all_gather_object((state.dp_rank, mine_losses))  # last stages hold them
     losses = [x for _, rank_losses in sorted(gathered) for x in rank_losses]
