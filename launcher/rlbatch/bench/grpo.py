@@ -19,7 +19,6 @@ Single process (CPU or one GPU); figures go to docs/benchmarks.md "## GRPO step"
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -117,7 +116,7 @@ def build_world(cfg: RunConfig) -> World:
     from rlbatch.engine.model import build_model, build_optimizer
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.train.build import build_reference
+    from rlbatch.train.generation import build_reference
 
     if not parallel.is_initialized():
         parallel.initialize(cfg)
@@ -135,7 +134,7 @@ def produce_samples(world: World, args: argparse.Namespace, aggregated: bool, cl
     from rlbatch.grpo.lcm import LCMAggregator, Stages, plan_aggregation
     from rlbatch.grpo.rewards import build_reward_fn
     from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams, as_rollout_fn
-    from rlbatch.train.build import make_logps_fn, make_reward_batch_fn
+    from rlbatch.train.generation import make_logps_fn, make_reward_batch_fn
 
     cfg = world.cfg
     use_lcm(cfg, args, aggregated)
@@ -257,22 +256,3 @@ def format_report(result: dict[str, Any]) -> str:
         )
     lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in result["ratios"].items()))
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    if args.run_async:
-        from rlbatch.bench.grpo_async import format_async, run_async
-
-        result = run_async(args.steps, args.repeats, args.threads, args.warmup)
-        print(json.dumps(result, indent=2) if args.json else format_async(result))
-        return 0
-    if args.against == "trl":
-        from rlbatch.bench import grpo_trl
-
-        result = grpo_trl.run(args)
-        print(json.dumps(result, indent=2) if args.json else grpo_trl.format_report(result))
-        return 0
-    result = run(args)
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
-    return 0

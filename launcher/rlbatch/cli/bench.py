@@ -14,7 +14,7 @@ import sys
 BENCHES = {
     "batching": ("rlbatch.bench.batching", "planner quality and speed on synthetic workloads"),
     "engine": ("rlbatch.bench.engine", "forward+backward tokens/s: fixed vs dynamic vs packed"),
-    "grpo": ("rlbatch.bench.grpo", "one GRPO step timed by stage; batching and LCM compared"),
+    "grpo": ("rlbatch.bench.grpo_main", "one GRPO step timed by stage; batching and LCM compared"),
     "rollout": ("rlbatch.bench.rollout", "generation tokens/s against transformers' generate"),
 }
 

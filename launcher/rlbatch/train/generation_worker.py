@@ -155,7 +155,7 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
     from rlbatch.grpo.rollout import build_rollout_engine
-    from rlbatch.train.build import build_aggregator, make_generate_fn
+    from rlbatch.train.generation import build_aggregator, make_generate_fn
 
     for key in _TORCHRUN_ENV:  # a world of one, apart from the trainer's
         os.environ.pop(key, None)

@@ -26,7 +26,7 @@ def test_bench_rollout_json(capsys):
 @pytest.mark.optional_extra
 def test_bench_grpo_against_trl_json(capsys):
     pytest.importorskip("trl")  # the optional bench extra
-    from rlbatch.bench import grpo as bench
+    from rlbatch.bench import grpo_main as bench
 
     args = ["--against", "trl", "--workload", "issue", "--completion-tokens", "4"]
     assert bench.main(args + ["--repeats", "1", "--json"]) == 0

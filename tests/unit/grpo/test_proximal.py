@@ -16,7 +16,7 @@ from rlbatch.grpo.advantages import compute_advantages
 from rlbatch.grpo.lcm import AggregationPlan, LCMAggregator, Stages, old_pass_runs
 from rlbatch.grpo.proximal import compute_old_logps, importance_weight_max, scale_by_batch_std
 from rlbatch.grpo.types import Prompt, Sample
-from rlbatch.train.build import make_generate_fn
+from rlbatch.train.generation import make_generate_fn
 from rlbatch.train.producer import PolicySnapshot
 from rlbatch.train.sampler import GenerationRequest
 
