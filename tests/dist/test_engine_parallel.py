@@ -59,12 +59,20 @@ def launched(request, hf_dir, tmp_path_factory):
     return request.param, ranks, out
 
 
-def test_export_from_split_model_reproduces_checkpoint(launched, hf_dir):
+def _all_tensors(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF directory, one file or shards (read by safetensors itself)."""
     from safetensors.torch import load_file
 
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def test_export_from_split_model_reproduces_checkpoint(launched, hf_dir):
     _, _, out = launched
-    exported = load_file(str(out / "export" / "model.safetensors"))
-    original = load_file(str(hf_dir / "model.safetensors"))
+    exported = _all_tensors(out / "export")
+    original = _all_tensors(hf_dir)
     assert set(exported) == set(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
 

@@ -23,7 +23,13 @@ from rlbatch.engine import hf, parallel, schedule
 from rlbatch.engine import model as engine_model
 from rlbatch.train import checkpoint
 
-LAYOUTS = {"save": (2, 2, 1), "dp2": (1, 1, 2), "dp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1)}  # tp, pp, dp
+LAYOUTS = {
+    "save": (2, 2, 1),
+    "dp2": (1, 1, 2),
+    "dp1": (1, 1, 1),
+    "tp2": (2, 1, 1),
+    "pp2": (1, 2, 1),
+}  # tp, pp, dp
 STEP_BATCHES = MICRO_BATCHES[:4]
 
 
