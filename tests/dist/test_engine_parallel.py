@@ -8,9 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 import megatron.core  # noqa: F401
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))

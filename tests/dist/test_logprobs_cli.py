@@ -8,9 +8,7 @@ import json
 import subprocess
 
 import pytest
-
 import torch
-import transformers
 
 from hf_reference import reference_logps, save_tiny, save_tiny_qwen2  # noqa: E402
 

@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.dist
+import torch
 
 import rlbatch.engine.cpu_compat  # noqa: F401  (an import regression fails, never skips)
-import torch
+
+pytestmark = pytest.mark.dist
 
 SCRIPT = Path(__file__).parent / "scripts" / "normalization_invariance.py"
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

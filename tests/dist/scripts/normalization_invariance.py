@@ -13,7 +13,6 @@ dp=2 the 2k groups alternate over the ranks. Usage: normalization_invariance.py 
 from __future__ import annotations
 
 import math
-
 import os
 import random
 import sys
