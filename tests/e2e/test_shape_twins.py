@@ -1,7 +1,8 @@
 """Every shipped recipe runs for real as its shape twin (rlbatch.config.twin: the recipe's
 parallel layout and options, a tiny model of the same architecture): three optimizer steps
-through rlbatch-train with a checkpoint after each, then a fresh run resumed from the step-2
-checkpoint repeats step 3 exactly (loss, grad norm, reward, every non-timing metric). For
+through rlbatch-train with a checkpoint after each; the same run with one rank SIGKILLed during
+step 3 and then resumed (trainer.resume=auto) reproduces every step exactly (loss, grad norm,
+reward, every non-timing metric). For
 grpo_qwen2_5_7b that is tp2 (sequence parallel) x pp2 x vpp2 x dp2 = 8 gloo processes with the
 distributed optimizer. A recipe added to recipes/ is picked up automatically."""
 
@@ -31,13 +32,16 @@ def _metrics(run_dir):
     return [{k: v for k, v in json.loads(line).items() if not _is_timing(k)} for line in lines]
 
 
-def _train(bin_dir, env, cwd, overrides):
+def _train(bin_dir, env, cwd, overrides, *, check=True):
     started = time.monotonic()
     proc = subprocess.run(
         [str(bin_dir / "rlbatch-train"), *overrides],
         capture_output=True, text=True, env=env, cwd=cwd, timeout=900,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        assert proc.returncode != 0, "the run was expected to be killed"
     return time.monotonic() - started
 
 
@@ -49,20 +53,24 @@ def test_recipe_shape_twin_runs_and_resumes_exactly(name, bin_dir, subprocess_en
         data = tmp_path / "math.jsonl"
         data.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in MATH))
         overrides.append(f"data.path={data}")
-    ref_dir, resumed_dir = tmp_path / "ref", tmp_path / "resumed"
+    ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
     seconds = _train(bin_dir, subprocess_env, tmp_path, [*overrides, f"hydra.run.dir={ref_dir}"])
     print(f"{name} shape twin: {NUM_STEPS} steps in {seconds:.0f} s")
-    step2 = ref_dir / "checkpoints" / "step_00000002"
-    assert (step2 / "model_optim").is_dir()
+    assert (ref_dir / "checkpoints" / "step_00000002" / "model_optim").is_dir()
+    # the same run, one rank SIGKILLed during step 3 (after the step-2 checkpoint), resumed
+    killed = [*overrides, f"hydra.run.dir={killed_dir}"]
     _train(
         bin_dir,
         subprocess_env,
         tmp_path,
-        [*overrides, f"hydra.run.dir={resumed_dir}", f"trainer.resume={step2}"],
+        [*killed, f"debug.fail_at_step={NUM_STEPS}", "debug.fail_kind=kill"],
+        check=False,
     )
+    assert len(_metrics(killed_dir)) < NUM_STEPS, "the run was not killed before its last step"
+    _train(bin_dir, subprocess_env, tmp_path, [*killed, "trainer.resume=auto"])
     expected = _metrics(ref_dir)
     assert [r["step"] for r in expected] == list(range(1, NUM_STEPS + 1))
-    assert _metrics(resumed_dir) == expected
+    assert _metrics(killed_dir) == expected
 
 
 def test_resume_at_another_layout(bin_dir, subprocess_env, tmp_path):
