@@ -1,0 +1,179 @@
+"""The str Enums of the config schema (rlbatch.config.schema re-exports every one).
+
+OmegaConf matches str Enums by *name*, so names are the user-facing spelling.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class BatchingMode(str, Enum):
+    """How one pass (train or infer) over a mini-batch is cut into micro-batches."""
+
+    fixed = "fixed"
+    dynamic = "dynamic"
+    packed = "packed"
+    pool = "pool"
+
+
+class OversizePolicy(str, Enum):
+    """What happens to a sequence longer than the micro-batch token budget."""
+
+    error = "error"
+    isolate = "isolate"
+    truncate = "truncate"
+
+
+class PoolStrategy(str, Enum):
+    """Best-fit rule of the pool batcher (docs/batching.md, pool mode)."""
+
+    prefer_closest = "prefer_closest"
+    prefer_first = "prefer_first"
+
+
+class NormalizationMode(str, Enum):
+    """How the loss divisor is computed across micro-batches and DP ranks (docs/normalization.md)."""
+
+    eager_global = "eager_global"
+    per_micro_batch = "per_micro_batch"
+    deferred_global = "deferred_global"
+
+
+class LossAggMode(str, Enum):
+    """Loss aggregation (verl spelling with '_' for '-')."""
+
+    token_mean = "token-mean"
+    seq_mean_token_mean = "seq-mean-token-mean"
+    seq_mean_token_sum = "seq-mean-token-sum"
+    seq_mean_token_sum_norm = "seq-mean-token-sum-norm"
+
+
+class ScaleRewards(str, Enum):
+    """Which standard deviation divides the centred rewards."""
+
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
+class Dtype(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Recompute(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class DataSource(str, Enum):
+    """Where prompts come from."""
+
+    builtin = "builtin"
+    jsonl = "jsonl"
+    parquet = "parquet"
+    hf_disk = "hf_disk"
+
+
+class BuiltinTask(str, Enum):
+    """Tasks that ship with rlbatch (no download); both give partial credit."""
+
+    digit_copy = "digit_copy"
+    target_length = "target_length"
+
+
+class RewardKind(str, Enum):
+    """Reward function; ``task`` uses the built-in task's own verifiable reward."""
+
+    task = "task"
+    exact_match = "exact_match"
+    math = "math"
+    format = "format"  # type: ignore[assignment]  # shadows str.format; the user-facing name
+    math_verify = "math_verify"
+
+
+class AnswerFormat(str, Enum):
+    """How the reference answer is read from the answer field."""
+
+    raw = "raw"
+    gsm8k = "gsm8k"
+
+
+class WandbMode(str, Enum):
+    """wandb.init's mode: offline writes to <run_dir>/wandb for a later ``wandb sync``."""
+
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class ChatTemplate(str, Enum):
+    none = "none"
+    qwen = "qwen"
+    model = "model"
+    """The chat_template of the model's tokenizer_config.json (rendered as transformers does)."""
+
+
+class Architecture(str, Enum):
+    """Hugging Face architecture the model maps to (import, export, tensor names)."""
+
+    qwen2 = "qwen2"
+    qwen3 = "qwen3"
+    llama = "llama"
+
+
+class RopeScaling(str, Enum):
+    """RoPE scaling (transformers' rope_type): none, linear (positions / factor), llama3
+    (Llama-3.1 frequency bands), yarn."""
+
+    none = "none"
+    linear = "linear"
+    llama3 = "llama3"
+    yarn = "yarn"
+
+
+class RolloutBackend(str, Enum):
+    """Generation engine; ``megatron`` generates on the policy itself (KV cache, continuous
+    batching); ``megatron_dynamic`` through megatron-core's DynamicInferenceEngine (CUDA only)."""
+
+    megatron = "megatron"
+    megatron_dynamic = "megatron_dynamic"
+
+
+class DistBackend(str, Enum):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class LrSchedule(str, Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class PassKind(str, Enum):
+    train = "train"
+    infer = "infer"
+
+
+class Workload(str, Enum):
+    """Synthetic length distributions for rlbatch-plan and rlbatch-bench."""
+
+    grpo_math = "grpo_math"
+    long_cot = "long_cot"
+    bimodal = "bimodal"
+    agentic = "agentic"
+    uniform = "uniform"
+
+
+class FailKind(str, Enum):
+    """Fault injection for failure-behaviour tests (debug.fail_*)."""
+
+    raise_error = "raise_error"
+    nan_loss = "nan_loss"
+    hang = "hang"
+    kill = "kill"
