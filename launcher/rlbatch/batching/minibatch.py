@@ -11,10 +11,11 @@ import random
 
 
 def split_mini_batches(
-    num_samples: int, mini_batch_size: int, *, seed: int, step: int = 0, group_size: int = 1
+    num_samples: int, mini_batch_size: int, *, seed: int, step: int = 1, group_size: int = 1
 ) -> list[list[int]]:
     """Shuffle the groups (contiguous runs of ``group_size`` samples) with a generator seeded by
-    (seed, step) and cut the shuffled samples into mini-batches of ``mini_batch_size``.
+    (seed, step) and cut the shuffled samples into mini-batches of ``mini_batch_size``
+    (``step``: the 1-based optimizer step).
 
     Raises ValueError unless group_size divides mini_batch_size and mini_batch_size divides
     num_samples (a ragged last mini-batch would change the number of optimizer steps and the
@@ -25,6 +26,8 @@ def split_mini_batches(
         )
     if num_samples < 0:
         raise ValueError(f"num_samples={num_samples} must be >= 0")
+    if step < 1:
+        raise ValueError(f"step={step}: optimizer steps are numbered from 1")
     if mini_batch_size % group_size:
         raise ValueError(
             f"mini-batch size {mini_batch_size} is not a multiple of the group size "
@@ -35,7 +38,8 @@ def split_mini_batches(
             f"{num_samples} samples do not split into mini-batches of {mini_batch_size}: "
             "make grpo.global_batch_size divide the samples of a generation round"
         )
+    step_index = step - 1  # the generator is seeded with the 0-based index of the step
     groups = list(range(num_samples // group_size))
-    random.Random(f"rlbatch-minibatch:{seed}:{step}").shuffle(groups)
+    random.Random(f"rlbatch-minibatch:{seed}:{step_index}").shuffle(groups)
     order = [g * group_size + k for g in groups for k in range(group_size)]
     return [order[i : i + mini_batch_size] for i in range(0, num_samples, mini_batch_size)]

@@ -48,7 +48,7 @@ def plan_pass(
     group_size: int = 1,
     cost: CostModel | None = None,
     seed: int = 0,
-    step: int = 0,
+    step: int = 1,
     pass_name: str = "train",
 ) -> PassPlan:
     """Plan one pass: every sample of ``lengths`` in exactly one micro-batch of one DP rank.
@@ -56,8 +56,8 @@ def plan_pass(
     lengths: tokens (prompt + response) per sample; MicroBatch.samples index into it.
     group_size: siblings of one prompt are contiguous runs of this many samples.
     cost: the DP cost model (None: computed tokens).
-    seed, step: used by the pool mode's shuffle; the other modes are deterministic functions of
-        lengths and config alone.
+    seed, step: used by the pool mode's shuffle (``step``: the 1-based optimizer step); the
+        other modes are deterministic functions of lengths and config alone.
     pass_name: "train" or "infer", for the config keys named in error messages.
     Raises ValueError for bad input or, with oversize=error, a sample over the budget.
     """
@@ -86,6 +86,8 @@ def _plan_pass(
         raise ValueError(f"parallel.dp={dp} must be >= 1")
     if group_size < 1:
         raise ValueError(f"group_size={group_size} must be >= 1")
+    if step < 1:
+        raise ValueError(f"step={step}: optimizer steps are numbered from 1")
     n_group = resolve_group_size(pp, vpp, microbatch_group_size)
     cost = cost or TOKEN_COUNT
     mode = BatchingMode(cfg.mode)

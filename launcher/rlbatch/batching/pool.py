@@ -36,9 +36,11 @@ _POS_MASK = (1 << _POS_BITS) - 1
 
 
 def step_permutation(num_samples: int, seed: int, step: int) -> list[int]:
-    """The global stream order of the pass at ``step`` (the same on every rank)."""
+    """The global stream order of the pass at 1-based optimizer ``step`` (the same on every
+    rank)."""
+    step_index = step - 1  # the generator is seeded with the 0-based index of the step
     perm = list(range(num_samples))
-    random.Random(f"rlbatch-pool:{seed}:{step}").shuffle(perm)
+    random.Random(f"rlbatch-pool:{seed}:{step_index}").shuffle(perm)
     return perm
 
 

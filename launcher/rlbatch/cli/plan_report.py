@@ -3,7 +3,7 @@
 ``run_plan_command(cfg) -> exit code`` (0 ok, 2 bad input). Imports no torch. The JSON document
 is ``PassPlan.to_json()``. The lengths are planned as ONE pass, exactly as training plans the
 pass of its first optimizer step over the same lengths: the same planner, cost model, layout,
-``grpo.num_generations`` sibling groups and seed (``trainer.seed``, step 0; pool mode's stream
+``grpo.num_generations`` sibling groups and seed (``trainer.seed``, step 1; pool mode's stream
 shuffle depends on both). A test compares the two (docs/batching.md, "rlbatch-plan").
 """
 
@@ -81,7 +81,7 @@ def build_document(cfg: RunConfig) -> tuple[dict[str, Any], list[PassPlan], Cost
     plan = plan_pass(
         lengths, pcfg, dp=par.dp, pp=par.pp, vpp=par.vpp,
         microbatch_group_size=par.microbatch_group_size_per_vp_stage, group_size=group,
-        cost=cost, seed=cfg.trainer.seed, step=0, pass_name=name,
+        cost=cost, seed=cfg.trainer.seed, step=1, pass_name=name,
     )  # fmt: skip
     return plan.to_json(), [plan], cost
 

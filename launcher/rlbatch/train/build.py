@@ -119,7 +119,7 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             optimizer,
             scheduler,
             batch.samples,
-            step=step - 1,
+            step=step,
             layout=layout,
             reducers=reducers,
             inject_nan=inject_nan,

@@ -3,7 +3,8 @@
 The trainer's producer (``RunAheadProducer(threaded=True)``) calls :class:`GenerationWorker` as
 its generate_fn from its generation thread; the call ships the request (and, once per policy
 version, the weight snapshot) to a spawned process and blocks on the pipe, which releases the
-GIL: the worker generates round t + 1 on its own cores while the trainer trains step t.
+GIL: the worker generates the next round on its own cores while the trainer trains the current
+step.
 
 The worker holds everything generation needs, built from the same config as the trainer's
 inline path (rlbatch.train.build): its own copy of the policy's architecture (no DDP, no

@@ -132,21 +132,20 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     """Resume, run optimizer steps up to trainer.max_steps, finish. Returns rank 0's history."""
     rank = comps.dist.rank
     state = _resume(cfg, comps)
-    start = state.step if state is not None else 0
+    resumed_step = state.step if state is not None else 0  # the last step already done
     logger = MetricsLogger(
         run_dir(cfg),
         cfg.logging,
         rank=rank,
         max_steps=cfg.trainer.max_steps,
-        start_step=start,
+        resumed_step=resumed_step,
         history=state.metrics_history if state is not None else None,
     )
     heartbeat = Heartbeat(run_dir(cfg), rank)
-    last_saved = start if state is not None else -1
+    last_saved = resumed_step if state is not None else -1
     saved_at = time.monotonic()
     try:
-        for index in range(start, cfg.trainer.max_steps):
-            step = index + 1
+        for step in range(resumed_step + 1, cfg.trainer.max_steps + 1):
             record = _guarded(
                 cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
             )
@@ -159,9 +158,11 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
                 _guarded(cfg, comps, heartbeat, step, lambda s=step: _save(cfg, comps, s, logger))
                 last_saved, saved_at = step, time.monotonic()
         final = cfg.trainer.max_steps
-        if start > final:
+        if resumed_step > final:
             log.warning(
-                "checkpoint step %d is past trainer.max_steps=%d: nothing to train", start, final
+                "checkpoint step %d is past trainer.max_steps=%d: nothing to train",
+                resumed_step,
+                final,
             )
         elif last_saved != final:
             heartbeat.beat(final, "checkpoint")
@@ -212,7 +213,7 @@ def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int
     rank = comps.dist.rank
     start_time = time.perf_counter()
     heartbeat.beat(step, "batch")
-    batch = comps.producer.batch_for_step(step - 1)
+    batch = comps.producer.batch_for_step(step)
     inject_nan = inject_fault(cfg.debug, step, rank)  # mid-step: generation done, no update yet
     heartbeat.beat(step, "agree")
     if cfg.debug.check_plan_consistency:
@@ -256,7 +257,7 @@ def _record(
         local[1] += s.reward
         local[2] += s.reward * s.reward
         local[3] += len(s.response_ids)
-        local[4] += batch.round_start_step - s.policy_version
+        local[4] += batch.round_start_version - s.policy_version
         local[5] += s.length
     n, r_sum, r_sq, len_sum, stale_sum, tokens = comps.dist.all_reduce_sum(local)
     n = max(n, 1.0)

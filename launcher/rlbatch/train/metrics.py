@@ -121,13 +121,15 @@ class MetricsLogger:
         *,
         rank: int,
         max_steps: int,
-        start_step: int = 0,
+        resumed_step: int = 0,
         history: Sequence[dict[str, Any]] | None = None,
         console: Console | None = None,
     ) -> None:
-        """``history``: records of the steps before ``start_step`` (TrainState.metrics_history of
-        the checkpoint resumed from; metrics.jsonl is rewritten from it when it differs, e.g. a
-        resume into a new run directory); None = what metrics.jsonl holds up to start_step."""
+        """``resumed_step``: the step of the checkpoint this run resumed from, i.e. the last
+        step already done (0: a fresh run). ``history``: the records of steps 1 .. resumed_step
+        (TrainState.metrics_history of that checkpoint; metrics.jsonl is rewritten from it when
+        it differs, e.g. a resume into a new run directory); None = what metrics.jsonl holds up
+        to resumed_step."""
         self.enabled = rank == 0
         self.run_dir = Path(run_dir)
         self.cfg = logging_cfg
@@ -142,16 +144,17 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # Resume: drop records after the checkpoint; a fresh run (start 0) starts a new file.
-        kept = truncate_jsonl(self.jsonl_path, start_step)
+        # Resume: drop records after the checkpoint; a fresh run (resumed_step 0) starts a new
+        # file.
+        kept = truncate_jsonl(self.jsonl_path, resumed_step)
         self.history = list(history) if history is not None else kept
         if self.cfg.jsonl and history is not None and _steps(kept) != _steps(self.history):
             write_jsonl(self.jsonl_path, self.history)  # resumed into another run directory
-        self._sinks = open_sinks(self.cfg, self.run_dir, start_step)
+        self._sinks = open_sinks(self.cfg, self.run_dir, resumed_step)
         if self.cfg.progress and self.console.is_terminal:
-            self._start_progress(start_step)
+            self._start_progress(resumed_step)
 
-    def _start_progress(self, start_step: int) -> None:
+    def _start_progress(self, resumed_step: int) -> None:
         self._progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -164,7 +167,7 @@ class MetricsLogger:
         )
         self._progress.start()
         self._task = self._progress.add_task(
-            "train", total=self.max_steps, completed=start_step, latest=""
+            "train", total=self.max_steps, completed=resumed_step, latest=""
         )
 
     def log(self, record: dict[str, Any]) -> None:

@@ -21,6 +21,9 @@ Vocabulary (docs/training_loop.md):
   slices of ``groups_per_rank_step`` groups (the mini-batches). Each mini-batch is trained
   ``num_iterations`` times in a row, the order a a b b of the LCM aggregator's
   ``batch_repeat``. Groups stay whole and contiguous, siblings in generation order.
+- *step*: the 1-based optimizer step number (step 1 is the first optimizer step), as in logs,
+  metrics.jsonl, checkpoints and ``trainer.max_steps``; rounds, iterations and slices count
+  from 0 (docs/training_loop.md, "Step numbers").
 """
 
 from __future__ import annotations
@@ -83,10 +86,13 @@ class GenerationSchedule:
         return self.groups_per_rank_step * self.num_generations
 
     def round_position(self, step: int) -> tuple[int, int, int]:
-        """(round, iteration, slice) that optimizer step ``step`` (0-based) trains on: slice
-        (mini-batch) s of a round is trained at its iterations 0 .. num_iterations - 1 in a row
-        (a a b b)."""
-        rnd, k = divmod(step, self.steps_per_round)
+        """(round, iteration, slice) that optimizer step ``step`` (1-based) trains on, each
+        0-based: slice (mini-batch) s of a round is trained at its iterations
+        0 .. num_iterations - 1 in a row (a a b b). Step 1 is (0, 0, 0)."""
+        if step < 1:
+            raise ValueError(f"step={step}: optimizer steps are numbered from 1")
+        step_index = step - 1
+        rnd, k = divmod(step_index, self.steps_per_round)
         slice_index, iteration = divmod(k, self.num_iterations)
         return rnd, iteration, slice_index
 

@@ -130,8 +130,9 @@ class MlflowSink:
         self.mlflow.end_run()
 
 
-def open_sinks(logging_cfg: Any, run_dir: Path, start_step: int) -> list[Sink]:
-    """The enabled trackers of ``logging_cfg`` (rank 0 only)."""
+def open_sinks(logging_cfg: Any, run_dir: Path, resumed_step: int) -> list[Sink]:
+    """The enabled trackers of ``logging_cfg`` (rank 0 only); ``resumed_step``: the last step
+    already done (0: a fresh run), so TensorBoard purges events from step resumed_step + 1."""
     sinks: list[Sink] = []
     if logging_cfg.tensorboard:
         if importlib.util.find_spec("tensorboard") is None:
@@ -139,7 +140,7 @@ def open_sinks(logging_cfg: Any, run_dir: Path, start_step: int) -> list[Sink]:
                 "logging.tensorboard=true but tensorboard is not installed: no events written"
             )
         else:
-            sinks.append(TensorBoardSink(run_dir / "tb", start_step + 1))
+            sinks.append(TensorBoardSink(run_dir / "tb", resumed_step + 1))
     wandb_cfg = getattr(logging_cfg, "wandb", None)
     if wandb_cfg is not None and wandb_cfg.enabled:
         sinks.append(WandbSink(wandb_cfg, run_dir))

@@ -15,7 +15,7 @@ from rlbatch.batching import split_mini_batches
     st.integers(1, 6),
     st.integers(1, 5),
     st.integers(0, 5),
-    st.integers(0, 5),
+    st.integers(1, 6),
 )
 def test_fixed_size_groups_whole_every_sample_once(
     group: int, groups_per_mini: int, minis: int, seed: int, step: int
@@ -33,9 +33,14 @@ def test_fixed_size_groups_whole_every_sample_once(
 
 
 def test_reshuffled_per_step() -> None:
-    a = split_mini_batches(64, 16, seed=1, step=0, group_size=4)
-    b = split_mini_batches(64, 16, seed=1, step=1, group_size=4)
+    a = split_mini_batches(64, 16, seed=1, step=1, group_size=4)
+    b = split_mini_batches(64, 16, seed=1, step=2, group_size=4)
     assert a != b
+
+
+def test_steps_are_numbered_from_one() -> None:
+    with pytest.raises(ValueError, match="step=0: optimizer steps are numbered from 1"):
+        split_mini_batches(8, 4, seed=0, step=0)
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,7 @@ def test_infer_pass_uses_the_infer_budget(capsys: pytest.CaptureFixture[str]) ->
 
 def test_pool_json_is_one_pass_like_training(capsys: pytest.CaptureFixture[str]) -> None:
     """Pool mode previews one pass, as training plans its first step: plan_pass with
-    trainer.seed and step 0; pool_micro_batches_per_step raises the count (3 -> VPP-valid 4)."""
+    trainer.seed and step 1; pool_micro_batches_per_step raises the count (3 -> VPP-valid 4)."""
     from rlbatch.batching import GROUP_SIZE, cost_model_for, make_workload, plan_pass
 
     cfg = make_config(synthetic=Workload.grpo_math, num_samples=96)
@@ -79,7 +79,7 @@ def test_pool_json_is_one_pass_like_training(capsys: pytest.CaptureFixture[str])
     train = plan_pass(
         make_workload(Workload.grpo_math, 96, 0), cfg.batching.train, dp=4, pp=2, vpp=2,
         group_size=GROUP_SIZE[Workload.grpo_math], cost=cost_model_for(cfg.model, cfg.batching.train),
-        seed=cfg.trainer.seed, step=0,
+        seed=cfg.trainer.seed, step=1,
     ).to_json()  # fmt: skip
     doc["stats"].pop("planner_seconds"), train["stats"].pop("planner_seconds")
     assert doc == train

@@ -37,9 +37,9 @@ def test_pass_follows_the_rules_and_covers_every_sample_once(kw: dict) -> None:
 
 def test_stream_is_a_global_shuffle_per_step() -> None:
     n = len(LENGTHS)
-    p0, p1 = step_permutation(n, 7, 0), step_permutation(n, 7, 1)
-    assert sorted(p0) == sorted(p1) == list(range(n)) and p0 != p1
-    same = [plan_key(plan_pass(LENGTHS, config(), dp=2, seed=7, step=s)) for s in (0, 0, 1)]
+    p1, p2 = step_permutation(n, 7, 1), step_permutation(n, 7, 2)
+    assert sorted(p1) == sorted(p2) == list(range(n)) and p1 != p2
+    same = [plan_key(plan_pass(LENGTHS, config(), dp=2, seed=7, step=s)) for s in (1, 1, 2)]
     assert same[0] == same[1] != same[2]  # deterministic per (seed, step), reshuffled per step
 
 
@@ -60,6 +60,8 @@ def test_micro_batches_per_step_is_the_least_count() -> None:
     assert vpp.num_micro_batches == natural + 3 + (natural + 3) % 2  # VPP-valid (N = pp = 2)
     with pytest.raises(ValueError, match="pool_micro_batches_per_step=0"):
         plan_pass(LENGTHS, config(pool_micro_batches_per_step=0), dp=2)
+    with pytest.raises(ValueError, match="step=0: optimizer steps are numbered from 1"):
+        plan_pass(LENGTHS, config(), dp=2, step=0)
 
 
 def test_oversize_in_the_stream() -> None:
@@ -80,7 +82,7 @@ def test_oversize_in_the_stream() -> None:
     st.sampled_from(list(PoolStrategy)),
     st.booleans(),
     st.integers(1, 5),
-    st.integers(0, 10),
+    st.integers(1, 11),
     st.sampled_from([OversizePolicy.isolate, OversizePolicy.truncate]),
 )
 def test_pool_pass_property(

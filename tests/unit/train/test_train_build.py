@@ -65,7 +65,7 @@ def test_generate_fn_under_run_ahead_tags_versions():
     producer = RunAheadProducer(
         PromptSampler(20, sched, dp_rank=0, seed=0), gen, num_steps_async=1, max_staleness=1
     )
-    stale = [producer.batch_for_step(t).staleness_mean for t in range(5)]
+    stale = [producer.batch_for_step(step).staleness_mean for step in range(1, 6)]
     assert stale == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert [v for _, v, _ in engine.calls] == [0, 0, 1, 2, 3, 4]
 

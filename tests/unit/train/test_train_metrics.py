@@ -32,7 +32,7 @@ def _logger(run_dir, start=0, rank=0, **cfg):
     console = Console(file=out, force_terminal=False, width=120)
     logging_cfg = LoggingConfig(tensorboard=False, **cfg)
     return MetricsLogger(
-        run_dir, logging_cfg, rank=rank, max_steps=10, start_step=start, console=console
+        run_dir, logging_cfg, rank=rank, max_steps=10, resumed_step=start, console=console
     ), out
 
 
@@ -157,7 +157,7 @@ def test_progress_bar_on_a_terminal(tmp_path):
         LoggingConfig(tensorboard=False),
         rank=0,
         max_steps=4,
-        start_step=1,
+        resumed_step=1,
         console=console,
     )
     log.log(_record(2))
@@ -173,7 +173,7 @@ def test_resume_into_a_new_run_dir_carries_the_history(tmp_path):
         LoggingConfig(tensorboard=False),
         rank=0,
         max_steps=6,
-        start_step=3,
+        resumed_step=3,
         history=history,
         console=Console(file=io.StringIO()),
     )

@@ -48,13 +48,14 @@ def _make(k, max_staleness=4, *, steps=1, iters=1, calls=None, g=2, gbs=4):
     )
 
 
-def _trace(producer, start, stop):
+def _trace(producer, first, last):
+    """What steps first .. last (1-based, inclusive) train on."""
     out = []
-    for t in range(start, stop):
-        b = producer.batch_for_step(t)
+    for step in range(first, last + 1):
+        b = producer.batch_for_step(step)
         out.append(
             (
-                t,
+                step,
                 b.round_index,
                 [(s.group_id, s.response_ids[0], s.policy_version) for s in b.samples],
                 b.staleness_mean,
@@ -63,19 +64,37 @@ def _trace(producer, start, stop):
     return out
 
 
+def test_steps_are_numbered_from_one():
+    # step 1 = the first optimizer step: round 0, iteration 0, slice 0, the untrained policy
+    p = _make(0, steps=2, iters=2, gbs=8)
+    first = p.batch_for_step(1)
+    assert (first.step, first.round_index, first.iteration, first.slice_index) == (1, 0, 0, 0)
+    assert first.new_round and first.round_start_version == 0
+    assert {s.policy_version for s in first.samples} == {0}
+    with pytest.raises(RuntimeError, match="expected step 2, got 1"):
+        p.batch_for_step(1)
+    positions = [
+        (b.round_index, b.iteration, b.slice_index, b.new_round)
+        for b in (p.batch_for_step(step) for step in range(2, 6))
+    ]
+    assert positions == [(0, 1, 0, False), (0, 0, 1, False), (0, 1, 1, False), (1, 0, 0, True)]
+    with pytest.raises(RuntimeError, match="expected step 1, got 0"):
+        _make(0).batch_for_step(0)
+
+
 def test_synchronous_has_zero_staleness():
     p = _make(0)
-    for t in range(8):
-        b = p.batch_for_step(t)
-        assert b.generated == [t]
-        assert {s.policy_version for s in b.samples} == {t}
+    for step in range(1, 9):
+        b = p.batch_for_step(step)
+        assert b.generated == [step - 1]  # round step - 1, by the policy step - 1 starts from
+        assert {s.policy_version for s in b.samples} == {step - 1}
         assert b.staleness_mean == 0.0
 
 
 def test_one_step_ahead_is_exactly_one_stale_after_warmup():
     calls = []
     p = _make(1, max_staleness=1, calls=calls)
-    stale = [p.batch_for_step(t).staleness_mean for t in range(8)]
+    stale = [p.batch_for_step(step).staleness_mean for step in range(1, 9)]
     assert stale == [0.0] + [1.0] * 7
     # round 0 and 1 both come from version 0; round r >= 1 from version r - 1
     assert calls[:3] == [(0, 0), (1, 0), (2, 1)]
@@ -83,18 +102,19 @@ def test_one_step_ahead_is_exactly_one_stale_after_warmup():
     assert p.queued_versions() == [(8, 7)]
 
 
-def test_two_steps_ahead_batch_of_step_t_from_version_t_minus_2():
+def test_two_steps_ahead_batch_of_step_t_from_version_t_minus_3():
     p = _make(2, max_staleness=2)
-    for t in range(7):
-        b = p.batch_for_step(t)
-        assert {s.policy_version for s in b.samples} == {max(0, t - 2)}
+    for step in range(1, 8):
+        b = p.batch_for_step(step)  # the policy is at version step - 1
+        assert {s.policy_version for s in b.samples} == {max(0, step - 3)}
+        assert b.staleness_max == min(step - 1, 2)
 
 
 def test_producer_waits_at_max_staleness_instead_of_dropping():
     calls = []
     with pytest.warns(UserWarning, match="max_staleness=1"):
         p = _make(3, max_staleness=1, calls=calls)
-    trace = _trace(p, 0, 6)
+    trace = _trace(p, 1, 6)
     assert [st for *_, st in trace] == [0.0] + [1.0] * 5
     # every generated round is trained, in order: none skipped
     assert [r for _, r, _, _ in trace] == list(range(6))
@@ -105,7 +125,7 @@ def test_reuse_rounds_with_run_ahead():
     # 2 steps per generation x 2 iterations = 4 steps per round; 1 step ahead.
     calls = []
     p = _make(1, max_staleness=1, steps=2, iters=2, calls=calls, gbs=8)
-    trace = _trace(p, 0, 12)
+    trace = _trace(p, 1, 12)
     assert calls == [(0, 0), (1, 3), (2, 7), (3, 11)]
     assert [st for *_, st in trace] == [0.0] * 4 + [1.0] * 8
     # order a a b b: each mini-batch trained num_iterations times in a row, the two
@@ -124,27 +144,44 @@ def _roundtrip(state):
 
 @pytest.mark.parametrize("k,steps,iters,cut", [(0, 1, 1, 3), (1, 1, 1, 4), (2, 2, 2, 3)])
 def test_resume_equals_uninterrupted_without_replay(k, steps, iters, cut):
-    full = _trace(_make(k, steps=steps, iters=iters), 0, 12)
+    """A checkpoint after step ``cut`` resumes at step cut + 1 exactly."""
+    full = _trace(_make(k, steps=steps, iters=iters), 1, 12)
     first = _make(k, steps=steps, iters=iters)
-    head = _trace(first, 0, cut)
+    head = _trace(first, 1, cut)
     state = _roundtrip(first.state_dict())
+    assert state["next_step"] == cut + 1
     assert state["queue"] or k == 0  # queued batches travel with the checkpoint
     calls = []
     second = _make(k, steps=steps, iters=iters, calls=calls)
     second.load_state_dict(state)
-    tail = _trace(second, cut, 12)
+    tail = _trace(second, cut + 1, 12)
     assert head + tail == full
     generated_before = {r.round_index for r in state["queue"]} | {state["current"].round_index}
     assert not generated_before & {r for r, _ in calls}  # nothing generated twice
 
 
+def test_resume_from_a_state_with_the_0_based_expected_step():
+    """Checkpoints written before steps were 1-based everywhere hold the 0-based index of the
+    next step under "expected_step"; they resume at the same step."""
+    full = _trace(_make(1, steps=2, iters=2, gbs=8), 1, 10)
+    first = _make(1, steps=2, iters=2, gbs=8)
+    head = _trace(first, 1, 6)  # mid-round: steps 5 .. 8 train round 1
+    state = _roundtrip(first.state_dict())
+    state["expected_step"] = state.pop("next_step") - 1
+    assert state["expected_step"] == 6
+    second = _make(1, steps=2, iters=2, gbs=8)
+    second.load_state_dict(state)
+    assert second.state_dict()["next_step"] == 7
+    assert head + _trace(second, 7, 10) == full
+
+
 def test_resume_refuses_other_lag_and_out_of_order_steps():
     p = _make(1, max_staleness=1)
-    p.batch_for_step(0)
+    p.batch_for_step(1)
     with pytest.raises(ValueError, match="num_steps_async"):
         _make(0).load_state_dict(p.state_dict())
-    with pytest.raises(RuntimeError, match="expected step 1"):
-        p.batch_for_step(2)
+    with pytest.raises(RuntimeError, match="expected step 2"):
+        p.batch_for_step(3)
 
 
 def test_generate_fn_must_tag_the_snapshot_version():
@@ -155,7 +192,7 @@ def test_generate_fn_must_tag_the_snapshot_version():
         return [Sample(Prompt(0, (1,), ""), 0, [1], [0.0], False, policy_version=99)]
 
     with pytest.raises(ValueError, match="policy_version 99"):
-        RunAheadProducer(sampler, bad).batch_for_step(0)
+        RunAheadProducer(sampler, bad).batch_for_step(1)
 
 
 def test_versioned_slot_is_monotonic_and_waits():
@@ -200,17 +237,16 @@ def _policy_trace(threaded, k, steps=1, iters=1, n=10, cut=None):
             timeout_s=10,
         )
 
-    producer, out, t = make(), [], 0
-    while t < n:
-        if cut is not None and t == cut:
+    producer, out = make(), []
+    for step in range(1, n + 1):
+        if cut is not None and step == cut + 1:
             state = _roundtrip(producer.state_dict())
             producer.close()
             producer = make()
             producer.load_state_dict(state)
-        b = producer.batch_for_step(t)
+        b = producer.batch_for_step(step)
         out.append([(s.group_id, s.response_ids[0], s.policy_version) for s in b.samples])
-        live["w"] += 1  # the optimizer step: version t + 1
-        t += 1
+        live["w"] += 1  # the optimizer step: version step
     producer.close()
     return out
 
@@ -237,5 +273,5 @@ def test_threaded_generation_error_reaches_the_training_thread():
         PromptSampler(3, sched, dp_rank=0, seed=0), broken, threaded=True, timeout_s=10
     )
     with pytest.raises(RuntimeError, match="generator died"):
-        p.batch_for_step(0)
+        p.batch_for_step(1)
     p.close()

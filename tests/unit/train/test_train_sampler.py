@@ -56,7 +56,7 @@ def test_round_position_order():
     s = derive_schedule(
         num_generations=2, global_batch_size=4, dp=1, steps_per_generation=2, num_iterations=2
     )
-    got = [s.round_position(t) for t in range(9)]
+    got = [s.round_position(step) for step in range(1, 10)]
     # (round, iteration, slice): each mini-batch (slice) twice in a row, a a b b
     assert got == [
         (0, 0, 0),
@@ -69,6 +69,8 @@ def test_round_position_order():
         (1, 1, 1),
         (2, 0, 0),
     ]
+    with pytest.raises(ValueError, match="numbered from 1"):
+        s.round_position(0)
 
 
 @pytest.mark.parametrize("num_prompts", [40, 37, 5])
