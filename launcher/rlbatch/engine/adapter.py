@@ -43,19 +43,29 @@ def transformer_config(
 ) -> Any:
     """Qwen2-architecture TransformerConfig (RMSNorm, SwiGLU, RoPE, GQA, QKV bias).
 
-    CPU (no CUDA): CPU initialisation, fp32 pipeline, every CUDA fusion off, dropout 0
-    (docs/engine.md). ``variable_seq_lengths=True`` always (the plan's micro-batches
-    differ in shape); megatron 0.16.1 then requires moe_token_dispatcher_type="alltoall" even
-    for dense models. With interleaving (vpp > 1): overlap_p2p_comm=True and
-    batch_p2p_comm=False (the default batched p2p is silently wrong with pp=2, where the
-    previous and next rank are the same peer).
+    ``variable_seq_lengths=True`` always (the plan's micro-batches differ in shape); megatron
+    0.16.1 then requires moe_token_dispatcher_type="alltoall" even for dense models. The
+    parallel layout, precision / device and recompute settings come from the helpers below.
     """
     from megatron.core.transformer import TransformerConfig
 
-    gpu = on_gpu()
-    dtype = torch_dtype(model.params_dtype)
-    interleaved = parallel.vpp > 1
-    kwargs: dict[str, Any] = dict(
+    config = TransformerConfig(
+        **_architecture_kwargs(model),
+        **_parallel_kwargs(parallel, microbatch_group_size),
+        **_device_kwargs(model),
+        **_recompute_kwargs(model),
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        calculate_per_token_loss=calculate_per_token_loss,
+    )
+    if model.rope_scaling == RopeScaling.yarn:
+        _set_yarn_attributes(config, model)
+    return config
+
+
+def _architecture_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """The Qwen2 architecture: sizes, RMSNorm, SwiGLU, GQA, QKV bias, no dropout."""
+    return dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -72,18 +82,40 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
+    )
+
+
+def _parallel_kwargs(
+    parallel: ParallelConfig, microbatch_group_size: Optional[int]
+) -> dict[str, Any]:
+    """tp / pp / vpp / cp / sequence parallelism. With interleaving (vpp > 1):
+    overlap_p2p_comm=True and batch_p2p_comm=False (the default batched p2p is silently wrong
+    with pp=2, where the previous and next rank are the same peer)."""
+    interleaved = parallel.vpp > 1
+    kwargs: dict[str, Any] = dict(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp if interleaved else None,
         context_parallel_size=parallel.cp,
         sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
+    )
+    if interleaved:
+        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+        if microbatch_group_size is not None:
+            kwargs["microbatch_group_size_per_vp_stage"] = microbatch_group_size
+    return kwargs
+
+
+def _device_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """Precision and device: ``model.params_dtype`` for parameters and the pipeline; on CPU
+    (no CUDA) CPU initialisation and every CUDA fusion off (docs/engine.md)."""
+    gpu = on_gpu()
+    dtype = torch_dtype(model.params_dtype)
+    return dict(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",
-        calculate_per_token_loss=calculate_per_token_loss,
         use_cpu_initialization=not gpu,
         perform_initialization=True,
         bias_activation_fusion=gpu,
@@ -94,29 +126,31 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
     )
-    if interleaved:
-        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
-        if microbatch_group_size is not None:
-            kwargs["microbatch_group_size_per_vp_stage"] = microbatch_group_size
+
+
+def _recompute_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """Activation recomputation (``model.recompute``): full = every layer, uniformly."""
     if model.recompute == Recompute.full:
-        kwargs.update(
+        return dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
-    elif model.recompute == Recompute.selective:
-        kwargs.update(recompute_granularity="selective")
-    config = TransformerConfig(**kwargs)
-    if model.rope_scaling == RopeScaling.yarn:
-        # GPTModel and attention read these optional attributes (not dataclass fields)
-        config.yarn_rotary_scaling_factor = model.rope_scaling_factor
-        config.yarn_original_max_position_embeddings = (
-            model.rope_original_max_position_embeddings or model.max_position_embeddings
-        )
-        config.yarn_beta_fast = model.rope_beta_fast
-        config.yarn_beta_slow = model.rope_beta_slow
-        config.yarn_mscale = 1.0
-        config.yarn_mscale_all_dim = 0.0
-        config.yarn_correction_range_round_to_int = True
-    return config
+    if model.recompute == Recompute.selective:
+        return dict(recompute_granularity="selective")
+    return {}
+
+
+def _set_yarn_attributes(config: Any, model: ModelConfig) -> None:
+    """YaRN's settings: optional attributes (not dataclass fields) that GPTModel and attention
+    read from the config."""
+    config.yarn_rotary_scaling_factor = model.rope_scaling_factor
+    config.yarn_original_max_position_embeddings = (
+        model.rope_original_max_position_embeddings or model.max_position_embeddings
+    )
+    config.yarn_beta_fast = model.rope_beta_fast
+    config.yarn_beta_slow = model.rope_beta_slow
+    config.yarn_mscale = 1.0
+    config.yarn_mscale_all_dim = 0.0
+    config.yarn_correction_range_round_to_int = True
 
 
 def rope_kwargs(model: ModelConfig) -> dict[str, Any]:
