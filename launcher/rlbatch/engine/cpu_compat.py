@@ -75,6 +75,7 @@ _FACTORIES = frozenset(
 
 _CPU = torch.device("cpu")
 _installed = False
+_MARK = "__rlbatch_cpu_compat__"  # set on the methods install() wrapped (idempotence)
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -186,20 +187,27 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
             param.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
 
 
-def _with_identity_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` with ``Tensor.cuda`` as identity (only for the duration of the call)."""
+def _with_tensor_method(
+    fn: Callable[..., Any], name: str, replace: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[..., Any]:
+    """Run ``fn`` with ``torch.Tensor.<name>`` replaced by ``replace(original)``, only for the
+    duration of the call."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        original = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        original = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, replace(original))
         try:
             return fn(*args, **kwargs)
         finally:
-            torch.Tensor.cuda = original  # type: ignore[method-assign]
+            setattr(torch.Tensor, name, original)
 
-    wrapper.__rlbatch_cpu_compat__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _with_identity_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` with ``Tensor.cuda`` as identity (only for the duration of the call)."""
+    return _with_tensor_method(fn, "cuda", lambda original: lambda self, *a, **k: self)
 
 
 def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -207,24 +215,16 @@ def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
     "torch.cuda.FloatTensor"; only the no-argument query, only for the duration of the call).
     megatron's DistributedOptimizer sorts its parameters by those names and rejects the rest."""
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        original = torch.Tensor.type
-
+    def cuda_names(original: Callable[..., Any]) -> Callable[..., Any]:
         def cuda_type(self: torch.Tensor, *a: Any, **k: Any) -> Any:
             name = original(self, *a, **k)
             if a or k or self.device.type != "cpu":
                 return name
             return name.replace("torch.", "torch.cuda.", 1)
 
-        torch.Tensor.type = cuda_type  # type: ignore[method-assign, assignment]
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.Tensor.type = original  # type: ignore[method-assign]
+        return cuda_type
 
-    wrapper.__rlbatch_cpu_compat__ = True  # type: ignore[attr-defined]
-    return wrapper
+    return _with_tensor_method(fn, "type", cuda_names)
 
 
 def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: Any) -> None:
@@ -252,8 +252,17 @@ def _with_unshared_steps(load_state_dict: Callable[..., Any]) -> Callable[..., A
                 state["step"] = state["step"].clone()
         return result
 
-    wrapper.__rlbatch_cpu_compat__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _wrap_once(owner: Any, name: str, wrap: Callable[[Any], Callable[..., Any]]) -> None:
+    """``owner.<name> = wrap(owner.<name>)`` unless an earlier install already wrapped it."""
+    method = getattr(owner, name)
+    if getattr(method, _MARK, False):
+        return
+    wrapped = wrap(method)
+    setattr(wrapped, _MARK, True)
+    setattr(owner, name, wrapped)
 
 
 def check_version() -> str:
@@ -308,18 +317,13 @@ def install() -> bool:
         module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32  # type: ignore[attr-defined]
 
     lm = importlib.import_module("megatron.core.models.common.language_module.language_module")
-    method = lm.LanguageModule.setup_embeddings_and_output_layer
-    if not getattr(method, "__rlbatch_cpu_compat__", False):
-        lm.LanguageModule.setup_embeddings_and_output_layer = _with_identity_cuda(method)
+    _wrap_once(lm.LanguageModule, "setup_embeddings_and_output_layer", _with_identity_cuda)
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     cls = distrib.DistributedOptimizer
-    if not getattr(cls.__init__, "__rlbatch_cpu_compat__", False):
-        cls.__init__ = _with_cuda_type_names(cls.__init__)
-    # its checkpoint gather moves CPU buffers with .cuda() (the default group is gloo here)
+    _wrap_once(cls, "__init__", _with_cuda_type_names)
     cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
-    if not getattr(cls.load_state_dict, "__rlbatch_cpu_compat__", False):
-        cls.load_state_dict = _with_unshared_steps(cls.load_state_dict)
-    if not getattr(cls.get_parameter_state_dp_zero, "__rlbatch_cpu_compat__", False):
-        cls.get_parameter_state_dp_zero = _with_identity_cuda(cls.get_parameter_state_dp_zero)
+    _wrap_once(cls, "load_state_dict", _with_unshared_steps)
+    # its checkpoint gather moves CPU buffers with .cuda() (the default group is gloo here)
+    _wrap_once(cls, "get_parameter_state_dp_zero", _with_identity_cuda)
     _installed = True
     return True
