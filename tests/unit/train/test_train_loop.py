@@ -85,6 +85,8 @@ def _components(cfg, *, init_seed=0, dist=None):
     )
 
     def train_step(batch, step, inject_nan):
+        # one step number (1-based) from the loop through the producer to the train step
+        assert batch.step == step and batch.round_start_version < step
         x = torch.cat([_features(s.prompt.index) for s in batch.samples])
         target = torch.tensor([[s.advantage] for s in batch.samples])
         loss = ((model(x) - target) ** 2).mean()
