@@ -61,6 +61,8 @@ def plan_pass(
     pass_name: "train" or "infer", for the config keys named in error messages.
     Raises ValueError for bad input or, with oversize=error, a sample over the budget.
     """
+    if step < 1:
+        raise ValueError(f"step={step}: optimizer steps are numbered from 1")
     with gc_paused():
         return _plan_pass(
             lengths, cfg, dp, pp, vpp, microbatch_group_size, group_size, cost, seed, step,
@@ -86,8 +88,6 @@ def _plan_pass(
         raise ValueError(f"parallel.dp={dp} must be >= 1")
     if group_size < 1:
         raise ValueError(f"group_size={group_size} must be >= 1")
-    if step < 1:
-        raise ValueError(f"step={step}: optimizer steps are numbered from 1")
     n_group = resolve_group_size(pp, vpp, microbatch_group_size)
     cost = cost or TOKEN_COUNT
     mode = BatchingMode(cfg.mode)
