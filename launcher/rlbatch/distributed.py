@@ -175,6 +175,15 @@ def reduce_step(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+def reduce_max(value: float) -> float:
+    """The largest of one float over every rank of the world (stages without it pass -inf)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
 def barrier(group: Optional[Any] = None) -> None:
     if dist.is_initialized() and _group_size(group) > 1:
         dist.barrier(group=group)

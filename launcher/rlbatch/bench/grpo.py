@@ -129,8 +129,12 @@ def build_world(cfg: RunConfig) -> World:
     return World(cfg, model, optimizer, scheduler, ref, tokenizer, prompts)
 
 
-def produce_samples(world: World, args: argparse.Namespace, aggregated: bool, clock: Clock):
-    """One round of this step's prompts through the LCM aggregator (timed stages)."""
+def produce_samples(
+    world: World, args: argparse.Namespace, aggregated: bool, clock: Clock, old_pass: bool = True
+):
+    """One round of this step's prompts through the LCM aggregator (timed stages); the
+    old-logprob stage runs with ``old_pass`` (a training run runs it only for off-policy
+    rounds of several steps: rlbatch.grpo.lcm.old_pass_runs)."""
     from rlbatch.grpo.lcm import LCMAggregator, Stages, plan_aggregation
     from rlbatch.grpo.rewards import build_reward_fn
     from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams, as_rollout_fn
@@ -147,7 +151,9 @@ def produce_samples(world: World, args: argparse.Namespace, aggregated: bool, cl
     stages = Stages(
         rollout_fn=clock.wrap("rollout", as_rollout_fn(engine, 0), gen_tokens),
         reward_fn=make_reward_batch_fn(build_reward_fn(cfg.data), tok),
-        old_logps_fn=clock.wrap("old", make_logps_fn(world.model, cfg), all_tokens),
+        old_logps_fn=(
+            clock.wrap("old", make_logps_fn(world.model, cfg), all_tokens) if old_pass else None
+        ),
         ref_logps_fn=(
             None
             if world.ref is None  # grpo.beta == 0: no reference pass

@@ -11,7 +11,8 @@ runs); temperature 1. Workloads: ``issue`` = 2 prompts of 4 tokens x 8 generatio
 token, so a few completions end before the cap. A step is timed from TRL's ``on_step_begin`` to
 ``on_step_end`` (generation, reference logprobs, loss, backward, optimizer step); between two
 TRL steps one rlbatch step runs with dynamic and one with packed training batching (rollout,
-reference and old logprobs, train step). Tokens/s = (prompt + completion tokens) / seconds.
+reference logprobs, train step: what rlbatch-train runs for this on-policy config, so no
+old-logprob pass). Tokens/s = (prompt + completion tokens) / seconds.
 TRL runs with and without gradient checkpointing (its default is on).
 """
 
@@ -120,12 +121,15 @@ def rlbatch_world(path: Path, gens: int, max_new: int, prompts: list[list[int]])
 
 
 def rlbatch_step(world: Any, mode: Any, clock: str) -> tuple[float, int]:
+    """One step as rlbatch-train runs it for this config: rollout, reference pass, the train
+    step (on-policy, one iteration: no old-logprob pass, like TRL)."""
     from rlbatch.bench.grpo import Clock, produce_samples, time_train
+    from rlbatch.grpo.lcm import old_pass_runs
 
     n = len(world.prompts)
     args = argparse.Namespace(prompts=n, train_micro=n, rollout_micro=n)
     t0 = _clock(clock)
-    samples = produce_samples(world, args, True, Clock())
+    samples = produce_samples(world, args, True, Clock(), old_pass_runs(world.cfg))
     time_train(world, samples, mode, Clock())
     return _clock(clock) - t0, sum(s.length for s in samples)
 

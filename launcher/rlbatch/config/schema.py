@@ -259,7 +259,7 @@ class GRPOConfig:
     """Completions per prompt (sample_repeat)."""
     num_iterations: int = 1
     """Optimizer passes over each generation (batch_repeat): each mini-batch is trained this
-    many times in a row (a a b b); > 1 runs the old-logprob pass."""
+    many times in a row (a a b b); > 1 makes the samples off-policy (old-logprob pass)."""
     global_batch_size: int = 64
     """Samples (completions) per optimizer step over all DP ranks: the mini-batch."""
     steps_per_generation: Optional[int] = None
@@ -282,13 +282,13 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_new_tokens without EOS from the loss."""
     num_steps_async: int = 0
-    """Generation runs this many optimizer steps ahead of training (0 = synchronous); > 0 runs
-    the old-logprob pass."""
+    """Generation runs this many optimizer steps ahead of training (0 = synchronous); > 0 makes
+    the samples off-policy (pi_old from the training forward, or an old-logprob pass when a
+    round spans several steps)."""
     max_staleness: int = 1
     """Largest allowed policy lag of a trained sample; the producer waits beyond it."""
     importance_weight_cap: float = 2.0
-    """Cap of the per-token weight pi_old / pi_behaviour (off-policy samples, after the
-    old-logprob pass)."""
+    """Cap of the per-token weight pi_old / pi_behaviour (off-policy samples)."""
     overlap_generation: bool = True
     """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a thread on a
     model copy while training runs; false = generate inline (same samples, no overlap)."""

@@ -50,7 +50,8 @@ class AggregationPlan:
     ref_pass: bool = True
     """The reference-logprob pass runs (grpo.beta > 0)."""
     old_pass: bool = True
-    """The old-logprob pass runs (samples are off-policy: :func:`old_pass_runs`)."""
+    """The old-logprob pass runs (off-policy samples trained over several steps:
+    :func:`old_pass_runs`)."""
 
     @property
     def service_target_bs(self) -> int:
@@ -68,11 +69,36 @@ class AggregationPlan:
         return math.lcm(*[max(1, s) for s in sizes])
 
 
-def old_pass_runs(cfg: RunConfig) -> bool:
-    """The old-logprob (proximal policy) pass runs when the samples are off-policy: trained
-    more than once (grpo.num_iterations > 1) or generated ahead (grpo.num_steps_async > 0)."""
+def off_policy(cfg: RunConfig) -> bool:
+    """The samples are off-policy: trained more than once (grpo.num_iterations > 1) or
+    generated ahead (grpo.num_steps_async > 0). The loss then clips against the proximal policy
+    pi_old and weights each token by pi_old / pi_behaviour (rlbatch.grpo.proximal)."""
     g = cfg.grpo
     return g.num_iterations > 1 or min(g.num_steps_async, g.max_staleness) > 0
+
+
+def steps_per_round(cfg: RunConfig) -> int:
+    """Optimizer steps that train one generation round: steps per generation (from
+    grpo.steps_per_generation or grpo.generation_batch_size / grpo.global_batch_size) times
+    grpo.num_iterations (the loop's schedule, rlbatch.train.sampler, derives the same)."""
+    g = cfg.grpo
+    steps = g.steps_per_generation or 1
+    if g.generation_batch_size and g.global_batch_size > 0:
+        steps = max(1, g.generation_batch_size // g.global_batch_size)
+    return steps * g.num_iterations
+
+
+def old_from_forward(cfg: RunConfig) -> bool:
+    """Off-policy samples trained in ONE optimizer step (a round of one step, generated ahead):
+    pi_old, the policy at the round's first step, is the policy of that step's training
+    forward, so its logps come from that forward (detached) instead of a separate pass."""
+    return off_policy(cfg) and steps_per_round(cfg) == 1
+
+
+def old_pass_runs(cfg: RunConfig) -> bool:
+    """The old-logprob (proximal policy) pass runs: off-policy samples trained over more than
+    one optimizer step, whose later steps need pi_old as it was at the round's first step."""
+    return off_policy(cfg) and steps_per_round(cfg) > 1
 
 
 def aggregation_plan(cfg: RunConfig) -> AggregationPlan:

@@ -58,9 +58,14 @@ class LossSettings:
     mask_truncated_completions: bool = False
     temperature: float = 1.0
     """rollout.temperature: the current policy's logprobs are those of logits / temperature."""
+    old_from_forward: bool = False
+    """pi_old is the policy of this forward (off-policy samples trained in one step,
+    rlbatch.grpo.lcm.old_from_forward): old logps = the current logps, detached."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LossSettings:
+        from rlbatch.grpo.lcm import old_from_forward
+
         g = cfg.grpo
         return cls(
             epsilon_low=g.epsilon_low,
@@ -71,6 +76,7 @@ class LossSettings:
             max_response_len=cfg.rollout.max_new_tokens,
             mask_truncated_completions=g.mask_truncated_completions,
             temperature=cfg.rollout.temperature,
+            old_from_forward=old_from_forward(cfg),
         )
 
     @property
@@ -134,6 +140,9 @@ class LossTerms:
     stats: torch.Tensor
     """[len(STAT_KEYS)] float64, detached: metric sums (see STAT_KEYS). Kept on the device:
     nothing here synchronizes with the host."""
+    weight_max: Optional[torch.Tensor] = None
+    """float64 scalar, detached: the largest raw pi_old / pi_behaviour over the loss tokens
+    (None on-policy, where every weight is exactly 1)."""
 
 
 def divisor_count(batch: GRPOBatch, settings: LossSettings) -> torch.Tensor:
@@ -171,7 +180,9 @@ def _fill_logps(
     sample: Sample, n: int, old: torch.Tensor, behaviour: torch.Tensor, ref: torch.Tensor
 ) -> bool:
     """Write the first n response tokens' old / behaviour / ref logps into the given views
-    (without an old pass, old is the behaviour: the weight is exactly 1). True if ref was set."""
+    (without old logps, old is the behaviour: on-policy, the weight is exactly 1; with
+    LossSettings.old_from_forward the loss replaces it by the forward's logps). True if ref was
+    set."""
     old_l = sample.old_logps if sample.old_logps is not None else sample.behaviour_logps
     old.copy_(torch.tensor(old_l[:n], dtype=torch.float64))
     behaviour.copy_(torch.tensor(sample.behaviour_logps[:n], dtype=torch.float64))
@@ -187,6 +198,7 @@ def build_grpo_batch(
     *,
     round_to: int,
     mask_truncated: bool = False,
+    with_behaviour: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[GRPOBatch, torch.Tensor]:
     """The GRPO fields and the input tokens ``[R, S]`` of one planned micro-batch.
@@ -195,7 +207,8 @@ def build_grpo_batch(
     shorter than a sample (oversize ``truncate``): only the kept response tokens carry loss.
     Old logps default to the behaviour logps (on-policy GRPO: no old pass, weight exactly 1).
     A sample whose old logps come from an old-logprob pass gets the behaviour importance weight
-    pi_old / pi_behaviour (``behaviour_logps`` is set when any sample has one).
+    pi_old / pi_behaviour (``behaviour_logps`` is set when any sample has one, or always with
+    ``with_behaviour``: the old logps come from the training forward, old_from_forward).
     """
     rows = max(1, micro_batch.num_rows)
     width = micro_batch.padded_len
@@ -204,7 +217,7 @@ def build_grpo_batch(
     mask = torch.zeros(rows, width, dtype=torch.bool)
     seq_index = torch.zeros(rows, width, dtype=torch.long)
     old, behaviour, ref = (torch.zeros(rows, width, dtype=torch.float64) for _ in range(3))
-    any_stale = any_ref = False
+    any_stale, any_ref = with_behaviour, False
     masked = 0
     places = row_offsets(micro_batch.lengths, micro_batch.packed, round_to)
     for j, (sample, length, (row, col)) in enumerate(
@@ -264,7 +277,10 @@ def loss_from_logps(
     in ``loss_mask`` order). Returns the numerator, the local count and the metric sums."""
     mask = batch.loss_mask
     seq = batch.seq_index[mask]  # [N]
-    old = batch.old_logps[mask].to(logps.dtype)
+    if settings.old_from_forward:  # pi_old = this forward's policy: ratio 1, gradient of logps
+        old = logps.detach()
+    else:
+        old = batch.old_logps[mask].to(logps.dtype)
     adv = batch.advantages.to(logps.dtype)[seq]  # [N]
 
     ratio = torch.exp(logps - old)
@@ -280,6 +296,9 @@ def loss_from_logps(
         pg = is_weight * pg
     else:
         raw_weight = is_weight = torch.ones_like(ratio)
+    weight_max = None
+    if batch.behaviour_logps is not None:
+        weight_max = raw_weight.detach().max().to(torch.float64) if raw_weight.numel() else None
 
     kl = None
     if batch.ref_logps is not None:
@@ -307,7 +326,7 @@ def loss_from_logps(
             "masked_truncated": zero + batch.num_truncated_masked,
         }
         stats = torch.stack([values[k].to(torch.float64) for k in STAT_KEYS])
-    return LossTerms(numerator=numerator, count=count, stats=stats)
+    return LossTerms(numerator=numerator, count=count, stats=stats, weight_max=weight_max)
 
 
 def aggregate(

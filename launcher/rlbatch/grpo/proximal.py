@@ -9,7 +9,9 @@ the policy at the round's first step, so they run there (docs/training_loop.md):
 - the old-logprob pass (proximal policy pi_old, when :func:`rlbatch.grpo.lcm.old_pass_runs`):
   this rank's round samples through the policy as it is at the round's first step, in the
   aggregation plan's chunks (or under the infer token budget). The loss clips against pi_old
-  and weights each token by pi_old / pi_behaviour, truncated (docs/grpo_loss.md).
+  and weights each token by pi_old / pi_behaviour, truncated (docs/grpo_loss.md). A round
+  trained in one step needs no pass: its training forward is pi_old
+  (:func:`rlbatch.grpo.lcm.old_from_forward`).
 
 Both act in place on the round's ``Sample`` objects, which the producer keeps (and checkpoints)
 for the rest of the round.
@@ -17,7 +19,6 @@ for the rest of the round.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -51,17 +52,3 @@ def compute_old_logps(
     logps = logps_in_chunks(logps_fn, samples, plan, plan.old_micro, chunks)
     for s, lp in zip(samples, logps, strict=True):
         s.old_logps = lp
-
-
-def importance_weight_max(samples: Sequence[Sample], mask_truncated: bool) -> float:
-    """Largest raw (before the cap) pi_old / pi_behaviour over the loss-carrying response tokens
-    of ``samples``; 1.0 when no sample has old logps (on-policy: every weight is 1)."""
-    best = -math.inf
-    for s in samples:
-        if s.old_logps is None or (mask_truncated and s.truncated):
-            continue
-        diffs = [o - b for o, b in zip(s.old_logps, s.behaviour_logps, strict=True)]
-        best = max(best, max(diffs, default=-math.inf))
-    if best == -math.inf:
-        return 1.0
-    return math.exp(best) if best < 709.0 else math.inf

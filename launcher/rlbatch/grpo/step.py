@@ -21,6 +21,7 @@ import torch
 
 from rlbatch.batching.plan import MicroBatch, PassPlan, RankPlan
 from rlbatch.config.schema import RunConfig
+from rlbatch.grpo.lcm import off_policy, old_from_forward
 from rlbatch.grpo.loss import GRPOBatch, LossSettings, build_grpo_batch, grpo_loss
 from rlbatch.grpo.normalization import (
     MegatronScaling,
@@ -31,7 +32,6 @@ from rlbatch.grpo.normalization import (
     identity_reduce,
     scale_gradients,
 )
-from rlbatch.grpo.proximal import importance_weight_max
 from rlbatch.grpo.types import Sample
 from rlbatch.layout import ParallelLayout
 
@@ -43,11 +43,13 @@ class Reducers:
     reduce_dp: sum of a float64 vector over DP x CP (per_micro_batch counts, eager divisor).
     reduce_step: the same with the result on every pipeline stage (the end-of-step bundle).
     gather_samples: every DP replica's samples, in DP-rank order.
+    reduce_max: the largest of a float over every rank (all stages and replicas).
     """
 
     reduce_dp: ReduceFn = identity_reduce
     reduce_step: ReduceFn = identity_reduce
     gather_samples: Callable[[list[Sample]], list[list[Sample]]] = lambda s: [s]
+    reduce_max: Callable[[float], float] = lambda x: x
 
     @classmethod
     def from_distributed(cls) -> Reducers:
@@ -58,6 +60,7 @@ class Reducers:
             reduce_dp=distributed.reduce_dp,
             reduce_step=distributed.reduce_step,
             gather_samples=distributed.dp_gather_object,
+            reduce_max=distributed.reduce_max,
         )
 
 
@@ -68,6 +71,8 @@ class StepState:
     finite: list[torch.Tensor] = field(default_factory=list)
     """Per micro-batch (debug.detect_nan): a 0-d bool on the device, read once at the end."""
     micro_batches: int = 0
+    weight_max: list[torch.Tensor] = field(default_factory=list)
+    """Per micro-batch with off-policy samples: the largest raw pi_old / pi_behaviour."""
 
     def first_nonfinite(self) -> Optional[int]:
         """Index of the first micro-batch whose loss was NaN/inf (one host sync)."""
@@ -75,6 +80,13 @@ class StepState:
             return None
         bad = (~torch.stack(self.finite)).nonzero()
         return int(bad[0, 0]) if bad.numel() else None
+
+    def importance_weight_max(self, reduce_max: Callable[[float], float]) -> float:
+        """The largest raw behaviour importance weight of the step over every rank (one host
+        sync, one collective); 1.0 without off-policy samples anywhere."""
+        local = float(torch.stack(self.weight_max).max()) if self.weight_max else -math.inf
+        best = reduce_max(local)
+        return 1.0 if best == -math.inf else best
 
 
 # ------------------------------------------------------------------------------------------
@@ -121,6 +133,7 @@ def make_prepare(
     once per micro-batch, by the normalizer's iterator)."""
     round_to = cfg.batching.train.sequence_length_round
     device = _device()
+    with_behaviour = old_from_forward(cfg)
 
     def prepare(i: int) -> GRPOBatch:
         mb: MicroBatch = rank_plan.micro_batches[i]
@@ -129,6 +142,7 @@ def make_prepare(
             mb,
             round_to=round_to,
             mask_truncated=cfg.grpo.mask_truncated_completions,
+            with_behaviour=with_behaviour,
         )
         batch.tokens, batch.micro_batch = tokens, mb
         return batch.to(device)
@@ -167,6 +181,8 @@ def make_loss_fn(
         if detect_nan:  # no host sync here: flags are read once, after the schedule
             state.finite.append(torch.isfinite(terms.numerator.detach()))
         state.micro_batches += 1
+        if terms.weight_max is not None:
+            state.weight_max.append(terms.weight_max)
         loss = normalizer.loss_for_backward(terms, batch)
         return loss, normalizer.scaling.count_for_megatron(), {}
 
@@ -327,8 +343,8 @@ def run_train_step(
         check_finite=cfg.debug.detect_nan,
     )
     metrics = step_metrics(result, plan, grad_norm, lr, seconds())
-    metrics["is_weight_max"] = importance_weight_max(
-        mini_batch, cfg.grpo.mask_truncated_completions
+    metrics["is_weight_max"] = (
+        state.importance_weight_max(reducers.reduce_max) if off_policy(cfg) else 1.0
     )
     if not stepped:
         metrics["nonfinite_micro_batch"] = f"gradients (grad norm {grad_norm})"

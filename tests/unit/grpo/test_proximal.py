@@ -13,8 +13,15 @@ import pytest
 from rlbatch.config.schema import RunConfig, ScaleRewards
 from rlbatch.config.validate import lcm_micro_sizes, validate
 from rlbatch.grpo.advantages import compute_advantages
-from rlbatch.grpo.lcm import AggregationPlan, LCMAggregator, Stages, old_pass_runs
-from rlbatch.grpo.proximal import compute_old_logps, importance_weight_max, scale_by_batch_std
+from rlbatch.grpo.lcm import (
+    AggregationPlan,
+    LCMAggregator,
+    Stages,
+    off_policy,
+    old_from_forward,
+    old_pass_runs,
+)
+from rlbatch.grpo.proximal import compute_old_logps, scale_by_batch_std
 from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.train.generation import make_generate_fn
 from rlbatch.train.producer import PolicySnapshot
@@ -80,24 +87,20 @@ def test_old_pass_chunks_and_sets_old_logps(infer, chunks):
         assert s.old_logps == [-0.1 * (k + 1) for k in range(len(s.response_ids))]
 
 
-def test_importance_weight_max_is_the_raw_largest_ratio():
-    samples = _samples(6, 2, seed=2)
-    assert importance_weight_max(samples, mask_truncated=False) == 1.0  # no old pass: all 1
-    for s in samples:
-        s.old_logps = [b + 0.3 for b in s.behaviour_logps]
-    samples[4].old_logps[0] = samples[4].behaviour_logps[0] + 1.5  # above a cap of 2
-    assert importance_weight_max(samples, mask_truncated=False) == pytest.approx(math.exp(1.5))
-    samples[4].truncated = True
-    assert importance_weight_max(samples, mask_truncated=True) == pytest.approx(math.exp(0.3))
-
-
-def test_old_pass_runs_only_off_policy():
+def test_old_logps_come_from_a_pass_or_from_the_training_forward():
     cfg = RunConfig()
-    assert not old_pass_runs(cfg)
-    cfg.grpo.num_iterations = 2
-    assert old_pass_runs(cfg)
-    cfg.grpo.num_iterations, cfg.grpo.num_steps_async = 1, 1
-    assert old_pass_runs(cfg)
+    assert not off_policy(cfg) and not old_pass_runs(cfg) and not old_from_forward(cfg)
+    cfg.grpo.num_iterations = 2  # a round trained twice: the second step needs pi_old
+    assert off_policy(cfg) and old_pass_runs(cfg) and not old_from_forward(cfg)
+    cfg.grpo.num_iterations, cfg.grpo.num_steps_async = 1, 1  # ahead, one step per round
+    assert off_policy(cfg) and old_from_forward(cfg) and not old_pass_runs(cfg)
+    cfg.grpo.steps_per_generation = 2  # ahead, two mini-batches per round
+    assert old_pass_runs(cfg) and not old_from_forward(cfg)
+    cfg.grpo.steps_per_generation = None
+    cfg.grpo.generation_batch_size = 2 * cfg.grpo.global_batch_size
+    assert old_pass_runs(cfg) and not old_from_forward(cfg)
+    cfg.grpo.num_steps_async = 0  # sync: behaviour = pi_old at the round start
+    assert not off_policy(cfg) and not old_pass_runs(cfg)
 
 
 @pytest.mark.parametrize(
