@@ -59,6 +59,7 @@ class GenerationWorker:
         self._process.start()
         child.close()
         self._sent_version: Optional[int] = None
+        self._shared: Optional[list[dict[str, Any]]] = None
         self.aggregator_state: dict[str, Any] = {}
         self._pending_state: Optional[dict[str, Any]] = None
 
@@ -75,12 +76,36 @@ class GenerationWorker:
             self._pending_state = None
         weights = None
         if snapshot.weights is not None and snapshot.version != self._sent_version:
-            weights = snapshot.weights
+            weights = self._hand_over(snapshot.weights)
         samples, state = self._call("generate", request, snapshot.version, weights)
         if weights is not None:
             self._sent_version = snapshot.version
         self.aggregator_state = state
         return samples
+
+    def _hand_over(self, weights: list[dict[str, Any]]) -> Any:
+        """The weights message: the first time, shared-memory copies of the tensors (the worker
+        keeps them); afterwards the tensors are copied into those same buffers and only the
+        word "shared" (and any non-tensor entries) crosses the pipe. Safe without a lock: only
+        this thread writes the buffers, and only while the worker waits for a request."""
+        import torch
+
+        if self._shared is None:
+            self._shared = [
+                {k: v.clone().share_memory_() if torch.is_tensor(v) else v for k, v in sd.items()}
+                for sd in weights
+            ]
+            return self._shared
+        for buffers, sd in zip(self._shared, weights, strict=True):
+            for k, v in sd.items():
+                if torch.is_tensor(v):
+                    buffers[k].copy_(v)
+                else:
+                    buffers[k] = v
+        return (
+            "shared",
+            [{k: v for k, v in sd.items() if not torch.is_tensor(v)} for sd in weights],
+        )
 
     # the Components.aggregator contract (checkpoints)
     def state_dict(self) -> dict[str, Any]:
@@ -183,9 +208,18 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
         for chunk, weights in zip(ref, ref_weights, strict=True):
             chunk.load_state_dict(weights)
 
-    def load(weights: list[dict[str, Any]]) -> None:
+    shared: list[dict[str, Any]] = []
+
+    def load(weights: Any) -> None:
+        """Load a weights message (GenerationWorker._hand_over): the shared buffers themselves
+        the first time, then ("shared", non-tensor entries) once they hold the new version."""
+        if isinstance(weights, tuple):
+            for buffers, extra in zip(shared, weights[1], strict=True):
+                buffers.update(extra)
+        else:
+            shared[:] = weights
         with torch.no_grad():
-            for chunk, w in zip(model, weights, strict=True):
+            for chunk, w in zip(model, shared, strict=True):
                 chunk.load_state_dict(w)
 
     tokenizer = build_tokenizer(local.model)
