@@ -10,7 +10,8 @@ runs); temperature 1. Workloads: ``issue`` = 2 prompts of 4 tokens x 8 generatio
 ``longtail`` = 8 prompts x 4 generations with prompt lengths 8-400 (most short). EOS is a real
 token, so a few completions end before the cap. A step is timed from TRL's ``on_step_begin`` to
 ``on_step_end`` (generation, reference logprobs, loss, backward, optimizer step); between two
-TRL steps one rlbatch step runs with dynamic and one with packed training batching (rollout,
+TRL steps one rlbatch step runs with dynamic and one with packed batching of the reference and
+train passes (batching.infer.mode and batching.train.mode; rollout,
 reference logprobs, train step: what rlbatch-train runs for this on-policy config, so no
 old-logprob pass). Tokens/s = (prompt + completion tokens) / seconds.
 TRL runs with and without gradient checkpointing (its default is on).
@@ -128,6 +129,7 @@ def rlbatch_step(world: Any, mode: Any, clock: str) -> tuple[float, int]:
 
     n = len(world.prompts)
     args = argparse.Namespace(prompts=n, train_micro=n, rollout_micro=n)
+    world.cfg.batching.infer.mode = mode  # the reference pass batched like the train pass
     t0 = _clock(clock)
     samples = produce_samples(world, args, True, Clock(), old_pass_runs(world.cfg))
     time_train(world, samples, mode, Clock())

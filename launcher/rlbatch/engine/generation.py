@@ -92,6 +92,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def attention_parts(lens: Sequence[int], min_saving: float = 0.25) -> list[tuple[int, int, int]]:
+    """Slot ranges (start, stop, width) that decode attends over separately: one range over
+    every slot up to the longest cache, or two contiguous ranges, each up to its own longest,
+    when that reads at least ``min_saving`` less of the cache (a few long rows, e.g. long
+    prompts, next to many short ones). Exact either way: a slot attends over its own length."""
+    n = len(lens)
+    prefix, suffix = list(lens), list(lens)
+    for i in range(1, n):
+        prefix[i] = max(prefix[i - 1], lens[i])
+        suffix[n - 1 - i] = max(suffix[n - i], lens[n - 1 - i])
+    whole = n * prefix[-1]
+    best, k = min(
+        ((i * prefix[i - 1] + (n - i) * suffix[i], i) for i in range(1, n)), default=(whole, 0)
+    )
+    if best > (1.0 - min_saving) * whole:
+        return [(0, n, prefix[-1])]
+    return [(0, k, prefix[k - 1]), (k, n, suffix[k])]
+
+
 class LeanDecoder:
     """Per-slot KV-cached forward of a tp = pp = 1 GPTModel (see the module docstring).
 
@@ -192,7 +211,8 @@ class LeanDecoder:
         slots = torch.arange(len(tokens), device=self.device)
         pos = self.lens
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [S, 1, hn]
-        width = int(pos.max()) + 1
+        parts = attention_parts((pos + 1).tolist())
+        width = max(w for _, _, w in parts)
         mask = (torch.arange(width, device=self.device)[None] <= pos[:, None])[:, None, None]
         x = self.embed[tokens.to(self.device)]  # [S, H]
         for li, layer in enumerate(self.layers):
@@ -200,13 +220,17 @@ class LeanDecoder:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.k[li][slots, :, pos] = k
             self.v[li][slots, :, pos] = v
-            out = F.scaled_dot_product_attention(
-                q[:, :, None],  # [S, nh, 1, hn]
-                self.k[li][:, :, :width],
-                self.v[li][:, :, :width],
-                attn_mask=mask,
-                enable_gqa=True,
-            )
+            outs = [
+                F.scaled_dot_product_attention(
+                    q[a:b, :, None],  # [s, nh, 1, hn]
+                    self.k[li][a:b, :, :w],
+                    self.v[li][a:b, :, :w],
+                    attn_mask=mask[a:b, ..., :w],
+                    enable_gqa=True,
+                )
+                for a, b, w in parts
+            ]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = x + F.linear(out.reshape(len(tokens), -1), layer.proj_w)
             x = self._mlp(x, layer)
         self.lens = pos + 1

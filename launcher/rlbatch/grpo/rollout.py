@@ -190,7 +190,10 @@ def decode_continuous(
     """Continuous batching on a per-slot decoder (engine.generation.LeanDecoder): up to
     num_slots rows at once; a row leaves when it ends and the next prompt takes its slot.
     `calls` gets the number of rows of every prefill."""
-    queue = deque(range(len(prompt_ids)))
+    # longest prompts first: long rows sit together in the first slots, so decode can attend
+    # over them apart from the short ones (engine.generation.attention_parts); samples are
+    # keyed by row, so the order changes no sample
+    queue = deque(sorted(range(len(prompt_ids)), key=lambda r: -len(prompt_ids[r])))
     out = _Outputs(len(prompt_ids), params.max_new_tokens, decoder.device)
     keys = keys.to(decoder.device)
     first = [queue.popleft() for _ in range(num_slots)]

@@ -106,6 +106,32 @@ def test_greedy_equals_transformers_generate(models, continuous):
         assert s.behaviour_logps == pytest.approx(logps, abs=1e-4)
 
 
+def test_long_tailed_prompts_decode_their_short_rows_apart_and_equal_transformers(models):
+    """One long prompt among short ones: decode attends over the long row and the short rows
+    separately (each range up to its own longest cache), and greedy decoding still equals
+    transformers' generate token for token."""
+    from rlbatch.engine.generation import attention_parts
+
+    lengths = [3, 5, 4, 90, 3, 6, 2]
+    assert len(attention_parts([90] + [6] * 6)) == 2  # what decode sees: longest prompt first
+    ref, chunks = models
+    params = SamplingParams(max_new_tokens=10, eos_id=-1, top_k=1)
+    out = MegatronRolloutEngine(chunks, params).generate(prompts_of(lengths, seed=3), 1, 0, 0)
+    for s in out:
+        tokens, logps = hf_greedy(ref, list(s.prompt.prompt_ids), 10)
+        assert s.response_ids == tokens
+        assert s.behaviour_logps == pytest.approx(logps, abs=1e-4)
+
+
+def test_attention_parts_split_only_when_it_saves_reading():
+    from rlbatch.engine.generation import attention_parts
+
+    assert attention_parts([40, 41, 39, 40]) == [(0, 4, 41)]  # alike: one range
+    assert attention_parts([600, 610, 8, 9, 7, 12]) == [(0, 2, 610), (2, 6, 12)]
+    assert attention_parts([8, 600, 9]) == [(0, 1, 8), (1, 3, 600)]  # any order stays exact
+    assert attention_parts([17]) == [(0, 1, 17)]
+
+
 def test_continuous_batching_matches_all_rows_at_once(models):
     """Rows end at different lengths (an EOS that sampling meets) and new rows refill their
     slots: every row's sample is the one it gets when all rows decode together, or through
