@@ -85,11 +85,11 @@ def _norm_weight(linear: Any, norm: Any) -> torch.Tensor:
     return fused if fused is not None else norm.weight
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (non-interleaved halves), x [..., hn], cos / sin broadcastable."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (non-interleaved halves), x [..., hn]: x cos + rotate_half(x) sin, with
+    rotate_half(x) = (-x2, x1) written as roll(x, hn / 2) * (-1, +1) (signs folded into
+    ``signed_sin``); cos / signed_sin broadcastable."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def attention_parts(lens: Sequence[int], min_saving: float = 0.25) -> list[tuple[int, int, int]]:
@@ -136,7 +136,9 @@ class LeanDecoder:
         inv_freq = model.rotary_pos_emb.inv_freq.to(device=device, dtype=torch.float32)
         freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, hn]
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        half = emb.shape[-1] // 2
+        sign = torch.cat((-torch.ones(half), torch.ones(half))).to(device)
+        self.cos, self.sin = emb.cos().to(dtype), (emb.sin() * sign).to(dtype)  # signed sin
         shape = (num_slots, self.groups, max_len, self.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
@@ -156,13 +158,18 @@ class LeanDecoder:
             fc2_w=mlp.linear_fc2.weight,
         )
 
-    def _split_qkv(self, h: torch.Tensor, layer: _Layer) -> tuple[torch.Tensor, ...]:
-        """h [N, H] -> q [N, nh, hn], k / v [N, ng, hn] (fused per query group)."""
+    def _qkv(
+        self, h: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """h [N, H] -> q [N, nh, hn], k / v [N, ng, hn]: the fused projection (per query group:
+        its query heads, then key, then value), the rotary embedding on queries and keys at once
+        (cos / sin [N, 1, 1, hn])."""
         qkv = F.linear(F.rms_norm(h, h.shape[-1:], layer.norm1, self.eps), layer.qkv_w, layer.qkv_b)
         per_group = self.heads // self.groups
-        qkv = qkv.view(-1, self.groups, (per_group + 2) * self.head_dim)
-        q, k, v = qkv.split([per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
-        return q.reshape(-1, self.heads, self.head_dim), k, v
+        qkv = qkv.view(-1, self.groups, per_group + 2, self.head_dim)
+        qk = _rotate(qkv[:, :, : per_group + 1], cos, sin)  # [N, ng, per_group + 1, hn]
+        q = qk[:, :, :per_group].reshape(-1, self.heads, self.head_dim)
+        return q, qk[:, :, per_group], qkv[:, :, per_group + 1]
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         h = F.linear(F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps), layer.fc1_w)
@@ -181,13 +188,12 @@ class LeanDecoder:
         lens = [len(s) for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s], device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [N, 1, hn]
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [N, 1, 1, hn]
         slot_t = torch.tensor(list(slots), device=self.device)
         src = torch.tensor(owner, device=self.device)
         x = self.embed[ids]  # [N, H]
         for li, layer in enumerate(self.layers):
-            q, k, v = self._split_qkv(x, layer)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = self._qkv(x, layer, cos, sin)
             outs, start = [], 0
             for j, n in enumerate(lens):
                 qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
@@ -210,14 +216,13 @@ class LeanDecoder:
         """Append tokens [S] (one per slot) at each slot's length: logits [S, V]."""
         slots = torch.arange(len(tokens), device=self.device)
         pos = self.lens
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [S, 1, hn]
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [S, 1, 1, hn]
         parts = attention_parts((pos + 1).tolist())
         width = max(w for _, _, w in parts)
         mask = (torch.arange(width, device=self.device)[None] <= pos[:, None])[:, None, None]
         x = self.embed[tokens.to(self.device)]  # [S, H]
         for li, layer in enumerate(self.layers):
-            q, k, v = self._split_qkv(x, layer)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = self._qkv(x, layer, cos, sin)
             self.k[li][slots, :, pos] = k
             self.v[li][slots, :, pos] = v
             outs = [
