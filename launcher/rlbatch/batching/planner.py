@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from rlbatch.batching.assemble import assemble_plan, length_order, prepare_lengths
+from rlbatch.batching.assemble import Prepared, assemble_plan, length_order, prepare_lengths
 from rlbatch.batching.cost import TOKEN_COUNT, CostModel
 from rlbatch.batching.packing import pack_best_fit_decreasing, pack_sorted_runs
 from rlbatch.batching.plan import PassPlan
@@ -70,6 +70,25 @@ def plan_pass(
         )  # fmt: skip
 
 
+def _packer(
+    mode: BatchingMode, cfg: BatchingPassConfig, prep: Prepared, order: list[int], pass_name: str
+) -> Callable[[int], list[list[int]]]:
+    """pack(capacity) -> micro-batches (sample indices) of a fixed / dynamic / packed pass:
+    best-fit decreasing bins for packed, sorted runs (of micro_batch_size rows for fixed)."""
+    if mode == BatchingMode.fixed and cfg.micro_batch_size < 1:
+        raise ValueError(
+            f"batching.{pass_name}.micro_batch_size={cfg.micro_batch_size} must be >= 1"
+        )
+    rows = cfg.micro_batch_size if mode == BatchingMode.fixed else None
+
+    def pack(capacity: int) -> list[list[int]]:
+        if mode == BatchingMode.packed:
+            return pack_best_fit_decreasing(order, prep.rounded, capacity)
+        return pack_sorted_runs(order, prep.rounded, capacity, rows)
+
+    return pack
+
+
 def _plan_pass(
     lengths: Sequence[int],
     cfg: BatchingPassConfig,
@@ -108,22 +127,10 @@ def _plan_pass(
             started=started,
         )
     prep = prepare_lengths(lengths, cfg, pass_name)
-    order = length_order(prep, group_size, cfg.spread_siblings)
-    budget = cfg.max_tokens
     packed = mode == BatchingMode.packed
-    if mode == BatchingMode.fixed and cfg.micro_batch_size < 1:
-        raise ValueError(
-            f"batching.{pass_name}.micro_batch_size={cfg.micro_batch_size} must be >= 1"
-        )
-    rows = cfg.micro_batch_size if mode == BatchingMode.fixed else None
-
-    def pack(capacity: int) -> list[list[int]]:
-        if packed:
-            return pack_best_fit_decreasing(order, prep.rounded, capacity)
-        return pack_sorted_runs(order, prep.rounded, capacity, rows)
-
+    pack = _packer(mode, cfg, prep, length_order(prep, group_size, cfg.spread_siblings), pass_name)
     return assemble_plan(
-        pack(budget),
+        pack(cfg.max_tokens),
         prep,
         cfg,
         mode=mode.value,

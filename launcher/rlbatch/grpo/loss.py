@@ -289,16 +289,8 @@ def loss_from_logps(
     pg_clipped = -adv * clipped_ratio
     pg = torch.maximum(pg_unclipped, pg_clipped)  # = -min(r A, clip(r) A)
 
-    if batch.behaviour_logps is not None:
-        behaviour = batch.behaviour_logps[mask].to(logps.dtype)
-        raw_weight = torch.exp(old - behaviour)
-        is_weight = torch.clamp(raw_weight, max=settings.importance_weight_cap)
-        pg = is_weight * pg
-    else:
-        raw_weight = is_weight = torch.ones_like(ratio)
-    weight_max = None
-    if batch.behaviour_logps is not None:
-        weight_max = raw_weight.detach().max().to(torch.float64) if raw_weight.numel() else None
+    raw_weight, is_weight, weight_max = _importance_weights(old, batch, settings)
+    pg = is_weight * pg
 
     kl = None
     if batch.ref_logps is not None:
@@ -327,6 +319,19 @@ def loss_from_logps(
         }
         stats = torch.stack([values[k].to(torch.float64) for k in STAT_KEYS])
     return LossTerms(numerator=numerator, count=count, stats=stats, weight_max=weight_max)
+
+
+def _importance_weights(
+    old: torch.Tensor, batch: GRPOBatch, settings: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(raw pi_old / pi_behaviour, the same truncated at the cap, the raw maximum) per loss
+    token; ones and no maximum when the batch has no behaviour logps (on-policy)."""
+    if batch.behaviour_logps is None:
+        ones = torch.ones_like(old)
+        return ones, ones, None
+    raw = torch.exp(old - batch.behaviour_logps[batch.loss_mask].to(old.dtype))
+    weight_max = raw.detach().max().to(torch.float64) if raw.numel() else None
+    return raw, torch.clamp(raw, max=settings.importance_weight_cap), weight_max
 
 
 def aggregate(

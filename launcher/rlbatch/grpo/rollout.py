@@ -192,7 +192,7 @@ def decode_continuous(
     `calls` gets the number of rows of every prefill."""
     # longest prompts first: long rows sit together in the first slots, so decode can attend
     # over them apart from the short ones (engine.generation.attention_parts); samples are
-    # keyed by row, so the order changes no sample
+    # keyed by row, so the order changes no sample (beyond float rounding)
     queue = deque(sorted(range(len(prompt_ids)), key=lambda r: -len(prompt_ids[r])))
     out = _Outputs(len(prompt_ids), params.max_new_tokens, decoder.device)
     keys = keys.to(decoder.device)

@@ -81,9 +81,12 @@ class StepState:
         bad = (~torch.stack(self.finite)).nonzero()
         return int(bad[0, 0]) if bad.numel() else None
 
-    def importance_weight_max(self, reduce_max: Callable[[float], float]) -> float:
+    def importance_weight_max(self, reduce_max: Callable[[float], float], stale: bool) -> float:
         """The largest raw behaviour importance weight of the step over every rank (one host
-        sync, one collective); 1.0 without off-policy samples anywhere."""
+        sync, one collective, when the run is off-policy: ``stale``, the same on every rank);
+        1.0 without off-policy samples anywhere."""
+        if not stale:
+            return 1.0
         local = float(torch.stack(self.weight_max).max()) if self.weight_max else -math.inf
         best = reduce_max(local)
         return 1.0 if best == -math.inf else best
@@ -327,8 +330,9 @@ def run_train_step(
     loss_fn = make_loss_fn(
         settings, normalizer, state, detect_nan=cfg.debug.detect_nan, inject_nan=inject_nan
     )
-    round_to = cfg.batching.train.sequence_length_round
-    run_train_pass(model, plan, layout, prepare, normalizer, loss_fn, round_to)
+    run_train_pass(
+        model, plan, layout, prepare, normalizer, loss_fn, cfg.batching.train.sequence_length_round
+    )
     result, nonfinite = finish_gradients(model, normalizer, state, layout)
     seconds = lambda: time.perf_counter() - started  # noqa: E731
     if nonfinite is not None and cfg.debug.detect_nan:
@@ -343,9 +347,7 @@ def run_train_step(
         check_finite=cfg.debug.detect_nan,
     )
     metrics = step_metrics(result, plan, grad_norm, lr, seconds())
-    metrics["is_weight_max"] = (
-        state.importance_weight_max(reducers.reduce_max) if off_policy(cfg) else 1.0
-    )
+    metrics["is_weight_max"] = state.importance_weight_max(reducers.reduce_max, off_policy(cfg))
     if not stepped:
         metrics["nonfinite_micro_batch"] = f"gradients (grad norm {grad_norm})"
     return metrics

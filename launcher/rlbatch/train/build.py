@@ -145,6 +145,43 @@ def run(cfg: RunConfig) -> None:
         components.producer.close()
 
 
+def build_generation(
+    cfg: RunConfig, model: list[Any], ref: Any, tokenizer: Any, prompts: list[Any], dp_rank: int
+) -> tuple[Any, Any]:
+    """(generate_fn, aggregator): a generation worker process when generation overlaps training
+    (:func:`overlaps_generation`; the cores are shared, half the threads each side), else the
+    rollout engine on the policy's own chunks driven by this rank's LCM aggregator."""
+    from rlbatch.grpo.rollout import build_rollout_engine
+
+    if overlaps_generation(cfg):
+        import torch
+
+        from rlbatch.train.generation_worker import GenerationWorker
+
+        threads = max(1, torch.get_num_threads() // 2)
+        torch.set_num_threads(threads)
+        worker = GenerationWorker(
+            cfg,
+            dp_rank=dp_rank,
+            threads=threads,
+            ref_weights=weights_snapshot(ref) if ref is not None else None,
+        )
+        return worker, worker  # its state_dict is the worker aggregator's
+    aggregator = build_aggregator(cfg, tokenizer, ref, dp_rank)
+    engine: RolloutEngine = build_rollout_engine(
+        cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=False
+    )
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+        engine = SequenceParallelOffEngine(engine, model)
+    generate = make_generate_fn(
+        prompts,
+        aggregator,
+        engine,
+        train_micro_batch_size=cfg.grpo.aggregation.train_micro_batch_size,
+    )
+    return generate, aggregator
+
+
 def build_components(cfg: RunConfig) -> Components:
     """The loop's Components for a real run: engine, data, GRPO stages, producer."""
     from rlbatch.distributed import WorldDist
@@ -153,7 +190,6 @@ def build_components(cfg: RunConfig) -> Components:
     from rlbatch.engine.setup import set_up_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.grpo.rollout import build_rollout_engine
     from rlbatch.train.producer import RunAheadProducer
     from rlbatch.train.sampler import PromptSampler, schedule_from_config
 
@@ -168,33 +204,7 @@ def build_components(cfg: RunConfig) -> Components:
         len(prompts), schedule, dp_rank=ps.dp_rank, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
     )
     threaded = overlaps_generation(cfg)
-    if threaded:  # a worker process generates; the cores are shared: half the threads each
-        import torch
-
-        from rlbatch.train.generation_worker import GenerationWorker
-
-        threads = max(1, torch.get_num_threads() // 2)
-        torch.set_num_threads(threads)
-        generate: Any = GenerationWorker(
-            cfg,
-            dp_rank=ps.dp_rank,
-            threads=threads,
-            ref_weights=weights_snapshot(ref) if ref is not None else None,
-        )
-        aggregator: Any = generate  # its state_dict is the worker aggregator's
-    else:
-        aggregator = build_aggregator(cfg, tokenizer, ref, ps.dp_rank)
-        engine: RolloutEngine = build_rollout_engine(
-            cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=False
-        )
-        if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
-            engine = SequenceParallelOffEngine(engine, model)
-        generate = make_generate_fn(
-            prompts,
-            aggregator,
-            engine,
-            train_micro_batch_size=cfg.grpo.aggregation.train_micro_batch_size,
-        )
+    generate, aggregator = build_generation(cfg, model, ref, tokenizer, prompts, ps.dp_rank)
     producer = RunAheadProducer(
         sampler,
         generate,

@@ -170,6 +170,27 @@ def _answer_errors(conn: Any, text: str) -> None:
         conn.send(("error", text))
 
 
+def _weights_loader(model: list[Any]) -> Any:
+    """load(message): load a weights message (GenerationWorker._hand_over) into the model: the
+    shared buffers themselves the first time (kept), then ("shared", non-tensor entries) once
+    the trainer has copied the new version into them."""
+    import torch
+
+    shared: list[dict[str, Any]] = []
+
+    def load(weights: Any) -> None:
+        if isinstance(weights, tuple):
+            for buffers, extra in zip(shared, weights[1], strict=True):
+                buffers.update(extra)
+        else:
+            shared[:] = weights
+        with torch.no_grad():
+            for chunk, w in zip(model, shared, strict=True):
+                chunk.load_state_dict(w)
+
+    return load
+
+
 def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     """generate_fn, aggregator and load(weights) in this process (a world of one)."""
     import copy
@@ -208,19 +229,7 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
         for chunk, weights in zip(ref, ref_weights, strict=True):
             chunk.load_state_dict(weights)
 
-    shared: list[dict[str, Any]] = []
-
-    def load(weights: Any) -> None:
-        """Load a weights message (GenerationWorker._hand_over): the shared buffers themselves
-        the first time, then ("shared", non-tensor entries) once they hold the new version."""
-        if isinstance(weights, tuple):
-            for buffers, extra in zip(shared, weights[1], strict=True):
-                buffers.update(extra)
-        else:
-            shared[:] = weights
-        with torch.no_grad():
-            for chunk, w in zip(model, shared, strict=True):
-                chunk.load_state_dict(w)
+    load = _weights_loader(model)
 
     tokenizer = build_tokenizer(local.model)
     prompts = load_prompts(local.data, tokenizer, local.trainer.seed)
