@@ -65,6 +65,15 @@ def make_samples(n: int = 16) -> list[Sample]:
     return out
 
 
+def sequence_logps(gpt, sample, temperature) -> torch.Tensor:
+    """float64 log-softmax of logits / temperature at every position of the sample [T, V]."""
+    ids = torch.tensor([sample.input_ids])
+    w = ids.shape[1]
+    mask = torch.ones(w, w, dtype=torch.bool).triu_(1).view(1, 1, w, w)
+    logits = gpt(ids, torch.arange(w).unsqueeze(0), mask)[0].double()
+    return torch.log_softmax(logits / temperature, -1)
+
+
 def reference_grad_norm(model, samples, cfg) -> tuple[float, float, list[float]]:
     """token-mean decoupled objective written directly on the unwrapped GPTModel, float64
     math: logprobs of logits / rollout.temperature, the surrogate clipped around old, times the
@@ -75,12 +84,7 @@ def reference_grad_norm(model, samples, cfg) -> tuple[float, float, list[float]]
     lo, hi = 1 - cfg.grpo.epsilon_low, 1 + cfg.grpo.epsilon_high
     temp, cap = cfg.rollout.temperature, cfg.grpo.importance_weight_cap
     for s in samples:
-        ids = torch.tensor([s.input_ids])
-        w = ids.shape[1]
-        mask = torch.ones(w, w, dtype=torch.bool).triu_(1).view(1, 1, w, w)
-        logits = gpt(ids, torch.arange(w).unsqueeze(0), mask)[0].double()
-        logp = torch.log_softmax(logits / temp, -1)
-        p = len(s.prompt.prompt_ids)
+        logp, p = sequence_logps(gpt, s, temp), len(s.prompt.prompt_ids)
         for k, tok in enumerate(s.response_ids):
             lp = logp[p - 1 + k, tok]
             r, a = torch.exp(lp - s.old_logps[k]), s.advantage
@@ -161,12 +165,7 @@ def policy_logps(model, samples, temperature) -> list[list[float]]:
     gpt, out = unwrap(model[0]), []
     with torch.no_grad():
         for s in samples:
-            ids = torch.tensor([s.input_ids])
-            w = ids.shape[1]
-            mask = torch.ones(w, w, dtype=torch.bool).triu_(1).view(1, 1, w, w)
-            logits = gpt(ids, torch.arange(w).unsqueeze(0), mask)[0].double()
-            logp = torch.log_softmax(logits / temperature, -1)
-            p = len(s.prompt.prompt_ids)
+            logp, p = sequence_logps(gpt, s, temperature), len(s.prompt.prompt_ids)
             out.append([logp[p - 1 + k, t].item() for k, t in enumerate(s.response_ids)])
     return out
 
