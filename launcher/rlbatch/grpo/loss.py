@@ -23,6 +23,7 @@ import torch
 
 from rlbatch.batching.plan import MicroBatch
 from rlbatch.config.schema import LossAggMode, RunConfig
+from rlbatch.grpo.lcm import old_from_forward
 from rlbatch.grpo.types import Sample
 
 # Keys of the metric sums each micro-batch returns (a float64 vector, summed across
@@ -64,8 +65,6 @@ class LossSettings:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LossSettings:
-        from rlbatch.grpo.lcm import old_from_forward
-
         g = cfg.grpo
         return cls(
             epsilon_low=g.epsilon_low,

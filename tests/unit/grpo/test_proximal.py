@@ -20,6 +20,7 @@ from rlbatch.grpo.lcm import (
     off_policy,
     old_from_forward,
     old_pass_runs,
+    steps_per_round,
 )
 from rlbatch.grpo.proximal import compute_old_logps, scale_by_batch_std
 from rlbatch.grpo.types import Prompt, Sample
@@ -101,6 +102,20 @@ def test_old_logps_come_from_a_pass_or_from_the_training_forward():
     assert old_pass_runs(cfg) and not old_from_forward(cfg)
     cfg.grpo.num_steps_async = 0  # sync: behaviour = pi_old at the round start
     assert not off_policy(cfg) and not old_pass_runs(cfg)
+
+
+@pytest.mark.parametrize(
+    ("steps", "gen_batch", "iters"), [(None, None, 1), (3, None, 1), (None, 256, 2), (2, None, 3)]
+)
+def test_steps_per_round_agrees_with_the_loop_schedule(steps, gen_batch, iters):
+    """The old-pass rule reads the same round length the producer trains (train.sampler)."""
+    from rlbatch.train.sampler import schedule_from_config
+
+    cfg = RunConfig()
+    cfg.grpo.steps_per_generation, cfg.grpo.generation_batch_size = steps, gen_batch
+    cfg.grpo.num_iterations = iters
+    for dp in (1, 2, 4):
+        assert steps_per_round(cfg) == schedule_from_config(cfg.grpo, dp).steps_per_round
 
 
 @pytest.mark.parametrize(
