@@ -231,8 +231,10 @@ def build_grpo_batch(
         p_len = len(sample.prompt.prompt_ids)
         n_resp = max(0, length - p_len)
         sl = slice(col + p_len - 1, col + p_len - 1 + n_resp)  # positions predicting the response
-        mask[row, sl] = True
-        seq_index[row, sl] = j
+        assert sample.loss_mask is not None
+        keep = torch.tensor(sample.loss_mask[:n_resp], dtype=torch.bool)  # observations: 0
+        mask[row, sl] = keep
+        seq_index[row, sl] = j * keep.long()
         any_stale |= sample.old_logps is not None
         any_ref |= _fill_logps(sample, n_resp, old[row, sl], behaviour[row, sl], ref[row, sl])
     batch = GRPOBatch(

@@ -22,7 +22,21 @@ class Prompt:
 
 @dataclass
 class Sample:
-    """One completion of one prompt (a GRPO group has num_generations of them, contiguous)."""
+    """One completion of one prompt (a GRPO group has num_generations of them, contiguous).
+
+    The per-token record every stage reads (created once by the rollout side, never
+    re-derived from text downstream). ``response_ids`` is everything after the prompt, in the
+    exact ids the model saw: for a multi-turn trajectory the assistant turns as sampled with the
+    environment's observation tokens between them. Every per-token list below has the length of
+    ``response_ids``:
+
+    - ``loss_mask``: 1 for tokens the policy sampled (they carry loss, KL, entropy and count in
+      every normalization divisor), 0 for tokens it did not (observations, tool results);
+    - ``behaviour_logps``: the sampling policy's log-prob of each sampled token (0.0 where the
+      mask is 0: never read there);
+    - ``token_versions``: the policy version that sampled each token (a row continued under
+      newer weights carries several).
+    """
 
     prompt: Prompt
     group_id: int
@@ -41,6 +55,37 @@ class Sample:
     ref_logps: Optional[list[float]] = None
     """Per response token, from the reference model (beta > 0)."""
     metrics: dict[str, float] = field(default_factory=dict)
+    loss_mask: Optional[list[int]] = None
+    """Per response token: 1 sampled by the policy (trained on), 0 not (observation). Filled with
+    ones when a single-turn rollout leaves it out."""
+    token_versions: Optional[list[int]] = None
+    """Per response token: the policy version that sampled it. Filled with ``policy_version``
+    when left out."""
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if self.loss_mask is None:
+            self.loss_mask = [1] * n
+        if self.token_versions is None:
+            self.token_versions = [self.policy_version] * n
+        for name in ("behaviour_logps", "loss_mask", "token_versions"):
+            got = len(getattr(self, name))
+            if got != n:
+                raise ValueError(f"Sample.{name} has {got} entries for {n} response tokens")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Samples pickled before the per-token fields existed load with their defaults."""
+        self.__dict__.update(state)
+        if self.__dict__.get("loss_mask") is None or self.__dict__.get("token_versions") is None:
+            self.__dict__.setdefault("loss_mask", None)
+            self.__dict__.setdefault("token_versions", None)
+            self.__post_init__()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Response tokens that carry loss (mask 1)."""
+        assert self.loss_mask is not None
+        return sum(self.loss_mask)
 
     @property
     def length(self) -> int:

@@ -274,3 +274,37 @@ def test_build_grpo_batch_layouts_truncation_staleness_filler():
         terms = grpo_loss(logits, batch3, LossSettings(loss_agg_mode=mode))
         terms.numerator.backward()
         assert terms.numerator.item() == 0 and terms.count.item() == 0
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_observation_tokens_carry_no_loss_and_no_gradient(mode):
+    """A multi-turn sample's observation tokens (loss_mask 0) are inputs only: they count in
+    no divisor, and changing the logits at their positions changes neither loss nor gradient."""
+    from rlbatch.batching.plan import MicroBatch
+    from rlbatch.grpo.loss import build_grpo_batch
+
+    a = _sample(3, 6, seed=3)
+    a.loss_mask = [1, 1, 0, 0, 0, 1]  # assistant, observation x3, assistant
+    b = _sample(2, 4, seed=4)
+    mb = MicroBatch((0, 1), (9, 6), padded_len=9, computed_tokens=18, real_tokens=15)
+    batch, _ = build_grpo_batch([a, b], mb, round_to=1, dtype=torch.float64)
+    # positions predicting a's response tokens 0..5 are 2..7; the observations are 4, 5, 6
+    assert batch.loss_mask[0].nonzero().flatten().tolist() == [2, 3, 7]
+    settings = LossSettings(loss_agg_mode=mode)
+    if mode is LossAggMode.token_mean:
+        assert divisor_count(batch, settings).item() == 3 + 4
+
+    torch.manual_seed(0)
+    base = torch.randn(2, 9, 150, dtype=torch.float64)
+    grads, losses = [], []
+    for shift in (0.0, 5.0):
+        logits = base.clone()
+        logits[0, 4:7] += shift * torch.randn(3, 150, dtype=torch.float64)
+        logits.requires_grad_(True)
+        terms = grpo_loss(logits, batch, settings)
+        terms.numerator.backward()
+        losses.append(terms.numerator.item())
+        grads.append(logits.grad)
+    assert losses[0] == losses[1]
+    assert torch.equal(grads[0], grads[1])
+    assert grads[0][0, 4:7].abs().max().item() == 0.0

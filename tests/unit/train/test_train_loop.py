@@ -67,7 +67,7 @@ def _components(cfg, *, init_seed=0, dist=None):
                             Prompt(p, (1, 2, 3), "a"),
                             gid,
                             [4] * (1 + p % 4),
-                            [0.0],
+                            [0.0] * (1 + p % 4),
                             False,
                             snapshot.version,
                             reward=reward,
