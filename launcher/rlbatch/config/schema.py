@@ -95,6 +95,10 @@ class ModelConfig:
     """Parameter dtype (bf16 needs a GPU for the optimizer)."""
     recompute: Recompute = Recompute.none
     """Activation recomputation."""
+    logits_chunk_tokens: int = 1024
+    """Positions projected to the vocabulary at a time in the train, reference and old passes
+    (only the scored ones: response tokens); the logits are recomputed in backward, so memory
+    holds one chunk's logits, not the micro-batch's. 0 = all positions at once (full logits)."""
     hf_path: Optional[str] = None
     """Hugging Face checkpoint to load (config.json + *.safetensors): a local directory or a
     hub id (org/name, resolved through the huggingface_hub cache); null = random init."""

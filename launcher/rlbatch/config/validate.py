@@ -284,6 +284,14 @@ def _check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"must be divisible by model.num_attention_heads = {m.num_attention_heads}",
             )
         )
+    if m.logits_chunk_tokens < 0:
+        errors.append(
+            ConfigError(
+                "model.logits_chunk_tokens",
+                m.logits_chunk_tokens,
+                "must be >= 0 (positions projected at a time; 0 = the whole micro-batch)",
+            )
+        )
 
 
 def _check_model_split(cfg: RunConfig, errors: list[ConfigError]) -> None:

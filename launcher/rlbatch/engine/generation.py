@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from rlbatch import distributed
+from rlbatch.engine import lm_head
 from rlbatch.engine.model import unwrap
 
 
@@ -291,13 +292,14 @@ class PipelineForward:
                 assert start == ctx.sequence_len_offset, "KV cache steps must be consecutive"
                 if start > 0:
                     ctx.enable_decode_mode()
-            out = chunk(
-                inputs,
-                positions,
-                mask,
-                inference_context=ctx,
-                runtime_gather_output=True,
-            )  # last stage: logits [B, S or 1, V]; other stages: hidden [S, B, H]
+            with lm_head.output_layer_mode([unwrap(chunk)], "last"):  # project one position
+                out = chunk(
+                    inputs,
+                    positions,
+                    mask,
+                    inference_context=ctx,
+                    runtime_gather_output=True,
+                )  # last stage: logits [B, 1, V]; other stages: hidden [S, B, H]
             if ctx is not None:
                 ctx.sequence_len_offset = end
             if stage == last_stage:

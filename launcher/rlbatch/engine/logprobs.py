@@ -3,9 +3,10 @@
     logps = compute_logprobs(model, sequences, plan, round_to=r)
     logps[i][j] == log p(sequences[i][j+1] | sequences[i][:j+1])      # len n_i - 1
 
-Logits exist for one micro-batch at a time (``[R, S, V/tp]``), never for the whole batch.
-With tp > 1 the log-softmax is vocab-parallel (megatron's vocab_parallel_cross_entropy, and a
-vocab-parallel entropy). The result is on every rank: broadcast from the last pipeline stage,
+Only scored positions are projected to the vocabulary, ``model.logits_chunk_tokens`` at a time
+(rlbatch.engine.lm_head); with chunking off, logits exist for one micro-batch at a time
+(``[R, S, V/tp]``), never for the whole batch. With tp > 1 the log-softmax is vocab-parallel
+(megatron's vocab_parallel_cross_entropy, and a vocab-parallel entropy). The result is on every rank: broadcast from the last pipeline stage,
 and gathered over DP when the plan spreads the samples over the DP ranks.
 """
 
@@ -114,11 +115,15 @@ def compute_logprobs(
     entropy: bool = False,
     temperature: float = 1.0,
     on_micro_batch: Optional[Any] = None,
+    score_from: Optional[Sequence[int]] = None,
 ) -> Any:
     """Per-token logprobs (float32 tensors, ``len(sequences[i]) - 1`` each, in sample order)
     of every sample of ``plan`` (an infer plan over ``[len(s) for s in sequences]``); with
     ``entropy`` also per-token entropies: returns ``(logps, entropies)``.
 
+    ``score_from[i]``: the first scored position of sample i (e.g. ``len(prompt) - 1``: the
+    response tokens only); ``logps[i]`` then holds the ``len(sequences[i]) - 1 - score_from[i]``
+    values from there, and positions before it are never projected to the vocabulary.
     ``plan.dp`` == the DP size: each DP rank runs its own share and the results are gathered;
     ``plan.dp == 1``: every DP rank runs the whole plan. ``on_micro_batch(mb)``: called on every
     rank when the schedule pulls a micro-batch (progress bars). Logits are divided by ``temperature``."""
@@ -127,27 +132,42 @@ def compute_logprobs(
         raise ValueError(f"plan for dp={plan.dp} on a run with dp={distributed.dp_size()}")
     rank_plan = plan.for_rank(dp_rank)
     results: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+    first = list(score_from) if score_from is not None else [0] * len(sequences)
 
     def batch_fn(mb: MicroBatch) -> schedule.MicroBatchInputs:
         if on_micro_batch is not None:
             on_micro_batch(mb)
-        return schedule.make_inputs([sequences[i] for i in mb.samples], mb, round_to=round_to)
+        inputs = schedule.make_inputs([sequences[i] for i in mb.samples], mb, round_to=round_to)
+        assert inputs.loss_mask is not None
+        for seg, i in zip(inputs.segments, mb.samples, strict=True):
+            inputs.loss_mask[seg.row, seg.start : seg.start + min(first[i], seg.length)] = 0.0
+        return inputs
 
-    def loss_fn(output: torch.Tensor, inputs: schedule.MicroBatchInputs):
-        with torch.no_grad():
-            assert inputs.labels is not None
-            ents = token_entropy(output, temperature=temperature) if entropy else None
-            logps = token_logprobs(output, inputs.labels, temperature=temperature)  # [R, S]
-            for seg, i in zip(inputs.segments, inputs.micro_batch.samples, strict=True):
-                cut = slice(seg.start, seg.start + seg.length - 1)
-                results[i] = (
-                    logps[seg.row, cut].detach().clone(),
-                    ents[seg.row, cut].detach().clone() if ents is not None else None,
-                )
+    def loss_fn(output: Any, inputs: schedule.MicroBatchInputs):
+        assert inputs.labels is not None and inputs.loss_mask is not None
+        mask = inputs.loss_mask > 0
+        logps, ents = output.logprobs(
+            mask, inputs.labels, temperature=temperature, entropy=entropy
+        )  # [N]: row-major over the mask, i.e. sample after sample
+        counts = [int(mask[s.row, s.start : s.start + s.length].sum()) for s in inputs.segments]
+        parts = zip(logps.detach().split(counts), _split(ents, counts), strict=True)
+        for i, (lp, en) in zip(inputs.micro_batch.samples, parts, strict=True):
+            results[i] = (lp.clone(), None if en is None else en.clone())
         return torch.zeros((), device=output.device), {}
 
     with torch.no_grad():
         schedule.run_pass(model, rank_plan, plan, batch_fn, loss_fn, forward_only=True)
+    return _collect(results, sequences, plan, entropy)
+
+
+def _split(values: Optional[torch.Tensor], counts: list[int]) -> Sequence[Optional[torch.Tensor]]:
+    return [None] * len(counts) if values is None else values.detach().split(counts)
+
+
+def _collect(
+    results: dict, sequences: Sequence[Sequence[int]], plan: PassPlan, entropy: bool
+) -> Any:
+    """Every sample's results on every rank: from the last stage, then over DP."""
     mine = {i: (lp.cpu(), None if en is None else en.cpu()) for i, (lp, en) in results.items()}
     mine = distributed.broadcast_object_from_last_stage(mine)
     if plan.dp > 1:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from rlbatch.config.schema import ModelConfig, RopeScaling, RunConfig
-from rlbatch.engine import adapter
+from rlbatch.engine import adapter, lm_head
 
 
 def have_transformer_engine() -> bool:
@@ -134,6 +134,7 @@ def build_chunk(
     )
     if model.rope_scaling == RopeScaling.llama3:
         _set_llama3_bands(chunk.rotary_pos_emb, model)
+    lm_head.make_output_switchable(chunk, model.logits_chunk_tokens)
     return chunk
 
 

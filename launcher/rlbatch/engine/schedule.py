@@ -17,7 +17,10 @@
   samples) is one dummy row whose loss weight is 0.
 - ``loss_fn(output, inputs)`` follows megatron's loss_func contract: it returns
   ``(loss, metrics)`` (megatron divides by num_microbatches) or ``(loss, num_tokens, metrics)``.
-  ``output`` is the last stage's logits ``[rows, S, V / tp]``.
+  ``output`` is the last stage's :class:`rlbatch.engine.lm_head.LMOutput`: the hidden states
+  and the output weight when the model projects in chunks (``model.logits_chunk_tokens`` > 0;
+  ``output.logprobs(mask, labels)`` projects only the masked positions), else the logits
+  ``[rows, S, V / tp]``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from rlbatch.batching.plan import MicroBatch, PassPlan, RankPlan
+from rlbatch.engine import lm_head
 
 
 def round_up(n: int, r: int) -> int:
@@ -244,15 +248,15 @@ def model_forward(chunk: Any, inputs: MicroBatchInputs) -> torch.Tensor:
     return chunk(inputs.tokens, inputs.position_ids, inputs.attention_mask, **kwargs)
 
 
-def next_token_loss(output: torch.Tensor, inputs: MicroBatchInputs) -> tuple[torch.Tensor, dict]:
+def next_token_loss(
+    output: lm_head.LMOutput, inputs: MicroBatchInputs
+) -> tuple[torch.Tensor, dict]:
     """Plain next-token cross-entropy (vocab-parallel): summed over the loss mask, megatron's
     2-tuple contract (the schedule divides by num_microbatches). For tests and the bench."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     assert inputs.labels is not None and inputs.loss_mask is not None
-    ce = vocab_parallel_cross_entropy(output.float().contiguous(), inputs.labels)  # [R, S]
-    mask = inputs.loss_mask.to(ce.dtype)
-    loss = (ce * mask).sum()
+    mask = inputs.loss_mask > 0
+    logps, _ = output.logprobs(mask, inputs.labels, inplace=True)  # [N]
+    loss = -logps.sum()
     return loss, {"loss_sum": loss.detach().clone(), "num_tokens": mask.sum().detach()}
 
 
@@ -300,7 +304,7 @@ def lazy_iterators(
 
 
 # ---------------------------------------------------------------------------------- passes
-LossFn = Callable[[torch.Tensor, MicroBatchInputs], tuple]
+LossFn = Callable[[lm_head.LMOutput, MicroBatchInputs], tuple]
 
 
 def _config(model: Sequence[Any]) -> Any:
@@ -338,8 +342,6 @@ def run_pass(
 
     Training (``forward_only=False``): grad buffers are zeroed first when ``zero_grad``; after
     the last backward megatron runs ``finalize_model_grads`` (DP reduction, tied embeddings)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     mbs = rank_plan.micro_batches
     if len(mbs) != plan.num_micro_batches:
         raise ValueError(
@@ -358,32 +360,60 @@ def run_pass(
                 chunk.zero_grad(set_to_none=True)
 
     iterators = lazy_iterators(lambda i: batch_fn(mbs[i]), len(mbs), len(model))
+    gpts = [_unwrap(c) for c in model]
+    chunk_tokens = lm_head.logits_chunk_tokens(gpts[-1])
 
     def forward_step(data_iterator: Iterator[MicroBatchInputs], chunk: Any):
         inputs = next(data_iterator)
         output = model_forward(chunk, inputs)
+        gpt = _unwrap(chunk)
 
         def loss_func(output_tensor: torch.Tensor, **_: Any):
-            return loss_fn(output_tensor, inputs)
+            if chunk_tokens > 0:
+                weight = lm_head.output_weight(gpt)
+                return loss_fn(
+                    lm_head.LMOutput.from_hidden(output_tensor, weight, chunk_tokens), inputs
+                )
+            return loss_fn(lm_head.LMOutput(logits=output_tensor), inputs)
 
         return output, loss_func
 
     was_training = [c.training for c in model]
     for c in model:
         c.train(not forward_only)
+    mode = "hidden" if chunk_tokens > 0 else "logits"
     try:
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(model) > 1 else iterators[0],
-            model=model if len(model) > 1 else model[0],
-            num_microbatches=len(mbs),
-            seq_length=max(mb.padded_len for mb in mbs),
-            micro_batch_size=max(max(1, mb.num_rows) for mb in mbs),
-            forward_only=forward_only,
-        )
+        with lm_head.output_layer_mode(gpts, mode):
+            return _run_schedule(model, iterators, mbs, forward_step, forward_only)
     finally:
-        for c, mode in zip(model, was_training, strict=True):
-            c.train(mode)
+        for c, was in zip(model, was_training, strict=True):
+            c.train(was)
+
+
+def _unwrap(chunk: Any) -> Any:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _run_schedule(
+    model: list[Any],
+    iterators: list[Any],
+    mbs: Sequence[MicroBatch],
+    forward_step: Callable,
+    forward_only: bool,
+) -> list[Any]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(mbs),
+        seq_length=max(mb.padded_len for mb in mbs),
+        micro_batch_size=max(max(1, mb.num_rows) for mb in mbs),
+        forward_only=forward_only,
+    )
 
 
 def run_grpo_pass(
@@ -391,13 +421,13 @@ def run_grpo_pass(
     rank_plan: RankPlan,
     plan: PassPlan,
     batches: Iterable[Any],
-    loss_fn: Callable[[torch.Tensor, Any], tuple],
+    loss_fn: Callable[[lm_head.LMOutput, Any], tuple],
     *,
     round_to: Optional[int] = None,
 ) -> list[Any]:
     """Training pass over caller-built batches (the GRPO step): ``batches`` yields, lazily
     and in plan order, objects with ``.tokens`` ([R, S] long) and ``.micro_batch``;
-    ``loss_fn(logits, batch)`` follows megatron's contract. ``round_to``: the pass's
+    ``loss_fn(output, batch)`` follows megatron's contract (``output``: an LMOutput). ``round_to``: the pass's
     sequence_length_round (needed for packed micro-batches whose layout is ambiguous)."""
     stream = iter(batches)
     if round_to is None:  # the planner may record it; else inferred per packed micro-batch

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -255,15 +255,21 @@ def build_grpo_batch(
 # ------------------------------------------------------------------------------------------
 
 
-def grpo_loss(logits: torch.Tensor, batch: GRPOBatch, settings: LossSettings) -> LossTerms:
-    """GRPO loss of one micro-batch from the training forward's logits [R, S, V/tp]."""
-    from rlbatch.engine.logprobs import token_entropy, token_logprobs
+def grpo_loss(output: Any, batch: GRPOBatch, settings: LossSettings) -> LossTerms:
+    """GRPO loss of one micro-batch from the training forward's output: the schedule's
+    ``LMOutput`` (hidden states projected in chunks at the loss positions only, or logits), or
+    plain logits ``[R, S, V/tp]``."""
+    from rlbatch.engine.lm_head import LMOutput
 
-    mask = batch.loss_mask
-    temperature = settings.temperature
-    # entropy first: the logprob kernel may shift the logits in place (harmless: per row)
-    entropy = token_entropy(logits[mask], temperature=temperature)  # [N]: loss positions only
-    logps = token_logprobs(logits, batch.labels, temperature=temperature, inplace=True)[mask]
+    if isinstance(output, torch.Tensor):
+        output = LMOutput(logits=output)
+    logps, entropy = output.logprobs(
+        batch.loss_mask,
+        batch.labels,
+        temperature=settings.temperature,
+        entropy=True,
+        inplace=True,  # the logits are not read again
+    )  # [N], [N]: loss positions only, in loss_mask order
     return loss_from_logps(logps, batch, settings, entropy=entropy)
 
 

@@ -174,11 +174,12 @@ def make_loss_fn(
     *,
     detect_nan: bool,
     inject_nan: bool = False,
-) -> Callable[[torch.Tensor, GRPOBatch], tuple[torch.Tensor, torch.Tensor, dict]]:
-    """Megatron's loss_func contract: (loss to back-propagate, count for Megatron, metrics)."""
+) -> Callable[[Any, GRPOBatch], tuple[torch.Tensor, torch.Tensor, dict]]:
+    """Megatron's loss_func contract: (loss to back-propagate, count for Megatron, metrics).
+    The first argument is the last stage's output (rlbatch.engine.lm_head.LMOutput)."""
 
-    def loss_fn(logits: torch.Tensor, batch: GRPOBatch):
-        terms = grpo_loss(logits, batch, settings)
+    def loss_fn(output: Any, batch: GRPOBatch):
+        terms = grpo_loss(output, batch, settings)
         if inject_nan and state.micro_batches == 0:  # debug.fail_kind=nan_loss
             terms.numerator = terms.numerator * float("nan")
         if detect_nan:  # no host sync here: flags are read once, after the schedule

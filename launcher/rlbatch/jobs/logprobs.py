@@ -86,14 +86,18 @@ def check_rows(rows: list[Row], vocab_size: int, max_len: int, path: str) -> Non
         raise ValueError(f"{path}: " + "; ".join(errors))
 
 
+def first_scored(row: Row) -> int:
+    """The first scored position: 0, or the one predicting the completion's first token."""
+    return 0 if row.completion_start is None else max(row.completion_start - 1, 0)
+
+
 def output_record(i: int, row: Row, logps: list[float], entropy: Optional[list[float]]) -> dict:
-    rec: dict[str, Any] = {"index": i}
-    cut = 0 if row.completion_start is None else max(row.completion_start - 1, 0)
-    rec["token_logprobs"] = logps[cut:]
+    """The output line of row i (``logps`` / ``entropy``: from :func:`first_scored` on)."""
+    rec: dict[str, Any] = {"index": i, "token_logprobs": logps}
     if row.completion_start is not None:
         rec["completion_start"] = row.completion_start
     if entropy is not None:
-        rec["entropy"] = entropy[cut:]
+        rec["entropy"] = entropy
     return rec
 
 
@@ -181,6 +185,7 @@ def run(cfg: RunConfig) -> None:
             round_to=infer.sequence_length_round,
             entropy=cfg.logprobs.entropy,
             on_micro_batch=progress.advance,
+            score_from=[first_scored(r) for r in rows],
         )
     finally:
         progress.stop()

@@ -159,12 +159,11 @@ def make_logps_fn(model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], 
             plan,
             round_to=infer.sequence_length_round,
             temperature=cfg.rollout.temperature,
+            # log p(token j+1 | ..j): the response starts at position len(prompt) - 1; the
+            # prompt's positions are not projected to the vocabulary at all
+            score_from=[len(s.prompt.prompt_ids) - 1 for s in samples],
         )
-        # logps[i][j] = log p(token j+1 | ..j): the response starts at len(prompt) - 1
-        return [
-            lp[len(s.prompt.prompt_ids) - 1 :].tolist()
-            for s, lp in zip(samples, logps, strict=True)
-        ]
+        return [lp.tolist() for lp in logps]
 
     return ref_logps
 
