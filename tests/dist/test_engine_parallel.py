@@ -116,6 +116,24 @@ def test_matches_single_process(launched, references):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+def test_chunked_projection_equals_unchunked(launched, references):
+    """model.logits_chunk_tokens: the default, 3 and 0 (full logits) give the same losses,
+    gradients (the tied embedding included), logprobs and entropies on every layout, and in
+    the single-process reference (fp32, rel 1e-6; each tensor's gradient within rel 1e-5: a
+    few, like the key biases', are sums that cancel to near zero)."""
+    mode, ranks, _ = launched
+    loss_rank = -1 if mode in ("pp2", "vpp") else 0
+    for r in [ranks[0], ranks[loss_rank], references[REF_MICRO_BATCHES[mode]]]:
+        full = r["by_chunk"][0]
+        for variant in (r, r["by_chunk"][3]):
+            assert variant["losses"] == pytest.approx(full["losses"], rel=1e-6)
+            if mode != "dp2do" and full["grads"]:
+                _close_dicts(variant["grads"], full["grads"], tol=1e-6, per_tensor_tol=1e-5)
+            for key in ("logprobs", "entropy"):
+                for got, want in zip(variant[key], full[key], strict=True):
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_layout_and_distributed_helpers(launched):
     mode, ranks, _ = launched
     states = [r["state"] for r in ranks]

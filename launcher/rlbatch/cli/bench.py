@@ -3,6 +3,7 @@
 rlbatch-bench batching   planner quality and speed on synthetic long-tailed workloads
 rlbatch-bench engine     forward+backward tokens/s: fixed vs dynamic vs packed batching
 rlbatch-bench grpo       one GRPO step timed by stage, batching and aggregation compared
+rlbatch-bench memory     peak memory and time of a micro-batch: chunked vs full logits
 rlbatch-bench rollout    generation tokens/s: rlbatch against transformers' generate
 """
 
@@ -15,6 +16,7 @@ BENCHES = {
     "batching": ("rlbatch.bench.batching", "planner quality and speed on synthetic workloads"),
     "engine": ("rlbatch.bench.engine", "forward+backward tokens/s: fixed vs dynamic vs packed"),
     "grpo": ("rlbatch.bench.grpo_main", "one GRPO step timed by stage; batching and LCM compared"),
+    "memory": ("rlbatch.bench.memory", "peak memory and time of a micro-batch: chunked logits"),
     "rollout": ("rlbatch.bench.rollout", "generation tokens/s against transformers' generate"),
 }
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rlbatch.cli.common import compose, fail_config, help_text
 from rlbatch.config.errors import ConfigError, ConfigErrors
+from rlbatch.config.schema import RunConfig
 
 USAGE = (
     "score sequences. rlbatch-logprobs logprobs.input=IN.jsonl logprobs.output=OUT.jsonl "
@@ -37,12 +38,29 @@ def main(argv: list[str] | None = None) -> None:
         errors.append(ConfigError("logprobs.input", cfg.logprobs.input, "set an existing JSONL"))
     if not cfg.logprobs.output:
         errors.append(ConfigError("logprobs.output", None, "set the output JSONL path"))
+    if not errors:
+        errors += check_input(cfg)
     if errors:
         fail_config(ConfigErrors(errors), "rlbatch-logprobs")
     from rlbatch.runtime.driver import launch
 
     run_dir = Path("outputs") / "logprobs" / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
     sys.exit(launch(cfg, run_dir, entry=LOGPROBS_ENTRY))
+
+
+def check_input(cfg: RunConfig) -> list[ConfigError]:
+    """The input file, read and checked here before any worker starts: JSON lines of the two
+    shapes, token ids inside the vocabulary, lengths within model.max_position_embeddings."""
+    from rlbatch.engine.tokenizer import build_tokenizer
+    from rlbatch.jobs.logprobs import check_rows, read_rows
+
+    path = str(cfg.logprobs.input)
+    try:
+        rows = read_rows(path, lambda: build_tokenizer(cfg.model))
+        check_rows(rows, cfg.model.vocab_size, cfg.model.max_position_embeddings, path)
+    except ValueError as err:
+        return [ConfigError("logprobs.input", path, str(err))]
+    return []
 
 
 if __name__ == "__main__":

@@ -231,13 +231,14 @@ ARCH_FIELDS = (
     "num_query_groups", "head_dim", "vocab_size", "rope_theta", "rms_norm_eps",
     "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "rope_scaling", "rope_scaling_factor",
     "rope_original_max_position_embeddings", "rope_low_freq_factor", "rope_high_freq_factor",
-    "rope_beta_fast", "rope_beta_slow",
+    "rope_beta_fast", "rope_beta_slow", "max_position_embeddings",
 )  # fmt: skip
 
 
 def resolve_model_config(model: ModelConfig) -> tuple[ModelConfig, list[str]]:
     """With ``model.hf_path`` set, a copy whose architecture fields come from its config.json
-    (params_dtype, recompute and max_position_embeddings stay the preset's), and the list of
+    (max_position_embeddings included: the checkpoint's own context; params_dtype and recompute
+    stay the preset's), and the list of
     fields that changed (callers warn: the preset is ignored for those)."""
     if not model.hf_path:
         return model, []

@@ -44,6 +44,66 @@ def _tp_group() -> tuple[int, int, Any]:
     )
 
 
+# ---------------------------------------------------------------------- full-logits path
+def _tp_size_group() -> tuple[int, Any]:
+    size, _, group = _tp_group()
+    return size, group
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` (the same tensor at temperature 1): the distribution the
+    rollout sampled from, which every logprob the GRPO loss compares must use."""
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """log p_T(label) per position from (vocab-parallel) logits ``[..., V/tp]``, differentiable:
+    the one implementation of the train, reference and old passes.
+
+    With tp == 1 and float64 logits (or no process group) it is ``log_softmax`` in float64
+    (exactness checks); otherwise megatron's ``vocab_parallel_cross_entropy`` in float32, which
+    subtracts the row max from its input in place: the input is copied first unless
+    ``inplace`` (the train pass: the logits are not read afterwards, and a per-row shift changes
+    neither logprobs nor entropy)."""
+    import torch.distributed as dist
+
+    x = scale_logits(logits, temperature)
+    if _tp_size_group()[0] == 1 and (x.dtype == torch.float64 or not dist.is_initialized()):
+        return torch.log_softmax(x, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    x = x.float()
+    if x is logits and not inplace:
+        x = x.clone()
+    return -vocab_parallel_cross_entropy(x.contiguous(), labels)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) over the full (tp-sharded) vocabulary per row
+    of ``[..., V/tp]``, no grad; float64 logits stay float64, others are computed in float32."""
+    import torch.distributed as dist
+
+    x = scale_logits(logits, temperature)
+    x = x if x.dtype == torch.float64 else x.float()
+    size, group = _tp_size_group()
+    m = x.max(dim=-1, keepdim=True).values
+    if size > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(x - m)
+    sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
+    if size > 1:
+        dist.all_reduce(sums, group=group)
+    z, ex = sums[0], sums[1]
+    return torch.log(z) + m.squeeze(-1) - ex / z
+
+
 # ------------------------------------------------------------------------- chunked function
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """fp32 (fp64 for fp64 weights) logits / temperature ``[n, V/tp]`` of hidden rows ``[n, H]``
@@ -185,8 +245,6 @@ class LMOutput:
         """log p_T(label) at the positions of ``mask`` ([R, S] bool), flat ``[N]`` in row-major
         order, differentiable; with ``entropy`` also the entropies there (no grad).
         ``inplace``: the unchunked logits may be shifted in place (they are not read after)."""
-        from rlbatch.engine.logprobs import token_entropy, token_logprobs
-
         if self.logits is None:
             assert self.hidden is not None and self.weight is not None
             return chunked_logprobs(
@@ -271,3 +329,11 @@ def output_layer_mode(gpts: Sequence[Any], mode: str) -> Iterator[None]:
     finally:
         for layer, old in zip(layers, before, strict=True):
             layer.output_mode = old
+
+
+def set_logits_chunk_tokens(model: Sequence[Any], chunk_tokens: int) -> None:
+    """Change ``model.logits_chunk_tokens`` of built (possibly DDP-wrapped) chunks."""
+    for chunk in model:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        chunk.logits_chunk_tokens = chunk_tokens

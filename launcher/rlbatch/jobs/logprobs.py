@@ -70,20 +70,26 @@ def read_rows(path: str, tokenizer_factory: Any) -> list[Row]:
 
 
 def check_rows(rows: list[Row], vocab_size: int, max_len: int, path: str) -> None:
+    """Every row scorable by the model: non-empty, token ids in [0, vocab_size), at most
+    max_len tokens. Raises one ValueError naming every bad row (the first 10, and a count)."""
     errors = []
     for i, row in enumerate(rows):
         if len(row.ids) < 1:
-            errors.append(f"line {i + 1}: empty sequence")
+            errors.append(f"row {i}: empty sequence")
         elif max(row.ids) >= vocab_size or min(row.ids) < 0:
-            errors.append(f"line {i + 1}: token id outside [0, {vocab_size})")
+            bad = next(t for t in row.ids if not 0 <= t < vocab_size)
+            errors.append(
+                f"row {i}: token id {bad} outside [0, model.vocab_size={vocab_size}) "
+                "(ids must come from the model's tokenizer)"
+            )
         elif len(row.ids) > max_len:
             errors.append(
-                f"line {i + 1}: {len(row.ids)} tokens > model.max_position_embeddings={max_len}"
+                f"row {i}: {len(row.ids)} tokens > model.max_position_embeddings={max_len} "
+                "(shorten it, or raise model.max_position_embeddings)"
             )
-        if len(errors) >= 10:
-            break
     if errors:
-        raise ValueError(f"{path}: " + "; ".join(errors))
+        more = f"; and {len(errors) - 10} more" if len(errors) > 10 else ""
+        raise ValueError(f"{path}: " + "; ".join(errors[:10]) + more)
 
 
 def first_scored(row: Row) -> int:

@@ -3,7 +3,8 @@ the single-process reference computed in tests/dist/test_engine_parallel.py.
 
 A 4-layer tiny Qwen2 (tied embeddings) loaded from one HF directory, 18 samples of varied
 lengths, 6 hand-made micro-batches (padded, packed and a filler), a train pass with the plain
-next-token loss, optionally an optimizer step, and a logprob pass over an infer plan.
+next-token loss, optionally an optimizer step, and a logprob pass over an infer plan; the train
+and logprob passes again with the output projection unchunked and in small chunks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from rlbatch.config.schema import BatchingMode, BatchingPassConfig, ModelConfig,
 ROUND = 4
 LENGTHS = [5, 13, 9, 2, 17, 7, 11, 3, 8, 15, 6, 10, 4, 12, 1, 9, 14, 5]
 MODEL = ModelConfig(num_layers=4, tie_word_embeddings=True)
+CHUNK_VARIANTS = (0, 3)
+"""model.logits_chunk_tokens of the extra passes: unchunked, and 3 positions per chunk (the
+main passes use the default)."""
 
 
 def round_up(n: int, r: int = ROUND) -> int:
@@ -100,7 +104,7 @@ def run_case(
 ) -> dict[str, Any]:
     """Train pass (+ optional optimizer step) and a logprob pass; gathered results on rank 0.
     ``micro_batches``: this rank's micro-batches (dp ranks pass their own share)."""
-    from rlbatch.engine import hf, logprobs, schedule
+    from rlbatch.engine import hf, lm_head, logprobs, schedule
     from rlbatch.engine import model as engine_model
 
     seqs = sequences()
@@ -121,16 +125,33 @@ def run_case(
         "overlap_p2p_comm": config.overlap_p2p_comm,
         "batch_p2p_comm": config.batch_p2p_comm,
     }
-    result["grads"] = hf.gather_full(chunks, cfg.model, grads=True)
+    result["grads"] = _grads(chunks, cfg)
     if step:
         optimizer, scheduler = engine_model.build_optimizer(cfg, chunks)
         ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         result["grad_norm"] = float(grad_norm)
-        result["params_after_step"] = hf.gather_full(chunks, cfg.model)
+        result["params_after_step"] = {
+            k: v.clone() for k, v in hf.gather_full(chunks, cfg.model).items()
+        }
         hf.load_hf_into(chunks, cfg.model.hf_path)
+        optimizer.zero_grad()  # as the trainer does before the next pass (param.grad aliases)
     lp, ent = logprobs.compute_logprobs(chunks, seqs, infer_plan(cfg), round_to=ROUND, entropy=True)
     result["logprobs"], result["entropy"] = lp, ent
+    result["by_chunk"] = {}
+    for tokens in CHUNK_VARIANTS:  # the same passes, unchunked and in many small chunks
+        lm_head.set_logits_chunk_tokens(chunks, tokens)
+        out = schedule.run_pass(chunks, plan.ranks[0], plan, batch_fn, schedule.next_token_loss)
+        lp, ent = logprobs.compute_logprobs(
+            chunks, seqs, infer_plan(cfg), round_to=ROUND, entropy=True
+        )
+        result["by_chunk"][tokens] = {
+            "losses": [float(m["loss_sum"]) for m in out],
+            "grads": _grads(chunks, cfg),
+            "logprobs": lp,
+            "entropy": ent,
+        }
+    lm_head.set_logits_chunk_tokens(chunks, cfg.model.logits_chunk_tokens)
     result["rollout"] = generate(chunks)
     result["sequence_parallel"] = [
         bool(config.sequence_parallel),
@@ -138,6 +159,14 @@ def run_case(
             if "layernorm" in n),
     ]  # fmt: skip
     return result
+
+
+def _grads(chunks: list[Any], cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """Copies of the full gradients (gather_full may hand out the live grad buffers, which the
+    optimizer's clipping and the next pass overwrite)."""
+    from rlbatch.engine import hf
+
+    return {k: v.clone() for k, v in hf.gather_full(chunks, cfg.model, grads=True).items()}
 
 
 def generate(chunks: list[Any]) -> list[tuple[list[int], list[float]]]:
