@@ -280,15 +280,35 @@ def _switchable_class(base: Any) -> Any:
 
 def _pass_hidden(layer: Any, input_: torch.Tensor) -> torch.Tensor:
     """The input as the linear sees it: gathered over sequence parallelism (the backward
-    reduce-scatters), else copied into the tensor-parallel region (the backward all-reduces the
-    per-shard gradients), exactly as ColumnParallelLinear treats its input."""
+    reduce-scatters), else as is with the per-shard gradients all-reduced over the
+    tensor-parallel group in backward, exactly as ColumnParallelLinear treats its input."""
     from megatron.core.tensor_parallel import mappings
 
     if layer.sequence_parallel:
         return mappings.gather_from_sequence_parallel_region(
             input_, tensor_parallel_output_grad=True, group=layer.tp_group
         )
-    return mappings.copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)
+    size, _, group = _tp_group()
+    return _AllReduceGrad.apply(input_, group) if size > 1 else input_
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over ``group``. (Megatron's
+    copy_to_tensor_model_parallel_region drops the reduction of a non-contiguous gradient, the
+    case here: the model transposes its output.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def make_output_switchable(gpt: Any, chunk_tokens: int) -> None:
