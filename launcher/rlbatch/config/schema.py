@@ -342,7 +342,11 @@ class TrainerConfig:
     resume: str = "none"
     """none | auto (latest checkpoint of checkpoint.dir) | a checkpoint path."""
     timeout_s: int = 300
-    """A collective that takes longer ends the run with an error naming the rank."""
+    """A step phase (generation, rewards, training, a collective) that makes no progress for
+    this long ends the run with an error naming the rank, the step and the phase."""
+    preempt_timeout_s: float = 120.0
+    """After SIGTERM / SIGUSR1 / SIGHUP: the most seconds to finish the step, save and exit
+    (then the workers are stopped; keep it below the scheduler's grace or warning time)."""
     num_threads: Optional[int] = None
     """torch intra-op threads per worker; null = cores / local workers."""
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -110,6 +110,7 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[
         "grpo.aggregation.proceed_num_steps": g.aggregation.proceed_num_steps,
         "trainer.max_steps": t.max_steps,
         "trainer.timeout_s": t.timeout_s,
+        "trainer.preempt_timeout_s": t.preempt_timeout_s,
         "trainer.num_threads": t.num_threads,
         "trainer.optim.lr": t.optim.lr,
         "trainer.checkpoint.keep_last": t.checkpoint.keep_last,

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from rlbatch.config.schema import RunConfig
 from rlbatch.distributed import as_collective_timeout
+from rlbatch.runtime import preempt
 from rlbatch.train import integrity
 from rlbatch.train.checkpoint import (
     TrainState,
@@ -154,13 +155,17 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
                 cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
             )
             logger.log(record)
-            due = _guarded(
-                cfg, comps, heartbeat, step, lambda s=step, t=saved_at: _save_due(cfg, comps, s, t)
+            due, stop = _guarded(
+                cfg, comps, heartbeat, step, lambda s=step, t=saved_at: _decide(cfg, comps, s, t)
             )
-            if due:
+            if due or stop:
                 heartbeat.beat(step, "checkpoint")
-                _guarded(cfg, comps, heartbeat, step, lambda s=step: _save(cfg, comps, s, logger))
+                path = _guarded(
+                    cfg, comps, heartbeat, step, lambda s=step: _save(cfg, comps, s, logger)
+                )
                 last_saved, saved_at = step, time.monotonic()
+            if stop:
+                _stop_preempted(cfg, comps, step, path, stop)
         final = cfg.trainer.max_steps
         if resumed_step > final:
             log.warning(
@@ -178,16 +183,27 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     return logger.history
 
 
-def _save_due(cfg: RunConfig, comps: Components, step: int, saved_at: float) -> bool:
-    """trainer.checkpoint.every_steps, or every_minutes since the last save by rank 0's clock
-    (one small collective, so every rank takes the same decision)."""
+def _decide(cfg: RunConfig, comps: Components, step: int, saved_at: float) -> tuple[bool, str]:
+    """(save now, preemption signal or ''), the same on every rank, in one small collective
+    per step: a save is due at trainer.checkpoint.every_steps, or every_minutes since the last
+    save by rank 0's clock; a stop when any rank got a preemption signal (SIGTERM, SIGUSR1,
+    SIGHUP: rlbatch.runtime.preempt)."""
     ckpt = cfg.trainer.checkpoint
-    if ckpt.every_steps > 0 and step % ckpt.every_steps == 0:
-        return True
-    if ckpt.every_minutes <= 0:
-        return False
-    overdue = time.monotonic() - saved_at >= ckpt.every_minutes * 60
-    return bool(comps.dist.all_gather_object(overdue)[0])
+    overdue = ckpt.every_minutes > 0 and time.monotonic() - saved_at >= ckpt.every_minutes * 60
+    votes = comps.dist.all_gather_object((overdue, preempt.requested() or ""))
+    signals = [sig for _, sig in votes if sig]
+    due = (ckpt.every_steps > 0 and step % ckpt.every_steps == 0) or bool(votes[0][0])
+    return due, signals[0] if signals else ""
+
+
+def _stop_preempted(cfg: RunConfig, comps: Components, step: int, path: Path, sig: str) -> None:
+    """After the preemption checkpoint: rank 0 records it for the launcher's one-line report;
+    every rank raises Preempted (the worker exits with EXIT_PREEMPTED)."""
+    if comps.dist.rank == 0:
+        record = {"signal": sig, "step": step, "path": str(path)}
+        (run_dir(cfg) / preempt.RECORD).write_text(json.dumps(record))
+        log.warning("preempted (%s): saved step %d at %s", sig, step, path)
+    raise preempt.Preempted(step, str(path), sig)
 
 
 def _guarded(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int, fn):
