@@ -128,6 +128,11 @@ class DataConfig:
     ``module.path:function`` or a built-in name (math, format, ...); [] = data.reward."""
     reward_weights: Optional[list[float]] = None
     """Weight of each data.reward_fn entry in the total reward; null = 1.0 each."""
+    reward_timeout_s: Optional[float] = None
+    """Longest one call of a data.reward_fn function may take before the run fails naming
+    it; null = trainer.timeout_s."""
+    reward_abs_max: float = 1e6
+    """A user reward of larger magnitude is an error naming the function and the sample."""
     answer_format: AnswerFormat = AnswerFormat.raw
     """raw: the answer field as is; gsm8k: the text after its last '####' (GSM8K's format)."""
     shuffle: bool = True

@@ -111,6 +111,8 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[
         "trainer.max_steps": t.max_steps,
         "trainer.timeout_s": t.timeout_s,
         "trainer.preempt_timeout_s": t.preempt_timeout_s,
+        "data.reward_timeout_s": cfg.data.reward_timeout_s,
+        "data.reward_abs_max": cfg.data.reward_abs_max,
         "trainer.num_threads": t.num_threads,
         "trainer.optim.lr": t.optim.lr,
         "trainer.checkpoint.keep_last": t.checkpoint.keep_last,

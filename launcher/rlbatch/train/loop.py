@@ -42,7 +42,7 @@ from rlbatch.train.checkpoint import (
     save_checkpoint,
     verify_share,
 )
-from rlbatch.train.health import Heartbeat, check_finite, inject_fault, laggards
+from rlbatch.train.health import Heartbeat, Watchdog, check_finite, inject_fault, laggards
 from rlbatch.train.metrics import MetricsLogger
 from rlbatch.train.plot import plot_metrics
 from rlbatch.train.producer import RunAheadProducer, StepBatch
@@ -147,6 +147,8 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
         history=state.metrics_history if state is not None else None,
     )
     heartbeat = Heartbeat(run_dir(cfg), rank)
+    heartbeat.beat(resumed_step + 1, "start")
+    watchdog = Watchdog(run_dir(cfg), rank, comps.dist.world_size, cfg.trainer.timeout_s).start()
     last_saved = resumed_step if state is not None else -1
     saved_at = time.monotonic()
     try:
@@ -177,8 +179,10 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
             heartbeat.beat(final, "checkpoint")
             _guarded(cfg, comps, heartbeat, final, lambda: _save(cfg, comps, final, logger))
         heartbeat.beat(final, "end")
+        watchdog.stop()
         _finish(cfg, comps, logger)
     finally:
+        watchdog.stop()
         logger.close()
     return logger.history
 
