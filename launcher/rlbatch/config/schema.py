@@ -132,6 +132,11 @@ class DataConfig:
     ``module.path:function`` or a built-in name (math, format, ...); [] = data.reward."""
     reward_weights: Optional[list[float]] = None
     """Weight of each data.reward_fn entry in the total reward; null = 1.0 each."""
+    reward_timeout_s: Optional[float] = None
+    """Longest one call of a data.reward_fn function may take before the run fails naming
+    it; null = trainer.timeout_s."""
+    reward_abs_max: float = 1e6
+    """A user reward of larger magnitude is an error naming the function and the sample."""
     answer_format: AnswerFormat = AnswerFormat.raw
     """raw: the answer field as is; gsm8k: the text after its last '####' (GSM8K's format)."""
     shuffle: bool = True
@@ -346,7 +351,11 @@ class TrainerConfig:
     resume: str = "none"
     """none | auto (latest checkpoint of checkpoint.dir) | a checkpoint path."""
     timeout_s: int = 300
-    """A collective that takes longer ends the run with an error naming the rank."""
+    """A step phase (generation, rewards, training, a collective) that makes no progress for
+    this long ends the run with an error naming the rank, the step and the phase."""
+    preempt_timeout_s: float = 120.0
+    """After SIGTERM / SIGUSR1 / SIGHUP: the most seconds to finish the step, save and exit
+    (then the workers are stopped; keep it below the scheduler's grace or warning time)."""
     num_threads: Optional[int] = None
     """torch intra-op threads per worker; null = cores / local workers."""
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -213,7 +213,9 @@ def _with_reward(cfg: DataConfig, kind: RewardKind) -> DataConfig:
     return dataclasses.replace(cfg, reward=kind)
 
 
-def _user_component(reward: UserReward, name: str, weight: float) -> RewardComponent:
+def _user_component(
+    reward: UserReward, name: str, weight: float, cfg: DataConfig
+) -> RewardComponent:
     def score_user(inputs: Sequence[RewardInput]) -> list[float]:
         batch = [
             Completion(
@@ -226,7 +228,9 @@ def _user_component(reward: UserReward, name: str, weight: float) -> RewardCompo
             )
             for i, x in enumerate(inputs)
         ]
-        return call_reward(reward, batch)
+        return call_reward(
+            reward, batch, abs_max=cfg.reward_abs_max, timeout_s=cfg.reward_timeout_s
+        )
 
     return RewardComponent(name, weight, score_user)
 
@@ -257,7 +261,7 @@ def build_rewards(cfg: DataConfig) -> RewardSet:
     components = []
     for spec, name, weight in zip(cfg.reward_fn, reward_names(cfg.reward_fn), weights, strict=True):
         if ":" in spec:
-            components.append(_user_component(load_reward(spec), name, weight))
+            components.append(_user_component(load_reward(spec), name, weight, cfg))
         else:
             components.append(_builtin_component(RewardKind(spec), cfg, name, weight))
     return RewardSet(tuple(components))

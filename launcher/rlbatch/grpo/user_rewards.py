@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlbatch.runtime import progress
+
 SAMPLE_ARGS = ("prompt", "completion", "completion_ids", "answer")
 """Parameters of a per-sample reward function."""
 BATCH_ARGS = ("prompts", "completions", "completion_ids", "answers")
@@ -178,17 +180,32 @@ def _field_kwargs(reward: UserReward, fields: Mapping[str, Any]) -> dict[str, An
     return {k: fields[k] for k in reward.field_args if k in fields}
 
 
-def _check_value(reward: UserReward, value: Any, c: Completion) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        out = math.nan
-    if not math.isfinite(out):
+def _check_value(reward: UserReward, value: Any, c: Completion, abs_max: float) -> float:
+    """A finite real number of magnitude <= abs_max (a str, bytes or complex is refused even
+    when float() would take it: '1.5' is almost always a bug in the function)."""
+    out = math.nan
+    if not isinstance(value, (str, bytes, complex)):
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            pass
+    if not math.isfinite(out) or abs(out) > abs_max:
+        why = "finite real numbers" if not math.isfinite(out) else f"at most {abs_max:g} in size"
         raise RewardCallError(
-            f"reward function {reward.spec} returned {value!r} for {c.label}"
-            f" (completion {c.completion[:80]!r}): rewards must be finite numbers"
+            f"reward function {reward.spec} returned {value!r} for {c.label} (a "
+            f"{type(value).__name__}; completion {c.completion[:80]!r}): rewards must be {why}"
+            " (data.reward_abs_max)"
         )
     return out
+
+
+def _user_exit(reward: UserReward, err: BaseException, where: str) -> RewardCallError:
+    """sys.exit / KeyboardInterrupt (a signal) inside a reward function: a failure of the
+    function, never the end of the run (and never exit code 0)."""
+    what = f"called sys.exit({err.code!r})" if isinstance(err, SystemExit) else (
+        f"was interrupted ({type(err).__name__}: a signal such as SIGINT)"
+    )  # fmt: skip
+    return RewardCallError(f"reward function {reward.spec} {what} on {where}")
 
 
 def _run(value: Any) -> Any:
@@ -213,6 +230,8 @@ def _call_per_sample(reward: UserReward, batch: Sequence[Completion]) -> list[An
         wanted = {k: v for k, v in kwargs.items() if k in _params(reward)}
         try:
             return reward.fn(**wanted, **_field_kwargs(reward, c.fields))
+        except (SystemExit, KeyboardInterrupt) as err:
+            raise _user_exit(reward, err, c.label) from err
         except Exception as err:
             raise RewardCallError(
                 f"reward function {reward.spec} raised {type(err).__name__}: {err} on {c.label}"
@@ -227,6 +246,8 @@ def _call_per_sample(reward: UserReward, batch: Sequence[Completion]) -> list[An
             return await asyncio.gather(*(values[i] for i in pending), return_exceptions=True)
 
         for i, v in zip(pending, asyncio.run(gather()), strict=True):
+            if isinstance(v, (SystemExit, KeyboardInterrupt)):
+                raise _user_exit(reward, v, batch[i].label) from v
             if isinstance(v, BaseException):
                 raise RewardCallError(
                     f"reward function {reward.spec} raised {type(v).__name__}: {v} on"
@@ -255,6 +276,8 @@ def _call_batched(reward: UserReward, batch: Sequence[Completion]) -> list[Any]:
         kwargs[key] = [c.fields.get(key) for c in batch]
     try:
         values = _run(reward.fn(**kwargs))
+    except (SystemExit, KeyboardInterrupt) as err:
+        raise _user_exit(reward, err, f"a batch of {len(batch)} samples") from err
     except Exception as err:
         raise RewardCallError(
             f"reward function {reward.spec} raised {type(err).__name__}: {err} on a batch of"
@@ -274,9 +297,18 @@ def _call_batched(reward: UserReward, batch: Sequence[Completion]) -> list[Any]:
     return values
 
 
-def call_reward(reward: UserReward, batch: Sequence[Completion]) -> list[float]:
-    """One finite float per completion; RewardCallError names the function and the sample."""
+def call_reward(
+    reward: UserReward,
+    batch: Sequence[Completion],
+    *,
+    abs_max: float = math.inf,
+    timeout_s: float | None = None,
+) -> list[float]:
+    """One finite float per completion, each of magnitude <= ``abs_max``; RewardCallError
+    names the function and the sample. The call is marked for the watchdog, which stops the
+    run when it takes longer than ``timeout_s`` (None: trainer.timeout_s)."""
     if not batch:
         return []
-    raw = _call_batched(reward, batch) if reward.batched else _call_per_sample(reward, batch)
-    return [_check_value(reward, v, c) for v, c in zip(raw, batch, strict=True)]
+    with progress.user_call(f"reward function {reward.spec}", timeout_s):
+        raw = _call_batched(reward, batch) if reward.batched else _call_per_sample(reward, batch)
+    return [_check_value(reward, v, c, abs_max) for v, c in zip(raw, batch, strict=True)]

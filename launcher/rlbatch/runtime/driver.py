@@ -2,11 +2,13 @@
 
 One launch per run (and per multirun job), so every job gets fresh processes: Megatron's
 parallel state is process-global. Ctrl-C or a crashed rank stops every worker promptly, and the
-failing rank's error is shown.
+failing rank's error is shown; a preemption signal makes the workers save and stop
+(rlbatch.runtime.preempt); one launcher per directory (rlbatch.runtime.lock).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -14,17 +16,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rlbatch.config.load import dump_run_config
 from rlbatch.config.schema import RunConfig
 from rlbatch.config.validate import world_size
+from rlbatch.runtime import preempt
 from rlbatch.runtime.lifeline import child_env
+from rlbatch.runtime.lock import RunLock, RunLockedError, acquire
+from rlbatch.runtime.scheduler import scheduler_run_id
 
 log = logging.getLogger("rlbatch")
 
 RESOLVED = "resolved.yaml"
 ERRORS_DIR = "errors"
+DONE_DIR = "done"
 STOP_GRACE_S = 10.0
+EXIT_LOCKED = 3
+"""Exit code when another launcher holds the run (or checkpoint) directory."""
 
 
 def torchrun_command(cfg: RunConfig, resolved: Path, entry: str) -> list[str]:
@@ -69,37 +78,154 @@ def worker_env(cfg: RunConfig) -> dict[str, str]:
 
 
 def launch(cfg: RunConfig, run_dir: Path, entry: str) -> int:
-    """Write <run_dir>/resolved.yaml, run the workers, return 0 or the failure's exit code.
+    """Lock the run directory, write <run_dir>/resolved.yaml, run the workers, return 0 or the
+    failure's exit code (EXIT_PREEMPTED after a preemption save, EXIT_LOCKED when another
+    launcher holds the directory).
 
     Multi-node: every node calls this with the same ``run_dir``, which must be on a filesystem
-    all nodes share (each rank writes its checkpoint shard there; rank 0 commits it)."""
+    all nodes share (each rank writes its checkpoint shard there; rank 0 commits it); node 0
+    alone takes the lock (rlbatch.runtime.lock)."""
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_dir = str(run_dir)
     if cfg.parallel.run_id is None:
         cfg.parallel.run_id = run_dir.name
-    resolved = resolved_path(cfg, run_dir)
-    dump_run_config(cfg, resolved)
-    cmd = torchrun_command(cfg, resolved, entry)
+    try:
+        lock = _lock(cfg, run_dir)
+    except RunLockedError as err:
+        _console().print(f"rlbatch: {err}", markup=False, highlight=False)
+        return EXIT_LOCKED
+    with lock:
+        _clear_previous_run(cfg, run_dir)
+        resolved = resolved_path(cfg, run_dir)
+        dump_run_config(cfg, resolved)
+        return _run_workers(cfg, run_dir, torchrun_command(cfg, resolved, entry))
+
+
+def _lock(cfg: RunConfig, run_dir: Path) -> RunLock:
+    if (cfg.parallel.node_rank or 0) != 0:
+        return RunLock()  # node 0 holds the lock of the whole run
+    dirs = [run_dir]
+    if cfg.trainer.checkpoint.dir:
+        dirs.append(Path(cfg.trainer.checkpoint.dir))
+    return acquire(dirs, cfg.parallel.run_id, scheduler_run_id(os.environ))
+
+
+def _clear_previous_run(cfg: RunConfig, run_dir: Path) -> None:
+    """Error reports, heartbeats and exit records of an earlier run in this directory must not
+    be taken for this run's (each node clears its own ranks' files)."""
+    nproc = cfg.parallel.nproc_per_node or world_size(cfg) // cfg.parallel.nnodes
+    first = (cfg.parallel.node_rank or 0) * nproc
+    for rank in range(first, first + nproc):
+        for name in (f"{ERRORS_DIR}/rank{rank}.txt", f"heartbeat/rank{rank}.json", done_file(rank)):
+            (run_dir / name).unlink(missing_ok=True)
+    if first == 0:
+        (run_dir / preempt.RECORD).unlink(missing_ok=True)
+
+
+def done_file(rank: int) -> str:
+    """Written by a worker whose entry returned (rlbatch.runtime.worker)."""
+    return f"{DONE_DIR}/rank{rank}"
+
+
+def _run_workers(cfg: RunConfig, run_dir: Path, cmd: list[str]) -> int:
     nodes = cfg.parallel.nnodes
     where = f", node {cfg.parallel.node_rank} of {nodes}" if nodes > 1 else ""
     log.info("run directory: %s (%d worker(s)%s)", run_dir, world_size(cfg), where)
     started = time.monotonic()
     proc = subprocess.Popen(cmd, env=child_env(worker_env(cfg)), start_new_session=True)
+    received: list[int] = []
+    previous = _forward_preemption(proc, received)
     try:
-        code = proc.wait()
+        code = _wait(proc, received, cfg.trainer.preempt_timeout_s)
     except KeyboardInterrupt:
         log.warning("interrupted: stopping every worker")
         _stop(proc)
         return 130
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if proc.poll() is None:
             _stop(proc)
-    if code != 0:
+    if code == 0:
+        code = _unfinished(cfg, run_dir)
+    if code == preempt.EXIT_PREEMPTED:
+        _report_preemption(run_dir, signal.Signals(received[0]).name if received else None)
+    elif code != 0:
         _report_failure(run_dir, code)
     else:
         log.info("workers finished in %.1f s", time.monotonic() - started)
     return code
+
+
+def _forward_preemption(proc: subprocess.Popen, received: list[int]) -> dict[int, Any]:
+    """SIGTERM / SIGUSR1 / SIGHUP to the launcher: pass it on to torchrun as SIGUSR1 (the
+    workers save at the end of the step and stop) instead of dying of it."""
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        log.warning(
+            "%s: the workers save a checkpoint at the end of this step, then stop",
+            signal.Signals(signum).name,
+        )
+        try:
+            os.kill(proc.pid, preempt.FORWARD)
+        except ProcessLookupError:
+            pass
+
+    previous: dict[int, Any] = {}
+    for sig in preempt.SIGNALS:
+        try:
+            previous[sig] = signal.signal(sig, forward)
+        except ValueError:  # not the main thread (an embedding program): no forwarding
+            break
+    return previous
+
+
+def _wait(proc: subprocess.Popen, received: list[int], preempt_timeout_s: float) -> int:
+    """The workers' exit code; after a preemption signal, stop them once
+    trainer.preempt_timeout_s passed without their exit."""
+    while True:
+        try:
+            timeout = None if not received else preempt_timeout_s
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.error(
+                "the workers did not save and stop within trainer.preempt_timeout_s=%s: "
+                "stopping them; the last periodic checkpoint is the newest",
+                preempt_timeout_s,
+            )
+            _stop(proc)
+            return 128 + int(received[0])
+
+
+def _unfinished(cfg: RunConfig, run_dir: Path) -> int:
+    """0 when every local worker's entry returned; else report the ranks that exited with code
+    0 before that (user code calling sys.exit(0) or os._exit(0)) and return 1."""
+    nproc = cfg.parallel.nproc_per_node or world_size(cfg) // cfg.parallel.nnodes
+    first = (cfg.parallel.node_rank or 0) * nproc
+    missing = [r for r in range(first, first + nproc) if not (run_dir / done_file(r)).exists()]
+    if not missing:
+        return 0
+    beats = {r: _last_beat(run_dir, r) for r in missing}
+    where = "; ".join(f"rank {r}: {beat}" for r, beat in beats.items())
+    _console().print(
+        f"workers exited with code 0 before the run finished ({where}). Something in the "
+        "process (user code such as a reward function) called sys.exit or os._exit: this run "
+        "FAILED; the newest checkpoint is intact (trainer.resume=auto)",
+        markup=False,
+        style="red",
+    )
+    return 1
+
+
+def _last_beat(run_dir: Path, rank: int) -> str:
+    try:
+        beat = json.loads((run_dir / "heartbeat" / f"rank{rank}.json").read_text())
+    except (OSError, ValueError):
+        return "before its first step"
+    detail = f", in {beat['detail']}" if beat.get("detail") else ""
+    return f"last seen at step {beat['step']} ({beat['phase']}{detail})"
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -116,18 +242,55 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _report_failure(run_dir: Path, code: int) -> None:
-    """Show the first failing rank's error (written by the worker) in a panel."""
+def _console() -> Any:
     from rich.console import Console
-    from rich.panel import Panel
 
-    console = Console(stderr=True)
-    reports = sorted((run_dir / ERRORS_DIR).glob("rank*.txt"), key=lambda p: p.stat().st_mtime)
+    return Console(stderr=True, highlight=False)
+
+
+def _report_preemption(run_dir: Path, launcher_signal: str | None) -> None:
+    """One line: the signal, the step saved, where (the signal the launcher got, else the one
+    a worker got)."""
+    try:
+        record = json.loads((run_dir / preempt.RECORD).read_text())
+        line = (
+            f"preempted ({launcher_signal or record['signal']}): saved step {record['step']} at {record['path']}; "
+            f"exit code {preempt.EXIT_PREEMPTED}. Continue with trainer.resume=auto"
+        )
+    except (OSError, ValueError, KeyError):
+        line = f"preempted: exit code {preempt.EXIT_PREEMPTED} (no checkpoint record found)"
+    _console().print(line, markup=False, soft_wrap=True)
+
+
+SECONDARY = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "RankTimeoutError",
+    "Broken pipe",
+)
+"""What a rank reports when a peer failed first: shown after the peers' own errors."""
+
+
+def _report_failure(run_dir: Path, code: int) -> None:
+    """Show the failing rank's own error (written by the worker) in a panel: reports caused by a
+    peer's failure (a closed connection, a timed-out collective) come after the others. Never
+    reads markup in what it shows."""
+    from rich.panel import Panel
+    from rich.text import Text
+
+    console = _console()
+    reports = sorted((run_dir / ERRORS_DIR).glob("rank*.txt"), key=_report_order)
     if not reports:
-        console.print(f"[red]workers failed (exit code {code}); no rank reported an error[/]")
+        console.print(f"workers failed (exit code {code}); no rank reported an error", style="red")
         return
     first = reports[0]
     others = ", ".join(p.stem for p in reports[1:])
     title = f"{first.stem} failed first" + (f" (also: {others})" if others else "")
-    console.print(Panel(first.read_text().rstrip(), title=title, border_style="red"))
-    console.print(f"full reports: {run_dir / ERRORS_DIR}")
+    body = Text(first.read_text(errors="replace").rstrip())
+    console.print(Panel(body, title=Text(title), border_style="red"))
+    console.print(Text(f"full reports: {run_dir / ERRORS_DIR}"))
+
+
+def _report_order(path: Path) -> tuple[bool, float]:
+    text = path.read_text(errors="replace")
+    return any(mark in text.split("\n", 1)[0] for mark in SECONDARY), path.stat().st_mtime

@@ -3,8 +3,11 @@
     python -m rlbatch.runtime.worker --config RUN_DIR/resolved.yaml --entry module:function
 
 The worker dies with its torchrun (SIGKILL: an orphan has nothing left to finish; checkpoints
-commit atomically). A failure is written to <run_dir>/errors/rank<N>.txt for the driver to show, then the process
-exits non-zero so torchrun stops the other ranks.
+commit atomically). A failure is written to <run_dir>/errors/rank<N>.txt for the driver to
+show, then the process exits non-zero so torchrun stops the other ranks. An entry that returns
+leaves <run_dir>/done/rank<N> (an exit with code 0 without it is a failure: user code called
+sys.exit). Preemption signals are recorded, not fatal (rlbatch.runtime.preempt): the loop
+saves and raises Preempted, and the worker exits with EXIT_PREEMPTED.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from rlbatch.config.errors import ConfigErrors
 from rlbatch.config.load import load_run_config
 from rlbatch.config.schema import RunConfig
+from rlbatch.runtime import preempt
 from rlbatch.runtime.lifeline import die_with_parent
 from rlbatch.runtime.logs import setup_logging
 
@@ -32,15 +36,26 @@ def resolve_entry(entry: str) -> Callable[[RunConfig], None]:
 
 
 def _report(run_dir: Path, rank: int, exc: BaseException) -> None:
-    errors = run_dir / "errors"
-    errors.mkdir(parents=True, exist_ok=True)
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     # A configuration error found by a worker (e.g. what only the device can tell) reads like
     # the driver's: key, value and fix, without a traceback.
     detail = "" if isinstance(exc, ConfigErrors) else "".join(traceback.format_exception(exc))
+    write_report(run_dir, rank, f"rank {rank}: {text}\n\n{detail}")
+
+
+def write_report(run_dir: Path, rank: int, text: str) -> None:
+    """<run_dir>/errors/rank<N>.txt, written atomically (the driver shows it)."""
+    errors = run_dir / "errors"
+    errors.mkdir(parents=True, exist_ok=True)
     tmp = errors / f".rank{rank}.tmp"
-    tmp.write_text(f"rank {rank}: {text}\n\n{detail}")
+    tmp.write_text(text)
     tmp.replace(errors / f"rank{rank}.txt")
+
+
+def _mark_done(run_dir: Path, rank: int) -> None:
+    done = run_dir / "done"
+    done.mkdir(parents=True, exist_ok=True)
+    (done / f"rank{rank}").write_text("")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,10 +68,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_run_config(args.config)
     run_dir = Path(cfg.run_dir or Path(args.config).parent)
     setup_logging(rank, cfg.logging.level)
+    preempt.install()
     try:
         resolve_entry(args.entry)(cfg)
+        _mark_done(run_dir, rank)
     except KeyboardInterrupt:
         sys.exit(130)
+    except preempt.Preempted:
+        sys.exit(preempt.EXIT_PREEMPTED)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then re-signalled
         if isinstance(exc, SystemExit) and not exc.code:
             raise

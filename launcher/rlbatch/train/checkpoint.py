@@ -10,8 +10,10 @@ Layout of ``<checkpoint dir>/step_00000042/``:
   rank's :class:`TrainState` (RNG states, producer queue + sampler cursor, planner pool, LCM
   buffers, policy version, step, metrics history). Plain torch modules (no sharded state dict)
   keep their model / optimizer ``state_dict()`` here instead.
-- ``meta.json``: step, world size, the parallel layout and per-rank coordinates,
-  ``"complete": true``. Written last.
+- ``meta.json``: step, world size, the parallel layout and per-rank coordinates, the run's
+  resolved config, ``"complete": true``.
+- ``manifest.json``: every other file with its size and CRC-32 (rlbatch.train.integrity).
+  Written last: the commit point.
 
 Resume at the same layout restores everything (bit-exact). At another layout
 (:func:`reshard_train_state`): model and optimizer are resharded; the scheduler, step counters,
@@ -21,21 +23,24 @@ streams) must be empty or is re-seeded (docs/resume.md).
 
 Atomicity: every rank writes into ``.tmp-step_00000042`` (same parent, so the rename stays on
 one file system), each file written to ``*.part``, flushed, fsynced and renamed; after a
-barrier rank 0 writes meta.json, fsyncs the directory and renames it to ``step_00000042``,
-then fsyncs the parent. :func:`latest_checkpoint` only considers ``step_*`` directories whose
-meta.json says complete, so a crash at any point leaves the previous checkpoint the latest
-one. Needs a file system shared by all ranks (one node, or a shared mount).
+barrier rank 0 writes meta.json; the ranks checksum their share of the files; rank 0 writes
+manifest.json, fsyncs the directory and renames it to ``step_00000042``, then fsyncs the
+parent. :func:`latest_checkpoint` only considers ``step_*`` directories intact by their
+manifest, so a crash at any point leaves the previous checkpoint the latest one; resume also
+verifies the checksums before loading (:func:`resume_candidates`, :func:`verify_share`).
+Needs a file system shared by all ranks (one node, or a shared mount).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
-import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -43,10 +48,12 @@ from typing import Any
 import numpy as np
 import torch
 
-FORMAT_VERSION = 2
+from rlbatch.train import integrity
+from rlbatch.train.integrity import CheckpointSpaceError, Found
+
+FORMAT_VERSION = 3
 SHARDED_DIR = "model_optim"
 """Sub-directory of a checkpoint holding the distributed (megatron) model + optimizer state."""
-_NAME_RE = re.compile(r"^step_(\d{8})$")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
 
@@ -170,33 +177,32 @@ def read_meta(path: Path) -> dict[str, Any] | None:
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint, oldest first."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _NAME_RE.match(child.name)
-        if match and child.is_dir() and read_meta(child) is not None:
-            found.append((int(match.group(1)), child))
-    return sorted(found)
+    """(step, path) of every intact checkpoint (by its manifest's names and sizes), oldest
+    first."""
+    return [(f.step, f.path) for f in integrity.scan(ckpt_dir) if f.intact]
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """Newest complete checkpoint under ``ckpt_dir`` (half-written ones are never returned)."""
+    """Newest intact checkpoint under ``ckpt_dir`` (half-written ones are never returned)."""
     found = list_checkpoints(ckpt_dir)
     return found[-1][1] if found else None
 
 
 def prune_checkpoints(ckpt_dir: str | Path, keep_last: int, *, keep: Path | None = None):
-    """Delete all but the newest ``keep_last`` checkpoints, and leftovers of crashed writes."""
+    """Delete all but the newest ``keep_last`` intact checkpoints (a damaged checkpoint never
+    counts toward them, so a failed newer save never costs an intact older one), damaged ones
+    older than those, and leftovers of crashed writes."""
     root = Path(ckpt_dir)
     removed = []
-    complete = list_checkpoints(root)
-    for _, path in complete[: max(0, len(complete) - max(keep_last, 1))]:
-        if keep is None or path.resolve() != keep.resolve():
-            shutil.rmtree(path)
-            removed.append(path)
+    found = integrity.scan(root)
+    kept = [f for f in found if f.intact][-max(keep_last, 1) :]
+    oldest_kept = kept[0].step if kept else -1
+    for f in found:
+        if f in kept or (keep is not None and f.path.resolve() == keep.resolve()):
+            continue
+        if f.intact or f.step < oldest_kept:
+            shutil.rmtree(f.path)
+            removed.append(f.path)
     for child in root.iterdir():
         if child.name.startswith((_TMP_PREFIX, _OLD_PREFIX)) and child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
@@ -204,22 +210,48 @@ def prune_checkpoints(ckpt_dir: str | Path, keep_last: int, *, keep: Path | None
     return removed
 
 
-def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
-    """trainer.resume = none | auto | PATH -> the checkpoint to load (None: start fresh)."""
+def resume_candidates(resume: str, ckpt_dir: str | Path) -> tuple[list[Path], list[Found]]:
+    """trainer.resume = none | auto | PATH -> (checkpoints to try, newest first; the damaged
+    ones newer than the newest intact one, with why). The caller verifies the candidates'
+    checksums in turn (:func:`verify_share`) and loads the first that passes.
+
+    auto: the intact checkpoints of ``ckpt_dir`` ([] when it holds none at all; checkpoints
+    that exist but none intact: NoIntactCheckpointError, never a silent fresh start). PATH:
+    that step directory, or the checkpoints of that directory."""
     if resume in ("none", "", None):
-        return None
-    if resume == "auto":
-        return latest_checkpoint(ckpt_dir)
-    path = Path(resume)
-    if read_meta(path) is None:
-        hint = latest_checkpoint(path)  # a checkpoint *directory* was given
-        if hint is not None:
-            return hint
+        return [], []
+    root = Path(ckpt_dir) if resume == "auto" else Path(resume)
+    if resume != "auto" and integrity.NAME_RE.match(root.name):
+        problems = integrity.check_sizes(root) if root.is_dir() else ["no such directory"]
+        if problems:
+            raise FileNotFoundError(
+                f"trainer.resume={resume} is not an intact checkpoint ({', '.join(problems)}): "
+                "pass another step_* directory, its parent, or trainer.resume=auto"
+            )
+        return [root], []
+    found = integrity.scan(root)
+    intact = [f for f in reversed(found) if f.intact]
+    if found and not intact:
+        raise integrity.no_intact_error(root, found)
+    if resume != "auto" and not intact:
         raise FileNotFoundError(
-            f"trainer.resume={resume} is not a complete checkpoint (no meta.json with "
-            f'"complete": true): pass a step_* directory, its parent, or trainer.resume=auto'
+            f"trainer.resume={resume} holds no checkpoint: pass a step_* directory, its "
+            "parent, or trainer.resume=auto"
         )
-    return path
+    newest = intact[0].step if intact else -1
+    return [f.path for f in intact], [f for f in found if not f.intact and f.step > newest]
+
+
+def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
+    """The newest intact (by names and sizes) checkpoint ``trainer.resume`` names, or None."""
+    candidates, _ = resume_candidates(resume, ckpt_dir)
+    return candidates[0] if candidates else None
+
+
+def verify_share(path: Path, rank: int, world_size: int) -> list[str]:
+    """Checksum problems among this rank's share of ``path``'s files (every world_size-th)."""
+    names = integrity.manifest_names(path)
+    return integrity.check_checksums(path, names[rank::world_size])
 
 
 def save_checkpoint(
@@ -232,10 +264,13 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
     keep_last: int = 2,
     barrier: Callable[[], None] | None = None,
+    gather: Callable[[Any], list[Any]] | None = None,
 ) -> Path:
     """Collective: every rank calls it with its own payload; returns the final directory.
 
-    ``barrier`` synchronises the ranks (rlbatch.distributed's barrier; a no-op for one rank).
+    ``barrier`` synchronises the ranks and ``gather`` collects one object per rank
+    (rlbatch.distributed's; no-ops for one rank). Without ``gather`` rank 0 checksums every
+    file itself. A write that fails for lack of space raises CheckpointSpaceError.
     """
     sync = barrier or (lambda: None)
     root = Path(ckpt_dir)
@@ -251,26 +286,57 @@ def save_checkpoint(
         if sharded is not None:
             (tmp / SHARDED_DIR).mkdir()
     sync()
-    if sharded is not None:
-        from rlbatch.engine.dist_checkpoint import save_sharded
+    with _space_errors(root, tmp, step):
+        if sharded is not None:
+            from rlbatch.engine.dist_checkpoint import save_sharded
 
-        save_sharded(tmp / SHARDED_DIR, sharded.model, sharded.optimizer)
-    _write_atomic(tmp / rank_file(rank), lambda fh: torch.save(payload, fh))
-    sync()
-    if rank == 0:
-        _commit(tmp, final, step, world_size, meta or {})
-        prune_checkpoints(root, keep_last, keep=final)
+            save_sharded(tmp / SHARDED_DIR, sharded.model, sharded.optimizer)
+        _write_atomic(tmp / rank_file(rank), lambda fh: torch.save(payload, fh))
+        sync()
+        if rank == 0:
+            _write_meta(tmp, final, step, world_size, meta or {})
+        sync()
+        names = integrity.checkpoint_files(tmp)
+        share = names[rank::world_size] if gather is not None else names if rank == 0 else []
+        entries = integrity.file_entries(tmp, share)
+        shares = gather(entries) if gather is not None else [entries]
+        if rank == 0:
+            integrity.write_manifest(tmp, {k: v for part in shares for k, v in part.items()})
+            _commit(tmp, final)
+            prune_checkpoints(root, keep_last, keep=final)
     sync()
     return final
 
 
-def _commit(tmp: Path, final: Path, step: int, world_size: int, meta: dict[str, Any]) -> None:
+@contextlib.contextmanager
+def _space_errors(root: Path, tmp: Path, step: int) -> Iterator[None]:
+    """Turn a write that failed for lack of space (ENOSPC, or torch's serializer failing on a
+    full disk) into CheckpointSpaceError, after removing the partial checkpoint."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        full = getattr(err, "errno", None) == errno.ENOSPC or shutil.disk_usage(root).free < (
+            1 << 20
+        )
+        if not full:
+            raise
+        written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSpaceError(
+            errno.ENOSPC, integrity.space_message(root, step, written, None)
+        ) from err
+
+
+def _write_meta(tmp: Path, final: Path, step: int, world_size: int, meta: dict[str, Any]):
     missing = [rank_file(r) for r in range(world_size) if not (tmp / rank_file(r)).exists()]
     if missing:
         raise RuntimeError(f"checkpoint {final.name}: rank files missing: {missing}")
     body = {**meta, "step": step, "world_size": world_size, "format": FORMAT_VERSION}
     body["complete"] = True
     _write_atomic(tmp / "meta.json", lambda fh: fh.write(json.dumps(body, indent=2).encode()))
+
+
+def _commit(tmp: Path, final: Path) -> None:
     _fsync_dir(tmp)
     old = final.with_name(_OLD_PREFIX + final.name)
     if final.exists():  # re-saving a step (e.g. the final save right after a resume)

@@ -13,12 +13,16 @@ import json
 import math
 import os
 import signal
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rlbatch.config.schema import DebugConfig, FailKind
+from rlbatch.runtime import progress
 
 
 class InjectedFailure(RuntimeError):
@@ -78,20 +82,82 @@ def check_finite(metrics: Mapping[str, Any], *, step: int, rank: int) -> None:
 
 
 class Heartbeat:
-    """Per-rank liveness file, rewritten atomically at each phase of each step."""
+    """Per-rank liveness file, rewritten atomically at each phase of each step (and around
+    each user call: rlbatch.runtime.progress)."""
 
     def __init__(self, run_dir: str | Path, rank: int) -> None:
         self.dir = Path(run_dir) / "heartbeat"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.path = self.dir / f"rank{rank}.json"
+        progress.listen(self._write)
 
     def beat(self, step: int, phase: str) -> None:
+        progress.set_phase(step, phase)
+
+    def _write(self, now: progress.Activity) -> None:
+        body = {"rank": self.rank, "step": now.step, "phase": now.phase, "time": time.time()}
+        if now.detail:
+            body["detail"] = now.detail
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(
-            json.dumps({"rank": self.rank, "step": step, "phase": phase, "time": time.time()})
-        )
+        tmp.write_text(json.dumps(body))
         os.replace(tmp, self.path)
+
+
+EXIT_HUNG = 1
+"""Exit code of a worker the watchdog stopped."""
+
+
+class Watchdog:
+    """Fails this worker when its current phase makes no progress for trainer.timeout_s (a
+    user call marked by progress.user_call: its own bound), at any dp: writes the rank's error
+    report (the step, the phase, the user call, the main thread's stack; or, when peers lag
+    behind, which ranks it waits for) and exits, so torchrun stops the run."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float) -> None:
+        self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
+        self.timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._main = threading.main_thread().ident
+
+    def start(self) -> Watchdog:
+        threading.Thread(target=self._watch, name="rlbatch-watchdog", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 10)):
+            now = progress.current
+            limit = now.limit_s if now.detail and now.limit_s else self.timeout_s
+            idle = time.monotonic() - now.since
+            if idle > limit and not self._stop.is_set():
+                from rlbatch.runtime.worker import write_report
+
+                write_report(self.run_dir, self.rank, self.report(now, idle, limit))
+                print(f"[rank {self.rank}] no progress for {idle:.0f} s: stopped", flush=True)
+                os._exit(EXIT_HUNG)
+
+    def report(self, now: progress.Activity, idle: float, limit: float) -> str:
+        where = f"step {now.step} ({now.phase}" + (f", in {now.detail})" if now.detail else ")")
+        bound = "its own bound" if limit != self.timeout_s else "trainer.timeout_s"
+        behind = laggards(self.run_dir, self.world_size, now.step, now.phase)
+        behind = [b for b in behind if not b.startswith(f"rank {self.rank} ")]
+        if behind:  # a peer is stuck, this rank waits for it in a collective
+            head = (
+                f"rank {self.rank}: RankTimeoutError: waited {idle:.0f} s at {where} for "
+                f"{', '.join(behind)} (trainer.timeout_s={self.timeout_s:g})"
+            )
+        else:
+            head = (
+                f"rank {self.rank}: HangError: no progress for {idle:.0f} s at {where}: over "
+                f"{bound} ({limit:g} s; trainer.timeout_s, data.reward_timeout_s for reward "
+                "functions)"
+            )
+        frame = sys._current_frames().get(self._main or 0)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        return f"{head}\n\nmain thread of rank {self.rank} when stopped:\n{stack}"
 
 
 def read_heartbeats(run_dir: str | Path) -> dict[int, dict[str, Any]]:
@@ -105,8 +171,12 @@ def read_heartbeats(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-PHASES = ("batch", "agree", "train", "metrics", "checkpoint", "end")
+PHASES = ("start", "batch", "agree", "train", "metrics", "checkpoint", "end")
 """Order of the phases of one step (heartbeats compare (step, phase index))."""
+
+
+def _phase_index(phase: str) -> int:
+    return PHASES.index(phase) if phase in PHASES else 0
 
 
 def laggards(run_dir: str | Path, world_size: int, step: int, phase: str) -> list[str]:
@@ -118,9 +188,11 @@ def laggards(run_dir: str | Path, world_size: int, step: int, phase: str) -> lis
         beat = beats.get(rank)
         if beat is None:
             out.append(f"rank {rank} (no heartbeat)")
-        elif (beat["step"], PHASES.index(beat["phase"])) < (step, PHASES.index(phase)):
+        elif (beat["step"], _phase_index(beat["phase"])) < (step, _phase_index(phase)):
             ago = now - beat["time"]
+            detail = f", in {beat['detail']}" if beat.get("detail") else ""
             out.append(
-                f"rank {rank} (last seen step {beat['step']} {beat['phase']}, {ago:.0f} s ago)"
+                f"rank {rank} (last seen step {beat['step']} {beat['phase']}{detail}, "
+                f"{ago:.0f} s ago)"
             )
     return out

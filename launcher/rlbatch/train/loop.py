@@ -15,6 +15,7 @@ torch fakes; :mod:`rlbatch.train.build` assembles the real Megatron components.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -27,17 +28,21 @@ from typing import Any, Protocol
 
 from rlbatch.config.schema import RunConfig
 from rlbatch.distributed import as_collective_timeout
+from rlbatch.runtime import preempt
+from rlbatch.train import integrity
 from rlbatch.train.checkpoint import (
     TrainState,
     apply_payload,
     build_payload,
     capture_rng_state,
+    latest_checkpoint,
     load_checkpoint,
-    resolve_resume,
     restore_rng_state,
+    resume_candidates,
     save_checkpoint,
+    verify_share,
 )
-from rlbatch.train.health import Heartbeat, check_finite, inject_fault, laggards
+from rlbatch.train.health import Heartbeat, Watchdog, check_finite, inject_fault, laggards
 from rlbatch.train.metrics import MetricsLogger
 from rlbatch.train.plot import plot_metrics
 from rlbatch.train.producer import RunAheadProducer, StepBatch
@@ -142,6 +147,8 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
         history=state.metrics_history if state is not None else None,
     )
     heartbeat = Heartbeat(run_dir(cfg), rank)
+    heartbeat.beat(resumed_step + 1, "start")
+    watchdog = Watchdog(run_dir(cfg), rank, comps.dist.world_size, cfg.trainer.timeout_s).start()
     last_saved = resumed_step if state is not None else -1
     saved_at = time.monotonic()
     try:
@@ -150,13 +157,17 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
                 cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
             )
             logger.log(record)
-            due = _guarded(
-                cfg, comps, heartbeat, step, lambda s=step, t=saved_at: _save_due(cfg, comps, s, t)
+            due, stop = _guarded(
+                cfg, comps, heartbeat, step, lambda s=step, t=saved_at: _decide(cfg, comps, s, t)
             )
-            if due:
+            if due or stop:
                 heartbeat.beat(step, "checkpoint")
-                _guarded(cfg, comps, heartbeat, step, lambda s=step: _save(cfg, comps, s, logger))
+                path = _guarded(
+                    cfg, comps, heartbeat, step, lambda s=step: _save(cfg, comps, s, logger)
+                )
                 last_saved, saved_at = step, time.monotonic()
+            if stop:
+                _stop_preempted(cfg, comps, step, path, stop)
         final = cfg.trainer.max_steps
         if resumed_step > final:
             log.warning(
@@ -168,22 +179,35 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
             heartbeat.beat(final, "checkpoint")
             _guarded(cfg, comps, heartbeat, final, lambda: _save(cfg, comps, final, logger))
         heartbeat.beat(final, "end")
+        watchdog.stop()
         _finish(cfg, comps, logger)
     finally:
+        watchdog.stop()
         logger.close()
     return logger.history
 
 
-def _save_due(cfg: RunConfig, comps: Components, step: int, saved_at: float) -> bool:
-    """trainer.checkpoint.every_steps, or every_minutes since the last save by rank 0's clock
-    (one small collective, so every rank takes the same decision)."""
+def _decide(cfg: RunConfig, comps: Components, step: int, saved_at: float) -> tuple[bool, str]:
+    """(save now, preemption signal or ''), the same on every rank, in one small collective
+    per step: a save is due at trainer.checkpoint.every_steps, or every_minutes since the last
+    save by rank 0's clock; a stop when any rank got a preemption signal (SIGTERM, SIGUSR1,
+    SIGHUP: rlbatch.runtime.preempt)."""
     ckpt = cfg.trainer.checkpoint
-    if ckpt.every_steps > 0 and step % ckpt.every_steps == 0:
-        return True
-    if ckpt.every_minutes <= 0:
-        return False
-    overdue = time.monotonic() - saved_at >= ckpt.every_minutes * 60
-    return bool(comps.dist.all_gather_object(overdue)[0])
+    overdue = ckpt.every_minutes > 0 and time.monotonic() - saved_at >= ckpt.every_minutes * 60
+    votes = comps.dist.all_gather_object((overdue, preempt.requested() or ""))
+    signals = [sig for _, sig in votes if sig]
+    due = (ckpt.every_steps > 0 and step % ckpt.every_steps == 0) or bool(votes[0][0])
+    return due, signals[0] if signals else ""
+
+
+def _stop_preempted(cfg: RunConfig, comps: Components, step: int, path: Path, sig: str) -> None:
+    """After the preemption checkpoint: rank 0 records it for the launcher's one-line report;
+    every rank raises Preempted (the worker exits with EXIT_PREEMPTED)."""
+    if comps.dist.rank == 0:
+        record = {"signal": sig, "step": step, "path": str(path)}
+        (run_dir(cfg) / preempt.RECORD).write_text(json.dumps(record))
+        log.warning("preempted (%s): saved step %d at %s", sig, step, path)
+    raise preempt.Preempted(step, str(path), sig)
 
 
 def _guarded(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int, fn):
@@ -305,6 +329,7 @@ def _save(cfg: RunConfig, comps: Components, step: int, logger: MetricsLogger) -
         rng=capture_rng_state(),
         metrics_history=list(logger.history) if comps.dist.rank == 0 else [],
     )
+    _check_free_space(cfg, comps, step)
     payload = build_payload(comps.model, comps.optimizer, comps.scheduler, state)
     path = save_checkpoint(
         checkpoint_dir(cfg),
@@ -315,29 +340,61 @@ def _save(cfg: RunConfig, comps: Components, step: int, logger: MetricsLogger) -
         meta=comps.meta,
         keep_last=cfg.trainer.checkpoint.keep_last,
         barrier=comps.dist.barrier,
+        gather=comps.dist.all_gather_object,
     )
     if comps.dist.rank == 0:
         log.info("checkpoint %s", path)
     return path
 
 
+def _check_free_space(cfg: RunConfig, comps: Components, step: int) -> None:
+    """Refuse a save the checkpoint's file system cannot hold (rank 0 decides for all), before
+    writing anything: the expected size is the newest intact checkpoint's, or for the first
+    save the parameters plus two Adam moments of every model-parallel rank."""
+    problem = None
+    if comps.dist.rank == 0:
+        root = checkpoint_dir(cfg)
+        newest = latest_checkpoint(root)
+        needed = integrity.checkpoint_size(newest) if newest is not None else 0
+        if not needed:
+            params = sum(p.numel() * p.element_size() for c in comps.model for p in c.parameters())
+            dp = int((comps.meta.get("parallel") or {}).get("dp", comps.dist.world_size))
+            needed = 3 * params * max(1, comps.dist.world_size // max(dp, 1))
+        problem = integrity.free_space_problem(root, step, needed)
+    problem = comps.dist.all_gather_object(problem)[0]
+    if problem:
+        raise integrity.CheckpointSpaceError(errno.ENOSPC, problem)
+
+
 def _resume(cfg: RunConfig, comps: Components) -> TrainState | None:
-    """Load the checkpoint trainer.resume names (rank 0 resolves it, all ranks load it)."""
-    found = (
-        resolve_resume(cfg.trainer.resume, checkpoint_dir(cfg)) if comps.dist.rank == 0 else None
-    )
-    paths = comps.dist.all_gather_object(str(found) if found is not None else None)
-    if paths[0] is None:
-        if cfg.trainer.resume not in ("none", "auto"):
-            raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume}: nothing to resume")
+    """Load the checkpoint trainer.resume names: rank 0 lists the candidates (newest first),
+    every rank checksums its share of each until one is intact, all ranks load it."""
+    found: tuple[list[str], list[str]] | str
+    if comps.dist.rank == 0:
+        try:
+            paths, skipped = resume_candidates(cfg.trainer.resume, checkpoint_dir(cfg))
+            found = (
+                [str(p) for p in paths],
+                [f"{f.path.name}: {', '.join(f.problems)}" for f in skipped],
+            )
+        except (integrity.NoIntactCheckpointError, FileNotFoundError) as err:
+            found = str(err)
+    else:
+        found = ([], [])
+    shared = comps.dist.all_gather_object(found)[0]
+    if isinstance(shared, str):
+        raise integrity.NoIntactCheckpointError(shared)
+    candidates, skipped = shared
+    path = _first_verified(comps, candidates, skipped)
+    if path is None:
         if cfg.trainer.resume == "auto" and comps.dist.rank == 0:
             log.info(
-                "trainer.resume=auto: no complete checkpoint in %s, starting fresh (to continue "
+                "trainer.resume=auto: no checkpoint in %s, starting fresh (to continue "
                 "an earlier run pass its hydra.run.dir=DIR, or trainer.resume=DIR/checkpoints)",
                 checkpoint_dir(cfg),
             )
         return None
-    payload = load_checkpoint(paths[0], rank=comps.dist.rank, world_size=comps.dist.world_size)
+    payload = load_checkpoint(path, rank=comps.dist.rank, world_size=comps.dist.world_size)
     state = apply_payload(payload, comps.model, comps.optimizer, comps.scheduler)
     comps.producer.load_state_dict(state.producer)
     if comps.planner is not None:
@@ -346,8 +403,33 @@ def _resume(cfg: RunConfig, comps: Components) -> TrainState | None:
         comps.aggregator.load_state_dict(state.aggregator)
     restore_rng_state(state.rng)
     if comps.dist.rank == 0:
-        log.info("resumed from %s at step %d", paths[0], state.step)
+        log.info("resumed from %s at step %d", path, state.step)
     return state
+
+
+def _first_verified(comps: Components, candidates: list[str], skipped: list[str]) -> Path | None:
+    """The first candidate whose checksums all ranks confirm; warns about each one skipped."""
+    rank, world = comps.dist.rank, comps.dist.world_size
+    for candidate in candidates:
+        problems = comps.dist.all_gather_object(verify_share(Path(candidate), rank, world))
+        bad = [p for share in problems for p in share]
+        if not bad:
+            if skipped and rank == 0:
+                log.warning(
+                    "resume: skipped damaged checkpoint(s) %s; resuming from %s, the newest "
+                    "intact one",
+                    "; ".join(skipped),
+                    Path(candidate).name,
+                )
+            return Path(candidate)
+        skipped.append(f"{Path(candidate).name}: {', '.join(bad)}")
+    if skipped:
+        raise integrity.NoIntactCheckpointError(
+            f"trainer.resume: no intact checkpoint: {'; '.join(skipped)}. Nothing was loaded or "
+            "deleted; start fresh with trainer.resume=none, or resume a copy you trust with "
+            "trainer.resume=PATH"
+        )
+    return None
 
 
 def _finish(cfg: RunConfig, comps: Components, logger: MetricsLogger) -> None:

@@ -11,6 +11,7 @@ import pytest
 from rlbatch.cli import export
 from rlbatch.config.load import dump_run_config
 from rlbatch.config.schema import RunConfig
+from rlbatch.train import integrity
 
 
 def test_parse_size():
@@ -32,6 +33,7 @@ def test_errors_before_launch(tmp_path, capsys):
         ckpt = tmp_path / "checkpoints" / f"step_{step:08d}"
         ckpt.mkdir(parents=True)
         (ckpt / "meta.json").write_text(json.dumps({"complete": True, "step": step}))
+        integrity.write_manifest(ckpt, integrity.file_entries(ckpt, ["meta.json"]))
     with pytest.raises(SystemExit) as exc:
         export.main([str(tmp_path), "--out", "x", "--step", "3", "--max-shard-size", "big"])
     err = " ".join(capsys.readouterr().err.split())

@@ -192,3 +192,46 @@ def test_preflight_lists_bad_rows_and_long_prompts(tmp_path):
     assert (
         "line 2: prompt is 40 tokens" in err.message and "line 3: no field 'prompt'" in err.message
     )
+
+
+USER_CODE = """
+import os, signal, sys
+
+def exits(completion):
+    sys.exit(0)
+
+def batch_exits(completions):
+    sys.exit(3)
+
+def interrupted(completion):
+    signal.raise_signal(signal.SIGINT)
+
+def as_text(completion):
+    return "1.5"
+
+def nan(completion):
+    return float("nan")
+
+def huge(completion):
+    return 1e9 if completion == "abcd" else 0.0
+"""
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("exits", r"user.py:exits called sys.exit\(0\) on sample 0 \(prompt index 10\)"),
+        ("batch_exits", r"user.py:batch_exits called sys.exit\(3\) on a batch of 2 samples"),
+        ("interrupted", r"user.py:interrupted was interrupted \(KeyboardInterrupt"),
+        ("as_text", r"user.py:as_text returned '1.5' for sample 0 \(prompt index 10\) \(a str;"),
+        ("nan", r"user.py:nan returned nan for sample 0 .*must be finite real numbers"),
+        ("huge", r"user.py:huge returned 1000000000.0 for sample 1 .*at most 1e\+06 in size"),
+    ],
+)
+def test_user_code_exits_signals_and_bad_values_are_errors_naming_the_function(
+    tmp_path, name, message
+):
+    path = tmp_path / "user.py"
+    path.write_text(USER_CODE)
+    with pytest.raises(RewardCallError, match=message):
+        score(path, name)

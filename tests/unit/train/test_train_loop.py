@@ -209,7 +209,9 @@ class TwoRankView(LocalDist):
 
 def test_rank_disagreeing_on_the_step_is_named(tmp_path):
     cfg = _cfg(tmp_path)
-    dist = TwoRankView(lambda obj, n: obj if n < 3 else "deadbeef")  # call 1 = resume path
+    # the peer answers the step's plan digest (a str) wrongly from step 2 on (call 4: calls are
+    # resume, step 1's digest, step 1's save/stop decision, step 2's digest)
+    dist = TwoRankView(lambda obj, n: obj if n < 4 or not isinstance(obj, str) else "deadbeef")
     with pytest.raises(RankDisagreementError, match=r"rank\(s\) \[1\] disagree"):
         train(cfg, _components(cfg, dist=dist))
 
@@ -218,7 +220,7 @@ def test_silent_rank_is_named_on_timeout(tmp_path):
     cfg = _cfg(tmp_path)
 
     def peer(obj, n):
-        if n >= 3:
+        if n >= 4:  # step 2's digest (after resume, step 1's digest and decision)
             raise RuntimeError("[gloo] Timed out waiting 300000ms for recv operation")
         (tmp_path / "heartbeat").mkdir(exist_ok=True)
         (tmp_path / "heartbeat" / "rank1.json").write_text(

@@ -1,0 +1,151 @@
+"""One run per directory: the launcher locks its run directory (and an explicit checkpoint
+directory) before it starts anything.
+
+The lock is ``<dir>/rlbatch.lock``, created exclusively (``O_CREAT | O_EXCL``, atomic on local
+and NFS v3+ file systems), holding the holder's host, pid, start time, run id and scheduler job.
+The holder touches it every :data:`REFRESH_S` while its workers run. A second launcher refuses,
+naming the holder, unless the lock is stale:
+
+- the holder is on this host and its pid is gone (killed, crashed, rebooted);
+- or the lock was not refreshed for :data:`STALE_S` (a holder on another host that died);
+- or it belongs to this same scheduler job (a requeued SLURM job: the scheduler never runs one
+  job twice at once).
+
+A stale lock is taken over with a warning. Multi-node: only node 0 takes the lock (every node
+of the run shares the run id and the directory; the others are the same run).
+
+Torch-free; no Hydra.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("rlbatch")
+
+LOCK_NAME = "rlbatch.lock"
+REFRESH_S = 30.0
+"""The holder touches its lock this often."""
+STALE_S = 300.0
+"""A lock not touched for this long belongs to a dead holder, wherever it ran."""
+
+
+class RunLockedError(RuntimeError):
+    """Another live launcher holds the directory."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_reason(holder: dict[str, Any], age_s: float, job: str | None) -> str | None:
+    """Why ``holder``'s lock (last touched ``age_s`` ago) may be taken over, or None."""
+    if holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", -1))):
+        return f"its process {holder.get('pid')} on this host is gone"
+    if age_s > STALE_S:
+        return f"it was last refreshed {age_s:.0f} s ago (a live holder refreshes every {REFRESH_S:.0f} s)"
+    if job is not None and holder.get("job") == job:
+        return f"it belongs to this same scheduler job {job} (requeued)"
+    return None
+
+
+@dataclass
+class RunLock:
+    """The locks this launcher holds; :meth:`release` (or the context manager) drops them."""
+
+    paths: list[Path] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def start_refresh(self) -> None:
+        def refresh() -> None:
+            while not self._stop.wait(REFRESH_S):
+                for path in self.paths:
+                    try:
+                        os.utime(path)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=refresh, name="rlbatch-lock", daemon=True).start()
+
+    def release(self) -> None:
+        self._stop.set()
+        for path in self.paths:
+            try:
+                if json.loads(path.read_text()).get("pid") == os.getpid():
+                    path.unlink()
+            except (OSError, ValueError):
+                pass
+        self.paths = []
+
+
+def acquire(dirs: list[Path], run_id: str | None, job: str | None) -> RunLock:
+    """Lock every directory of ``dirs`` (created if missing), or raise RunLockedError naming
+    the holder (after releasing what was already taken)."""
+    lock = RunLock()
+    try:
+        for directory in dict.fromkeys(d.resolve() for d in dirs):
+            directory.mkdir(parents=True, exist_ok=True)
+            lock.paths.append(_take(directory / LOCK_NAME, run_id, job))
+    except BaseException:
+        lock.release()
+        raise
+    lock.start_refresh()
+    return lock
+
+
+def _take(path: Path, run_id: str | None, job: str | None) -> Path:
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    body = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
+    body |= {"run_id": run_id, "job": job}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            _take_over_if_stale(path, job)
+            continue
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(body))
+        return path
+    raise RunLockedError(f"{path}: could not take the lock (another launcher races for it)")
+
+
+def _take_over_if_stale(path: Path, job: str | None) -> None:
+    try:
+        holder = json.loads(path.read_text())
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return  # released meanwhile: try again
+    except (OSError, ValueError):
+        holder, age = {}, STALE_S + 1  # torn or foreign: nothing alive writes it like that
+    why = stale_reason(holder, age, job)
+    if why is None:
+        raise RunLockedError(
+            f"{path.parent} is in use by another rlbatch launcher: host {holder.get('host')}, "
+            f"pid {holder.get('pid')}, started {holder.get('started')} (run id "
+            f"{holder.get('run_id')}). Two runs in one directory would overwrite each other's "
+            "checkpoints and metrics: wait for it to end, stop it, or use another directory "
+            "(hydra.run.dir / trainer.checkpoint.dir)"
+        )
+    log.warning("taking over the stale lock %s: %s (holder: %s)", path, why, holder)
+    path.unlink(missing_ok=True)
