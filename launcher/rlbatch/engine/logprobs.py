@@ -63,22 +63,31 @@ def token_logprobs(
     return -vocab_parallel_cross_entropy(x.contiguous(), labels)
 
 
-@torch.no_grad()
 def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) over the full (tp-sharded) vocabulary per row
-    of ``[..., V/tp]``, no grad; float64 logits stay float64, others are computed in float32."""
+    of ``[..., V/tp]``; float64 logits stay float64, others are computed in float32.
+    Differentiable when grad is enabled (the entropy bonus): the row max is a constant shift
+    (detached) and with tp > 1 the shard sums are reduced by megatron's autograd-aware
+    all-reduce (backward: identity, the gradient of a sum over shards)."""
     import torch.distributed as dist
 
     x = scale_logits(logits, temperature)
     x = x if x.dtype == torch.float64 else x.float()
     size, group = _tp_group()
-    m = x.max(dim=-1, keepdim=True).values
+    m = x.detach().max(dim=-1, keepdim=True).values
     if size > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     e = torch.exp(x - m)
     sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
     if size > 1:
-        dist.all_reduce(sums, group=group)
+        if sums.requires_grad:
+            from megatron.core.tensor_parallel.mappings import (
+                reduce_from_tensor_model_parallel_region,
+            )
+
+            sums = reduce_from_tensor_model_parallel_region(sums)
+        else:
+            dist.all_reduce(sums, group=group)
     z, ex = sums[0], sums[1]
     return torch.log(z) + m.squeeze(-1) - ex / z
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from rlbatch.config.schema import RunConfig, ScaleRewards
+from rlbatch.config.schema import AdvantageEstimator, RunConfig, ScaleRewards
 from rlbatch.grpo.rollout import RolloutEngine
 from rlbatch.grpo.types import Sample
 from rlbatch.train.generation import (
@@ -52,18 +52,29 @@ def make_round_start(cfg: RunConfig, model: list[Any]) -> Callable[[list[Sample]
     import time
 
     from rlbatch import distributed
+    from rlbatch.grpo.advantages import GLOBALLY_NORMALIZED
     from rlbatch.grpo.lcm import aggregation_plan
-    from rlbatch.grpo.proximal import compute_old_logps, scale_by_batch_std
+    from rlbatch.grpo.proximal import compute_old_logps, normalize_over_batch, scale_by_batch_std
 
     plan = aggregation_plan(cfg)
     old_fn = make_logps_fn(model, cfg) if plan.old_pass else None
-    batch_scale = ScaleRewards(cfg.grpo.scale_rewards) == ScaleRewards.batch
+    estimator = AdvantageEstimator(cfg.grpo.advantage_estimator)
+    batch_scale = (
+        ScaleRewards(cfg.grpo.scale_rewards) == ScaleRewards.batch
+        and estimator == AdvantageEstimator.grpo
+    )
+    global_norm = estimator in GLOBALLY_NORMALIZED
 
     def round_start(samples: list[Sample]) -> dict[str, float]:
         metrics: dict[str, float] = {}
         if batch_scale:
             std = scale_by_batch_std(samples, cfg.grpo.advantage_eps, distributed.dp_gather_object)
             metrics["reward_batch_std"] = std
+        if global_norm:
+            std = normalize_over_batch(
+                samples, cfg.grpo.advantage_eps, distributed.dp_gather_object
+            )
+            metrics["advantage_batch_std"] = std
         if old_fn is not None:
             started = time.perf_counter()
             compute_old_logps(samples, old_fn, plan)
@@ -95,10 +106,10 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     (:func:`make_round_start`), then rlbatch.grpo.step.run_train_step."""
     from rlbatch import distributed
     from rlbatch.distributed import WorldDist
-    from rlbatch.grpo.rewards import component_names
+    from rlbatch.grpo.rewards import run_component_names
     from rlbatch.grpo.step import Reducers, run_train_step
 
-    names = component_names(cfg.data)
+    names = run_component_names(cfg)
     world = WorldDist()
 
     layout = ps
@@ -178,6 +189,8 @@ def build_generation(
         aggregator,
         engine,
         train_micro_batch_size=cfg.grpo.aggregation.train_micro_batch_size,
+        perturb_logps=cfg.debug.perturb_behaviour_logps,
+        seed=cfg.trainer.seed,
     )
     return generate, aggregator
 
