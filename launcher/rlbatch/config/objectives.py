@@ -9,6 +9,7 @@ from typing import Any
 
 from rlbatch.config.enums import (
     AdvantageEstimator,
+    FilterGroups,
     KLEstimator,
     PolicyLoss,
     RolloutCorrection,
@@ -52,6 +53,12 @@ class ObjectiveConfig:
     is penalized linearly, up to -overlong_penalty_factor at the limit (0 = off)."""
     overlong_penalty_factor: float = 1.0
     """The overlong penalty at rollout.max_new_tokens (reward part ``overlong``)."""
+    filter_groups: FilterGroups = FilterGroups.none
+    """DAPO dynamic sampling: zero_variance drops groups whose rewards are all equal and fills
+    the step's batch exactly with groups of further prompts."""
+    max_generation_rounds: int = 8
+    """With filter_groups: the most extra generation rounds a step may draw before the run
+    stops with an error (the data gives too few groups with a reward spread)."""
 
 
 def objective_errors(cfg: Any) -> list[ConfigError]:
@@ -61,6 +68,7 @@ def objective_errors(cfg: Any) -> list[ConfigError]:
         ("grpo.sapo_tau_pos", g.sapo_tau_pos),
         ("grpo.sapo_tau_neg", g.sapo_tau_neg),
         ("grpo.rollout_correction_cap", g.rollout_correction_cap),
+        ("grpo.max_generation_rounds", g.max_generation_rounds),
     ):
         if value <= 0:
             errors.append(ConfigError(key, value, "must be positive"))

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from rlbatch.config.schema import AdvantageEstimator, RunConfig, ScaleRewards
+from rlbatch.config.schema import AdvantageEstimator, FilterGroups, RunConfig, ScaleRewards
 from rlbatch.grpo.rollout import RolloutEngine
 from rlbatch.grpo.types import Sample
 from rlbatch.train.generation import (
@@ -28,11 +28,13 @@ from rlbatch.train.loop import Components, train
 def overlaps_generation(cfg: RunConfig) -> bool:
     """Generation of the next round runs in a worker process while training runs
     (grpo.num_steps_async > 0; rlbatch.train.generation_worker), when generation issues no
-    collective: tp = pp = cp = 1. Other layouts generate the due rounds inline (the same
+    collective: tp = pp = cp = 1, and without dynamic sampling (grpo.filter_groups: its draws
+    gather keep flags over the DP ranks in the training thread). Other layouts generate the due rounds inline (the same
     samples and versions, no overlap). docs/training_loop.md, "Async run-ahead"."""
     p, g = cfg.parallel, cfg.grpo
     ahead = min(g.num_steps_async, g.max_staleness) > 0
-    return g.overlap_generation and ahead and p.tp == p.pp == p.cp == 1
+    filtering = FilterGroups(g.filter_groups) != FilterGroups.none  # draws agree over DP ranks
+    return g.overlap_generation and ahead and not filtering and p.tp == p.pp == p.cp == 1
 
 
 def reward_means(samples: Sequence[Sample], names: Sequence[str], dist: Any) -> dict[str, float]:
@@ -227,6 +229,7 @@ def build_components(cfg: RunConfig) -> Components:
         threaded=threaded,
         snapshot_fn=(lambda: weights_snapshot(model)) if threaded else None,
         timeout_s=float(cfg.trainer.timeout_s),
+        group_filter=build_group_filter(cfg, schedule, ps.dp_rank),
     )
     layout = ps.sizes()
     return Components(
@@ -239,6 +242,22 @@ def build_components(cfg: RunConfig) -> Components:
         aggregator=aggregator,
         export_hf=lambda path: hf.export_hf(model, cfg.model, path),
         meta={"parallel": layout, "rank_coords": _rank_coords(ps)},
+    )
+
+
+def build_group_filter(cfg: RunConfig, schedule: Any, dp_rank: int) -> Any:
+    """Dynamic sampling's filler (grpo.filter_groups), or None."""
+    if FilterGroups(cfg.grpo.filter_groups) == FilterGroups.none:
+        return None
+    from rlbatch import distributed
+    from rlbatch.train.filtering import GroupFilter
+
+    return GroupFilter(
+        num_generations=schedule.num_generations,
+        needed=schedule.prompts_per_round,
+        max_rounds=cfg.grpo.max_generation_rounds,
+        dp_rank=dp_rank,
+        gather=distributed.dp_gather_object,
     )
 
 
