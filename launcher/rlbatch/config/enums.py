@@ -177,3 +177,48 @@ class FailKind(str, Enum):
     nan_loss = "nan_loss"
     hang = "hang"
     kill = "kill"
+
+
+class PolicyLoss(str, Enum):
+    """Per-token policy-gradient term of the loss (docs/grpo_loss.md, "Policy losses")."""
+
+    clip = "clip"
+    gspo = "gspo"
+    gspo_token = "gspo_token"
+    cispo = "cispo"
+    sapo = "sapo"
+
+
+class KLEstimator(str, Enum):
+    """Per-token estimator of KL(pi || ref) added with grpo.beta (Schulman's k1 / k2 / k3)."""
+
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+
+
+class AdvantageEstimator(str, Enum):
+    """How rewards become advantages (docs/grpo_loss.md, "Advantage estimators")."""
+
+    grpo = "grpo"
+    rloo = "rloo"
+    reinforce_pp = "reinforce_pp"
+    reinforce_pp_baseline = "reinforce_pp_baseline"
+
+
+class RolloutCorrection(str, Enum):
+    """How the weight pi_old / pi_behaviour is applied: truncated (tis) or as a rejection mask,
+    per token or per sequence; ``none`` applies no weight."""
+
+    none = "none"
+    token_tis = "token_tis"
+    seq_tis = "seq_tis"
+    token_mask = "token_mask"
+    seq_mask = "seq_mask"
+
+
+class FilterGroups(str, Enum):
+    """DAPO dynamic sampling: which groups are dropped before training (and replaced)."""
+
+    none = "none"
+    zero_variance = "zero_variance"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's vocabulary)
+    AdvantageEstimator,
     AnswerFormat,
     Architecture,
     BatchingMode,
@@ -23,20 +24,25 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     DistBackend,
     Dtype,
     FailKind,
+    FilterGroups,
+    KLEstimator,
     LossAggMode,
     LrSchedule,
     NormalizationMode,
     OversizePolicy,
     PassKind,
+    PolicyLoss,
     PoolStrategy,
     Recompute,
     RewardKind,
     RolloutBackend,
+    RolloutCorrection,
     RopeScaling,
     ScaleRewards,
     WandbMode,
     Workload,
 )
+from rlbatch.config.objectives import ObjectiveConfig
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -263,7 +269,7 @@ class AggregationConfig:
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(ObjectiveConfig):
     num_generations: int = 8
     """Completions per prompt (sample_repeat)."""
     num_iterations: int = 1
@@ -296,8 +302,6 @@ class GRPOConfig:
     round spans several steps)."""
     max_staleness: int = 1
     """Largest allowed policy lag of a trained sample; the producer waits beyond it."""
-    importance_weight_cap: float = 2.0
-    """Cap of the per-token weight pi_old / pi_behaviour (off-policy samples)."""
     overlap_generation: bool = True
     """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a thread on a
     model copy while training runs; false = generate inline (same samples, no overlap)."""
@@ -425,6 +429,9 @@ class DebugConfig:
     """Rank that fails."""
     fail_kind: FailKind = FailKind.raise_error
     """How it fails."""
+    perturb_behaviour_logps: float = 0.0
+    """Add Gaussian noise of this std to the behaviour log-probs the rollout returns (seeded per
+    token): makes the rollout-mismatch correction and its diagnostics visible on CPU (0 = off)."""
 
 
 @dataclass

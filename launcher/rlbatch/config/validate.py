@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
+from rlbatch.config.objectives import objective_errors
 from rlbatch.config.schema import (
     BatchingMode,
     BatchingPassConfig,
@@ -102,7 +103,6 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[
         "grpo.global_batch_size": g.global_batch_size,
         "grpo.steps_per_generation": g.steps_per_generation,
         "grpo.generation_batch_size": g.generation_batch_size,
-        "grpo.importance_weight_cap": g.importance_weight_cap,
         "grpo.aggregation.rollout_micro_batch_size": g.aggregation.rollout_micro_batch_size,
         "grpo.aggregation.ref_logps_micro_batch_size": g.aggregation.ref_logps_micro_batch_size,
         "grpo.aggregation.old_logps_micro_batch_size": g.aggregation.old_logps_micro_batch_size,
@@ -473,6 +473,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"model", "parallel"}), _check_model_split),
     Rule(frozenset({"debug", "parallel"}), _check_debug),
     Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),
+    Rule(frozenset({"grpo", "rollout"}), lambda c, e: e.extend(objective_errors(c))),
     Rule(frozenset({"model", "data", "rollout"}), _check_positions),
     Rule(frozenset({"data"}), _check_data),
     Rule(frozenset({"model"}), _check_model_paths),

@@ -84,22 +84,31 @@ def token_logprobs(
     return -vocab_parallel_cross_entropy(x.contiguous(), labels)
 
 
-@torch.no_grad()
 def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) over the full (tp-sharded) vocabulary per row
-    of ``[..., V/tp]``, no grad; float64 logits stay float64, others are computed in float32."""
+    of ``[..., V/tp]``; float64 logits stay float64, others are computed in float32.
+    Differentiable when grad is enabled (the entropy bonus): the row max is a constant shift
+    (detached) and with tp > 1 the shard sums are reduced by megatron's autograd-aware
+    all-reduce (backward: identity, the gradient of a sum over shards)."""
     import torch.distributed as dist
 
     x = scale_logits(logits, temperature)
     x = x if x.dtype == torch.float64 else x.float()
     size, group = _tp_size_group()
-    m = x.max(dim=-1, keepdim=True).values
+    m = x.detach().max(dim=-1, keepdim=True).values
     if size > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     e = torch.exp(x - m)
     sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
     if size > 1:
-        dist.all_reduce(sums, group=group)
+        if sums.requires_grad:
+            from megatron.core.tensor_parallel.mappings import (
+                reduce_from_tensor_model_parallel_region,
+            )
+
+            sums = reduce_from_tensor_model_parallel_region(sums)
+        else:
+            dist.all_reduce(sums, group=group)
     z, ex = sums[0], sums[1]
     return torch.log(z) + m.squeeze(-1) - ex / z
 
@@ -126,8 +135,12 @@ def _label_columns(labels: torch.Tensor, vocab_start: int, width: int) -> tuple[
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    """log p(label) (differentiable) and the entropy (not) of softmax(h W^T / T) per row of
-    ``h`` ``[N, H]``, ``chunk`` rows at a time, vocab-parallel over ``W`` ``[V/tp, H]``."""
+    """log p(label) (differentiable) and the entropy (differentiable with ``entropy_grad``: the
+    entropy bonus) of softmax(h W^T / T) per row of ``h`` ``[N, H]``, ``chunk`` rows at a time,
+    vocab-parallel over ``W`` ``[V/tp, H]``.
+
+    Backward, per chunk with x = h W^T / T and p = softmax(x): d logp / dx = onehot - p and
+    d H / dx = -p (x - E_p[x]); E_p[x] (on the max-shifted x) is kept from the forward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -138,6 +151,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         chunk: int,
         temperature: float,
         want_entropy: bool,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         import torch.distributed as dist
 
@@ -149,6 +163,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         entropy = torch.zeros(n if want_entropy else 0, dtype=acc, device=h.device)
         row_max = torch.empty(n, dtype=acc, device=h.device)
         sum_exp = torch.empty(n, dtype=acc, device=h.device)
+        mean_x = torch.empty(n if want_entropy else 0, dtype=acc, device=h.device)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             x = _chunk_logits(h[lo:hi], weight, temperature)  # [c, V/tp]
@@ -166,25 +181,36 @@ class ChunkedLogprobs(torch.autograd.Function):
             z = stacked[0]
             logps[lo:hi] = stacked[1] - torch.log(z)
             if want_entropy:  # H = log Z - sum p (x - m)
-                entropy[lo:hi] = torch.log(z) - stacked[2] / z
+                mean_x[lo:hi] = stacked[2] / z
+                entropy[lo:hi] = torch.log(z) - mean_x[lo:hi]
             row_max[lo:hi], sum_exp[lo:hi] = m, z
-        ctx.save_for_backward(h, weight, labels, row_max, sum_exp)
+        ctx.save_for_backward(h, weight, labels, row_max, sum_exp, mean_x)
         ctx.chunk, ctx.temperature, ctx.vocab_start = chunk, temperature, rank * width
-        ctx.mark_non_differentiable(entropy)
+        ctx.entropy_grad = want_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logps: torch.Tensor, _grad_entropy: Any) -> tuple:  # type: ignore[override]
-        h, weight, labels, row_max, sum_exp = ctx.saved_tensors
+    def backward(ctx: Any, grad_logps: torch.Tensor, grad_entropy: Any) -> tuple:  # type: ignore[override]
+        h, weight, labels, row_max, sum_exp, mean_x = ctx.saved_tensors
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
         width = weight.shape[0]
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device)
         for lo in range(0, h.shape[0], ctx.chunk):
             hi = min(h.shape[0], lo + ctx.chunk)
             x = _chunk_logits(h[lo:hi], weight, ctx.temperature)  # recomputed [c, V/tp]
-            p = x.sub_(row_max[lo:hi, None]).exp_().div_(sum_exp[lo:hi, None])  # softmax
+            x.sub_(row_max[lo:hi, None])
+            shifted = x.clone() if with_entropy else None
+            p = x.exp_().div_(sum_exp[lo:hi, None])  # softmax
             g = grad_logps[lo:hi].to(p.dtype)
-            d = p.mul_(-g[:, None])  # d logp / d x = onehot - softmax
+            if shifted is not None:  # d H / d x = -p (x - E_p[x])
+                ge = grad_entropy[lo:hi].to(p.dtype)
+                shifted.sub_(mean_x[lo:hi, None]).mul_(-ge[:, None]).sub_(g[:, None])
+                d = p.mul_(shifted)
+            else:
+                d = p.mul_(-g[:, None])  # d logp / d x = onehot - softmax
             col, inside = _label_columns(labels[lo:hi], ctx.vocab_start, width)
             d.scatter_add_(-1, col[:, None], (g * inside)[:, None])
             d = d.to(weight.dtype)
@@ -192,7 +218,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 d = d / ctx.temperature
             grad_h[lo:hi] = d @ weight
             grad_w.add_((d.t() @ h[lo:hi]).to(grad_w.dtype))
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_logprobs(
@@ -203,9 +229,13 @@ def chunked_logprobs(
     chunk: int,
     temperature: float = 1.0,
     entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(log p(label) ``[N]`` with autograd to ``h`` and ``weight``, entropy ``[N]`` or None)."""
-    logps, ents = ChunkedLogprobs.apply(h, weight, labels, chunk, temperature, entropy)
+    """(log p(label) ``[N]`` with autograd to ``h`` and ``weight``, entropy ``[N]`` or None;
+    the entropy too with ``entropy_grad``)."""
+    logps, ents = ChunkedLogprobs.apply(
+        h, weight, labels, chunk, temperature, entropy, entropy_grad
+    )
     return logps, (ents if entropy else None)
 
 
@@ -240,11 +270,12 @@ class LMOutput:
         *,
         temperature: float = 1.0,
         entropy: bool = False,
+        entropy_grad: bool = False,
         inplace: bool = False,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """log p_T(label) at the positions of ``mask`` ([R, S] bool), flat ``[N]`` in row-major
-        order, differentiable; with ``entropy`` also the entropies there (no grad).
-        ``inplace``: the unchunked logits may be shifted in place (they are not read after)."""
+        order, differentiable; with ``entropy`` also the entropies there (differentiable with
+        ``entropy_grad``: the entropy bonus). ``inplace``: the unchunked logits may be shifted in place (they are not read after)."""
         if self.logits is None:
             assert self.hidden is not None and self.weight is not None
             return chunked_logprobs(
@@ -254,8 +285,12 @@ class LMOutput:
                 chunk=max(1, self.chunk_tokens),
                 temperature=temperature,
                 entropy=entropy,
+                entropy_grad=entropy_grad,
             )
-        ents = token_entropy(self.logits[mask], temperature=temperature) if entropy else None
+        ents = None
+        if entropy:  # before the logprobs, which may shift the logits in place
+            with torch.set_grad_enabled(entropy_grad):
+                ents = token_entropy(self.logits[mask], temperature=temperature)
         logps = token_logprobs(self.logits, labels, temperature=temperature, inplace=inplace)
         return logps[mask], ents
 

@@ -1,8 +1,14 @@
-"""Group-relative advantages (docs/grpo_loss.md).
+"""Advantage estimators (docs/grpo_loss.md, "Advantage estimators"), selected by
+``grpo.advantage_estimator`` from the table ``ADVANTAGE_ESTIMATORS`` (rewards of whole groups,
+``[P, G]``, in; one advantage per sample out):
 
-A = (r - mean_group) / (std + eps), groups = contiguous runs of `group_size` rewards.
-``scale_rewards``: ``group`` divides by the group's std, ``batch`` by the std of the whole
-batch (rewards still centred on their group mean), ``none`` does not divide.
+- ``grpo``: A = (r - mean_group) / (std + eps), groups = contiguous runs of `group_size`
+  rewards. ``scale_rewards``: ``group`` divides by the group's std, ``batch`` by the std of the
+  whole batch (rewards still centred on their group mean), ``none`` does not divide;
+- ``rloo``: the leave-one-out baseline, A = r - mean of the G - 1 siblings;
+- ``reinforce_pp`` / ``reinforce_pp_baseline``: r, or r - mean_group, then normalized over the
+  whole generation batch of every DP rank (:func:`normalize_over_tokens`, at the round's first
+  step: rlbatch.grpo.proximal).
 
 The std is the **unbiased** one (Bessel's correction, n - 1), as TRL's ``torch.std`` and
 verl's GRPO use; a group of one has std 0 (its centred reward is 0 anyway). Computed in
@@ -11,11 +17,12 @@ float64.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from rlbatch.config.schema import ScaleRewards
+from rlbatch.config.schema import AdvantageEstimator, ScaleRewards
 
 
 def _unbiased_std(x: np.ndarray, axis: int | None = None) -> np.ndarray:
@@ -30,10 +37,60 @@ def unbiased_std(values: Sequence[float]) -> float:
     return float(_unbiased_std(np.asarray(values, dtype=np.float64)))
 
 
+def grpo_advantages(r: np.ndarray, scale: ScaleRewards, eps: float) -> np.ndarray:
+    """GRPO (DeepSeekMath, arXiv 2402.03300): group-centred, divided per ``scale``."""
+    centred = r - r.mean(axis=1, keepdims=True)
+    if scale == ScaleRewards.group:
+        return centred / (_unbiased_std(r, axis=1)[:, None] + eps)
+    if scale == ScaleRewards.batch:
+        return centred / (float(_unbiased_std(r.reshape(-1))) + eps)
+    return centred
+
+
+def rloo_advantages(r: np.ndarray, scale: ScaleRewards, eps: float) -> np.ndarray:
+    """RLOO (Kool et al. 2019; Ahmadian et al., arXiv 2402.14740): r_i minus the mean of the
+    other G - 1 rewards of its group, = G / (G - 1) (r_i - mean_group); 0 for a group of one."""
+    g = r.shape[1]
+    if g < 2:
+        return np.zeros_like(r)
+    return (r - r.mean(axis=1, keepdims=True)) * (g / (g - 1))
+
+
+def reinforce_pp_values(r: np.ndarray, scale: ScaleRewards, eps: float) -> np.ndarray:
+    """REINFORCE++ (arXiv 2501.03262): the outcome reward itself; the global normalization
+    follows (:func:`normalize_over_tokens`)."""
+    return r.copy()
+
+
+def reinforce_pp_baseline_values(r: np.ndarray, scale: ScaleRewards, eps: float) -> np.ndarray:
+    """REINFORCE++-baseline (arXiv 2501.03262): the group-centred reward; the global
+    normalization follows."""
+    return r - r.mean(axis=1, keepdims=True)
+
+
+ADVANTAGE_ESTIMATORS: dict[
+    AdvantageEstimator, Callable[[np.ndarray, ScaleRewards, float], np.ndarray]
+] = {
+    AdvantageEstimator.grpo: grpo_advantages,
+    AdvantageEstimator.rloo: rloo_advantages,
+    AdvantageEstimator.reinforce_pp: reinforce_pp_values,
+    AdvantageEstimator.reinforce_pp_baseline: reinforce_pp_baseline_values,
+}
+GLOBALLY_NORMALIZED = frozenset(
+    {AdvantageEstimator.reinforce_pp, AdvantageEstimator.reinforce_pp_baseline}
+)
+"""Estimators whose values are normalized over the whole generation batch (all DP ranks)."""
+
+
 def compute_advantages(
-    rewards: Sequence[float], group_size: int, scale: ScaleRewards, eps: float
+    rewards: Sequence[float],
+    group_size: int,
+    scale: ScaleRewards,
+    eps: float,
+    estimator: AdvantageEstimator = AdvantageEstimator.grpo,
 ) -> list[float]:
-    """Advantages of `rewards` (contiguous groups of `group_size`), float64."""
+    """Advantages (or, for a globally normalized estimator, the values to normalize) of
+    `rewards` (contiguous groups of `group_size`), float64."""
     if group_size <= 0 or len(rewards) % group_size:
         raise ValueError(
             f"{len(rewards)} rewards do not form whole groups of grpo.num_generations="
@@ -42,13 +99,24 @@ def compute_advantages(
     if not rewards:
         return []
     r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)  # [P, G]
-    centred = r - r.mean(axis=1, keepdims=True)
-    scale = ScaleRewards(scale)
-    if scale == ScaleRewards.group:
-        centred = centred / (_unbiased_std(r, axis=1)[:, None] + eps)
-    elif scale == ScaleRewards.batch:
-        centred = centred / (float(_unbiased_std(r.reshape(-1))) + eps)
-    return [float(a) for a in centred.reshape(-1)]
+    out = ADVANTAGE_ESTIMATORS[AdvantageEstimator(estimator)](r, ScaleRewards(scale), eps)
+    return [float(a) for a in out.reshape(-1)]
+
+
+def normalize_over_tokens(
+    values: Sequence[float], tokens: Sequence[int], eps: float
+) -> tuple[float, float]:
+    """(mean, std) of per-sample ``values`` over the batch's loss tokens (each sample counted
+    once per token it trains, as REINFORCE++ whitens its per-token returns); the unbiased std.
+    The advantage is then (value - mean) / (std + eps)."""
+    v = np.asarray(values, dtype=np.float64)
+    n = np.asarray(tokens, dtype=np.float64)
+    total = n.sum()
+    if total <= 0:
+        return 0.0, 0.0
+    mean = float((v * n).sum() / total)
+    var = float((n * (v - mean) ** 2).sum() / max(total - 1.0, 1.0))
+    return mean, math.sqrt(var)
 
 
 def group_reward_stats(rewards: Sequence[float], group_size: int) -> dict[str, float]:

@@ -22,7 +22,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rlbatch.config.schema import RunConfig, ScaleRewards
+from rlbatch.config.schema import (
+    AdvantageEstimator,
+    RolloutCorrection,
+    RunConfig,
+    ScaleRewards,
+)
 from rlbatch.grpo.advantages import compute_advantages
 from rlbatch.grpo.types import Prompt, Sample
 
@@ -89,10 +94,20 @@ def steps_per_round(cfg: RunConfig) -> int:
 
 
 def old_from_forward(cfg: RunConfig) -> bool:
-    """Off-policy samples trained in ONE optimizer step (a round of one step, generated ahead):
-    pi_old, the policy at the round's first step, is the policy of that step's training
-    forward, so its logps come from that forward (detached) instead of a separate pass."""
-    return off_policy(cfg) and steps_per_round(cfg) == 1
+    """pi_old is the policy of the step's training forward, so its logps come from that
+    forward (detached) instead of a separate pass: off-policy samples trained in ONE optimizer
+    step (a round of one step, generated ahead), and on-policy samples under a rollout
+    correction (grpo.rollout_correction != none: the weight pi_old / pi_behaviour is then the
+    mismatch between the trainer's and the rollout engine's log-probs)."""
+    if off_policy(cfg):
+        return steps_per_round(cfg) == 1
+    return RolloutCorrection(cfg.grpo.rollout_correction) != RolloutCorrection.none
+
+
+def behaviour_weighted(cfg: RunConfig) -> bool:
+    """The loss sees behaviour logps apart from pi_old (the weight pi_old / pi_behaviour and
+    its diagnostics exist): off-policy samples, or on-policy ones with pi_old from the forward."""
+    return off_policy(cfg) or old_from_forward(cfg)
 
 
 def old_pass_runs(cfg: RunConfig) -> bool:
@@ -252,6 +267,7 @@ class LCMAggregator:
         scale_rewards: ScaleRewards,
         advantage_eps: float,
         seed: int = 0,
+        estimator: AdvantageEstimator = AdvantageEstimator.grpo,
     ) -> None:
         if beta > 0 and stages.ref_logps_fn is None:
             raise ValueError(f"grpo.beta={beta} > 0 needs a reference-logp pass (ref_logps_fn)")
@@ -260,6 +276,7 @@ class LCMAggregator:
         self.beta = beta
         self.scale_rewards = ScaleRewards(scale_rewards)
         self.advantage_eps = advantage_eps
+        self.estimator = AdvantageEstimator(estimator)
         self.seed = seed
         self.records: list[RoundRecord] = []
         self._buffer: list[list[Prompt]] = []
@@ -356,7 +373,7 @@ class LCMAggregator:
                 f"reward_fn returned {len(rewards)} rewards for {len(samples)} samples"
             )
         advantages = compute_advantages(
-            rewards, self.plan.sample_repeat, self.scale_rewards, self.advantage_eps
+            rewards, self.plan.sample_repeat, self.scale_rewards, self.advantage_eps, self.estimator
         )
         for s, r, a in zip(samples, rewards, advantages, strict=True):
             s.reward, s.advantage = r, a

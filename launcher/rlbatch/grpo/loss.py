@@ -22,8 +22,23 @@ from typing import Any, Optional
 import torch
 
 from rlbatch.batching.plan import MicroBatch
-from rlbatch.config.schema import LossAggMode, RunConfig
+from rlbatch.config.schema import (
+    KLEstimator,
+    LossAggMode,
+    PolicyLoss,
+    RolloutCorrection,
+    RunConfig,
+)
 from rlbatch.grpo.lcm import old_from_forward
+from rlbatch.grpo.objectives import (
+    KL_ESTIMATORS,
+    MASK_MODES,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+    CorrectionParams,
+    PolicyParams,
+    seq_mean,
+)
 from rlbatch.grpo.types import Sample
 
 # Keys of the metric sums each micro-batch returns (a float64 vector, summed across
@@ -31,13 +46,19 @@ from rlbatch.grpo.types import Sample
 STAT_KEYS: tuple[str, ...] = (
     "tokens",  # valid (loss-carrying) response tokens
     "seqs",  # sequences with at least one valid token
-    "clipped",  # tokens where the clipped surrogate was the active (larger-loss) branch
-    "kl",  # sum of the k3 KL estimate over tokens (0 when no reference logps)
+    "clipped",  # tokens where the policy loss's clip (or CISPO's weight clamp) was active
+    "kl",  # sum of the KL estimate (grpo.kl_estimator) over tokens (0 when no reference logps)
     "entropy",  # sum of the per-token entropy of the current policy
-    "ratio",  # sum of pi / pi_old
-    "ratio_sq",  # sum of (pi / pi_old)^2
-    "is_weight",  # sum of the truncated behaviour importance weight
-    "is_capped",  # tokens whose behaviour importance weight hit the cap
+    "ratio",  # sum of the importance ratio the policy loss uses
+    "ratio_sq",  # sum of its square
+    "is_weight",  # sum of the applied correction weight (grpo.rollout_correction)
+    "is_capped",  # tokens whose weight was truncated at the cap (tis modes)
+    "is_masked",  # tokens whose weight was masked to 0 (mask modes)
+    "mismatch_k1",  # sum of log(pi_rollout / pi_trainer): k1 of KL(rollout || trainer)
+    "mismatch_k3",  # sum of w - 1 - log w, w = pi_trainer / pi_rollout: k3 of the same KL
+    "log_ppl_gap",  # sum over sequences of (trainer - rollout) log-perplexity
+    "w_raw",  # sum of the raw token weight pi_trainer / pi_rollout
+    "w_raw_sq",  # sum of its square (effective sample size)
     "masked_truncated",  # sequences excluded because they were truncated (option)
 )
 STAT_INDEX = {key: i for i, key in enumerate(STAT_KEYS)}
@@ -53,15 +74,23 @@ class LossSettings:
     epsilon_high: float = 0.2
     beta: float = 0.0
     loss_agg_mode: LossAggMode = LossAggMode.token_mean
-    importance_weight_cap: float = 2.0
+    rollout_correction_cap: float = 2.0
     max_response_len: int = 1
     """Dr. GRPO's constant (seq-mean-token-sum-norm): rollout.max_new_tokens."""
     mask_truncated_completions: bool = False
     temperature: float = 1.0
     """rollout.temperature: the current policy's logprobs are those of logits / temperature."""
     old_from_forward: bool = False
-    """pi_old is the policy of this forward (off-policy samples trained in one step,
-    rlbatch.grpo.lcm.old_from_forward): old logps = the current logps, detached."""
+    """pi_old is the policy of this forward (rlbatch.grpo.lcm.old_from_forward): old logps =
+    the current logps, detached."""
+    policy_loss: PolicyLoss = PolicyLoss.clip
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    kl_estimator: KLEstimator = KLEstimator.k3
+    kl_bias_correction: bool = False
+    entropy_coef: float = 0.0
+    rollout_correction: RolloutCorrection = RolloutCorrection.token_tis
+    rollout_correction_lower: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LossSettings:
@@ -71,12 +100,30 @@ class LossSettings:
             epsilon_high=g.epsilon_high,
             beta=g.beta,
             loss_agg_mode=LossAggMode(g.loss_agg_mode),
-            importance_weight_cap=g.importance_weight_cap,
+            rollout_correction_cap=g.rollout_correction_cap,
             max_response_len=cfg.rollout.max_new_tokens,
             mask_truncated_completions=g.mask_truncated_completions,
             temperature=cfg.rollout.temperature,
             old_from_forward=old_from_forward(cfg),
+            policy_loss=PolicyLoss(g.policy_loss),
+            sapo_tau_pos=g.sapo_tau_pos,
+            sapo_tau_neg=g.sapo_tau_neg,
+            kl_estimator=KLEstimator(g.kl_estimator),
+            kl_bias_correction=g.kl_bias_correction,
+            entropy_coef=g.entropy_coef,
+            rollout_correction=RolloutCorrection(g.rollout_correction),
+            rollout_correction_lower=g.rollout_correction_lower,
         )
+
+    @property
+    def policy_params(self) -> PolicyParams:
+        return PolicyParams(
+            self.epsilon_low, self.epsilon_high, self.sapo_tau_pos, self.sapo_tau_neg
+        )
+
+    @property
+    def correction_params(self) -> CorrectionParams:
+        return CorrectionParams(self.rollout_correction_cap, self.rollout_correction_lower)
 
     @property
     def token_level(self) -> bool:
@@ -268,6 +315,8 @@ def grpo_loss(output: Any, batch: GRPOBatch, settings: LossSettings) -> LossTerm
         batch.labels,
         temperature=settings.temperature,
         entropy=True,
+        # the entropy carries a gradient only when it is a loss term (grpo.entropy_coef)
+        entropy_grad=torch.is_grad_enabled() and settings.entropy_coef != 0.0,
         inplace=True,  # the logits are not read again
     )  # [N], [N]: loss positions only, in loss_mask order
     return loss_from_logps(logps, batch, settings, entropy=entropy)
@@ -281,7 +330,10 @@ def loss_from_logps(
     entropy: Optional[torch.Tensor] = None,
 ) -> LossTerms:
     """The loss from the current policy's logps at the valid positions (flat ``[N]``,
-    in ``loss_mask`` order). Returns the numerator, the local count and the metric sums."""
+    in ``loss_mask`` order). Returns the numerator, the local count and the metric sums.
+
+    l_t = w_t * pg_t + beta * kl_t - entropy_coef * H_t, with pg from grpo.policy_loss, w from
+    grpo.rollout_correction and kl from grpo.kl_estimator (docs/grpo_loss.md)."""
     mask = batch.loss_mask
     seq = batch.seq_index[mask]  # [N]
     if settings.old_from_forward:  # pi_old = this forward's policy: ratio 1, gradient of logps
@@ -289,56 +341,93 @@ def loss_from_logps(
     else:
         old = batch.old_logps[mask].to(logps.dtype)
     adv = batch.advantages.to(logps.dtype)[seq]  # [N]
-
-    ratio = torch.exp(logps - old)
-    clipped_ratio = torch.clamp(ratio, 1.0 - settings.epsilon_low, 1.0 + settings.epsilon_high)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * clipped_ratio
-    pg = torch.maximum(pg_unclipped, pg_clipped)  # = -min(r A, clip(r) A)
-
-    raw_weight, is_weight, weight_max = _importance_weights(old, batch, settings)
-    pg = is_weight * pg
+    term = POLICY_LOSSES[settings.policy_loss](
+        logps, old, adv, seq, batch.num_seqs, settings.policy_params
+    )
+    log_w = _log_weight(logps, old, batch)  # log(pi_trainer / pi_rollout), data
+    is_weight, hit, weight_max = _importance_weights(log_w, seq, batch, settings)
+    per_token = is_weight * term.pg
 
     kl = None
     if batch.ref_logps is not None:
-        log_ref_ratio = batch.ref_logps[mask].to(logps.dtype) - logps
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # k3 estimator of KL(pi || ref)
-    per_token = pg
+        kl = KL_ESTIMATORS[settings.kl_estimator](logps, batch.ref_logps[mask].to(logps.dtype))
     if settings.beta != 0.0:
         if kl is None:
             raise ValueError("grpo.beta > 0 needs ref_logps in the batch (the reference pass)")
-        per_token = pg + settings.beta * kl
+        kl_term = kl * torch.exp(logps - old) if settings.kl_bias_correction else kl
+        per_token = per_token + settings.beta * kl_term
+    if settings.entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("grpo.entropy_coef != 0 needs the per-token entropy")
+        per_token = per_token - settings.entropy_coef * entropy.to(per_token.dtype)
 
     numerator, count = aggregate(per_token, seq, batch.num_seqs, settings)
     with torch.no_grad():
-        zero = torch.zeros((), dtype=torch.float64, device=logps.device)
-        values = {
-            "tokens": mask.sum(),
-            "seqs": _valid_seqs(batch).sum(),
-            "clipped": (pg_clipped > pg_unclipped).sum(),
-            "kl": kl.sum() if kl is not None else zero,
-            "entropy": entropy.sum() if entropy is not None else zero,
-            "ratio": ratio.sum(),
-            "ratio_sq": (ratio * ratio).sum(),
-            "is_weight": is_weight.sum(),
-            "is_capped": (raw_weight > settings.importance_weight_cap).sum(),
-            "masked_truncated": zero + batch.num_truncated_masked,
-        }
-        stats = torch.stack([values[k].to(torch.float64) for k in STAT_KEYS])
+        stats = _stats(batch, settings, term, is_weight, hit, log_w, seq, kl, entropy)
     return LossTerms(numerator=numerator, count=count, stats=stats, weight_max=weight_max)
 
 
-def _importance_weights(
-    old: torch.Tensor, batch: GRPOBatch, settings: LossSettings
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(raw pi_old / pi_behaviour, the same truncated at the cap, the raw maximum) per loss
-    token; ones and no maximum when the batch has no behaviour logps (on-policy)."""
+def _log_weight(logps: torch.Tensor, old: torch.Tensor, batch: GRPOBatch) -> torch.Tensor:
+    """log(pi_trainer / pi_rollout) per loss token, detached: pi_old against the behaviour
+    logps when the batch has them, else (old logps = the rollout's) this forward against them."""
     if batch.behaviour_logps is None:
-        ones = torch.ones_like(old)
-        return ones, ones, None
-    raw = torch.exp(old - batch.behaviour_logps[batch.loss_mask].to(old.dtype))
-    weight_max = raw.detach().max().to(torch.float64) if raw.numel() else None
-    return raw, torch.clamp(raw, max=settings.importance_weight_cap), weight_max
+        return logps.detach() - old.detach()
+    return old.detach() - batch.behaviour_logps[batch.loss_mask].to(old.dtype)
+
+
+def _importance_weights(
+    log_w: torch.Tensor, seq: torch.Tensor, batch: GRPOBatch, settings: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(applied weight, tokens the cap or mask acted on, largest raw weight) per loss token.
+
+    The one implementation of the weight pi_old / pi_behaviour: the staleness correction of
+    off-policy samples and the rollout-mismatch correction are the same quantity. A batch without
+    behaviour logps (on-policy, grpo.rollout_correction=none) gets weight 1 and no maximum."""
+    if batch.behaviour_logps is None:
+        ones = torch.ones_like(log_w)
+        return ones, torch.zeros_like(ones, dtype=torch.bool), None
+    weight_max = torch.exp(log_w).max().to(torch.float64) if log_w.numel() else None
+    fn = ROLLOUT_CORRECTIONS[settings.rollout_correction]
+    weight, hit = fn(log_w, seq, batch.num_seqs, settings.correction_params)
+    return weight, hit, weight_max
+
+
+def _stats(
+    batch: GRPOBatch,
+    settings: LossSettings,
+    term,
+    is_weight: torch.Tensor,
+    hit: torch.Tensor,
+    log_w: torch.Tensor,
+    seq: torch.Tensor,
+    kl: Optional[torch.Tensor],
+    entropy: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The metric sums (STAT_KEYS order, float64, on the device)."""
+    zero = torch.zeros((), dtype=torch.float64, device=log_w.device)
+    masking = settings.rollout_correction in MASK_MODES
+    w = torch.exp(log_w)
+    valid = _valid_seqs(batch)
+    gap = seq_mean(-log_w, seq, batch.num_seqs)[valid].sum() if log_w.numel() else zero
+    values = {
+        "tokens": batch.loss_mask.sum(),
+        "seqs": valid.sum(),
+        "clipped": term.clipped.sum(),
+        "kl": kl.sum() if kl is not None else zero,
+        "entropy": entropy.sum() if entropy is not None else zero,
+        "ratio": term.ratio.sum(),
+        "ratio_sq": (term.ratio * term.ratio).sum(),
+        "is_weight": is_weight.sum(),
+        "is_capped": zero if masking else hit.sum(),
+        "is_masked": hit.sum() if masking else zero,
+        "mismatch_k1": (-log_w).sum(),
+        "mismatch_k3": (w - 1.0 - log_w).sum(),
+        "log_ppl_gap": gap,
+        "w_raw": w.sum(),
+        "w_raw_sq": (w * w).sum(),
+        "masked_truncated": zero + batch.num_truncated_masked,
+    }
+    return torch.stack([values[k].to(torch.float64) for k in STAT_KEYS])
 
 
 def aggregate(
@@ -387,5 +476,10 @@ def summarize_stats(stats: torch.Tensor, loss_numerator: float, divisor: float) 
         "ratio_std": math.sqrt(ratio_var),
         "is_weight_mean": s["is_weight"] / tokens,
         "is_capped_fraction": s["is_capped"] / tokens,
+        "is_masked_fraction": s["is_masked"] / tokens,
+        "mismatch_kl_k1": s["mismatch_k1"] / tokens,
+        "mismatch_kl_k3": s["mismatch_k3"] / tokens,
+        "mismatch_log_ppl_gap": s["log_ppl_gap"] / max(s["seqs"], 1.0),
+        "mismatch_ess": s["w_raw"] ** 2 / (tokens * s["w_raw_sq"]) if s["w_raw_sq"] > 0 else 1.0,
         "masked_truncated": s["masked_truncated"],
     }

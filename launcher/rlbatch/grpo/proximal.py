@@ -6,6 +6,9 @@ the policy at the round's first step, so they run there (docs/training_loop.md):
 
 - ``scale_rewards=batch``: the std of the rewards of the whole generation batch, over every DP
   rank (one gather of the rewards), divides the group-centred rewards;
+- REINFORCE++ (``grpo.advantage_estimator=reinforce_pp[_baseline]``): the aggregator's values
+  normalized by their mean and std over the loss tokens of the whole generation batch, over every
+  DP rank (one gather of (value, tokens) pairs): the same advantages at any DP size;
 - the old-logprob pass (proximal policy pi_old, when :func:`rlbatch.grpo.lcm.old_pass_runs`):
   this rank's round samples through the policy as it is at the round's first step, in the
   aggregation plan's chunks (or under the infer token budget). The loss clips against pi_old
@@ -22,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from rlbatch.grpo.advantages import unbiased_std
+from rlbatch.grpo.advantages import normalize_over_tokens, unbiased_std
 from rlbatch.grpo.lcm import AggregationPlan, LogpsFn, logps_in_chunks
 from rlbatch.grpo.types import Sample
 
@@ -38,6 +41,18 @@ def scale_by_batch_std(samples: Sequence[Sample], eps: float, gather: GatherFn) 
     std = unbiased_std(rewards)
     for s in samples:
         s.advantage = s.advantage / (std + eps)
+    return std
+
+
+def normalize_over_batch(samples: Sequence[Sample], eps: float, gather: GatherFn) -> float:
+    """REINFORCE++'s global normalization: each sample's advantage (the estimator's value)
+    becomes (value - mean) / (std + eps), mean and std over the loss tokens of every DP rank's
+    round samples. Returns the std."""
+    shares = gather([(s.advantage, s.num_loss_tokens) for s in samples])
+    pairs = [p for share in shares for p in share]
+    mean, std = normalize_over_tokens([v for v, _ in pairs], [n for _, n in pairs], eps)
+    for s in samples:
+        s.advantage = (s.advantage - mean) / (std + eps)
     return std
 
 

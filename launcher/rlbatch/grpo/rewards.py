@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Optional, Protocol
 
-from rlbatch.config.schema import BuiltinTask, DataConfig, DataSource, RewardKind
+from rlbatch.config.schema import BuiltinTask, DataConfig, DataSource, RewardKind, RunConfig
 from rlbatch.grpo.tasks import task_reward
 from rlbatch.grpo.types import Sample
 from rlbatch.grpo.user_rewards import Completion, UserReward, call_reward, load_reward
@@ -265,6 +265,54 @@ def build_rewards(cfg: DataConfig) -> RewardSet:
         else:
             components.append(_builtin_component(RewardKind(spec), cfg, name, weight))
     return RewardSet(tuple(components))
+
+
+OVERLONG = "overlong"
+"""Name of the overlong-shaping reward part (metric ``reward/overlong_mean``)."""
+
+
+def overlong_penalty(num_tokens: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), scaled by ``factor``: 0 up
+    to max_new_tokens - buffer_len response tokens, then linear down to -factor at
+    max_new_tokens (and -factor beyond)."""
+    start = max_new_tokens - buffer_len
+    if num_tokens <= start:
+        return 0.0
+    if num_tokens > max_new_tokens:
+        return -factor
+    return (start - num_tokens) / buffer_len * factor
+
+
+def overlong_component(max_new_tokens: int, buffer_len: int, factor: float) -> RewardComponent:
+    """The overlong penalty as its own reward part (weight 1), over the response tokens the
+    reward sees (EOS excluded)."""
+
+    def score_overlong(inputs: Sequence[RewardInput]) -> list[float]:
+        return [
+            overlong_penalty(x.num_response_tokens, max_new_tokens, buffer_len, factor)
+            for x in inputs
+        ]
+
+    return RewardComponent(OVERLONG, 1.0, score_overlong)
+
+
+def build_run_rewards(cfg: RunConfig) -> RewardSet:
+    """The run's reward parts: :func:`build_rewards` of ``data``, plus the overlong penalty
+    when ``grpo.overlong_buffer_len`` > 0."""
+    rewards = build_rewards(cfg.data)
+    g = cfg.grpo
+    if g.overlong_buffer_len <= 0:
+        return rewards
+    part = overlong_component(
+        cfg.rollout.max_new_tokens, g.overlong_buffer_len, g.overlong_penalty_factor
+    )
+    return RewardSet((*rewards.components, part))
+
+
+def run_component_names(cfg: RunConfig) -> list[str]:
+    """Names of the run's reward parts (:func:`build_run_rewards`), without loading anything."""
+    extra = [OVERLONG] if cfg.grpo.overlong_buffer_len > 0 else []
+    return component_names(cfg.data) + extra
 
 
 def score(fn: RewardFn, inputs: Sequence[RewardInput], name: str = "reward") -> list[float]:

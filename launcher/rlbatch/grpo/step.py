@@ -21,7 +21,7 @@ import torch
 
 from rlbatch.batching.plan import MicroBatch, PassPlan, RankPlan
 from rlbatch.config.schema import RunConfig
-from rlbatch.grpo.lcm import off_policy, old_from_forward
+from rlbatch.grpo.lcm import behaviour_weighted, old_from_forward
 from rlbatch.grpo.loss import GRPOBatch, LossSettings, build_grpo_batch, grpo_loss
 from rlbatch.grpo.normalization import (
     MegatronScaling,
@@ -348,7 +348,9 @@ def run_train_step(
         check_finite=cfg.debug.detect_nan,
     )
     metrics = step_metrics(result, plan, grad_norm, lr, seconds())
-    metrics["is_weight_max"] = state.importance_weight_max(reducers.reduce_max, off_policy(cfg))
+    metrics["is_weight_max"] = state.importance_weight_max(
+        reducers.reduce_max, behaviour_weighted(cfg)
+    )
     if not stepped:
         metrics["nonfinite_micro_batch"] = f"gradients (grad norm {grad_norm})"
     return metrics

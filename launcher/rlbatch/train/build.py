@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from rlbatch.config.schema import RunConfig, ScaleRewards
+from rlbatch.config.schema import AdvantageEstimator, FilterGroups, RunConfig, ScaleRewards
 from rlbatch.grpo.rollout import RolloutEngine
 from rlbatch.grpo.types import Sample
 from rlbatch.train.generation import (
@@ -28,11 +28,13 @@ from rlbatch.train.loop import Components, train
 def overlaps_generation(cfg: RunConfig) -> bool:
     """Generation of the next round runs in a worker process while training runs
     (grpo.num_steps_async > 0; rlbatch.train.generation_worker), when generation issues no
-    collective: tp = pp = cp = 1. Other layouts generate the due rounds inline (the same
+    collective: tp = pp = cp = 1, and without dynamic sampling (grpo.filter_groups: its draws
+    gather keep flags over the DP ranks in the training thread). Other layouts generate the due rounds inline (the same
     samples and versions, no overlap). docs/training_loop.md, "Async run-ahead"."""
     p, g = cfg.parallel, cfg.grpo
     ahead = min(g.num_steps_async, g.max_staleness) > 0
-    return g.overlap_generation and ahead and p.tp == p.pp == p.cp == 1
+    filtering = FilterGroups(g.filter_groups) != FilterGroups.none  # draws agree over DP ranks
+    return g.overlap_generation and ahead and not filtering and p.tp == p.pp == p.cp == 1
 
 
 def reward_means(samples: Sequence[Sample], names: Sequence[str], dist: Any) -> dict[str, float]:
@@ -52,18 +54,29 @@ def make_round_start(cfg: RunConfig, model: list[Any]) -> Callable[[list[Sample]
     import time
 
     from rlbatch import distributed
+    from rlbatch.grpo.advantages import GLOBALLY_NORMALIZED
     from rlbatch.grpo.lcm import aggregation_plan
-    from rlbatch.grpo.proximal import compute_old_logps, scale_by_batch_std
+    from rlbatch.grpo.proximal import compute_old_logps, normalize_over_batch, scale_by_batch_std
 
     plan = aggregation_plan(cfg)
     old_fn = make_logps_fn(model, cfg) if plan.old_pass else None
-    batch_scale = ScaleRewards(cfg.grpo.scale_rewards) == ScaleRewards.batch
+    estimator = AdvantageEstimator(cfg.grpo.advantage_estimator)
+    batch_scale = (
+        ScaleRewards(cfg.grpo.scale_rewards) == ScaleRewards.batch
+        and estimator == AdvantageEstimator.grpo
+    )
+    global_norm = estimator in GLOBALLY_NORMALIZED
 
     def round_start(samples: list[Sample]) -> dict[str, float]:
         metrics: dict[str, float] = {}
         if batch_scale:
             std = scale_by_batch_std(samples, cfg.grpo.advantage_eps, distributed.dp_gather_object)
             metrics["reward_batch_std"] = std
+        if global_norm:
+            std = normalize_over_batch(
+                samples, cfg.grpo.advantage_eps, distributed.dp_gather_object
+            )
+            metrics["advantage_batch_std"] = std
         if old_fn is not None:
             started = time.perf_counter()
             compute_old_logps(samples, old_fn, plan)
@@ -95,10 +108,10 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     (:func:`make_round_start`), then rlbatch.grpo.step.run_train_step."""
     from rlbatch import distributed
     from rlbatch.distributed import WorldDist
-    from rlbatch.grpo.rewards import component_names
+    from rlbatch.grpo.rewards import run_component_names
     from rlbatch.grpo.step import Reducers, run_train_step
 
-    names = component_names(cfg.data)
+    names = run_component_names(cfg)
     world = WorldDist()
 
     layout = ps
@@ -178,6 +191,8 @@ def build_generation(
         aggregator,
         engine,
         train_micro_batch_size=cfg.grpo.aggregation.train_micro_batch_size,
+        perturb_logps=cfg.debug.perturb_behaviour_logps,
+        seed=cfg.trainer.seed,
     )
     return generate, aggregator
 
@@ -214,6 +229,7 @@ def build_components(cfg: RunConfig) -> Components:
         threaded=threaded,
         snapshot_fn=(lambda: weights_snapshot(model)) if threaded else None,
         timeout_s=float(cfg.trainer.timeout_s),
+        group_filter=build_group_filter(cfg, schedule, ps.dp_rank),
     )
     layout = ps.sizes()
     return Components(
@@ -226,6 +242,22 @@ def build_components(cfg: RunConfig) -> Components:
         aggregator=aggregator,
         export_hf=lambda path: hf.export_hf(model, cfg.model, path),
         meta={"parallel": layout, "rank_coords": _rank_coords(ps)},
+    )
+
+
+def build_group_filter(cfg: RunConfig, schedule: Any, dp_rank: int) -> Any:
+    """Dynamic sampling's filler (grpo.filter_groups), or None."""
+    if FilterGroups(cfg.grpo.filter_groups) == FilterGroups.none:
+        return None
+    from rlbatch import distributed
+    from rlbatch.train.filtering import GroupFilter
+
+    return GroupFilter(
+        num_generations=schedule.num_generations,
+        needed=schedule.prompts_per_round,
+        max_rounds=cfg.grpo.max_generation_rounds,
+        dp_rank=dp_rank,
+        gather=distributed.dp_gather_object,
     )
 
 

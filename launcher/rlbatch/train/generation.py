@@ -38,6 +38,8 @@ def make_generate_fn(
     engine: RolloutEngine,
     *,
     train_micro_batch_size: int,
+    perturb_logps: float = 0.0,
+    seed: int = 0,
 ) -> GenerateFn:
     """generate_fn(request, snapshot): this rank's prompts of a round through the aggregator.
 
@@ -48,6 +50,7 @@ def make_generate_fn(
     ``grpo.aggregation.proceed_num_steps`` = k, every k micro-batches end with a flush (an
     aggregation round never spans more). ``batch_repeat`` is not applied here: the producer
     repeats each mini-batch in the same a a b b order (docs/training_loop.md).
+    ``perturb_logps`` (debug.perturb_behaviour_logps) adds seeded noise to the behaviour logps.
     """
 
     def generate(request: GenerationRequest, snapshot: PolicySnapshot) -> list[Sample]:
@@ -70,9 +73,29 @@ def make_generate_fn(
                 if s.prompt.index != request.prompt_indices[g]:
                     raise RuntimeError("aggregator returned samples out of request order")
                 s.group_id = gid
+        if perturb_logps > 0:
+            perturb_behaviour_logps(samples, perturb_logps, seed, group)
         return samples
 
     return generate
+
+
+_PERTURB_TAG = 0x5EED_0B5E
+
+
+def perturb_behaviour_logps(samples: Sequence[Sample], std: float, seed: int, group: int) -> None:
+    """debug.perturb_behaviour_logps: add N(0, std^2) noise to each sampled token's behaviour
+    logprob, seeded by (seed, group id, sibling index): the same noise on any layout and after
+    a resume. The rollout-mismatch correction and its diagnostics then act visibly on CPU, where
+    the rollout engine and the trainer agree to ~1e-6."""
+    for i, s in enumerate(samples):
+        rng = np.random.default_rng([_PERTURB_TAG, seed, s.group_id, i % group])
+        noise = rng.normal(0.0, std, size=len(s.behaviour_logps))
+        assert s.loss_mask is not None
+        s.behaviour_logps = [
+            lp + float(z) if m else lp
+            for lp, z, m in zip(s.behaviour_logps, noise, s.loss_mask, strict=True)
+        ]
 
 
 class SequenceParallelOffEngine:
@@ -186,14 +209,14 @@ def build_reference(cfg: RunConfig, policy: list[Any]) -> list[Any] | None:
 def build_aggregator(cfg: RunConfig, tokenizer: Any, ref: list[Any] | None, dp_rank: int):
     """The LCM aggregator of this rank (rollout_fn is set per round by make_generate_fn)."""
     from rlbatch.grpo.lcm import Stages, plan_aggregation
-    from rlbatch.grpo.rewards import build_rewards
+    from rlbatch.grpo.rewards import build_run_rewards
 
     def no_rollout(rows: list[Prompt], seed: int) -> list[Sample]:
         raise RuntimeError("rollout_fn is set by the producer's generate_fn for each round")
 
     stages = Stages(
         rollout_fn=no_rollout,
-        reward_fn=make_reward_batch_fn(build_rewards(cfg.data), tokenizer),
+        reward_fn=make_reward_batch_fn(build_run_rewards(cfg), tokenizer),
         old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
         ref_logps_fn=make_logps_fn(ref, cfg) if ref is not None else None,
     )
@@ -207,4 +230,5 @@ def build_aggregator(cfg: RunConfig, tokenizer: Any, ref: list[Any] | None, dp_r
         scale_rewards=ScaleRewards.none if scale == ScaleRewards.batch else scale,
         advantage_eps=cfg.grpo.advantage_eps,
         seed=rank_seed(cfg.trainer.seed, dp_rank),
+        estimator=cfg.grpo.advantage_estimator,
     )

@@ -242,5 +242,7 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
         aggregator,
         engine,
         train_micro_batch_size=local.grpo.aggregation.train_micro_batch_size,
+        perturb_logps=local.debug.perturb_behaviour_logps,
+        seed=local.trainer.seed,
     )
     return generate, aggregator, load

@@ -304,6 +304,8 @@ def _record(
         "tokens_per_s": tokens / step_time if step_time > 0 else None,
         "round": batch.round_index,
         "iteration": batch.iteration,
+        "samples": int(n),
+        **batch.filter_metrics,
     }
     for key, value in metrics.items():
         record.setdefault(key, value)

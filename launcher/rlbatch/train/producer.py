@@ -41,11 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlbatch.grpo.types import Sample
+from rlbatch.train.filtering import GroupFilter
 from rlbatch.train.sampler import (
     GenerationRequest,
     GenerationSchedule,
     PromptSampler,
     expand_groups,
+    filtered_minibatch_groups,
     minibatch_groups,
 )
 
@@ -102,6 +104,11 @@ class GeneratedRound:
     policy_version: int
     request: GenerationRequest
     samples: list[Sample]
+    positions: list[int] | None = None
+    """Dynamic sampling: the place of each of this rank's groups in the round's global list of
+    kept groups (rlbatch.train.filtering); None = the round is not filtered."""
+    filter_metrics: dict[str, int] = field(default_factory=dict)
+    """Dynamic sampling: generation_rounds, prompts_drawn, groups_filtered, groups_unused."""
 
 
 @dataclass
@@ -126,6 +133,8 @@ class StepBatch:
     round_samples: list[Sample] = field(default_factory=list)
     """This rank's whole round buffer (``samples`` are some of these objects): what the
     round's first step prepares (old logps, batch-scaled advantages)."""
+    filter_metrics: dict[str, int] = field(default_factory=dict)
+    """The round's dynamic-sampling metrics (empty when grpo.filter_groups=none)."""
 
     @property
     def staleness_mean(self) -> float:
@@ -165,7 +174,13 @@ class RunAheadProducer:
         threaded: bool = False,
         snapshot_fn: Callable[[], Any] | None = None,
         timeout_s: float | None = None,
+        group_filter: GroupFilter | None = None,
     ) -> None:
+        if group_filter is not None and threaded:
+            raise ValueError(
+                "dynamic sampling (grpo.filter_groups) gathers keep flags over the DP ranks "
+                "between draws: it generates in the training thread (threaded=False)"
+            )
         if num_steps_async < 0 or max_staleness < 0:
             raise ValueError(
                 f"grpo.num_steps_async={num_steps_async} and grpo.max_staleness={max_staleness} "
@@ -183,6 +198,7 @@ class RunAheadProducer:
         self.lag = min(num_steps_async, max_staleness)
         self.max_staleness = max_staleness
         self.seed = seed
+        self.group_filter = group_filter
         self.queue: list[GeneratedRound] = []
         self.current: GeneratedRound | None = None
         self._next_step = 1
@@ -193,11 +209,26 @@ class RunAheadProducer:
         return max(0, round_index * self.schedule.steps_per_round - self.lag)
 
     def _generate(self, snapshot: PolicySnapshot) -> GeneratedRound:
-        """Generate the sampler's next round with ``snapshot``."""
+        """Generate the sampler's next round with ``snapshot`` (refilled by further draws under
+        dynamic sampling)."""
         request = self.sampler.next_round()
+        samples = self._draw(request, snapshot)
+        if self.group_filter is None:
+            return GeneratedRound(request.round_index, snapshot.version, request, samples)
+
+        def draw_more() -> tuple[GenerationRequest, list[Sample]]:
+            more = self.sampler.next_draw_of_round()
+            return more, self._draw(more, snapshot)
+
+        kept, positions, metrics = self.group_filter.fill((request, samples), draw_more)
+        return GeneratedRound(
+            request.round_index, snapshot.version, request, kept, positions, metrics
+        )
+
+    def _draw(self, request: GenerationRequest, snapshot: PolicySnapshot) -> list[Sample]:
         samples = self.generate_fn(request, snapshot)
         self._check_samples(request, samples, snapshot.version)
-        return GeneratedRound(request.round_index, snapshot.version, request, samples)
+        return samples
 
     def _fill(self, version: int) -> list[int]:
         """Generate every round due at policy ``version`` (the live model is at ``version``)."""
@@ -242,13 +273,7 @@ class RunAheadProducer:
                 raise RuntimeError(f"round {rnd} is not queued at step {step}")
             self.current = self.queue.pop(0)
         assert self.current is not None and self.current.round_index == rnd
-        groups = minibatch_groups(
-            len(self.current.request.prompt_indices),
-            self.schedule,
-            seed=self.seed,
-            round_index=rnd,
-            slice_index=slice_index,
-        )
+        groups = self._groups(rnd, slice_index)
         rows = expand_groups(groups, self.schedule.num_generations)
         batch = StepBatch(
             step=step,
@@ -261,11 +286,28 @@ class RunAheadProducer:
             generated=generated,
             batch_seconds=time.perf_counter() - started,
             round_samples=self.current.samples,
+            filter_metrics=dict(getattr(self.current, "filter_metrics", {})),
         )
         if batch.staleness_max > self.max_staleness:
             raise AssertionError(f"staleness {batch.staleness_max} > max_staleness at step {step}")
         self._next_step = step + 1
         return batch
+
+    def _groups(self, rnd: int, slice_index: int) -> list[int]:
+        """Groups (into the current round buffer) of mini-batch ``slice_index``."""
+        assert self.current is not None
+        positions = getattr(self.current, "positions", None)  # absent in older checkpoints
+        if positions is not None:
+            return filtered_minibatch_groups(
+                positions, self.schedule, seed=self.seed, round_index=rnd, slice_index=slice_index
+            )
+        return minibatch_groups(
+            len(self.current.request.prompt_indices),
+            self.schedule,
+            seed=self.seed,
+            round_index=rnd,
+            slice_index=slice_index,
+        )
 
     def queued_versions(self) -> list[tuple[int, int]]:
         """(round, policy version) of every generated round not yet started."""

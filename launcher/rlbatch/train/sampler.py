@@ -245,19 +245,29 @@ class PromptSampler:
 
     def next_round(self) -> GenerationRequest:
         """This rank's prompts for the next round; advances the global stream on every rank."""
+        request = self._draw(self.round_index)
+        self.round_index += 1
+        return request
+
+    def next_draw_of_round(self) -> GenerationRequest:
+        """Another draw of ``prompts_per_round`` prompts for the round :meth:`next_round` last
+        returned (dynamic sampling refills the round): the cursor advances, the round does not."""
+        if self.round_index == 0:
+            raise RuntimeError("next_draw_of_round before the first next_round")
+        return self._draw(self.round_index - 1)
+
+    def _draw(self, round_index: int) -> GenerationRequest:
         per_rank = self.schedule.prompts_per_rank_round
         stream_start = self.epoch * self.num_prompts + self.cursor
         indices, group_ids = self._take_global(self.schedule.prompts_per_round)
         lo, hi = self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank
-        request = GenerationRequest(
-            round_index=self.round_index,
+        return GenerationRequest(
+            round_index=round_index,
             prompt_indices=tuple(indices[lo:hi]),
             group_ids=tuple(group_ids[lo:hi]),
             num_generations=self.schedule.num_generations,
             stream_start=stream_start,
         )
-        self.round_index += 1
-        return request
 
     def state_dict(self) -> dict[str, int | bool]:
         return {
@@ -307,6 +317,32 @@ def minibatch_groups(
     rng = np.random.default_rng([_MINIBATCH_TAG, seed, round_index])
     perm = rng.permutation(num_groups)
     return [int(g) for g in perm[slice_index * per_step : (slice_index + 1) * per_step]]
+
+
+def filtered_minibatch_groups(
+    positions: Sequence[int],
+    schedule: GenerationSchedule,
+    *,
+    seed: int,
+    round_index: int,
+    slice_index: int,
+) -> list[int]:
+    """Group indices (into one rank's round buffer) of mini-batch ``slice_index`` of a round
+    filled by dynamic sampling, where ranks hold different numbers of kept groups.
+
+    ``positions[j]`` is the place of this rank's group j in the round's GLOBAL list of kept
+    groups (exactly ``prompts_per_round`` of them, the same list on every rank). The global list
+    is permuted by a generator seeded by ``(seed, round)`` and cut into ``steps_per_generation``
+    slices of ``global_batch_size / num_generations`` groups; this rank's share of a slice is
+    its groups in it, in permutation order. Over all ranks every slice is exactly one
+    mini-batch: the step trains ``global_batch_size`` samples whatever was filtered.
+    """
+    total = schedule.prompts_per_round
+    per_step = schedule.global_batch_size // schedule.num_generations
+    rng = np.random.default_rng([_MINIBATCH_TAG, seed, round_index])
+    chosen = rng.permutation(total)[slice_index * per_step : (slice_index + 1) * per_step]
+    local = {pos: j for j, pos in enumerate(positions)}
+    return [local[int(p)] for p in chosen if int(p) in local]
 
 
 def expand_groups(groups: Sequence[int], num_generations: int) -> list[int]:

@@ -190,3 +190,24 @@ def test_unusable_hf_directory_is_a_config_error(tmp_path, capsys):
         compose(BASE + [f"model.hf_path={tmp_path}"], "t")
     err = capsys.readouterr().err
     assert "model.hf_path" in err and "mistral" in err and "qwen3" in err
+
+
+def test_objective_keys_are_checked_all_at_once():
+    err = _errors_for(
+        [
+            "grpo.rollout_correction_lower=3.0",
+            "grpo.rollout_correction_cap=2.0",
+            "grpo.overlong_buffer_len=100000",
+            "grpo.max_generation_rounds=0",
+            "grpo.sapo_tau_neg=-1",
+            "grpo.entropy_coef=-0.1",
+            "grpo.policy_loss=ppo",
+        ]
+    )
+    text = {e.key: str(e) for e in err.errors}
+    assert "below grpo.rollout_correction_cap = 2.0" in text["grpo.rollout_correction_lower"]
+    assert "rollout.max_new_tokens" in text["grpo.overlong_buffer_len"]
+    assert "must be positive" in text["grpo.max_generation_rounds"]
+    assert "must be positive" in text["grpo.sapo_tau_neg"]
+    assert "must be >= 0" in text["grpo.entropy_coef"]
+    assert "grpo.policy_loss" in text

@@ -57,10 +57,35 @@ def test_chunked_logprobs_match_float64_softmax(tiny_cfg, chunk):
         assert _rel(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_chunked_entropy_gradient_matches_float64(tiny_cfg, chunk):
+    """The entropy bonus (grpo.entropy_coef) through the chunked projection: the gradient of
+    a * logp + b * entropy to the hidden states and the weight equals float64 autograd."""
+    hidden, weight, labels, mask = _random_head(seed=5)
+    h = hidden[mask].requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    y = labels[mask]
+    logps, ents = lm_head.chunked_logprobs(
+        h, w, y, chunk=chunk, temperature=0.7, entropy=True, entropy_grad=True
+    )
+    assert ents is not None and ents.requires_grad
+    h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    logp_all = torch.log_softmax(h64 @ w64.t() / 0.7, -1)
+    ref = logp_all.gather(-1, y[:, None])[:, 0]
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(len(y), generator=gen), torch.randn(len(y), generator=gen)
+    grads = torch.autograd.grad((logps * a + ents * b).sum(), [h, w])
+    ref_grads = torch.autograd.grad((ref * a.double() + ref_ent * b.double()).sum(), [h64, w64])
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert _rel(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.03])
 @pytest.mark.parametrize("mode", list(LossAggMode))
-def test_grpo_loss_chunked_equals_unchunked(tiny_cfg, mode):
-    """Every loss_agg_mode, with temperature, the KL term and stale old logps: numerator,
-    count, metric sums and the gradients to hidden states and weight agree."""
+def test_grpo_loss_chunked_equals_unchunked(tiny_cfg, mode, entropy_coef):
+    """Every loss_agg_mode, with temperature, the KL term, stale old logps and the entropy
+    bonus: numerator, count, metric sums and the gradients to hidden states and weight agree."""
     hidden, weight, labels, mask = _random_head(2)
     g = torch.Generator().manual_seed(3)
     seq_index = torch.arange(R)[:, None].expand(R, S) * mask
@@ -73,7 +98,13 @@ def test_grpo_loss_chunked_equals_unchunked(tiny_cfg, mode):
         behaviour_logps=-3.7 + 0.1 * torch.randn(R, S, generator=g),
         ref_logps=-3.7 + 0.1 * torch.randn(R, S, generator=g),
     )
-    settings = LossSettings(loss_agg_mode=mode, beta=0.05, temperature=0.8, max_response_len=S)
+    settings = LossSettings(
+        loss_agg_mode=mode,
+        beta=0.05,
+        temperature=0.8,
+        max_response_len=S,
+        entropy_coef=entropy_coef,
+    )
     results = []
     for chunk in (0, 3):
         h = hidden.clone().requires_grad_(True)

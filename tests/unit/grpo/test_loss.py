@@ -114,7 +114,7 @@ def _reference(seqs, st: LossSettings):
             weight = 1.0 / st.max_response_len
         for lp, old, beh, ref in s["toks"]:
             r = math.exp(lp - old)
-            w = 1.0 if beh is None else min(math.exp(old - beh), st.importance_weight_cap)
+            w = 1.0 if beh is None else min(math.exp(old - beh), st.rollout_correction_cap)
             unclipped, clip_term = -a * r, -a * min(max(r, lo), hi)
             pg = max(unclipped, clip_term)
             g = -w * a * r if unclipped >= clip_term else 0.0
@@ -141,7 +141,7 @@ def test_loss_matches_float64_reference(mode, layout, stale, beta):
         epsilon_high=0.28,
         beta=beta,
         loss_agg_mode=mode,
-        importance_weight_cap=1.5,
+        rollout_correction_cap=1.5,
         max_response_len=9,
     )
     batch, cur = _padded_batch(seqs) if layout == "padded" else _packed_batch(seqs)
@@ -159,7 +159,7 @@ def test_loss_matches_float64_reference(mode, layout, stale, beta):
 
 def test_stale_weight_truncated_at_cap():
     seqs = [{"adv": 1.0, "toks": [(-1.0, -1.0, -3.0, None), (-1.0, -1.0, -1.2, None)]}]
-    st = LossSettings(importance_weight_cap=2.0)
+    st = LossSettings(rollout_correction_cap=2.0)
     batch, cur = _padded_batch(seqs)
     terms = loss_from_logps(cur, batch, st)
     # ratio 1: pg = -A = -1 per token; weights min(e^2, 2) = 2 and e^0.2

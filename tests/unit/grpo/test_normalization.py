@@ -108,7 +108,7 @@ def reference_grads(model: TinyLM, samples: list[Sample], st: LossSettings, mask
             a = s.advantage
             pg = torch.maximum(-a * r, -a * r.clamp(1 - st.epsilon_low, 1 + st.epsilon_high))
             # the old pass ran: the truncated weight pi_old / pi_behaviour multiplies the surrogate
-            w = min(math.exp(s.old_logps[k] - s.behaviour_logps[k]), st.importance_weight_cap)
+            w = min(math.exp(s.old_logps[k] - s.behaviour_logps[k]), st.rollout_correction_cap)
             pg = w * pg
             d = s.ref_logps[k] - lp
             terms.append(pg + st.beta * (torch.exp(d) - d - 1))

@@ -82,7 +82,7 @@ def reference_grad_norm(model, samples, cfg) -> tuple[float, float, list[float]]
 
     gpt, terms, weights = unwrap(model[0]), [], []
     lo, hi = 1 - cfg.grpo.epsilon_low, 1 + cfg.grpo.epsilon_high
-    temp, cap = cfg.rollout.temperature, cfg.grpo.importance_weight_cap
+    temp, cap = cfg.rollout.temperature, cfg.grpo.rollout_correction_cap
     for s in samples:
         logp, p = sequence_logps(gpt, s, temp), len(s.prompt.prompt_ids)
         for k, tok in enumerate(s.response_ids):
@@ -135,7 +135,7 @@ def test_step_grad_norm_and_loss_are_exact(world, mode, temperature):
     assert 0 < metrics["entropy"] <= torch.log(torch.tensor(264.0)).item()
     assert metrics["tokens"] == sum(len(s.response_ids) for s in make_samples())
     weights = metrics["reference_weights"]
-    cap = make_cfg(mode).grpo.importance_weight_cap
+    cap = make_cfg(mode).grpo.rollout_correction_cap
     assert metrics["is_weight_mean"] == pytest.approx(
         sum(min(w, cap) for w in weights) / len(weights), rel=1e-6
     )
@@ -199,7 +199,7 @@ def test_stale_round_of_one_step_takes_pi_old_from_the_training_forward(world, t
     assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert metrics["clip_fraction"] == 0.0 and metrics["ratio_mean"] == 1.0
-    cap = cfg.grpo.importance_weight_cap
+    cap = cfg.grpo.rollout_correction_cap
     assert metrics["is_weight_mean"] == pytest.approx(
         sum(min(w, cap) for w in weights) / len(weights), rel=1e-5
     )

@@ -10,13 +10,14 @@ import statistics
 
 import pytest
 
-from rlbatch.config.schema import RunConfig, ScaleRewards
+from rlbatch.config.schema import RolloutCorrection, RunConfig, ScaleRewards
 from rlbatch.config.validate import lcm_micro_sizes, validate
 from rlbatch.grpo.advantages import compute_advantages
 from rlbatch.grpo.lcm import (
     AggregationPlan,
     LCMAggregator,
     Stages,
+    behaviour_weighted,
     off_policy,
     old_from_forward,
     old_pass_runs,
@@ -90,7 +91,12 @@ def test_old_pass_chunks_and_sets_old_logps(infer, chunks):
 
 def test_old_logps_come_from_a_pass_or_from_the_training_forward():
     cfg = RunConfig()
-    assert not off_policy(cfg) and not old_pass_runs(cfg) and not old_from_forward(cfg)
+    # on-policy under the default rollout correction (token_tis): pi_old from the forward, so
+    # the weight pi_old / pi_behaviour measures the trainer against the rollout engine
+    assert not off_policy(cfg) and not old_pass_runs(cfg) and old_from_forward(cfg)
+    cfg.grpo.rollout_correction = RolloutCorrection.none  # old logps = the rollout's
+    assert not old_from_forward(cfg) and not behaviour_weighted(cfg)
+    cfg.grpo.rollout_correction = RolloutCorrection.token_tis
     cfg.grpo.num_iterations = 2  # a round trained twice: the second step needs pi_old
     assert off_policy(cfg) and old_pass_runs(cfg) and not old_from_forward(cfg)
     cfg.grpo.num_iterations, cfg.grpo.num_steps_async = 1, 1  # ahead, one step per round

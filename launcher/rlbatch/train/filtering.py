@@ -1,0 +1,106 @@
+"""DAPO dynamic sampling (``grpo.filter_groups``) with exact batches (docs/training_loop.md,
+"Dynamic sampling").
+
+A round draws ``prompts_per_round`` prompts; groups whose rewards are all equal (zero variance:
+their GRPO advantage is 0, they teach nothing) are dropped, and the round draws further
+``prompts_per_round`` prompts until the kept groups over ALL DP ranks reach
+``prompts_per_round``, at most ``grpo.max_generation_rounds`` extra draws. The decision is
+global: each draw, every DP rank gathers every rank's keep flags (one small collective in the
+training thread), so all ranks take the same decision and none waits on a collective the
+others skip. The first ``prompts_per_round`` kept groups in (draw, rank, group) order make the
+round, the same list on every rank; each rank keeps its own groups of it with their places in
+the list (:func:`rlbatch.train.sampler.filtered_minibatch_groups` cuts the mini-batches from
+it). Every step then trains exactly ``grpo.global_batch_size`` samples. Kept groups past the
+first ``prompts_per_round`` are not trained and are reported (``groups_unused``); the sampler's
+cursor counts every prompt drawn, so a resume continues the same stream.
+
+The selection functions are pure; :class:`GroupFilter` drives the draws with an injected
+gather (rlbatch.distributed's DP all-gather in a run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlbatch.grpo.types import Sample
+
+Draw = tuple[Any, list[Sample]]
+"""(GenerationRequest, this rank's samples of it)."""
+
+
+def keep_flags(rewards: Sequence[float], group_size: int) -> list[bool]:
+    """Per group of ``group_size`` contiguous rewards: True when they are not all equal."""
+    return [
+        max(rewards[i : i + group_size]) != min(rewards[i : i + group_size])
+        for i in range(0, len(rewards), group_size)
+    ]
+
+
+def kept_in_order(flags: Sequence[Sequence[Sequence[bool]]]) -> list[tuple[int, int, int]]:
+    """(draw, rank, group) of every kept group, in draw, then DP-rank, then group order, from
+    ``flags[draw][rank][group]`` (identical on every rank after the gather)."""
+    return [
+        (d, r, g)
+        for d, per_rank in enumerate(flags)
+        for r, groups in enumerate(per_rank)
+        for g, keep in enumerate(groups)
+        if keep
+    ]
+
+
+def my_groups(chosen: Sequence[tuple[int, int, int]], rank: int) -> list[tuple[int, int, int]]:
+    """(global position, draw, group) of this rank's groups among the ``chosen`` ones."""
+    return [(pos, d, g) for pos, (d, r, g) in enumerate(chosen) if r == rank]
+
+
+@dataclass
+class GroupFilter:
+    """Fills one round's kept groups to exactly ``needed`` over every DP rank."""
+
+    num_generations: int
+    needed: int
+    """Groups a round trains over all ranks: prompts_per_round."""
+    max_rounds: int
+    """grpo.max_generation_rounds: extra draws allowed after the first."""
+    dp_rank: int
+    gather: Callable[[Any], list[Any]]
+    """One object per DP rank, in DP-rank order (identity on one process)."""
+
+    def fill(
+        self, first: Draw, draw_more: Callable[[], Draw]
+    ) -> tuple[list[Sample], list[int], dict]:
+        """(this rank's kept samples, their groups' global positions, metrics) of a round."""
+        draws, flags = [first], []
+        while True:
+            rewards = [s.reward for s in draws[-1][1]]
+            flags.append(self.gather(keep_flags(rewards, self.num_generations)))
+            kept = kept_in_order(flags)
+            if len(kept) >= self.needed:
+                break
+            if len(draws) > self.max_rounds:
+                raise RuntimeError(self._too_few(len(kept), len(draws)))
+            draws.append(draw_more())
+        G = self.num_generations
+        samples: list[Sample] = []
+        positions = []
+        for pos, d, g in my_groups(kept[: self.needed], self.dp_rank):
+            samples.extend(draws[d][1][g * G : (g + 1) * G])
+            positions.append(pos)
+        drawn = sum(len(per_rank) for f in flags for per_rank in f)
+        metrics = {
+            "generation_rounds": len(draws),
+            "prompts_drawn": drawn,
+            "groups_filtered": drawn - len(kept),
+            "groups_unused": len(kept) - self.needed,
+        }
+        return samples, positions, metrics
+
+    def _too_few(self, kept: int, draws: int) -> str:
+        return (
+            f"grpo.filter_groups=zero_variance: after {draws} generation rounds (1 + "
+            f"grpo.max_generation_rounds={self.max_rounds} extra) only {kept} of the {self.needed}"
+            " groups a round needs have rewards that differ: raise grpo.max_generation_rounds,"
+            " use data whose rewards vary within a group, or set grpo.filter_groups=none"
+        )
