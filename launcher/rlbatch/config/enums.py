@@ -177,3 +177,10 @@ class FailKind(str, Enum):
     nan_loss = "nan_loss"
     hang = "hang"
     kill = "kill"
+
+
+class BestMode(str, Enum):
+    """Whether a higher or a lower value of trainer.checkpoint.keep_best is better."""
+
+    max = "max"
+    min = "min"

@@ -226,7 +226,19 @@ def build_components(cfg: RunConfig) -> Components:
         aggregator=aggregator,
         export_hf=lambda path: hf.export_hf(model, cfg.model, path),
         meta={"parallel": layout, "rank_coords": _rank_coords(ps)},
+        evaluate=_evaluate_fn(cfg, model, tokenizer, ps),
     )
+
+
+def _evaluate_fn(cfg: RunConfig, model: list[Any], tokenizer: Any, ps: Any):
+    """The loop's evaluate(step) on the policy's own chunks (None: eval.every_steps = 0)."""
+    from rlbatch.eval.settings import eval_enabled
+
+    if not eval_enabled(cfg):
+        return None
+    from rlbatch.eval.runner import make_evaluate_fn
+
+    return make_evaluate_fn(cfg, model, tokenizer, ps.dp_rank, ps.dp, ps.rank)
 
 
 def _rank_coords(ps: Any) -> list[dict[str, int]]:

@@ -188,13 +188,17 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def prune_checkpoints(ckpt_dir: str | Path, keep_last: int, *, keep: Path | None = None):
-    """Delete all but the newest ``keep_last`` checkpoints, and leftovers of crashed writes."""
+def prune_checkpoints(
+    ckpt_dir: str | Path, keep_last: int, *, keep: Path | None = None, best: Path | None = None
+):
+    """Delete all but the newest ``keep_last`` checkpoints (``keep`` and ``best``, the
+    trainer.checkpoint.keep_best one, survive), and leftovers of crashed writes."""
     root = Path(ckpt_dir)
     removed = []
     complete = list_checkpoints(root)
+    kept = {p.resolve() for p in (keep, best) if p is not None}
     for _, path in complete[: max(0, len(complete) - max(keep_last, 1))]:
-        if keep is None or path.resolve() != keep.resolve():
+        if path.resolve() not in kept:
             shutil.rmtree(path)
             removed.append(path)
     for child in root.iterdir():
@@ -232,10 +236,12 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
     keep_last: int = 2,
     barrier: Callable[[], None] | None = None,
+    keep_best: Path | None = None,
 ) -> Path:
     """Collective: every rank calls it with its own payload; returns the final directory.
 
     ``barrier`` synchronises the ranks (rlbatch.distributed's barrier; a no-op for one rank).
+    ``keep_best`` (rank 0): a checkpoint that pruning keeps beyond ``keep_last``.
     """
     sync = barrier or (lambda: None)
     root = Path(ckpt_dir)
@@ -259,7 +265,7 @@ def save_checkpoint(
     sync()
     if rank == 0:
         _commit(tmp, final, step, world_size, meta or {})
-        prune_checkpoints(root, keep_last, keep=final)
+        prune_checkpoints(root, keep_last, keep=final, best=keep_best)
     sync()
     return final
 
