@@ -68,8 +68,9 @@ def worker_env(cfg: RunConfig) -> dict[str, str]:
     return env
 
 
-def launch(cfg: RunConfig, run_dir: Path, entry: str) -> int:
+def launch(cfg: RunConfig, run_dir: Path, entry: str, *, stdout_to_stderr: bool = False) -> int:
     """Write <run_dir>/resolved.yaml, run the workers, return 0 or the failure's exit code.
+    ``stdout_to_stderr``: the workers' output goes to stderr (a command printing JSON).
 
     Multi-node: every node calls this with the same ``run_dir``, which must be on a filesystem
     all nodes share (each rank writes its checkpoint shard there; rank 0 commits it)."""
@@ -85,7 +86,12 @@ def launch(cfg: RunConfig, run_dir: Path, entry: str) -> int:
     where = f", node {cfg.parallel.node_rank} of {nodes}" if nodes > 1 else ""
     log.info("run directory: %s (%d worker(s)%s)", run_dir, world_size(cfg), where)
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, env=child_env(worker_env(cfg)), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=child_env(worker_env(cfg)),
+        start_new_session=True,
+        stdout=sys.stderr if stdout_to_stderr else None,
+    )
     try:
         code = proc.wait()
     except KeyboardInterrupt:
