@@ -5,9 +5,10 @@ model rlbatch-eval loaded). Prompts are dealt round-robin over the data-parallel
 rank of a tensor / pipeline group samples the same shard (the engine's contract), and the
 scored results are gathered over the DP group, so every rank computes the same metrics.
 
-Evaluation never touches what training reads: it has its own prompts, its own sampling seed
-(sampling noise is a hash of the seed, not a generator's stream), and the global RNG states are
-saved before and restored after it, so a run trains the same with evaluation on or off.
+Evaluation never touches what training reads: it has its own prompts and its own sampling seed
+(sampling noise is a hash of the seed, not a generator's stream); the training loop also saves
+the global RNG states before it and restores them after, so a run trains the same with
+evaluation on or off.
 """
 
 from __future__ import annotations
@@ -88,16 +89,10 @@ class Evaluator:
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[PromptResult]]:
         """Sample and score this rank's prompts, gather every rank's, compute the metrics."""
-        from rlbatch.train.checkpoint import capture_rng_state, restore_rng_state
-
         started = time.perf_counter()
-        rng = capture_rng_state()
-        try:
-            n = self.cfg.eval.num_samples
-            samples = self.engine.generate(self.shard, n, step, self.seed)
-            mine = self._score(self.shard, samples, n)
-        finally:
-            restore_rng_state(rng)
+        n = self.cfg.eval.num_samples
+        samples = self.engine.generate(self.shard, n, step, self.seed)
+        mine = self._score(self.shard, samples, n)
         results = sorted((r for part in self.gather(mine) for r in part), key=lambda r: r.index)
         metrics = summarize(results, eval_pass_k(self.cfg), self.answer is not None)
         metrics["eval/seconds"] = time.perf_counter() - started

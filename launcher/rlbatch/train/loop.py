@@ -189,11 +189,17 @@ def _eval_due(cfg: RunConfig, comps: Components, step: int) -> bool:
 
 
 def _evaluate(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int) -> dict:
-    """The eval/* metrics of the policy after ``step`` optimizer steps (0: the initial one)."""
+    """The eval/* metrics of the policy after ``step`` optimizer steps (0: the initial one).
+    The RNG streams training reads are saved before and restored after: evaluation leaves
+    training as it was."""
     assert comps.evaluate is not None
     heartbeat.beat(step, "eval")
     evaluate = comps.evaluate
-    return _guarded(cfg, comps, heartbeat, step, lambda: evaluate(step))
+    rng = capture_rng_state()
+    try:
+        return _guarded(cfg, comps, heartbeat, step, lambda: evaluate(step))
+    finally:
+        restore_rng_state(rng)
 
 
 def _new_best(cfg: RunConfig, comps: Components, logger: MetricsLogger, record: dict) -> bool:
