@@ -6,8 +6,8 @@ best checkpoint is an old one that pruning must spare):
   run with evaluation resumes to the same metrics and samples files;
 - pass@k, mean@N and maj@N in metrics.jsonl equal a direct computation from the samples file;
 - keep_best keeps the best checkpoint beyond keep_last; rlbatch-export --best exports it;
-- rlbatch-eval on the run directory (--json, and the table with --best) and on the run's
-  Hugging Face export reproduces the in-training evaluation of the same weights exactly.
+- rlbatch-eval on the run directory (--json; --best at two DP ranks) and on the run's Hugging
+  Face export (the table) reproduces the in-training evaluation of the same weights exactly.
 """
 
 from __future__ import annotations
@@ -159,15 +159,20 @@ def test_rlbatch_eval_reproduces_the_training_evaluation(work, bin_dir):
     with open(result["samples"]) as fh:
         assert fh.read() == samples
 
-    # the run's Hugging Face export of the same weights, with the recipe's eval keys
+    # the run's Hugging Face export of the same weights, with the recipe's eval keys: a table
     cmd = [
         str(bin_dir / "rlbatch-eval"), f"model.hf_path={work['on'] / 'hf'}", "+recipe=grpo_qwen",
-        *EVAL, "--json",
+        *EVAL,
     ]  # fmt: skip
-    result = json.loads(_run(cmd, work["root"], work["env"]).stdout)
-    assert result["checkpoint"] is None and _eval_keys(result["metrics"]) == last
-
-    table = _run(
-        [str(bin_dir / "rlbatch-eval"), str(work["on"]), "--best"], work["root"], work["env"]
-    ).stdout
+    table = _run(cmd, work["root"], work["env"]).stdout
     assert "pass@4" in table and "maj@4" in table and "samples:" in table
+    assert f"{last['eval/pass@2']:.4g}" in table and f"{last['eval/maj@4']:.4g}" in table
+
+    # --best at two DP ranks (prompts sharded, results gathered): the best step's evaluation
+    records = [r for r in _metrics(work["on"]) if r["step"] >= 1 and "eval/reward_mean" in r]
+    best = min(records, key=lambda r: (r["eval/reward_mean"], r["step"]))
+    cmd = [str(bin_dir / "rlbatch-eval"), str(work["on"]), "--best", "parallel.dp=2", "--json"]
+    result = json.loads(_run(cmd, work["root"], work["env"]).stdout)
+    assert result["step"] == best["step"] and _eval_keys(result["metrics"]) == _eval_keys(best)
+    with open(result["samples"]) as fh:
+        assert fh.read() == (work["on"] / f"eval/step_{best['step']:05d}.jsonl").read_text()

@@ -1,9 +1,12 @@
 """The evaluation job: sample the held-out prompts on the rollout engine, score, gather.
 
 One :class:`Evaluator` per rank, on the rank's own model chunks (the training policy, or the
-model rlbatch-eval loaded). Prompts are dealt round-robin over the data-parallel ranks; every
-rank of a tensor / pipeline group samples the same shard (the engine's contract), and the
-scored results are gathered over the DP group, so every rank computes the same metrics.
+model rlbatch-eval loaded). The prompts are cut into blocks of rollout.micro_batch_size, dealt
+round-robin over the data-parallel ranks; every rank of a tensor / pipeline group samples the
+same blocks (the engine's contract), and the scored results are gathered over the DP group, so
+every rank computes the same metrics. Each block is sampled with a seed of its own (the
+evaluation seed and the block's index), so a sample does not depend on the number of DP
+ranks.
 
 Evaluation never touches what training reads: it has its own prompts and its own sampling seed
 (sampling noise is a hash of the seed, not a generator's stream); the training loop also saves
@@ -77,7 +80,9 @@ class Evaluator:
         data = eval_data(cfg)
         self.cfg = cfg
         self.prompts = load_eval_prompts(cfg, tokenizer)
-        self.shard = self.prompts[dp_rank::dp_size]
+        size = cfg.rollout.micro_batch_size
+        blocks = [self.prompts[i : i + size] for i in range(0, len(self.prompts), size)]
+        self.blocks = list(enumerate(blocks))[dp_rank::dp_size]  # (block index, prompts)
         self.tokenizer = tokenizer
         self.engine = _engine(cfg, model, tokenizer)
         self.rewards = build_rewards(data)
@@ -89,10 +94,14 @@ class Evaluator:
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[PromptResult]]:
         """Sample and score this rank's prompts, gather every rank's, compute the metrics."""
+        from rlbatch.train.generation import rank_seed
+
         started = time.perf_counter()
         n = self.cfg.eval.num_samples
-        samples = self.engine.generate(self.shard, n, step, self.seed)
-        mine = self._score(self.shard, samples, n)
+        mine: list[PromptResult] = []
+        for b, prompts in self.blocks:
+            samples = self.engine.generate(prompts, n, step, rank_seed(self.seed, b))
+            mine += self._score(prompts, samples, n)
         results = sorted((r for part in self.gather(mine) for r in part), key=lambda r: r.index)
         metrics = summarize(results, eval_pass_k(self.cfg), self.answer is not None)
         metrics["eval/seconds"] = time.perf_counter() - started
