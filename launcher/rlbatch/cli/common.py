@@ -125,8 +125,14 @@ def _adopt_hf_architecture(cfg: RunConfig, command: str) -> list[ConfigError]:
     return []
 
 
-def compose(overrides: list[str], command: str, scope: frozenset[str] | None = None) -> RunConfig:
-    """Compose conf/ + overrides with Hydra's compose API (no run dir, no logging setup)."""
+def compose(
+    overrides: list[str],
+    command: str,
+    scope: frozenset[str] | None = None,
+    extra: ExtraCheck | None = None,
+) -> RunConfig:
+    """Compose conf/ + overrides with Hydra's compose API (no run dir, no logging setup);
+    ``extra``: the command's own checks (:func:`to_validated_run_config`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -143,7 +149,7 @@ def compose(overrides: list[str], command: str, scope: frozenset[str] | None = N
             raise
         print(f"{command}: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
-    return to_validated_run_config(cfg, command, scope)
+    return to_validated_run_config(cfg, command, scope, extra)
 
 
 def config_groups() -> dict[str, list[str]]:

@@ -1,9 +1,11 @@
 """rlbatch-export: a checkpoint step of a training run -> a Hugging Face model directory.
 
-    rlbatch-export RUN_DIR --out DIR [--step N] [--dtype fp32|bf16|fp16] [--max-shard-size 2GB]
+    rlbatch-export RUN_DIR --out DIR [--step N | --best] [--dtype fp32|bf16|fp16]
+                   [--max-shard-size 2GB]
 
 Reads RUN_DIR/resolved.yaml, launches workers with the run's own parallel layout (tp, pp, vpp,
-dp), loads the checkpoint step (default: the newest complete one) and writes sharded
+dp), loads the checkpoint step (default: the newest complete one; ``--best``: the one of the
+best trainer.checkpoint.keep_best value in metrics.jsonl) and writes sharded
 safetensors + index, config.json, generation_config.json and the source model's tokenizer
 files. The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``.
 No torch at module level.
@@ -43,12 +45,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a training run directory (holds resolved.yaml)")
     p.add_argument("--out", required=True, help="output Hugging Face directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument(
+        "--best", action="store_true", help="the checkpoint of the best keep_best metric value"
+    )
     p.add_argument("--dtype", default=None, choices=DTYPES, help="default: the model's")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (2GB)")
     return p
 
 
-def _checkpoint(run_cfg, step: Optional[int], errors: list[ConfigError]) -> Optional[Path]:
+def select_checkpoint(
+    run_cfg, step: Optional[int], best: bool, errors: list[ConfigError]
+) -> Optional[Path]:
+    """The checkpoint ``--step N`` / ``--best`` / neither (the newest) names; else an error."""
     from rlbatch.train.checkpoint import list_checkpoints
 
     root = run_cfg.trainer.checkpoint.dir or Path(run_cfg.run_dir) / "checkpoints"
@@ -56,6 +64,13 @@ def _checkpoint(run_cfg, step: Optional[int], errors: list[ConfigError]) -> Opti
     if not found:
         errors.append(ConfigError("run_dir", run_cfg.run_dir, f"no complete checkpoint in {root}"))
         return None
+    if best:
+        if step is not None:
+            errors.append(ConfigError("--best", True, "excludes --step: pass one of them"))
+            return None
+        step = _best_step(run_cfg, sorted(found), errors)
+        if step is None:
+            return None
     if step is None:
         return found[max(found)]
     if step not in found:
@@ -63,6 +78,33 @@ def _checkpoint(run_cfg, step: Optional[int], errors: list[ConfigError]) -> Opti
             ConfigError("--step", step, f"no complete checkpoint; available: {sorted(found)}")
         )
     return found.get(step)
+
+
+def _best_step(run_cfg, steps: list[int], errors: list[ConfigError]) -> Optional[int]:
+    """The checkpointed step of the best trainer.checkpoint.keep_best value (metrics.jsonl)."""
+    from rlbatch.eval.metrics import best_step
+    from rlbatch.train.metrics import read_jsonl
+
+    ckpt = run_cfg.trainer.checkpoint
+    if ckpt.keep_best is None:
+        errors.append(
+            ConfigError(
+                "--best", True, "the run has no trainer.checkpoint.keep_best metric: pass --step N"
+            )
+        )
+        return None
+    records = read_jsonl(Path(run_cfg.run_dir) / "metrics.jsonl")
+    step = best_step(records, ckpt.keep_best, ckpt.keep_best_mode.value, steps)
+    if step is None:
+        errors.append(
+            ConfigError(
+                "--best",
+                True,
+                f"no checkpoint (steps {steps}) has a {ckpt.keep_best} value in metrics.jsonl:"
+                " pass --step N",
+            )
+        )
+    return step
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     shard_bytes = parse_size(args.max_shard_size)
     if not shard_bytes:
         errors.append(ConfigError("--max-shard-size", args.max_shard_size, "e.g. 2GB or 500MB"))
-    ckpt = _checkpoint(run_cfg, args.step, errors)
+    ckpt = select_checkpoint(run_cfg, args.step, args.best, errors)
     if errors:
         fail_config(ConfigErrors(errors), "rlbatch-export")
     from rlbatch.runtime.driver import launch

@@ -222,3 +222,10 @@ class FilterGroups(str, Enum):
 
     none = "none"
     zero_variance = "zero_variance"
+
+
+class BestMode(str, Enum):
+    """Whether a higher or a lower value of trainer.checkpoint.keep_best is better."""
+
+    max = "max"
+    min = "min"

@@ -18,6 +18,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     AnswerFormat,
     Architecture,
     BatchingMode,
+    BestMode,
     BuiltinTask,
     ChatTemplate,
     DataSource,
@@ -42,6 +43,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     WandbMode,
     Workload,
 )
+from rlbatch.config.evaluation import EvalConfig, EvalDataConfig  # noqa: F401
 from rlbatch.config.objectives import ObjectiveConfig
 
 # --------------------------------------------------------------------------------------------
@@ -344,6 +346,11 @@ class CheckpointConfig:
     """Checkpoint directory; null = <run_dir>/checkpoints."""
     export_hf: bool = True
     """Export the final policy in Hugging Face format to <run_dir>/hf."""
+    keep_best: Optional[str] = None
+    """An eval metric (e.g. eval/pass@1): the checkpoint of its best value survives keep_last
+    pruning, and a new best is saved when evaluated; null = off."""
+    keep_best_mode: BestMode = BestMode.max
+    """max: a higher keep_best value is better; min: a lower one."""
 
 
 @dataclass
@@ -493,5 +500,7 @@ class RunConfig:
     """Inputs of rlbatch-plan."""
     logprobs: LogprobsConfig = field(default_factory=LogprobsConfig)
     """Inputs and outputs of rlbatch-logprobs."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on held-out prompts during training and by rlbatch-eval."""
     run_dir: Optional[str] = None
     """Set by the driver: the run directory (resolved.yaml, metrics, checkpoints)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
+from rlbatch.config.evaluation_rules import check_eval
 from rlbatch.config.objectives import objective_errors
 from rlbatch.config.schema import (
     BatchingMode,
@@ -35,7 +36,7 @@ class Rule:
 
 SECTIONS = (
     "model", "data", "rollout", "batching", "normalization", "parallel", "grpo", "trainer",
-    "logging", "debug", "plan", "logprobs",
+    "logging", "debug", "plan", "logprobs", "eval",
 )  # fmt: skip
 
 TRAIN_SCOPE = frozenset(SECTIONS) - {"plan", "logprobs"}
@@ -44,6 +45,8 @@ PLAN_SCOPE = frozenset({"batching", "parallel", "plan"})
 """rlbatch-plan only plans: no model is built, no data generated, nothing trained."""
 LOGPROBS_SCOPE = frozenset({"model", "batching.infer", "parallel", "logprobs"})
 """rlbatch-logprobs builds the model and runs the infer pass over its input file."""
+EVAL_SCOPE = frozenset({"model", "rollout", "parallel", "eval"})
+"""rlbatch-eval builds the model and samples the eval set (eval.* fills its nulls from data.*)."""
 
 
 def _in_scope(section: str, scope: frozenset[str]) -> bool:
@@ -479,6 +482,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"model"}), _check_model_paths),
     Rule(frozenset({"trainer"}), _check_resume),
     Rule(frozenset({"logging"}), _check_tracking),
+    Rule(frozenset({"eval"}), check_eval),
 )
 
 

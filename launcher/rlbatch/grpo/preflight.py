@@ -22,10 +22,31 @@ from rlbatch.config.schema import DataConfig, DataSource, RewardKind, RunConfig
 def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     """(errors, warnings) of the data, rewards and tracking sinks of ``cfg``; rewrites relative
     data.reward_fn file paths to absolute ones."""
+    from rlbatch.eval.settings import eval_enabled
+
     errors: list[ConfigError] = []
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
+    if eval_enabled(cfg):
+        check_eval_inputs(cfg, errors)
     return errors, tracking_warnings(cfg)
+
+
+def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The held-out set (every bad row as one eval.data.path error) and the evaluation's reward
+    functions, as for the training data; rewrites relative eval.reward_fn paths."""
+    import dataclasses
+
+    from rlbatch.eval.settings import eval_data, eval_data_seed
+
+    data = eval_data(cfg)
+    if cfg.eval.reward_fn:
+        data = dataclasses.replace(data, reward_fn=cfg.eval.reward_fn)  # rewritten in place
+    fields = _check_dataset(cfg, errors, data, eval_data_seed(cfg.trainer.seed), "eval.data.path")
+    own = cfg.eval.reward_fn or cfg.eval.reward is not None
+    found: list[ConfigError] = []
+    _check_rewards(data, fields, found, prefix="eval" if own else "data")
+    errors += [e for e in found if str(e) not in {str(x) for x in errors}]
 
 
 def tracking_warnings(cfg: RunConfig) -> list[str]:
@@ -38,9 +59,15 @@ def tracking_warnings(cfg: RunConfig) -> list[str]:
     return []
 
 
-def _check_dataset(cfg: RunConfig, errors: list[ConfigError]) -> set[str] | None:
-    """Every bad row as one data.path error; returns the fields every good row has (None when
-    the file could not be read: then field checks are skipped)."""
+def _check_dataset(
+    cfg: RunConfig,
+    errors: list[ConfigError],
+    data: DataConfig | None = None,
+    seed: int | None = None,
+    key: str = "data.path",
+) -> set[str] | None:
+    """Every bad row of ``data`` (default: cfg.data) as one ``key`` error; returns the fields
+    every good row has (None when the file could not be read: then field checks are skipped)."""
     from rlbatch.grpo.data import (
         describe_problems,
         prompt_length_problems,
@@ -48,15 +75,15 @@ def _check_dataset(cfg: RunConfig, errors: list[ConfigError]) -> set[str] | None
         row_position,
     )
 
-    data = cfg.data
+    data = cfg.data if data is None else data
     if data.source == DataSource.builtin and data.num_prompts <= 0:
         return None  # the data.num_prompts rule reports it
     if data.source != DataSource.builtin and not _path_exists(data):
         return None  # the data.path rule of rlbatch.config.validate reports it
     try:
-        examples, problems = read_examples(data, cfg.trainer.seed)
+        examples, problems = read_examples(data, cfg.trainer.seed if seed is None else seed)
     except ValueError as err:
-        errors.append(ConfigError("data.path", data.path, str(err)))
+        errors.append(ConfigError(key, data.path, str(err)))
         return None
     tokenizer = _tokenizer(cfg)
     if tokenizer is not None:
@@ -64,7 +91,7 @@ def _check_dataset(cfg: RunConfig, errors: list[ConfigError]) -> set[str] | None
         problems.sort(key=lambda p: row_position(p.where))
     if problems:
         where = data.path if data.source != DataSource.builtin else f"data.task={data.task.name}"
-        errors.append(ConfigError("data.path", data.path, describe_problems(where, problems)))
+        errors.append(ConfigError(key, data.path, describe_problems(where, problems)))
     if not examples:
         return None
     common = set(examples[0].fields)
@@ -90,12 +117,15 @@ def _tokenizer(cfg: RunConfig):
         return None
 
 
-def _check_rewards(data: DataConfig, fields: set[str] | None, errors: list[ConfigError]) -> None:
+def _check_rewards(
+    data: DataConfig, fields: set[str] | None, errors: list[ConfigError], prefix: str = "data"
+) -> None:
+    """data.reward / data.reward_fn (``prefix`` names the group in the errors: data or eval)."""
     from rlbatch.grpo.user_rewards import RewardSpecError, is_import_spec, load_reward
 
     kinds = [] if data.reward_fn else [RewardKind(data.reward)]
     for i, spec in enumerate(data.reward_fn):
-        key = f"data.reward_fn[{i}]"
+        key = f"{prefix}.reward_fn[{i}]"
         if not is_import_spec(spec):
             if spec in RewardKind.__members__:
                 kinds.append(RewardKind[spec])
@@ -127,7 +157,7 @@ def _check_rewards(data: DataConfig, fields: set[str] | None, errors: list[Confi
                     "answer (or their plurals), give them defaults, or add the fields",
                 )
             )
-    _check_kinds(data, kinds, errors)
+    _check_kinds(data, kinds, errors, prefix)
     _check_weights(data, errors)
 
 
@@ -138,8 +168,10 @@ def _absolute_spec(spec: str) -> str:
     return spec
 
 
-def _check_kinds(data: DataConfig, kinds: list[RewardKind], errors: list[ConfigError]) -> None:
-    key = "data.reward_fn" if data.reward_fn else "data.reward"
+def _check_kinds(
+    data: DataConfig, kinds: list[RewardKind], errors: list[ConfigError], prefix: str
+) -> None:
+    key = f"{prefix}.reward_fn" if data.reward_fn else f"{prefix}.reward"
     if RewardKind.task in kinds and data.source != DataSource.builtin:
         errors.append(
             ConfigError(

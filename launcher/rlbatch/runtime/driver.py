@@ -77,10 +77,11 @@ def worker_env(cfg: RunConfig) -> dict[str, str]:
     return env
 
 
-def launch(cfg: RunConfig, run_dir: Path, entry: str) -> int:
+def launch(cfg: RunConfig, run_dir: Path, entry: str, *, stdout_to_stderr: bool = False) -> int:
     """Lock the run directory, write <run_dir>/resolved.yaml, run the workers, return 0 or the
     failure's exit code (EXIT_PREEMPTED after a preemption save, EXIT_LOCKED when another
     launcher holds the directory).
+    ``stdout_to_stderr``: the workers' output goes to stderr (a command printing JSON).
 
     Multi-node: every node calls this with the same ``run_dir``, which must be on a filesystem
     all nodes share (each rank writes its checkpoint shard there; rank 0 commits it); node 0
@@ -99,7 +100,8 @@ def launch(cfg: RunConfig, run_dir: Path, entry: str) -> int:
         _clear_previous_run(cfg, run_dir)
         resolved = resolved_path(cfg, run_dir)
         dump_run_config(cfg, resolved)
-        return _run_workers(cfg, run_dir, torchrun_command(cfg, resolved, entry))
+        cmd = torchrun_command(cfg, resolved, entry)
+        return _run_workers(cfg, run_dir, cmd, stdout_to_stderr=stdout_to_stderr)
 
 
 def _lock(cfg: RunConfig, run_dir: Path) -> RunLock:
@@ -128,12 +130,19 @@ def done_file(rank: int) -> str:
     return f"{DONE_DIR}/rank{rank}"
 
 
-def _run_workers(cfg: RunConfig, run_dir: Path, cmd: list[str]) -> int:
+def _run_workers(
+    cfg: RunConfig, run_dir: Path, cmd: list[str], *, stdout_to_stderr: bool = False
+) -> int:
     nodes = cfg.parallel.nnodes
     where = f", node {cfg.parallel.node_rank} of {nodes}" if nodes > 1 else ""
     log.info("run directory: %s (%d worker(s)%s)", run_dir, world_size(cfg), where)
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, env=child_env(worker_env(cfg)), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=child_env(worker_env(cfg)),
+        start_new_session=True,
+        stdout=sys.stderr if stdout_to_stderr else None,
+    )
     received: list[int] = []
     previous = _forward_preemption(proc, received)
     try:

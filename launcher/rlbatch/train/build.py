@@ -242,6 +242,7 @@ def build_components(cfg: RunConfig) -> Components:
         aggregator=aggregator,
         export_hf=lambda path: hf.export_hf(model, cfg.model, path),
         meta={"parallel": layout, "rank_coords": _rank_coords(ps)},
+        evaluate=_evaluate_fn(cfg, model, tokenizer, ps),
     )
 
 
@@ -259,6 +260,17 @@ def build_group_filter(cfg: RunConfig, schedule: Any, dp_rank: int) -> Any:
         dp_rank=dp_rank,
         gather=distributed.dp_gather_object,
     )
+
+
+def _evaluate_fn(cfg: RunConfig, model: list[Any], tokenizer: Any, ps: Any):
+    """The loop's evaluate(step) on the policy's own chunks (None: eval.every_steps = 0)."""
+    from rlbatch.eval.settings import eval_enabled
+
+    if not eval_enabled(cfg):
+        return None
+    from rlbatch.eval.runner import make_evaluate_fn
+
+    return make_evaluate_fn(cfg, model, tokenizer, ps.dp_rank, ps.dp, ps.rank)
 
 
 def _rank_coords(ps: Any) -> list[dict[str, int]]:

@@ -188,17 +188,21 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def prune_checkpoints(ckpt_dir: str | Path, keep_last: int, *, keep: Path | None = None):
+def prune_checkpoints(
+    ckpt_dir: str | Path, keep_last: int, *, keep: Path | None = None, best: Path | None = None
+):
     """Delete all but the newest ``keep_last`` intact checkpoints (a damaged checkpoint never
     counts toward them, so a failed newer save never costs an intact older one), damaged ones
-    older than those, and leftovers of crashed writes."""
+    older than those, and leftovers of crashed writes. ``keep`` and ``best`` (the
+    trainer.checkpoint.keep_best one) survive."""
     root = Path(ckpt_dir)
     removed = []
     found = integrity.scan(root)
     kept = [f for f in found if f.intact][-max(keep_last, 1) :]
+    spared = {p.resolve() for p in (keep, best) if p is not None}
     oldest_kept = kept[0].step if kept else -1
     for f in found:
-        if f in kept or (keep is not None and f.path.resolve() == keep.resolve()):
+        if f in kept or f.path.resolve() in spared:
             continue
         if f.intact or f.step < oldest_kept:
             shutil.rmtree(f.path)
@@ -265,12 +269,14 @@ def save_checkpoint(
     keep_last: int = 2,
     barrier: Callable[[], None] | None = None,
     gather: Callable[[Any], list[Any]] | None = None,
+    keep_best: Path | None = None,
 ) -> Path:
     """Collective: every rank calls it with its own payload; returns the final directory.
 
     ``barrier`` synchronises the ranks and ``gather`` collects one object per rank
     (rlbatch.distributed's; no-ops for one rank). Without ``gather`` rank 0 checksums every
     file itself. A write that fails for lack of space raises CheckpointSpaceError.
+    ``keep_best`` (rank 0): a checkpoint that pruning keeps beyond ``keep_last``.
     """
     sync = barrier or (lambda: None)
     root = Path(ckpt_dir)
@@ -303,7 +309,7 @@ def save_checkpoint(
         if rank == 0:
             integrity.write_manifest(tmp, {k: v for part in shares for k, v in part.items()})
             _commit(tmp, final)
-            prune_checkpoints(root, keep_last, keep=final)
+            prune_checkpoints(root, keep_last, keep=final, best=keep_best)
     sync()
     return final
 

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from rlbatch.config.schema import RunConfig
 from rlbatch.distributed import as_collective_timeout
+from rlbatch.eval.settings import eval_due
 from rlbatch.runtime import preempt
 from rlbatch.train import integrity
 from rlbatch.train.checkpoint import (
@@ -106,6 +107,9 @@ class Components:
     export_hf: Callable[[Path], None] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     """Written to each checkpoint's meta.json (parallel layout, ranks' coordinates)."""
+    evaluate: Callable[[int], dict[str, Any]] | None = None
+    """evaluate(step) -> eval/* metrics, the same on every rank (rlbatch.eval.runner); None
+    when eval.every_steps is 0."""
 
 
 class RankTimeoutError(RuntimeError):
@@ -152,15 +156,21 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     last_saved = resumed_step if state is not None else -1
     saved_at = time.monotonic()
     try:
+        if state is None and _eval_due(cfg, comps, 0):
+            logger.log({"step": 0, **_evaluate(cfg, comps, heartbeat, 0)})
         for step in range(resumed_step + 1, cfg.trainer.max_steps + 1):
             record = _guarded(
                 cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
             )
+            best = False
+            if _eval_due(cfg, comps, step):
+                record.update(_evaluate(cfg, comps, heartbeat, step))
+                best = _new_best(cfg, comps, logger, record)
             logger.log(record)
             due, stop = _guarded(
                 cfg, comps, heartbeat, step, lambda s=step, t=saved_at: _decide(cfg, comps, s, t)
             )
-            if due or stop:
+            if due or stop or best:
                 heartbeat.beat(step, "checkpoint")
                 path = _guarded(
                     cfg, comps, heartbeat, step, lambda s=step: _save(cfg, comps, s, logger)
@@ -185,6 +195,51 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
         watchdog.stop()
         logger.close()
     return logger.history
+
+
+def _eval_due(cfg: RunConfig, comps: Components, step: int) -> bool:
+    return comps.evaluate is not None and eval_due(cfg, step)
+
+
+def _evaluate(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int) -> dict:
+    """The eval/* metrics of the policy after ``step`` optimizer steps (0: the initial one).
+    The RNG streams training reads are saved before and restored after: evaluation leaves
+    training as it was."""
+    assert comps.evaluate is not None
+    heartbeat.beat(step, "eval")
+    evaluate = comps.evaluate
+    rng = capture_rng_state()
+    try:
+        return _guarded(cfg, comps, heartbeat, step, lambda: evaluate(step))
+    finally:
+        restore_rng_state(rng)
+
+
+def _new_best(cfg: RunConfig, comps: Components, logger: MetricsLogger, record: dict) -> bool:
+    """trainer.checkpoint.keep_best: whether ``record`` beats every earlier evaluation (rank 0
+    holds the history and decides for all), so the step is saved as the new best."""
+    metric = cfg.trainer.checkpoint.keep_best
+    if metric is None:
+        return False
+    from rlbatch.eval.metrics import is_new_best
+
+    mode = cfg.trainer.checkpoint.keep_best_mode.value
+    mine = comps.dist.rank == 0 and is_new_best(logger.history, metric, mode, record[metric])
+    return bool(comps.dist.all_gather_object(mine)[0])
+
+
+def _best_checkpoint(cfg: RunConfig, step: int, logger: MetricsLogger) -> Path | None:
+    """Rank 0: the checkpoint of the best keep_best value so far (step: the one being saved)."""
+    metric = cfg.trainer.checkpoint.keep_best
+    if metric is None:
+        return None
+    from rlbatch.eval.metrics import best_step
+    from rlbatch.train.checkpoint import checkpoint_name, list_checkpoints
+
+    steps = [s for s, _ in list_checkpoints(checkpoint_dir(cfg))] + [step]
+    mode = cfg.trainer.checkpoint.keep_best_mode.value
+    best = best_step(logger.history, metric, mode, steps)
+    return None if best is None else checkpoint_dir(cfg) / checkpoint_name(best)
 
 
 def _decide(cfg: RunConfig, comps: Components, step: int, saved_at: float) -> tuple[bool, str]:
@@ -343,6 +398,7 @@ def _save(cfg: RunConfig, comps: Components, step: int, logger: MetricsLogger) -
         keep_last=cfg.trainer.checkpoint.keep_last,
         barrier=comps.dist.barrier,
         gather=comps.dist.all_gather_object,
+        keep_best=_best_checkpoint(cfg, step, logger) if comps.dist.rank == 0 else None,
     )
     if comps.dist.rank == 0:
         log.info("checkpoint %s", path)

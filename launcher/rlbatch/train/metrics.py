@@ -27,6 +27,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from rlbatch.eval.metrics import PREFIX
+from rlbatch.eval.report import eval_columns, eval_table
 from rlbatch.train.tracking import Sink, open_sinks
 
 REQUIRED_KEYS = (
@@ -171,10 +173,12 @@ class MetricsLogger:
         )
 
     def log(self, record: dict[str, Any]) -> None:
-        """Write one step's record (must hold every key of REQUIRED_KEYS)."""
+        """Write one step's record (must hold every key of REQUIRED_KEYS; the step-0 record of
+        the initial evaluation holds only eval/* metrics)."""
         if not self.enabled:
             return
-        missing = [k for k in REQUIRED_KEYS if k not in record]
+        required = REQUIRED_KEYS if record.get("step") != 0 else ("step",)
+        missing = [k for k in required if k not in record]
         if missing:
             raise ValueError(f"metrics record of step {record.get('step')} lacks {missing}")
         rec = {k: _clean(v) for k, v in record.items()}
@@ -188,6 +192,11 @@ class MetricsLogger:
         self._report(rec)
 
     def _report(self, rec: dict[str, Any]) -> None:
+        line = format_eval(rec)
+        if line:
+            self.console.print(f"eval after step {rec['step']}: {line}", highlight=False)
+        if rec["step"] == 0:
+            return
         latest = format_latest(rec)
         if self._progress is not None:
             self._progress.update(self._task, completed=rec["step"], latest=latest)
@@ -207,6 +216,18 @@ class MetricsLogger:
     def print_summary(self) -> None:
         if self.enabled and self.history:
             self.console.print(summary_table(self.history))
+            table = eval_table(self.history)
+            if table is not None:
+                self.console.print(table)
+
+
+def format_eval(rec: dict[str, Any]) -> str:
+    """'pass@1 0.12  pass@4 0.31  maj@4 0.2' of a record's evaluation ('' when none)."""
+    return "  ".join(
+        f"{key.removeprefix(PREFIX)} {rec[key]:.3g}"
+        for key in eval_columns([rec])
+        if isinstance(rec[key], (int, float))
+    )
 
 
 def format_latest(rec: dict[str, Any]) -> str:
@@ -227,7 +248,9 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def summary_table(history: Sequence[dict[str, Any]]) -> Table:
-    """First / last value and the means of the first and last 10% of steps, per metric."""
+    """First / last value and the means of the first and last 10% of steps, per metric (over
+    the optimizer steps: the step-0 evaluation record is left out)."""
+    history = [r for r in history if r.get("step") != 0]
     n = len(history)
     tenth = max(1, n // 10)
     table = Table(title=f"rlbatch run summary ({n} steps)")

@@ -29,6 +29,17 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], l
     return xs, ys
 
 
+def _plot_eval(ax: Any, records: Sequence[dict[str, Any]], keys: Sequence[str]) -> None:
+    """pass@k, mean@N and maj@N of every evaluation (held-out prompts) against step."""
+    for key in keys:
+        if "@" in key:
+            xs, ys = _series(records, key)
+            ax.plot(xs, ys, marker=".", linewidth=1.4, label=key.split("/", 1)[1])
+    ax.set_ylabel("eval (held-out)")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+
+
 def plot_metrics(
     records: Sequence[dict[str, Any]], path: str | Path, title: str = ""
 ) -> Path | None:
@@ -46,8 +57,14 @@ def plot_metrics(
     if not records:
         warnings.warn("no metrics recorded: no plot", stacklevel=2)
         return None
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 7.5), sharex=True)
-    for ax, (key, label) in zip(axes, PANELS, strict=True):
+    from rlbatch.eval.report import eval_columns, eval_records
+
+    evals = eval_columns(eval_records(records))
+    panels = len(PANELS) + (1 if evals else 0)
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 2.5 * panels), sharex=True)
+    if evals:
+        _plot_eval(axes[-1], records, evals)
+    for ax, (key, label) in zip(axes, PANELS, strict=False):
         xs, ys = _series(records, key)
         ax.plot(xs, ys, marker="." if len(xs) < 40 else None, linewidth=1.4)
         if key == "reward_mean":

@@ -124,7 +124,9 @@ class MlflowSink:
             mlflow.log_params(params)
 
     def log(self, record: Mapping[str, Any], step: int) -> None:
-        self.mlflow.log_metrics(numeric(record), step=step)
+        # MLflow names allow letters, digits and _-. /: eval/pass@4 becomes eval/pass_at_4
+        metrics = {k.replace("@", "_at_"): v for k, v in numeric(record).items()}
+        self.mlflow.log_metrics(metrics, step=step)
 
     def close(self) -> None:
         self.mlflow.end_run()

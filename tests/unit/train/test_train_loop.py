@@ -243,3 +243,41 @@ def test_kill_injection_kills_the_process():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9 and "survived" not in proc.stdout
+
+
+def _with_eval(cfg, comps, calls, values):
+    """An evaluate that draws from the global torch RNG (the loop must restore it) and reports
+    eval/reward_mean from ``values`` (by step)."""
+
+    def evaluate(step):
+        calls.append(step)
+        torch.rand(5)
+        return {"eval/reward_mean": values[step], "eval/pass@1": 0.5}
+
+    comps.evaluate = evaluate
+    return comps
+
+
+def test_evaluation_steps_leave_training_unchanged_and_keep_the_best(tmp_path):
+    ref_cfg = _cfg(tmp_path / "ref")
+    train(ref_cfg, _components(ref_cfg))
+    cfg = _cfg(tmp_path / "run")
+    cfg.eval.every_steps = 3
+    cfg.trainer.checkpoint.every_steps = 0
+    cfg.trainer.checkpoint.keep_last = 1
+    cfg.trainer.checkpoint.keep_best = "eval/reward_mean"
+    values = {0: 9.0, 3: 0.7, 6: 0.4, 8: 0.2}  # step 0 is no checkpoint: 3 is the best one
+    calls: list[int] = []
+    train(cfg, _with_eval(cfg, _components(cfg), calls, values))
+    assert calls == [0, 3, 6, 8]  # the baseline, every 3 steps, the last step
+    recs = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(9))
+    assert recs[0] == {"step": 0, "eval/reward_mean": 9.0, "eval/pass@1": 0.5}
+    assert {r["step"]: r.get("eval/reward_mean") for r in recs if "eval/pass@1" in r} == values
+    training = [{k: v for k, v in r.items() if "eval/" not in k} for r in recs[1:]]
+    assert _strip(training) == _strip(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
+    # a new best is saved when evaluated; it outlives keep_last=1; steps 6 and 8 are no best
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "step_00000003",
+        "step_00000008",
+    ]

@@ -1,0 +1,174 @@
+"""The evaluation job: sample the held-out prompts on the rollout engine, score, gather.
+
+One :class:`Evaluator` per rank, on the rank's own model chunks (the training policy, or the
+model rlbatch-eval loaded). The prompts are cut into blocks of rollout.micro_batch_size, dealt
+round-robin over the data-parallel ranks; every rank of a tensor / pipeline group samples the
+same blocks (the engine's contract), and the scored results are gathered over the DP group, so
+every rank computes the same metrics. Each block is sampled with a seed of its own (the
+evaluation seed and the block's index), so a sample does not depend on the number of DP
+ranks.
+
+Evaluation never touches what training reads: it has its own prompts and its own sampling seed
+(sampling noise is a hash of the seed, not a generator's stream); the training loop also saves
+the global RNG states before it and restores them after, so a run trains the same with
+evaluation on or off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from rlbatch.config.schema import DataSource, RunConfig
+from rlbatch.eval.answers import AnswerFn, answer_fn, voting_kind
+from rlbatch.eval.metrics import PromptResult, ScoredSample, summarize
+from rlbatch.eval.settings import (
+    eval_data,
+    eval_data_seed,
+    eval_pass_k,
+    eval_rollout,
+)
+from rlbatch.grpo.types import Prompt, Sample
+
+EVAL_STREAM = 0x45564C
+"""Mixed into trainer.seed for the evaluation's sampling seed (another stream than training's)."""
+
+
+def load_eval_prompts(cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
+    """The evaluation prompts: eval.data (a built-in task without the training prompts), the
+    first eval.max_prompts of them."""
+    from rlbatch.grpo.data import build_prompts, load_examples
+    from rlbatch.grpo.tasks import generate_examples
+
+    data = eval_data(cfg)
+    examples = load_examples(data, eval_data_seed(cfg.trainer.seed))
+    if data.source == DataSource.builtin and cfg.data.source == DataSource.builtin:
+        seen = {
+            e.prompt
+            for e in generate_examples(cfg.data.task, cfg.data.num_prompts, cfg.trainer.seed)
+        }
+        examples = [e for e in examples if e.prompt not in seen]
+    if cfg.eval.max_prompts is not None:
+        examples = examples[: cfg.eval.max_prompts]
+    if not examples:
+        raise ValueError(
+            "the evaluation set is empty (every generated prompt is a training prompt): raise"
+            " eval.data.num_prompts"
+        )
+    return build_prompts(data, tokenizer, examples)
+
+
+class Evaluator:
+    """evaluate(step) -> (metrics, results of every prompt), the same on every rank."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model: list[Any],
+        tokenizer: Any,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        gather: Callable[[Any], list[Any]],
+    ) -> None:
+        from rlbatch.grpo.rewards import build_rewards
+        from rlbatch.train.generation import rank_seed
+
+        data = eval_data(cfg)
+        self.cfg = cfg
+        self.prompts = load_eval_prompts(cfg, tokenizer)
+        size = cfg.rollout.micro_batch_size
+        blocks = [self.prompts[i : i + size] for i in range(0, len(self.prompts), size)]
+        self.blocks = list(enumerate(blocks))[dp_rank::dp_size]  # (block index, prompts)
+        self.tokenizer = tokenizer
+        self.engine = _engine(cfg, model, tokenizer)
+        self.rewards = build_rewards(data)
+        self.answer: Optional[AnswerFn] = answer_fn(
+            voting_kind(data.reward, data.reward_fn), data.task
+        )
+        self.gather = gather
+        self.seed = rank_seed(cfg.trainer.seed, EVAL_STREAM)
+
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[PromptResult]]:
+        """Sample and score this rank's prompts, gather every rank's, compute the metrics."""
+        from rlbatch.train.generation import rank_seed
+
+        started = time.perf_counter()
+        n = self.cfg.eval.num_samples
+        mine: list[PromptResult] = []
+        for b, prompts in self.blocks:
+            samples = self.engine.generate(prompts, n, step, rank_seed(self.seed, b))
+            mine += self._score(prompts, samples, n)
+        results = sorted((r for part in self.gather(mine) for r in part), key=lambda r: r.index)
+        metrics = summarize(results, eval_pass_k(self.cfg), self.answer is not None)
+        metrics["eval/seconds"] = time.perf_counter() - started
+        return metrics, results
+
+    def _score(
+        self, prompts: Sequence[Prompt], samples: list[Sample], n: int
+    ) -> list[PromptResult]:
+        from rlbatch.grpo.rewards import reward_input
+
+        inputs = [reward_input(s, self.tokenizer) for s in samples]
+        totals, _ = self.rewards.score(inputs) if inputs else ([], {})
+        threshold = self.cfg.eval.correct_threshold
+        scored = [
+            ScoredSample(
+                text=x.response,
+                reward=r,
+                correct=r > threshold,
+                num_tokens=len(s.response_ids),
+                truncated=s.truncated,
+                answer=self.answer(x) if self.answer is not None else None,
+            )
+            for s, x, r in zip(samples, inputs, totals, strict=True)
+        ]
+        return [
+            PromptResult(p.index, p.text, p.answer, tuple(scored[g * n : (g + 1) * n]))
+            for g, p in enumerate(prompts)
+        ]
+
+
+def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> Any:
+    """The rollout engine with the evaluation's sampling settings, in rollout.micro_batch_size
+    prompt chunks (sequence parallelism off while decoding, as for training's rollouts)."""
+    from rlbatch.grpo.rollout import build_rollout_engine
+    from rlbatch.train.generation import SequenceParallelOffEngine
+
+    sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg))
+    engine = build_rollout_engine(
+        sampling, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=True
+    )
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+        engine = SequenceParallelOffEngine(engine, model)
+    return engine
+
+
+def make_evaluate_fn(
+    cfg: RunConfig, model: list[Any], tokenizer: Any, dp_rank: int, dp_size: int, rank: int
+) -> Callable[[int], dict[str, float]]:
+    """The training loop's evaluate(step) -> metrics; rank 0 writes
+    <run_dir>/eval/step_NNNNN.jsonl."""
+    from rlbatch import distributed
+    from rlbatch.eval.report import write_samples
+
+    evaluator = Evaluator(
+        cfg, model, tokenizer, dp_rank=dp_rank, dp_size=dp_size, gather=distributed.dp_gather_object
+    )
+    assert cfg.run_dir is not None
+
+    def evaluate(step: int) -> dict[str, float]:
+        metrics, results = evaluator.evaluate(step)
+        if rank == 0:
+            write_samples(samples_path(Path(str(cfg.run_dir)), step), results)
+        return metrics
+
+    return evaluate
+
+
+def samples_path(run_dir: Path, step: int) -> Path:
+    """<run_dir>/eval/step_NNNNN.jsonl."""
+    return run_dir / "eval" / f"step_{step:05d}.jsonl"
