@@ -53,7 +53,7 @@ def user_run(bin_dir, subprocess_env, tmp_path_factory):
     proc = _run(
         bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", "env=default", "env.path=scripted.py:Scripted",
         "+env.kwargs.fail=true", "env.on_error=zero_reward", "env.max_turns=3",
-        "data.reward_fn=bonus.py:bonus", "logging.samples=true", "trainer.max_steps=4",
+        "data.reward_fn=bonus.py:bonus", "logging.samples=true", "logging.plans=true", "trainer.max_steps=4",
         "grpo.num_steps_async=1", "grpo.num_iterations=2", "grpo.global_batch_size=32",
         "rollout.max_new_tokens=24",
     )  # fmt: skip
@@ -102,6 +102,10 @@ def test_user_environment_trains_with_masks_rewards_and_samples(user_run):
                 assert s["reward_parts"]["bonus"] == 0.5
             observed += any(t["role"] == "observation" for t in s["turns"])
         assert records[step - 1]["episodes_truncated"] == truncated
+        # the planner sees whole trajectories: the train pass's lengths are the transcripts'
+        plan = json.loads((run_dir / "plans" / f"step_{step:05d}.json").read_text())
+        lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+        assert sorted(plan["lengths"]) == sorted(lengths)
     assert errors > 0 and observed > 0
     assert sum(r["env_errors"] for r in records) == errors
 
