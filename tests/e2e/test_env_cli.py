@@ -1,6 +1,7 @@
 """Multi-turn environments through the real rlbatch-train: a user environment by file path with
 a data reward function on top, async run-ahead with generation overlapping training (the
-generation worker builds the environment), two iterations per round (the old-logprob pass),
+generation worker builds the environment), two iterations per round (the old-logprob pass), the
+reference pass (grpo.beta > 0), the train pass planned on whole transcripts (logging.plans),
 env.on_error=zero_reward, logging.samples; and the errors: a bad env.path before launch, an
 exception in step naming the class, the sample and the turn, without a traceback."""
 
@@ -54,7 +55,7 @@ def user_run(bin_dir, subprocess_env, tmp_path_factory):
         bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", "env=default", "env.path=scripted.py:Scripted",
         "+env.kwargs.fail=true", "env.on_error=zero_reward", "env.max_turns=3",
         "data.reward_fn=bonus.py:bonus", "logging.samples=true", "logging.plans=true", "trainer.max_steps=4",
-        "grpo.num_steps_async=1", "grpo.num_iterations=2", "grpo.global_batch_size=32",
+        "grpo.num_steps_async=1", "grpo.num_iterations=2", "grpo.beta=0.02", "grpo.global_batch_size=32",
         "rollout.max_new_tokens=24",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -70,6 +71,7 @@ def test_user_environment_trains_with_masks_rewards_and_samples(user_run):
                     "episodes_truncated", "env_errors", "reward/env_mean", "reward/bonus_mean"):  # fmt: skip
             assert key in r, key
         assert 1.0 <= r["turns_mean"] <= r["turns_max"] <= 3
+        assert r["kl"] is not None and r["kl"] >= 0.0  # the reference pass scored the transcripts
     assert [r["staleness_mean"] for r in records] == [0.0, 0.0, 1.0, 1.0]  # async rounds of 2
     assert "old_logps_seconds" in records[0]  # num_iterations=2: the old pass ran
     tok = ByteTokenizer()
