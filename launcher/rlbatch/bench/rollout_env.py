@@ -11,8 +11,9 @@ hidden state, which makes turns end after a few tokens as a trained policy's do 
 then gets final answers; a random policy writes no ``<calc>`` call, so its episodes have one
 turn; guess_number's have several).
 
-Reported (median over ``--repeats``): sampled (assistant) tokens per second and all trajectory
-tokens (observations included) per second, turns per episode, and the fraction of decode slots
+Reported (median over ``--repeats``): sampled (assistant) tokens per CPU second of the process
+(robust on a shared machine; one thread by default) and all trajectory tokens (observations
+included) per CPU second, turns per episode, and the fraction of decode slots
 that decoded while at least one row waited on its environment (slot-steps that decoded / slot
 steps that existed during those steps).
 """
@@ -100,9 +101,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     runs = []
     for r in range(args.repeats + 1):  # the first is a warm-up
-        started = time.perf_counter()
+        started = time.process_time()
         samples = engine.generate(prompts, 1, 0, seed=r)
-        seconds = time.perf_counter() - started
+        seconds = time.process_time() - started
         stats = engine.slot_stats
         runs.append({
             "sampled_tokens_per_s": sum(sum(s.loss_mask or []) for s in samples) / seconds,
