@@ -103,3 +103,44 @@ def test_loading_checks_name_the_file_and_what_is_missing(tmp_path):
         EnvSpecError, match="cannot be constructed with env.kwargs=\\{'levle': 2\\}"
     ):
         check_environment(f"{path}:Good", {"levle": 2})
+
+
+QWEN25_TOOL_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)  # Qwen2.5's rendering of one tool message after an assistant turn
+
+
+def test_observations_render_by_chat_template(tmp_path):
+    """none: the text; qwen: a Qwen2.5 tool turn; model: what the tokenizer's own template adds
+    after the assistant turn's EOS (a Qwen2.5-style template gives exactly the qwen form)."""
+    import json
+
+    from hf_reference import save_chat_tokenizer
+    from rlbatch.config.schema import ChatTemplate
+    from rlbatch.engine.tokenizer import ByteTokenizer, HFTokenizer
+    from rlbatch.env.render import QWEN_TOOL_TURN, observation_text
+
+    assert observation_text(ChatTemplate.none, "higher", ByteTokenizer()) == "higher"
+    qwen = observation_text(ChatTemplate.qwen, "higher", ByteTokenizer())
+    assert qwen == (
+        "\n<|im_start|>user\n<tool_response>\nhigher\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert observation_text(ChatTemplate.model, "higher", ByteTokenizer()) == qwen  # no template
+    path = save_chat_tokenizer(tmp_path / "tok")
+    config = {"eos_token": "<|im_end|>", "eos_token_id": 0, "chat_template": QWEN25_TOOL_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert observation_text(ChatTemplate.model, "higher", HFTokenizer(path)) == qwen
+    config["eos_token"] = "<|endoftext|>"  # an EOS that does not close the turn: the close stays
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    rendered = observation_text(ChatTemplate.model, "higher", HFTokenizer(path))
+    assert rendered == "<|im_end|>" + QWEN_TOOL_TURN.format(observation="higher")
+    config["chat_template"] = "{{ messages[-1].content }}"  # does not extend the conversation
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="set data.chat_template=qwen or none"):
+        observation_text(ChatTemplate.model, "higher", HFTokenizer(path))

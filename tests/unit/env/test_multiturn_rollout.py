@@ -202,3 +202,37 @@ def test_environment_errors_name_class_sample_and_turn(model):
     )
     ended = [s.episode for s in out if s.episode["end"] == "error"]
     assert ended and all("ZeroDivisionError" in e["error"] for e in ended)
+
+
+class Slow:
+    """Sync or async steps that take 0.5 s."""
+
+    def reset(self, row):
+        return None
+
+    def step(self, state, text):
+        import time
+
+        time.sleep(0.5)
+        return {"observation": None, "done": True}
+
+
+class SlowAsync(Slow):
+    async def step(self, state, text):
+        import asyncio
+
+        await asyncio.sleep(0.5)
+        return {"observation": None, "done": True}
+
+
+@pytest.mark.parametrize("env", [Slow(), SlowAsync()], ids=["sync", "async"])
+def test_a_step_longer_than_the_timeout_is_an_error(model, env):
+    prompts = _prompts()
+    with pytest.raises(EnvCallError, match=r"took longer than env.timeout_s=0.1"):
+        _engine(model, EOS, env=env, timeout_s=0.1).generate(prompts, 1, 0, seed=2)
+    out = _engine(model, EOS, env=env, timeout_s=0.1, on_error="zero_reward").generate(
+        prompts, 1, 0, seed=2
+    )
+    assert any(s.episode["end"] == "error" for s in out)
+    done = _engine(model, EOS, env=env, timeout_s=5.0).generate(prompts, 1, 0, seed=2)
+    assert all(s.episode["end"] in ("done", "max_new_tokens") for s in done)
