@@ -45,22 +45,51 @@ def _run(bin_dir, env, cwd, *overrides):
     )  # fmt: skip
 
 
+USER_RUN = (
+    "env=default", "env.path=scripted.py:Scripted", "+env.kwargs.fail=true",
+    "env.on_error=zero_reward", "env.max_turns=3", "data.reward_fn=bonus.py:bonus",
+    "logging.samples=true", "logging.plans=true", "trainer.max_steps=4",
+    "grpo.num_steps_async=1", "grpo.num_iterations=2", "grpo.beta=0.02",
+    "grpo.global_batch_size=32", "rollout.max_new_tokens=24",
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def user_run(bin_dir, subprocess_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("env")
     (tmp / "scripted.py").write_text(ENV)
     (tmp / "bonus.py").write_text("def bonus(completion):\n    return 0.5\n")
     run_dir = tmp / "run"
-    proc = _run(
-        bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", "env=default", "env.path=scripted.py:Scripted",
-        "+env.kwargs.fail=true", "env.on_error=zero_reward", "env.max_turns=3",
-        "data.reward_fn=bonus.py:bonus", "logging.samples=true", "logging.plans=true", "trainer.max_steps=4",
-        "grpo.num_steps_async=1", "grpo.num_iterations=2", "grpo.beta=0.02", "grpo.global_batch_size=32",
-        "rollout.max_new_tokens=24",
-    )  # fmt: skip
+    proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", *USER_RUN)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return run_dir, records
+    return run_dir, _metrics(run_dir)
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(records):
+    return [{k: v for k, v in r.items() if not k.endswith(("_s", "seconds")) and "per_s" not in k}
+            for r in records]  # fmt: skip
+
+
+def test_killed_and_resumed_multi_turn_run_continues_exactly(user_run, bin_dir, subprocess_env):
+    """The same async multi-turn run, SIGKILLed during step 3 (a queued round of trajectories
+    and the generation worker's aggregator state in the step-2 checkpoint), then resumed:
+    every step's metrics and every trained trajectory equal the uninterrupted run's."""
+    ref_dir, expected = user_run
+    run_dir = ref_dir.parent / "killed"
+    common = [f"hydra.run.dir={run_dir}", *USER_RUN, "trainer.checkpoint.every_steps=2"]
+    killed = _run(bin_dir, subprocess_env, ref_dir.parent, *common, "debug.fail_at_step=3",
+                  "debug.fail_kind=kill")  # fmt: skip
+    assert killed.returncode != 0 and len(_metrics(run_dir)) == 2
+    resumed = _run(bin_dir, subprocess_env, ref_dir.parent, *common, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert _untimed(_metrics(run_dir)) == _untimed(expected)
+    for step in (3, 4):
+        name = f"samples/step_{step:05d}.jsonl"
+        assert (run_dir / name).read_text() == (ref_dir / name).read_text()
 
 
 def test_user_environment_trains_with_masks_rewards_and_samples(user_run):
