@@ -2,6 +2,7 @@
 
     rlbatch-bench rollout [--models tiny,small] [--batch-sizes 4,16] [--spreads uniform,longtail]
                           [--max-new-tokens 64] [--rows 32] [--repeats 3] [--threads 2] [--json]
+    rlbatch-bench rollout --env calculator    # multi-turn rollouts (rlbatch.bench.rollout_env)
 
 Both generate from the same Hugging Face Qwen2 checkpoint (written by transformers with random
 weights: ``tiny`` = vocab 512, hidden 128, 4 layers, 4 heads / 2 KV heads, tied; ``small`` =
@@ -231,6 +232,10 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if any(a == "--env" or a.startswith("--env=") for a in argv):  # multi-turn: its own bench
+        from rlbatch.bench import rollout_env
+
+        return rollout_env.main(argv)
     args = parse_args(argv)
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else format_report(result))

@@ -93,6 +93,8 @@ class RewardKind(str, Enum):
     math = "math"
     format = "format"  # type: ignore[assignment]  # shadows str.format; the user-facing name
     math_verify = "math_verify"
+    none = "none"
+    """No data reward: the environment's own rewards alone (env.path)."""
 
 
 class AnswerFormat(str, Enum):
@@ -229,3 +231,12 @@ class BestMode(str, Enum):
 
     max = "max"
     min = "min"
+
+
+class EnvOnError(str, Enum):
+    """What an exception (or a timeout, or a wrong return type) in an environment's reset / step
+    does: stop the run naming the environment, sample and turn, or end that episode with
+    reward 0 (counted in the ``env_errors`` metric)."""
+
+    raise_error = "raise_error"
+    zero_reward = "zero_reward"

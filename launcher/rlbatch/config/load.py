@@ -78,6 +78,14 @@ def _check_list(key: str, value: Any, item_tp: Any, errors: list[ConfigError]) -
     return _MISSING if len(errors) > before else out
 
 
+def _check_mapping(key: str, value: Any, errors: list[ConfigError]) -> Any:
+    """A free-form mapping field (``env.kwargs``): any keys, any YAML values."""
+    if isinstance(value, dict):
+        return dict(value)
+    errors.append(ConfigError(key, value, "must be a mapping ({key: value, ...})"))
+    return _MISSING
+
+
 def _check_node(prefix: str, data: Any, cls: type, errors: list[ConfigError]) -> dict[str, Any]:
     """Walk ``data`` against dataclass ``cls``; return a clean dict of field name -> value."""
     if not isinstance(data, dict):
@@ -106,7 +114,9 @@ def _check_node(prefix: str, data: Any, cls: type, errors: list[ConfigError]) ->
         if dataclasses.is_dataclass(tp):
             clean[name] = _check_node(dotted, value, tp, errors)  # type: ignore[arg-type]
             continue
-        if typing.get_origin(tp) is list:
+        if typing.get_origin(tp) is dict:
+            converted = _check_mapping(dotted, value, errors)
+        elif typing.get_origin(tp) is list:
             converted = _check_list(dotted, value, typing.get_args(tp)[0], errors)
         else:
             converted = _check_scalar(dotted, value, tp, errors)

@@ -24,6 +24,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     DataSource,
     DistBackend,
     Dtype,
+    EnvOnError,
     FailKind,
     FilterGroups,
     KLEstimator,
@@ -43,6 +44,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     WandbMode,
     Workload,
 )
+from rlbatch.config.env import EnvConfig
 from rlbatch.config.evaluation import EvalConfig, EvalDataConfig  # noqa: F401
 from rlbatch.config.objectives import ObjectiveConfig
 
@@ -418,6 +420,9 @@ class LoggingConfig:
     plans: bool = False
     """Write each step's train-pass plan (rlbatch-plan's JSON) and the mini-batch's lengths to
     <run_dir>/plans/step_NNNNN.json."""
+    samples: bool = False
+    """Write every trained sample of each step to <run_dir>/samples/step_NNNNN.jsonl: token ids,
+    loss mask, turns (role, text), reward and its parts, advantage, why the episode ended."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases sink (optional extra ``wandb``)."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
@@ -482,6 +487,8 @@ class RunConfig:
     """Prompt dataset and reward."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation (sampling) settings."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn environments and tool calls (null env.path: single-turn rollouts)."""
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     """Micro-batching of the train and infer passes (the planner)."""
     normalization: NormalizationConfig = field(default_factory=NormalizationConfig)

@@ -7,7 +7,8 @@
 A twin keeps what makes a recipe's run shape: tensor parallelism with its sequence_parallel,
 pipeline and virtual pipeline sizes, the distributed optimizer, overlap_grad_reduce, batching
 modes and rounds, normalization, loss aggregation, steps_per_generation, num_steps_async,
-aggregation settings and checkpointing. It shrinks what only makes a run big: the model
+aggregation settings, checkpointing and the environment of a multi-turn recipe (its
+env.max_total_tokens grown to hold the twin's prompt length). It shrinks what only makes a run big: the model
 (``model=tiny_twin``: layers a multiple of pp * vpp, 4 heads in 2 query groups, the byte
 tokenizer; the recipe model's embedding tying, QKV bias and recompute copied), tp and dp to at
 most :data:`MAX_TP` / :data:`MAX_DP` (so it fits one machine), one node, the batch (whole groups
@@ -68,6 +69,9 @@ def twin_overrides(cfg: RunConfig, *, cpu: bool = True) -> list[str]:
         "grpo.aggregation.train_micro_batch_size=1",
         "rollout.micro_batch_size=1",
     ]
+    if cfg.env.path:  # a trajectory holds the (longer) twin prompt and every turn
+        per_turn = MAX_NEW_TOKENS + cfg.env.max_observation_tokens
+        out.append(f"env.max_total_tokens={MAX_PROMPT_LEN + cfg.env.max_turns * per_turn}")
     if cpu:
         out.append("model.params_dtype=fp32")
     return out

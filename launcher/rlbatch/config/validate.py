@@ -35,7 +35,7 @@ class Rule:
 
 
 SECTIONS = (
-    "model", "data", "rollout", "batching", "normalization", "parallel", "grpo", "trainer",
+    "model", "data", "rollout", "env", "batching", "normalization", "parallel", "grpo", "trainer",
     "logging", "debug", "plan", "logprobs", "eval",
 )  # fmt: skip
 
@@ -61,8 +61,18 @@ def world_size(cfg: RunConfig) -> int:
 
 
 def longest_sequence(cfg: RunConfig) -> int:
-    """The longest possible sample: max prompt + max new tokens."""
+    """The longest possible sample: max prompt + max new tokens (single turn), or
+    env.max_total_tokens (a multi-turn trajectory)."""
+    if cfg.env.path:
+        return cfg.env.max_total_tokens
     return cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+
+
+def longest_sequence_text(cfg: RunConfig) -> str:
+    """Where :func:`longest_sequence` comes from, for error messages."""
+    if cfg.env.path:
+        return "env.max_total_tokens"
+    return "data.max_prompt_len + rollout.max_new_tokens"
 
 
 def generation_batch_size(cfg: RunConfig) -> int:
@@ -198,8 +208,8 @@ def _check_budget_fits(name: str, cfg: RunConfig, errors: list[ConfigError]) -> 
                 ConfigError(
                     f"{key}.max_tokens",
                     bp.max_tokens,
-                    f"is smaller than the longest possible sequence data.max_prompt_len + "
-                    f"rollout.max_new_tokens = {longest} (rounded to {padded_longest}): raise "
+                    f"is smaller than the longest possible sequence {longest_sequence_text(cfg)}"
+                    f" = {longest} (rounded to {padded_longest}): raise "
                     f"it, or set {key}.oversize=isolate or truncate",
                 )
             )
@@ -394,9 +404,50 @@ def _check_positions(cfg: RunConfig, errors: list[ConfigError]) -> None:
             ConfigError(
                 "model.max_position_embeddings",
                 cfg.model.max_position_embeddings,
-                f"is below data.max_prompt_len + rollout.max_new_tokens = {longest}",
+                f"is below {longest_sequence_text(cfg)} = {longest}",
             )
         )
+
+
+def _check_env(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Multi-turn limits, and a layout whose rollout keeps each row's KV cache across turns."""
+    env = cfg.env
+    if not env.path:
+        return
+    for key, value in (
+        ("env.max_turns", env.max_turns),
+        ("env.max_observation_tokens", env.max_observation_tokens),
+        ("env.timeout_s", env.timeout_s),
+        ("env.max_concurrency", env.max_concurrency),
+    ):
+        _positive(key, value, errors)
+    if env.max_total_tokens <= cfg.data.max_prompt_len:
+        errors.append(
+            ConfigError(
+                "env.max_total_tokens",
+                env.max_total_tokens,
+                f"leaves no room for a response after data.max_prompt_len ="
+                f" {cfg.data.max_prompt_len}: raise it (prompt + every turn and observation)",
+            )
+        )
+    p, r = cfg.parallel, cfg.rollout
+    needs: dict[str, tuple[object, object]] = {
+        "parallel.tp": (p.tp, 1),
+        "parallel.pp": (p.pp, 1),
+        "parallel.cp": (p.cp, 1),
+        "rollout.kv_cache": (r.kv_cache, True),
+        "rollout.backend": (r.backend.name, "megatron"),
+    }
+    for key, (got, wanted) in needs.items():
+        if got != wanted:
+            errors.append(
+                ConfigError(
+                    key,
+                    got,
+                    f"multi-turn rollouts (env.path set) run on the built-in engine's per-row KV"
+                    f" cache, which needs {key}={str(wanted).lower()}: set it, or env.path=null",
+                )
+            )
 
 
 def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -463,11 +514,11 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"batching.train", "parallel"}), lambda c, e: _check_pass("train", c, e)),
     Rule(frozenset({"batching.infer", "parallel"}), lambda c, e: _check_pass("infer", c, e)),
     Rule(
-        frozenset({"batching.train", "data", "rollout"}),
+        frozenset({"batching.train", "data", "rollout", "env"}),
         lambda c, e: _check_budget_fits("train", c, e),
     ),
     Rule(
-        frozenset({"batching.infer", "data", "rollout"}),
+        frozenset({"batching.infer", "data", "rollout", "env"}),
         lambda c, e: _check_budget_fits("infer", c, e),
     ),
     Rule(frozenset({"parallel"}), _check_layout),
@@ -477,7 +528,8 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"debug", "parallel"}), _check_debug),
     Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),
     Rule(frozenset({"grpo", "rollout"}), lambda c, e: e.extend(objective_errors(c))),
-    Rule(frozenset({"model", "data", "rollout"}), _check_positions),
+    Rule(frozenset({"model", "data", "rollout", "env"}), _check_positions),
+    Rule(frozenset({"env", "data", "rollout", "parallel"}), _check_env),
     Rule(frozenset({"data"}), _check_data),
     Rule(frozenset({"model"}), _check_model_paths),
     Rule(frozenset({"trainer"}), _check_resume),

@@ -117,7 +117,10 @@ class LeanDecoder:
 
     ``prefill(slots, prompts) -> logits [n, V]`` writes each prompt's keys/values into its slot
     and returns the logits at its last token; ``decode(tokens [S]) -> logits [S, V]`` appends one
-    token to every slot; ``keep(slots)`` drops the other slots (rows that left the batch).
+    token to every slot (or to a subset: ``decode(tokens, slots)``); ``extend(slots, tokens)``
+    appends several tokens to each of some slots on top of their caches (multi-turn: a row's
+    observation, prefilled without recomputing what came before); ``keep(slots)`` drops the
+    other slots (rows that left the batch).
     """
 
     def __init__(self, chunk: Any, num_slots: int, max_len: int) -> None:
@@ -213,10 +216,14 @@ class LeanDecoder:
         self.lens[slot_t] = torch.tensor(lens, device=self.device)[src]
         return self._logits(x[last][src])
 
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens [S] (one per slot) at each slot's length: logits [S, V]."""
-        slots = torch.arange(len(tokens), device=self.device)
-        pos = self.lens
+    def decode(self, tokens: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Append tokens [S] (one per slot) at each slot's length: logits [S, V]. ``slots``
+        (a subset, in order): only those slots advance (rows waiting on something else keep
+        their cache untouched); None = every slot."""
+        subset = slots is not None
+        if slots is None:
+            slots = torch.arange(len(tokens), device=self.device)
+        pos = self.lens[slots]
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [S, 1, 1, hn]
         parts = attention_parts((pos + 1).tolist())
         width = max(w for _, _, w in parts)
@@ -226,11 +233,13 @@ class LeanDecoder:
             q, k, v = self._qkv(x, layer, cos, sin)
             self.k[li][slots, :, pos] = k
             self.v[li][slots, :, pos] = v
+            keys = self.k[li][slots, :, :width] if subset else self.k[li]
+            values = self.v[li][slots, :, :width] if subset else self.v[li]
             outs = [
                 F.scaled_dot_product_attention(
                     q[a:b, :, None],  # [s, nh, 1, hn]
-                    self.k[li][a:b, :, :w],
-                    self.v[li][a:b, :, :w],
+                    keys[a:b, :, :w],
+                    values[a:b, :, :w],
                     attn_mask=mask[a:b, ..., :w],
                     enable_gqa=True,
                 )
@@ -239,8 +248,48 @@ class LeanDecoder:
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = x + F.linear(out.reshape(len(tokens), -1), layer.proj_w)
             x = self._mlp(x, layer)
-        self.lens = pos + 1
+        self.lens[slots] = pos + 1
         return self._logits(x)
+
+    def extend(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append several tokens to each of ``slots`` on top of its cache (a row that comes back
+        with an observation: prefill of the new tokens only). Returns logits [len(slots), V] at
+        each slot's last new token."""
+        lens = [len(t) for t in tokens]
+        starts = self.lens[torch.tensor(list(slots), device=self.device)].tolist()
+        ids = torch.tensor([t for seq in tokens for t in seq], device=self.device)
+        pos = torch.cat(
+            [torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lens, strict=True)]
+        )
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [N, 1, 1, hn]
+        x = self.embed[ids]  # [N, H]
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer, cos, sin)
+            outs, offset = [], 0
+            for slot, start, n in zip(slots, starts, lens, strict=True):
+                end = start + n
+                self.k[li][slot, :, start:end] = k[offset : offset + n].transpose(0, 1)
+                self.v[li][slot, :, start:end] = v[offset : offset + n].transpose(0, 1)
+                query = torch.arange(start, end, device=self.device)[:, None]
+                allowed = torch.arange(end, device=self.device)[None] <= query  # [n, end]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[offset : offset + n].transpose(0, 1),  # [nh, n, hn]
+                        self.k[li][slot, :, :end],
+                        self.v[li][slot, :, :end],
+                        attn_mask=allowed,
+                        enable_gqa=True,
+                    )
+                    .transpose(0, 1)
+                    .reshape(n, -1)
+                )
+                offset += n
+            x = x + F.linear(torch.cat(outs), layer.proj_w)
+            x = self._mlp(x, layer)
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        for slot, start, n in zip(slots, starts, lens, strict=True):
+            self.lens[slot] = start + n
+        return self._logits(x[last])
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only these slots (in this order): rows that left the batch free their cache."""

@@ -72,11 +72,17 @@ def _compile(template: str) -> Any:
 
 
 def render_template(
-    template: str, prompt: PromptContent, special_tokens: Optional[Mapping[str, str]] = None
+    template: str,
+    prompt: PromptContent,
+    special_tokens: Optional[Mapping[str, str]] = None,
+    add_generation_prompt: bool = True,
 ) -> str:
-    """A model's jinja chat template over ``prompt`` with ``add_generation_prompt=True``."""
+    """A model's jinja chat template over ``prompt`` (``add_generation_prompt=True`` unless
+    told otherwise)."""
     return _compile(template).render(
-        messages=_as_messages(prompt), add_generation_prompt=True, **(special_tokens or {})
+        messages=_as_messages(prompt),
+        add_generation_prompt=add_generation_prompt,
+        **(special_tokens or {}),
     )
 
 

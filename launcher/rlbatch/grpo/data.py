@@ -258,7 +258,14 @@ def prompt_length_problems(
                 )
             )
         prompts.append(
-            Prompt(index=i, prompt_ids=ids, answer=ex.answer, text=text, fields=ex.fields)
+            Prompt(
+                index=i,
+                prompt_ids=ids,
+                answer=ex.answer,
+                text=text,
+                fields=ex.fields,
+                raw=ex.prompt,
+            )
         )
     return prompts, too_long
 

@@ -5,6 +5,8 @@ reward functions, reported as configuration errors (every one at once) and warni
   prompt / answer, prompts over data.max_prompt_len with the run's tokenizer and chat template);
 - each data.reward_fn entry is imported and its signature checked (and the dataset fields it
   asks for must exist); relative file paths are made absolute so workers find them;
+- env.path (a multi-turn environment) is imported the same way and must have reset / step and
+  accept env.kwargs;
 - an enabled sink whose package is missing is an error (logging.wandb / logging.mlflow);
   TensorBoard enabled but missing is a warning.
 """
@@ -27,6 +29,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     errors: list[ConfigError] = []
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
+    _check_environment(cfg, errors)
     if eval_enabled(cfg):
         check_eval_inputs(cfg, errors)
     return errors, tracking_warnings(cfg)
@@ -47,6 +50,21 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     found: list[ConfigError] = []
     _check_rewards(data, fields, found, prefix="eval" if own else "data")
     errors += [e for e in found if str(e) not in {str(x) for x in errors}]
+
+
+def _check_environment(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """env.path: importable, reset / step present, constructible with env.kwargs (the same
+    loader as reward functions); a relative file path is made absolute for the workers."""
+    if not cfg.env.path:
+        return
+    from rlbatch.env.loader import check_environment
+    from rlbatch.env.protocol import EnvSpecError
+
+    cfg.env.path = _absolute_spec(cfg.env.path)
+    try:
+        check_environment(cfg.env.path, cfg.env.kwargs)
+    except EnvSpecError as err:
+        errors.append(ConfigError("env.path", cfg.env.path, str(err)))
 
 
 def tracking_warnings(cfg: RunConfig) -> list[str]:

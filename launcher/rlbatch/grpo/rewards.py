@@ -164,6 +164,7 @@ _REGISTRY: dict[RewardKind, Callable[[DataConfig], RewardFn]] = {
     RewardKind.math: lambda cfg: math_reward,
     RewardKind.format: lambda cfg: format_reward,
     RewardKind.math_verify: lambda cfg: math_verify_reward,
+    RewardKind.none: lambda cfg: lambda x: 0.0,
 }
 
 
@@ -248,14 +249,20 @@ def reward_names(specs: Sequence[str]) -> list[str]:
 
 
 def component_names(cfg: DataConfig) -> list[str]:
-    """Names of the run's reward components (without loading anything)."""
-    return reward_names(cfg.reward_fn) if cfg.reward_fn else [RewardKind(cfg.reward).value]
+    """Names of the run's reward components (without loading anything); data.reward=none
+    (an environment's rewards alone) has none."""
+    if cfg.reward_fn:
+        return reward_names(cfg.reward_fn)
+    kind = RewardKind(cfg.reward)
+    return [] if kind == RewardKind.none else [kind.value]
 
 
 def build_rewards(cfg: DataConfig) -> RewardSet:
     """data.reward_fn (weighted by data.reward_weights) when set, else data.reward alone."""
     if not cfg.reward_fn:
         kind = RewardKind(cfg.reward)
+        if kind == RewardKind.none:
+            return RewardSet(())
         return RewardSet((_builtin_component(kind, cfg, component_names(cfg)[0], 1.0),))
     weights = cfg.reward_weights or [1.0] * len(cfg.reward_fn)
     components = []
@@ -310,9 +317,11 @@ def build_run_rewards(cfg: RunConfig) -> RewardSet:
 
 
 def run_component_names(cfg: RunConfig) -> list[str]:
-    """Names of the run's reward parts (:func:`build_run_rewards`), without loading anything."""
+    """Names of the run's reward parts (:func:`build_run_rewards`, and ``env``: the sum of a
+    multi-turn episode's step rewards), without loading anything."""
     extra = [OVERLONG] if cfg.grpo.overlong_buffer_len > 0 else []
-    return component_names(cfg.data) + extra
+    env = ["env"] if cfg.env.path else []
+    return component_names(cfg.data) + extra + env
 
 
 def score(fn: RewardFn, inputs: Sequence[RewardInput], name: str = "reward") -> list[float]:
@@ -338,7 +347,9 @@ class TextDecoder(Protocol):
 
 
 def reward_input(sample: Sample, tokenizer: TextDecoder) -> RewardInput:
-    """What the reward function sees of `sample`: response decoded without its final EOS."""
+    """What the reward function sees of `sample`: response decoded without its final EOS (a
+    multi-turn trajectory: everything after the prompt, assistant turns and the rendered
+    observations between them, special tokens dropped by the tokenizer's decode)."""
     ids = list(sample.response_ids)
     if ids and ids[-1] == tokenizer.eos_id:
         ids = ids[:-1]

@@ -26,7 +26,14 @@ from typing import Any, Optional, Protocol
 import torch
 
 from rlbatch import distributed
-from rlbatch.config.schema import RolloutBackend, RolloutConfig, RunConfig
+from rlbatch.config.schema import RolloutBackend, RunConfig
+from rlbatch.grpo.sampling import (  # noqa: F401  (re-exported: the rollout's vocabulary)
+    SamplingParams,
+    exponential_noise,
+    filter_logits,
+    row_keys,
+    sample_tokens,
+)
 from rlbatch.grpo.types import Prompt, Sample
 
 
@@ -40,105 +47,6 @@ class RolloutEngine(Protocol):
         g's group, group_id = g); every Sample carries response tokens (EOS included when
         produced), behaviour logprobs and `policy_version`. Same seed, same samples."""
         ...
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    eos_id: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    pad_id: int = 0
-
-    @classmethod
-    def from_config(cls, cfg: RolloutConfig, eos_id: int, pad_id: int) -> SamplingParams:
-        params = cls(cfg.max_new_tokens, eos_id, cfg.temperature, cfg.top_p, cfg.top_k, pad_id)
-        errors = params.errors()
-        if errors:
-            raise ValueError("invalid rollout config:\n  " + "\n  ".join(errors))
-        return params
-
-    def errors(self) -> list[str]:
-        out = []
-        if self.max_new_tokens < 1:
-            out.append(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")
-        if not self.temperature > 0:
-            out.append(
-                f"rollout.temperature={self.temperature} must be > 0 (use rollout.top_k=1 for"
-                " greedy decoding)"
-            )
-        if not 0 < self.top_p <= 1:
-            out.append(f"rollout.top_p={self.top_p} must be in (0, 1] (1 disables it)")
-        if self.top_k < 0:
-            out.append(f"rollout.top_k={self.top_k} must be >= 0 (0 disables it)")
-        return out
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Logits [B, V] with everything outside the top-k / nucleus set at -inf: top-k first,
-    then the smallest set of the most likely remaining tokens whose (renormalized) mass reaches
-    top_p (Hugging Face's order)."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the top one always stays)
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-# ------------------------------------------------------------------------------ sampling
-# Sampling noise is a hash of (seed, row, token index, vocabulary id), not a generator's
-# stream: a row's sample does not depend on which rows share its batch, the order rows enter
-# a continuous batch, the rollout chunk size or the decoding path (lean, megatron, pipeline).
-_M32 = 0xFFFFFFFF
-_MUL = 0x45D9F3B  # < 2**31: products of 32-bit values stay inside int64
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash, elementwise on int64 tensors holding values in [0, 2**32)."""
-    for _ in range(3):
-        x = x ^ (x >> 16)
-        x = (x * _MUL) & _M32
-    return x ^ (x >> 16)
-
-
-def row_keys(seed: int, num_rows: int) -> torch.Tensor:
-    """One sampling key per row [R] (int64 in [0, 2**32)) from the seed and the row index."""
-    s = _mix(torch.tensor([seed & _M32, (seed >> 32) & _M32], dtype=torch.long))
-    base = _mix(s[0:1] ^ _mix(s[1:2] + 0x9E3779B9 & _M32))
-    return _mix(base ^ torch.arange(num_rows, dtype=torch.long))
-
-
-def exponential_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) variates [n, V] (float64) for rows with these keys at these token indices."""
-    device = keys.device
-    state = _mix(keys ^ _mix(steps.to(device) & _M32))  # [n]
-    ids = _mix(torch.arange(vocab, device=device, dtype=torch.long) + 0x632BE5AB)  # [V]
-    bits = _mix(state[:, None] ^ ids[None])  # [n, V]
-    return -torch.log((bits.double() + 0.5) / 2.0**32)
-
-
-def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, steps: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of logits [n, V]: (tokens [n], behaviour logprobs [n]).
-
-    The exponential race argmax(log p - log E), E ~ Exp(1), draws exactly from p (the
-    tempered, top-k / top-p filtered softmax) without normalising it; the logprob is the
-    tempered full-vocabulary one of the chosen token: logit / T - logsumexp(logits / T).
-    """
-    scaled = logits.float() / params.temperature
-    filtered = filter_logits(scaled, params.top_k, params.top_p)
-    noise = exponential_noise(keys, steps, scaled.shape[-1])
-    tokens = torch.argmax(filtered.double() - torch.log(noise), dim=-1)  # [n]
-    chosen = scaled.gather(-1, tokens[:, None])[:, 0]
-    return tokens, chosen - torch.logsumexp(scaled, dim=-1)
 
 
 # ------------------------------------------------------------------------------ decoding
@@ -301,6 +209,8 @@ class MegatronRolloutEngine:
         kv_cache: bool = True,
         chunk_size: Optional[int] = None,
         continuous: bool = True,
+        driver: Any = None,
+        max_total_tokens: int = 0,
     ) -> None:
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.params = params
@@ -311,6 +221,12 @@ class MegatronRolloutEngine:
         could run (benchmarks and parity tests compare both)."""
         self.calls: list[int] = []
         """Rows per prefill, in call order (tests and benchmarks read it)."""
+        self.driver = driver
+        """Multi-turn rollouts: the turn driver (rlbatch.env.driver.EnvDriver; None = single
+        turn) and the longest trajectory, prompt included (env.max_total_tokens)."""
+        self.max_total_tokens = max_total_tokens
+        self.slot_stats: Any = None
+        """Multi-turn: decode-slot occupancy of the last generate (rlbatch.grpo.multiturn)."""
 
     def generate(
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
@@ -326,6 +242,8 @@ class MegatronRolloutEngine:
         size = len(rows) if self.chunk_size is None else self.chunk_size * num_generations
         size = max(1, min(size, len(rows)))
         keys = row_keys(seed, len(rows))
+        if self.driver is not None:
+            return self._generate_turns(rows, size, keys, policy_version)
         max_len = max(len(p) for p in prompt_ids) + self.params.max_new_tokens
         with generation.inference_mode(self.chunks):
             if (
@@ -359,6 +277,42 @@ class MegatronRolloutEngine:
             for i, (g, p) in enumerate(rows)
         ]
 
+    def _generate_turns(
+        self, rows: list[tuple[int, Prompt]], size: int, keys: torch.Tensor, version: int
+    ) -> list[Sample]:
+        """Multi-turn rollouts (rlbatch.grpo.multiturn) on the continuous-batching decoder."""
+        from rlbatch.engine import generation
+        from rlbatch.grpo.multiturn import SlotStats, decode_turns
+
+        if not (self.kv_cache and generation.lean_decoding_supported(self.chunks)):
+            raise ValueError(
+                "multi-turn rollouts (env.path) need the per-row KV cache of the built-in engine:"
+                " rollout.kv_cache=true, parallel.tp=1, parallel.pp=1"
+            )
+        prompt_ids = [p.prompt_ids for _, p in rows]
+        budget = [self.max_total_tokens - len(p) for p in prompt_ids]
+        self.driver.begin([p for _, p in rows])
+        self.slot_stats = SlotStats()
+        with generation.inference_mode(self.chunks):
+            decoder = generation.LeanDecoder(self.chunks[0], size, self.max_total_tokens)
+            trajs = decode_turns(
+                decoder, prompt_ids, self.params, keys, size, self.driver, budget, self.slot_stats
+            )
+        episodes = self.driver.records()
+        return [
+            Sample(
+                prompt=p,
+                group_id=g,
+                response_ids=t.ids,
+                behaviour_logps=t.logps,
+                truncated=t.truncated or ep["truncated"],
+                policy_version=version,
+                loss_mask=t.mask,
+                episode=ep,
+            )
+            for (g, p), t, ep in zip(rows, trajs, episodes, strict=True)
+        ]
+
 
 def as_rollout_fn(engine: RolloutEngine, policy_version: int) -> Any:
     """The LCM aggregator's rollout_fn(rows, seed) on top of a RolloutEngine: rows are already
@@ -370,15 +324,24 @@ def as_rollout_fn(engine: RolloutEngine, policy_version: int) -> Any:
     return rollout_fn
 
 
-def _megatron_engine(cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool) -> Any:
+def _megatron_engine(
+    cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
+) -> Any:
     params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id)
     chunk_size = cfg.rollout.micro_batch_size if chunked else None
     return MegatronRolloutEngine(
-        model, params, kv_cache=cfg.rollout.kv_cache, chunk_size=chunk_size
+        model,
+        params,
+        kv_cache=cfg.rollout.kv_cache,
+        chunk_size=chunk_size,
+        driver=driver,
+        max_total_tokens=cfg.env.max_total_tokens,
     )
 
 
-def _dynamic_engine(cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool) -> Any:
+def _dynamic_engine(
+    cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
+) -> Any:
     from rlbatch.engine.dynamic_rollout import DynamicRolloutEngine
 
     params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id)
@@ -392,8 +355,16 @@ _ENGINES = {
 
 
 def build_rollout_engine(
-    cfg: RunConfig, model: Any, *, eos_id: int, pad_id: int, chunked: bool = True
+    cfg: RunConfig,
+    model: Any,
+    *,
+    eos_id: int,
+    pad_id: int,
+    chunked: bool = True,
+    driver: Any = None,
 ) -> RolloutEngine:
     """The engine ``rollout.backend`` names, on this rank's policy chunks. `chunked`: split
-    generate() calls by rollout.micro_batch_size (False when the LCM aggregator chunks)."""
-    return _ENGINES[RolloutBackend(cfg.rollout.backend)](cfg, model, eos_id, pad_id, chunked)
+    generate() calls by rollout.micro_batch_size (False when the LCM aggregator chunks).
+    `driver`: multi-turn rollouts through this turn driver (rlbatch.env.driver.EnvDriver)."""
+    backend = RolloutBackend(cfg.rollout.backend)
+    return _ENGINES[backend](cfg, model, eos_id, pad_id, chunked, driver)

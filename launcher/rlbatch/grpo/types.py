@@ -18,6 +18,9 @@ class Prompt:
     text: str = ""
     fields: dict[str, Any] = field(default_factory=dict, hash=False)
     """The dataset row's other fields (given to reward functions that ask for them)."""
+    raw: Any = field(default=None, hash=False, compare=False)
+    """The prompt as the dataset row holds it (text or chat messages, before the chat
+    template): what an environment's reset(row) reads."""
 
 
 @dataclass
@@ -61,6 +64,10 @@ class Sample:
     token_versions: Optional[list[int]] = None
     """Per response token: the policy version that sampled it. Filled with ``policy_version``
     when left out."""
+    episode: Optional[dict[str, Any]] = None
+    """Multi-turn rollouts (env.path): the episode's record (rlbatch.env.driver.Episode: turns
+    with role and text, the environment's rewards, why it ended, seconds in environment calls);
+    None for single-turn samples."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -76,6 +83,7 @@ class Sample:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Samples pickled before the per-token fields existed load with their defaults."""
         self.__dict__.update(state)
+        self.__dict__.setdefault("episode", None)
         if self.__dict__.get("loss_mask") is None or self.__dict__.get("token_versions") is None:
             self.__dict__.setdefault("loss_mask", None)
             self.__dict__.setdefault("token_versions", None)

@@ -68,11 +68,12 @@ def is_import_spec(spec: str) -> bool:
     return ":" in spec
 
 
-def load_callable(spec: str) -> Callable[..., Any]:
-    """The function ``spec`` names; RewardSpecError saying what is missing."""
+def load_callable(spec: str, what: str = "function") -> Callable[..., Any]:
+    """The function (or class: ``what``) ``spec`` names; RewardSpecError saying what is
+    missing."""
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
-        raise RewardSpecError("must be PATH.py:function or module.path:function")
+        raise RewardSpecError(f"must be PATH.py:{what} or module.path:{what}")
     if target.endswith(".py"):
         module = _load_file(Path(target).expanduser())
     else:
@@ -80,9 +81,9 @@ def load_callable(spec: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if fn is None:
         public = sorted(n for n, v in vars(module).items() if callable(v) and n[0] != "_")
-        raise RewardSpecError(f"{target} has no function {attr!r} (it defines: {public})")
+        raise RewardSpecError(f"{target} has no {what} {attr!r} (it defines: {public})")
     if not callable(fn):
-        raise RewardSpecError(f"{target}:{attr} is a {type(fn).__name__}, not a function")
+        raise RewardSpecError(f"{target}:{attr} is a {type(fn).__name__}, not a {what}")
     return fn
 
 

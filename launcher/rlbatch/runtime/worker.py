@@ -24,6 +24,7 @@ from pathlib import Path
 from rlbatch.config.errors import ConfigErrors
 from rlbatch.config.load import load_run_config
 from rlbatch.config.schema import RunConfig
+from rlbatch.env.protocol import EnvCallError
 from rlbatch.runtime import preempt
 from rlbatch.runtime.lifeline import die_with_parent
 from rlbatch.runtime.logs import setup_logging
@@ -35,11 +36,19 @@ def resolve_entry(entry: str) -> Callable[[RunConfig], None]:
     return getattr(module, func_name)
 
 
-def _report(run_dir: Path, rank: int, exc: BaseException) -> None:
+def _is_user_error(exc: BaseException) -> bool:
+    """A configuration error found by a worker (e.g. what only the device can tell), or an
+    error of the user's environment (rlbatch.env: its message names the class, the sample and
+    the turn): shown without a traceback."""
+    return isinstance(exc, (ConfigErrors, EnvCallError))
+
+
+def _report(run_dir: Path, rank: int, exc: BaseException, debug: bool = False) -> None:
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    # A configuration error found by a worker (e.g. what only the device can tell) reads like
-    # the driver's: key, value and fix, without a traceback.
-    detail = "" if isinstance(exc, ConfigErrors) else "".join(traceback.format_exception(exc))
+    # user errors read like the driver's (what and where, the fix), without a traceback unless
+    # logging.level=DEBUG
+    quiet = _is_user_error(exc) and not debug
+    detail = "" if quiet else "".join(traceback.format_exception(exc))
     write_report(run_dir, rank, f"rank {rank}: {text}\n\n{detail}")
 
 
@@ -79,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then re-signalled
         if isinstance(exc, SystemExit) and not exc.code:
             raise
-        _report(run_dir, rank, exc)
+        _report(run_dir, rank, exc, debug=cfg.logging.level.upper() == "DEBUG")
         print(f"[rank {rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
 

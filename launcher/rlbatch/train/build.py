@@ -17,6 +17,7 @@ from rlbatch.grpo.types import Sample
 from rlbatch.train.generation import (
     SequenceParallelOffEngine,
     build_aggregator,
+    build_engine,
     build_reference,
     make_generate_fn,
     make_logps_fn,
@@ -110,6 +111,7 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     from rlbatch.distributed import WorldDist
     from rlbatch.grpo.rewards import run_component_names
     from rlbatch.grpo.step import Reducers, run_train_step
+    from rlbatch.train.episodes import episode_metrics, make_sample_writer
 
     names = run_component_names(cfg)
     world = WorldDist()
@@ -123,6 +125,10 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
 
     round_start = make_round_start(cfg, model)
     write_plan = make_plan_writer(cfg) if cfg.logging.plans and ps.rank == 0 else None
+    write_samples = None
+    if cfg.logging.samples:
+        assert cfg.run_dir is not None
+        write_samples = make_sample_writer(cfg.run_dir, distributed.dp_gather_object, ps.rank)
 
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
         prepared = round_start(batch.round_samples) if batch.new_round else {}
@@ -138,8 +144,12 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             inject_nan=inject_nan,
             plan_sink=None if write_plan is None else partial(write_plan, step),
         )
+        if write_samples is not None:
+            write_samples(step, batch.samples)
+        episodes = episode_metrics(batch.samples, world) if cfg.env.path else {}
         return {
             **reward_means(batch.samples, names, world),
+            **episodes,
             **metrics,
             **prepared,
             "batch_seconds": batch.batch_seconds,
@@ -164,8 +174,6 @@ def build_generation(
     """(generate_fn, aggregator): a generation worker process when generation overlaps training
     (:func:`overlaps_generation`; the cores are shared, half the threads each side), else the
     rollout engine on the policy's own chunks driven by this rank's LCM aggregator."""
-    from rlbatch.grpo.rollout import build_rollout_engine
-
     if overlaps_generation(cfg):
         import torch
 
@@ -181,9 +189,7 @@ def build_generation(
         )
         return worker, worker  # its state_dict is the worker aggregator's
     aggregator = build_aggregator(cfg, tokenizer, ref, dp_rank)
-    engine: RolloutEngine = build_rollout_engine(
-        cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=False
-    )
+    engine: RolloutEngine = build_engine(cfg, model, tokenizer)
     if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
         engine = SequenceParallelOffEngine(engine, model)
     generate = make_generate_fn(

@@ -133,7 +133,9 @@ def make_reward_batch_fn(
     fn: RewardFn | RewardSet, tokenizer: Any
 ) -> Callable[[list[Sample]], list[float]]:
     """The aggregator's reward_fn: decode responses (EOS excluded) and score them; each
-    component's value goes to the sample's metrics as ``reward/<name>``."""
+    component's value goes to the sample's metrics as ``reward/<name>``. A multi-turn sample
+    adds the sum of its environment's step rewards (``reward/env``); an episode ended by an
+    environment error (env.on_error=zero_reward) gets a total of 0."""
     rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
 
     def reward_batch(samples: list[Sample]) -> list[float]:
@@ -141,9 +143,30 @@ def make_reward_batch_fn(
         for name, values in parts.items():
             for s, v in zip(samples, values, strict=True):
                 s.metrics[f"reward/{name}"] = v
+        for i, s in enumerate(samples):
+            if s.episode is None:
+                continue
+            s.metrics["reward/env"] = s.episode["reward"]
+            totals[i] = 0.0 if s.episode["end"] == "error" else totals[i] + s.episode["reward"]
         return totals
 
     return reward_batch
+
+
+def build_engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> RolloutEngine:
+    """The rollout engine of a training run (the LCM aggregator chunks, so no chunk size),
+    multi-turn through the environment env.path names when it is set."""
+    from rlbatch.grpo.rollout import build_rollout_engine
+
+    driver = None
+    if cfg.env.path:
+        from rlbatch.env.driver import EnvDriver
+        from rlbatch.env.loader import build_environment
+
+        driver = EnvDriver(build_environment(cfg.env.path, cfg.env.kwargs), cfg, tokenizer)
+    return build_rollout_engine(
+        cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=False, driver=driver
+    )
 
 
 def single_component(fn: RewardFn) -> RewardComponent:

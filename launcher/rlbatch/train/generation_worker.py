@@ -24,6 +24,7 @@ import traceback
 from typing import Any, Optional
 
 from rlbatch.config.schema import RunConfig
+from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Sample
 from rlbatch.train.producer import PolicySnapshot
 from rlbatch.train.sampler import GenerationRequest
@@ -66,6 +67,8 @@ class GenerationWorker:
     def _call(self, *message: Any) -> Any:
         self._conn.send(message)
         kind, payload = self._conn.recv()
+        if kind == "env_error":
+            raise EnvCallError(payload)
         if kind == "error":
             raise GenerationWorkerError(f"generation worker failed:\n{payload}")
         return payload
@@ -154,6 +157,8 @@ def _serve(
                     load(weights)
                 samples = generate(request, PolicySnapshot(version))
                 conn.send(("ok", (samples, aggregator.state_dict())))
+        except EnvCallError as err:  # the user's environment: its message, no traceback
+            conn.send(("env_error", str(err)))
         except BaseException:  # noqa: BLE001 - reported to the trainer
             conn.send(("error", traceback.format_exc()))
 
@@ -201,8 +206,7 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     from rlbatch.engine.model import build_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.grpo.rollout import build_rollout_engine
-    from rlbatch.train.generation import build_aggregator, make_generate_fn
+    from rlbatch.train.generation import build_aggregator, build_engine, make_generate_fn
 
     for key in _TORCHRUN_ENV:  # a world of one, apart from the trainer's
         os.environ.pop(key, None)
@@ -234,9 +238,7 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     tokenizer = build_tokenizer(local.model)
     prompts = load_prompts(local.data, tokenizer, local.trainer.seed)
     aggregator = build_aggregator(local, tokenizer, ref, dp_rank)
-    engine = build_rollout_engine(
-        local, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=False
-    )
+    engine = build_engine(local, model, tokenizer)
     generate = make_generate_fn(
         prompts,
         aggregator,

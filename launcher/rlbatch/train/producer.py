@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Sample
 from rlbatch.train.filtering import GroupFilter
 from rlbatch.train.sampler import (
@@ -440,6 +441,8 @@ class _GenerationThread:
     def _wait(self, predicate: Callable[[], bool], what: str) -> None:
         with self.cond:
             ok = self.cond.wait_for(lambda: self.error is not None or predicate(), self.timeout_s)
+            if isinstance(self.error, EnvCallError):
+                raise self.error  # the user's environment: its own message, no wrapping
             if self.error is not None:
                 raise RuntimeError(f"generation thread failed: {self.error}") from self.error
             if not ok:

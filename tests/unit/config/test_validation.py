@@ -51,6 +51,18 @@ CASES = [
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume", "auto"),
     (["data.reward_weights=[1.0,abc]"], "data.reward_weights[1]", "number"),
     (["data.source=hf_disk", "data.path=/nonexistent"], "data.path", "save_to_disk"),
+    (["env=calculator", "parallel.tp=2"], "parallel.tp", "env.path=null"),
+    (["env=calculator", "parallel.pp=2", "model.num_layers=2"], "parallel.pp", "KV"),
+    (["env=calculator", "rollout.kv_cache=false"], "rollout.kv_cache", "env.path"),
+    (["env=calculator", "env.max_total_tokens=16"], "env.max_total_tokens", "no room"),
+    (["env=calculator", "env.max_turns=0"], "env.max_turns", "positive"),
+    (["env=calculator", "env.kwargs=3"], "env.kwargs", "mapping"),
+    (["env=calculator", "env.on_error=ignore"], "env.on_error", "zero_reward"),
+    (
+        ["env=calculator", "env.max_total_tokens=1000", "batching.train.max_tokens=512"],
+        "batching.train.max_tokens",
+        "env.max_total_tokens = 1000",
+    ),
 ]
 
 

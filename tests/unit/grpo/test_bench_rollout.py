@@ -35,3 +35,18 @@ def test_bench_grpo_against_trl_json(capsys):
     for cell in doc["cells"]:
         assert set(cell["tokens_per_s"]) == {"trl", "dynamic", "packed"}
         assert all(v > 0 for v in cell["tokens_per_s"].values())
+
+
+@pytest.mark.slow
+def test_bench_rollout_env_json(capsys):
+    """rlbatch-bench rollout --env: multi-turn episodes through the built-in environment, with
+    the slots' occupancy while rows wait."""
+    from rlbatch.bench import rollout as bench
+
+    args = ["--env", "guess_number", "--rows", "8", "--slots", "4", "--max-new-tokens", "6"]
+    assert bench.main(args + ["--repeats", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["env"] == "guess_number" and doc["rows"] == 8
+    assert doc["sampled_tokens_per_s"] > 0 and doc["tokens_per_s"] >= doc["sampled_tokens_per_s"]
+    assert doc["turns_mean"] > 1.0  # the game answers and rows come back
+    assert 0.0 < doc["busy_fraction_while_waiting"] <= 1.0

@@ -247,3 +247,87 @@ def test_default_constant_and_megatron_factor():
     assert build_normalizer(cfg, seq, MegatronScaling(True, 3)).constant == 5.0
     assert MegatronScaling(False, 4, dp_cp_size=2).factor == 1 / 8
     assert int(MegatronScaling(True, 4).count_for_megatron()) == 0
+
+
+def multi_turn_samples(n: int, seed: int) -> list[Sample]:
+    """Trajectories: assistant turns with observation runs (loss_mask 0) between them; the
+    old / ref logps at observation positions are absurd (+50) and the behaviour logps 0.0, so
+    any read of them would show."""
+    rng = random.Random(seed)
+    out = make_samples(n, seed)
+    for s in out:
+        extra = rng.randint(1, 4)  # one observation run inserted after the first token
+        s.response_ids[1:1] = [rng.randrange(VOCAB) for _ in range(extra)]
+        mask = [1] + [0] * extra + [1] * (len(s.response_ids) - 1 - extra)
+        for name in ("old_logps", "ref_logps", "behaviour_logps"):
+            values = getattr(s, name)
+            setattr(s, name, values[:1] + [0.0 if name == "behaviour_logps" else 50.0] * extra
+                    + values[1:])  # fmt: skip
+        s.loss_mask = mask
+        s.token_versions = [0] * len(s.response_ids)
+    return out
+
+
+def assistant_only_reference(model, samples, st, mask_trunc):
+    """reference_grads over the assistant tokens alone: each trajectory's observation tokens
+    are inputs of the forward but contribute no term and count in no divisor."""
+    kept = []
+    for s in samples:
+        keep = [k for k, m in enumerate(s.loss_mask) if m]
+        clone = Sample(
+            prompt=s.prompt, group_id=s.group_id, response_ids=list(s.response_ids),
+            behaviour_logps=list(s.behaviour_logps), truncated=s.truncated, policy_version=0,
+            advantage=s.advantage, old_logps=list(s.old_logps), ref_logps=list(s.ref_logps),
+        )  # fmt: skip
+        kept.append((clone, keep))
+    per_seq, n_tok = [], 0
+    for s, keep in kept:
+        if mask_trunc and s.truncated:
+            continue
+        logp_all = torch.log_softmax(model(torch.tensor(s.input_ids).unsqueeze(0))[0], dim=-1)
+        p = len(s.prompt.prompt_ids)
+        terms = []
+        for k in keep:
+            lp = logp_all[p - 1 + k, s.response_ids[k]]
+            r = torch.exp(lp - s.old_logps[k])
+            a = s.advantage
+            pg = torch.maximum(-a * r, -a * r.clamp(1 - st.epsilon_low, 1 + st.epsilon_high))
+            w = min(math.exp(s.old_logps[k] - s.behaviour_logps[k]), st.rollout_correction_cap)
+            d = s.ref_logps[k] - lp
+            terms.append(w * pg + st.beta * (torch.exp(d) - d - 1))
+        per_seq.append(torch.stack(terms))
+        n_tok += len(terms)
+    mode = st.loss_agg_mode
+    if mode == LossAggMode.token_mean:
+        loss = sum(t.sum() for t in per_seq) / n_tok
+    elif mode == LossAggMode.seq_mean_token_mean:
+        loss = sum(t.mean() for t in per_seq) / len(per_seq)
+    elif mode == LossAggMode.seq_mean_token_sum:
+        loss = sum(t.sum() for t in per_seq) / len(per_seq)
+    else:
+        loss = sum(t.sum() / st.max_response_len for t in per_seq) / len(per_seq)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return loss.item(), torch.cat([g.flatten() for g in grads])
+
+
+@pytest.mark.parametrize("agg", list(LossAggMode), ids=lambda m: m.value)
+@pytest.mark.parametrize("mode", list(NormalizationMode), ids=lambda m: m.value)
+def test_trajectory_gradient_is_the_assistant_tokens_alone(agg, mode):
+    """Multi-turn samples through every normalization mode and loss aggregation: the gradient
+    and the loss are those of a float64 objective over the assistant tokens alone (any split for
+    the exact modes; per_micro_batch in one micro-batch, where it is exact too)."""
+    st = LossSettings(beta=0.04, loss_agg_mode=agg, max_response_len=13, epsilon_high=0.28)
+    model, samples = TinyLM(), multi_turn_samples(21, seed=3)
+    ref_loss, ref_grad = assistant_only_reference(model, samples, st, mask_trunc=True)
+    splits = SPLITS if mode != NormalizationMode.per_micro_batch else {1: [21]}
+    for sizes in splits.values():
+        for per_token, packed in [(True, False), (False, True)]:
+            res, grad, _ = run_step(
+                model, samples, split(21, sizes), mode, st,
+                per_token=per_token, packed=packed, mask_trunc=True,
+            )  # fmt: skip
+            rel = ((grad - ref_grad).norm() / ref_grad.norm()).item()
+            assert rel <= 1e-12, (sizes, per_token, packed, rel)
+            assert res.metrics["loss"] == pytest.approx(ref_loss, rel=1e-12)
+            kept = [s for s in samples if not s.truncated]
+            assert res.metrics["tokens"] == sum(sum(s.loss_mask) for s in kept)

@@ -1,0 +1,225 @@
+"""Multi-turn continuous batching on the built-in engine's per-slot decoder (token level).
+
+The decoding loop knows token ids and "this row waits"; everything about environments (their
+calls, rendering observations, the episode limits they decide) is the turn driver's
+(rlbatch.env.driver.TurnDriver, passed in, never imported here):
+
+- up to ``num_slots`` rows decode at once, each in its own KV-cache slot;
+- a row whose assistant turn ends with EOS is handed to the driver (``submit``) and leaves the
+  decode batch; the other rows decode one more token meanwhile, then the driver's answers are
+  collected (``collect``: observation ids, or None when the episode is over);
+- a row that goes on re-enters its slot with its EOS and observation tokens: a prefill of those
+  new tokens on top of the row's cache (nothing before them is recomputed);
+- a row that ends frees its slot for the next waiting prompt.
+
+Limits: ``params.max_new_tokens`` per assistant turn and ``max_response[row]`` tokens per
+trajectory (everything after the prompt: env.max_total_tokens - prompt length); a turn cut by
+either, or an observation that leaves no room for another assistant token, ends the episode as
+truncated. The driver
+decides max_turns and cuts observations to env.max_observation_tokens. A row re-enters at the
+decode step after the one in which its turn ended, so which rows share a step never depends on
+how long an environment took: same seed, same samples.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+
+from rlbatch.grpo.sampling import SamplingParams, sample_tokens
+
+
+class TurnDriver(Protocol):
+    """What the decoding loop needs from the multi-turn driver (rlbatch.env.driver)."""
+
+    def submit(self, row: int, turn_ids: list[int]) -> None:
+        """Row ``row`` ended an assistant turn (its tokens, EOS included): step its episode."""
+        ...
+
+    def collect(self) -> dict[int, Optional[list[int]]]:
+        """Every row submitted since the last call -> the observation ids to append, or None
+        when its episode is over (waits for the calls)."""
+        ...
+
+    def end(self, row: int, reason: str, turn_ids: list[int]) -> None:
+        """The loop ended row ``row``'s episode for ``reason`` (max_new_tokens,
+        max_total_tokens): in the middle of an assistant turn (its tokens so far), or ([])
+        before appending the observation it was given."""
+        ...
+
+
+@dataclass
+class Trajectory:
+    """One row's response: every token after the prompt with its mask and logprob."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    truncated: bool = False
+    turn_start: int = 0
+    """Index in ids where the current assistant turn starts."""
+
+    def add_sampled(self, token: int, logp: float) -> None:
+        self.ids.append(token)
+        self.mask.append(1)
+        self.logps.append(logp)
+
+    def add_observation(self, ids: Sequence[int]) -> None:
+        self.ids += list(ids)
+        self.mask += [0] * len(ids)
+        self.logps += [0.0] * len(ids)
+        self.turn_start = len(self.ids)
+
+
+@dataclass
+class SlotStats:
+    """Decode-step occupancy (rlbatch-bench rollout --env): slot-steps decoded while at least
+    one row waited on its environment, out of the slots that existed then."""
+
+    steps: int = 0
+    waiting_steps: int = 0
+    busy_slot_steps_while_waiting: int = 0
+    slot_steps_while_waiting: int = 0
+    tokens: int = 0
+
+    @property
+    def busy_fraction_while_waiting(self) -> float:
+        return self.busy_slot_steps_while_waiting / max(self.slot_steps_while_waiting, 1)
+
+
+def _ended(traj: Trajectory, token: int, params: SamplingParams, max_response: int) -> str:
+    """'' (the turn goes on), 'turn' (EOS: the environment's turn), or the limit that ends it."""
+    if token == params.eos_id:
+        return "turn"
+    if len(traj.ids) >= max_response:
+        return "max_total_tokens"
+    if len(traj.ids) - traj.turn_start >= params.max_new_tokens:
+        return "max_new_tokens"
+    return ""
+
+
+class _Batch:
+    """Which row each slot holds and the rows decoding now (with their next-token logits)."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.row_of: list[int] = [-1] * num_slots
+        self.active: list[int] = []  # slots decoding, ascending
+        self.logits: Optional[torch.Tensor] = None  # [len(active), V]
+        self.device = device
+
+    def free(self) -> list[int]:
+        return [s for s, r in enumerate(self.row_of) if r < 0]
+
+    def set_active(self, parts: dict[int, torch.Tensor]) -> None:
+        """parts: slot -> logits [V]; the active set becomes these slots."""
+        self.active = sorted(parts)
+        self.logits = torch.stack([parts[s] for s in self.active]) if parts else None
+
+
+def decode_turns(
+    decoder: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    params: SamplingParams,
+    keys: torch.Tensor,
+    num_slots: int,
+    driver: TurnDriver,
+    max_response: Sequence[int],
+    stats: Optional[SlotStats] = None,
+) -> list[Trajectory]:
+    """Multi-turn rollouts of every row on a per-slot decoder (see the module docstring)."""
+    stats = stats if stats is not None else SlotStats()
+    trajs = [Trajectory() for _ in prompt_ids]
+    queue = deque(sorted(range(len(prompt_ids)), key=lambda r: -len(prompt_ids[r])))
+    batch = _Batch(num_slots, decoder.device)
+    keys = keys.to(decoder.device)
+    batch.set_active(_refill(decoder, batch, queue, prompt_ids))
+    while batch.active:
+        rows = [batch.row_of[s] for s in batch.active]
+        assert batch.logits is not None
+        steps = torch.tensor([len(trajs[r].ids) for r in rows], device=decoder.device)
+        tok, lp = sample_tokens(batch.logits, params, keys[rows], steps)
+        going: dict[int, int] = {}  # slot -> token to feed
+        waiting: dict[int, int] = {}  # slot -> its last token (EOS), fed on re-entry
+        for slot, row, t, logp in zip(batch.active, rows, tok.tolist(), lp.tolist(), strict=True):
+            traj = trajs[row]
+            traj.add_sampled(t, logp)
+            why = _ended(traj, t, params, max_response[row])
+            if why == "":
+                going[slot] = t
+            elif why == "turn":
+                driver.submit(row, traj.ids[traj.turn_start :])
+                waiting[slot] = t
+            else:
+                traj.truncated = True
+                driver.end(row, why, traj.ids[traj.turn_start :])
+                batch.row_of[slot] = -1
+        _count(stats, len(batch.active), len(going), bool(waiting), num_slots)
+        parts: dict[int, torch.Tensor] = {}
+        if going:
+            slots = sorted(going)
+            index = torch.tensor(slots, device=decoder.device)
+            feed = torch.tensor([going[s] for s in slots], device=decoder.device)
+            parts.update(zip(slots, decoder.decode(feed, index), strict=True))
+        if waiting:
+            parts.update(_reenter(decoder, batch, waiting, driver, trajs, max_response))
+        parts.update(_refill(decoder, batch, queue, prompt_ids))
+        batch.set_active(parts)
+    return trajs
+
+
+def _count(stats: SlotStats, active: int, decoded: int, any_waiting: bool, slots: int) -> None:
+    stats.steps += 1
+    stats.tokens += active
+    if any_waiting:
+        stats.waiting_steps += 1
+        stats.busy_slot_steps_while_waiting += decoded
+        stats.slot_steps_while_waiting += slots
+
+
+def _reenter(
+    decoder: Any,
+    batch: _Batch,
+    waiting: dict[int, int],
+    driver: TurnDriver,
+    trajs: list[Trajectory],
+    max_response: Sequence[int],
+) -> dict[int, torch.Tensor]:
+    """The driver's answers for the rows that waited: finished rows free their slot; the others
+    re-enter with [their EOS] + observation (prefill of those tokens only)."""
+    answers = driver.collect()
+    slots, feeds = [], []
+    for slot, last in sorted(waiting.items()):
+        row = batch.row_of[slot]
+        observation = answers[row]
+        traj = trajs[row]
+        if observation is not None and len(traj.ids) + len(observation) >= max_response[row]:
+            traj.truncated = True  # no room left for another assistant token
+            driver.end(row, "max_total_tokens", [])
+            observation = None
+        if observation is None:
+            batch.row_of[slot] = -1
+            continue
+        traj.add_observation(observation)
+        slots.append(slot)
+        feeds.append([last, *observation])
+    if not slots:
+        return {}
+    return dict(zip(slots, decoder.extend(slots, feeds), strict=True))
+
+
+def _refill(
+    decoder: Any, batch: _Batch, queue: deque[int], prompt_ids: Sequence[Sequence[int]]
+) -> dict[int, torch.Tensor]:
+    """Free slots take the next prompts (prefill); returns their logits by slot."""
+    slots = batch.free()[: len(queue)]
+    if not slots:
+        return {}
+    rows = [queue.popleft() for _ in slots]
+    for slot, row in zip(slots, rows, strict=True):
+        batch.row_of[slot] = row
+    logits = decoder.prefill(slots, [prompt_ids[r] for r in rows])
+    return dict(zip(slots, logits, strict=True))
