@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import queue
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -70,11 +71,45 @@ class Episode:
         }
 
 
+class _DaemonPool:
+    """A thread pool of daemon threads: a call that never returns (past env.timeout_s) cannot
+    keep the worker process from exiting, as it would with concurrent.futures' pool (whose
+    threads the interpreter joins at exit)."""
+
+    def __init__(self, num_threads: int) -> None:
+        self.tasks: queue.SimpleQueue[Optional[tuple[Any, Future]]] = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(target=self._serve, name=f"rlbatch-env-{i}", daemon=True)
+            for i in range(num_threads)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _serve(self) -> None:
+        while (task := self.tasks.get()) is not None:
+            fn, future = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                future.set_exception(err)
+
+    def submit(self, fn: Any) -> Future:
+        future: Future = Future()
+        self.tasks.put((fn, future))
+        return future
+
+    def shutdown(self) -> None:
+        for _ in self.threads:
+            self.tasks.put(None)
+
+
 class _Calls:
     """Runs environment methods: sync ones in a thread pool, async ones on one event loop."""
 
     def __init__(self, max_concurrency: int) -> None:
-        self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rlbatch-env")
+        self.pool = _DaemonPool(max_concurrency)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -108,7 +143,7 @@ class _Calls:
         return self.pool.submit(run)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
 

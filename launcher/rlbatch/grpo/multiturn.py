@@ -161,7 +161,8 @@ def decode_turns(
         parts: dict[int, torch.Tensor] = {}
         if going:
             slots = sorted(going)
-            index = torch.tensor(slots, device=decoder.device)
+            every = len(slots) == num_slots  # every slot decodes: no gather of the caches
+            index = None if every else torch.tensor(slots, device=decoder.device)
             feed = torch.tensor([going[s] for s in slots], device=decoder.device)
             parts.update(zip(slots, decoder.decode(feed, index), strict=True))
         if waiting:
