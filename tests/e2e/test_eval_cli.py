@@ -27,7 +27,7 @@ EVAL = [
     "eval.max_prompts=8",
     "eval.num_samples=4",
     "eval.pass_k=[1,2,4]",
-    "eval.correct_threshold=0.2",  # some right, some wrong already at step 0
+    "eval.correct_threshold=0.12",  # some right, some wrong already at step 0
 ]
 BEST = [
     "trainer.checkpoint.keep_best=eval/reward_mean",
@@ -113,9 +113,10 @@ def test_metrics_match_the_samples_file(work):
         rec = records[step]
         for row in rows:
             for s in row["samples"]:
-                assert s["correct"] == (s["reward"] > 0.2)
+                assert s["correct"] == (s["reward"] > 0.12)
         counts = [sum(s["correct"] for s in r["samples"]) for r in rows]
-        assert 0 < sum(counts) < 32 and len(set(counts)) > 1  # pass@k differ from mean@N
+        if step == 0:  # a mix of counts: pass@k, mean@N and maj@N all differ
+            assert 0 < sum(counts) < 32 and len(set(counts)) > 1
         for k in (1, 2, 4):
             expected = sum(_pass_at_k(4, c, k) for c in counts) / len(rows)
             assert rec[f"eval/pass@{k}"] == pytest.approx(expected, abs=1e-12)

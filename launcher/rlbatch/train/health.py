@@ -171,7 +171,7 @@ def read_heartbeats(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-PHASES = ("start", "batch", "agree", "train", "metrics", "checkpoint", "end")
+PHASES = ("start", "batch", "agree", "train", "metrics", "eval", "checkpoint", "end")
 """Order of the phases of one step (heartbeats compare (step, phase index))."""
 
 
