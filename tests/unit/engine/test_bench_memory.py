@@ -10,7 +10,7 @@ from rlbatch.bench import memory as bench
 
 def _run(chunk: int, pass_gb: float, seconds: float) -> dict:
     return {"pass": "train", "tokens": 4096, "chunk": chunk, "pass_gb": pass_gb,
-            "peak_rss_gb": pass_gb + 1.0, "seconds": seconds}  # fmt: skip
+            "peak_rss_gb": pass_gb + 1.0, "seconds": seconds, "cpu_seconds": seconds}  # fmt: skip
 
 
 def test_summary_attributes_memory_to_the_head_and_takes_medians():
