@@ -103,7 +103,7 @@ def _report_sweep() -> int:
     for num, overrides, run_dir, code in JOBS:
         status = "ok" if code == 0 else f"FAILED (exit {code})"
         table.add_row(num, overrides, status, run_dir, style=None if code == 0 else "red")
-    console = Console(stderr=True, highlight=False)
+    console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 240)
     console.print(table, markup=False)
     failed = [num for num, _, _, code in JOBS if code]
     if failed:

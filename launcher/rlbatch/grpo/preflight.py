@@ -86,8 +86,9 @@ def _check_dataset(cfg: RunConfig, errors: list[ConfigError]) -> set[str] | None
     except ValueError as err:
         errors.append(ConfigError("data.path", data.path, str(err)))
         return None
+    chat_ok = _check_prompts(cfg.data, examples, errors)
     tokenizer = _tokenizer(cfg)
-    if tokenizer is not None:
+    if tokenizer is not None and chat_ok:
         problems += prompt_length_problems(data, tokenizer, examples)[1]
         problems.sort(key=lambda p: row_position(p.where))
     if problems:
@@ -95,16 +96,15 @@ def _check_dataset(cfg: RunConfig, errors: list[ConfigError]) -> set[str] | None
         errors.append(ConfigError("data.path", data.path, describe_problems(where, problems)))
     if not examples:
         return None
-    _check_prompts(cfg.data, examples, errors)
     common = set(examples[0].fields)
     for ex in examples[1:]:
         common &= set(ex.fields)
     return common
 
 
-def _check_prompts(data: DataConfig, examples: list, errors: list[ConfigError]) -> None:
+def _check_prompts(data: DataConfig, examples: list, errors: list[ConfigError]) -> bool:
     """Chat-message prompts need a chat template; a dataset whose prompts are all empty trains
-    on nothing."""
+    on nothing. False when the prompts cannot be rendered (no length check then)."""
     from rlbatch.config.schema import ChatTemplate
 
     chats = [ex.where for ex in examples if isinstance(ex.prompt, list)]
@@ -114,14 +114,14 @@ def _check_prompts(data: DataConfig, examples: list, errors: list[ConfigError]) 
                 "data.chat_template",
                 "none",
                 f"{len(chats)} prompt(s) are chat messages ({', '.join(chats[:3])}...): set "
-                "data.chat_template=model (the model's own template) or chatml",
+                "data.chat_template=model (the model's own template) or qwen",
             )
         )
 
     def text(prompt: Any) -> str:
         return prompt if isinstance(prompt, str) else "".join(str(m["content"]) for m in prompt)
 
-    if all(not text(ex.prompt).strip() for ex in examples):
+    if examples and all(not text(ex.prompt).strip() for ex in examples):
         errors.append(
             ConfigError(
                 "data.prompt_key",
@@ -130,6 +130,7 @@ def _check_prompts(data: DataConfig, examples: list, errors: list[ConfigError]) 
                 "the field that holds the prompts",
             )
         )
+    return not (chats and ChatTemplate(data.chat_template) == ChatTemplate.none)
 
 
 def _path_exists(data: DataConfig) -> bool:
