@@ -10,6 +10,7 @@ No torch at module level.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from rlbatch.cli.common import help_text, to_validated_run_config
 from rlbatch.config.store import conf_dir, register_configs
@@ -23,19 +24,93 @@ HYDRA_FLAGS = (
 TRAIN_ENTRY = "rlbatch.train.build:run"
 
 
+JOBS: list[tuple[str, str, str, int]] = []
+"""Multirun jobs run in this process: (number, overrides, run directory, exit code)."""
+
+
 def _task(cfg) -> None:
-    from pathlib import Path
-
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        code = _run(cfg, run_dir)
+        if code:
+            sys.exit(code)
+        return
+    try:  # a failing job does not stop the sweep; main() reports every job at the end
+        code = _run(cfg, run_dir)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except Exception as err:  # noqa: BLE001 - reported in the table, the sweep goes on
+        print(
+            f"rlbatch-train: job {hydra_cfg.job.num}: {type(err).__name__}: {err}", file=sys.stderr
+        )
+        code = 1
+    overrides = " ".join(hydra_cfg.overrides.task)
+    JOBS.append((str(hydra_cfg.job.num), overrides, str(run_dir), code))
+
+
+def _run(cfg, run_dir: Path) -> int:
     from rlbatch.grpo.preflight import check_before_launch
     from rlbatch.runtime.driver import launch
 
     run_cfg = to_validated_run_config(cfg, "rlbatch-train", extra=check_before_launch)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    code = launch(run_cfg, run_dir, entry=TRAIN_ENTRY)
-    if code:
-        sys.exit(code)
+    _check_resume(run_cfg, run_dir)
+    return launch(run_cfg, run_dir, entry=TRAIN_ENTRY)
+
+
+def _check_resume(run_cfg, run_dir: Path) -> None:
+    """Before launch: the checkpoint trainer.resume picks is intact by its manifest (else the
+    error lists every checkpoint and why), and the config may resume it (rlbatch.config.
+    resume_check): every refused change is an error; the accepted ones are listed."""
+    from rlbatch.cli.common import fail_config
+    from rlbatch.config.errors import ConfigError, ConfigErrors
+    from rlbatch.config.resume_check import check_resume
+    from rlbatch.train.integrity import NoIntactCheckpointError, resume_candidates
+
+    if run_cfg.trainer.resume in ("none", ""):
+        return
+    root = Path(run_cfg.trainer.checkpoint.dir or run_dir / "checkpoints")
+    try:
+        candidates, _ = resume_candidates(run_cfg.trainer.resume, root)
+    except (NoIntactCheckpointError, FileNotFoundError) as err:
+        fail_config(
+            ConfigErrors([ConfigError("trainer.resume", run_cfg.trainer.resume, str(err))]),
+            "rlbatch-train",
+        )
+    if not candidates:
+        return
+    errors, notes = check_resume(run_cfg, candidates[0])
+    if errors:
+        fail_config(ConfigErrors(errors), "rlbatch-train")
+    if notes:
+        print(
+            f"rlbatch-train: resuming {candidates[0]} with changes: " + "; ".join(notes),
+            file=sys.stderr,
+        )
+
+
+def _report_sweep() -> int:
+    """The table of every multirun job (status, run directory); 1 if any failed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rlbatch-train multirun")
+    for column in ("job", "overrides", "status", "run directory"):
+        table.add_column(column)
+    for num, overrides, run_dir, code in JOBS:
+        status = "ok" if code == 0 else f"FAILED (exit {code})"
+        table.add_row(num, overrides, status, run_dir, style=None if code == 0 else "red")
+    console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 240)
+    console.print(table, markup=False)
+    failed = [num for num, _, _, code in JOBS if code]
+    if failed:
+        console.print(
+            f"{len(failed)} of {len(JOBS)} job(s) failed: {', '.join(failed)}", markup=False
+        )
+    return 1 if failed else 0
 
 
 def main() -> None:
@@ -47,6 +122,8 @@ def main() -> None:
     register_configs()
     app = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(_task)
     app()
+    if JOBS:
+        sys.exit(_report_sweep())
 
 
 if __name__ == "__main__":

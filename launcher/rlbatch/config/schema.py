@@ -413,8 +413,10 @@ class LoggingConfig:
     """Rich progress bar over optimizer steps."""
     jsonl: bool = True
     """Write <run_dir>/metrics.jsonl."""
-    tensorboard: bool = True
-    """Write TensorBoard events to <run_dir>/tb (needs tensorboard; warns when missing)."""
+    tensorboard: Optional[bool] = None
+    """Write TensorBoard events to <run_dir>/tb. null (auto) = when the tensorboard package is
+    installed (pip install 'rlbatch[tensorboard]'), silently otherwise; true = warn when it
+    is missing; false = off."""
     plot: bool = True
     """Write <run_dir>/metrics.png at the end."""
     plans: bool = False

@@ -139,7 +139,11 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[
         "parallel.microbatch_group_size_per_vp_stage": p.microbatch_group_size_per_vp_stage,
     }
     for key, value in checks.items():
-        if _in_scope(key.split(".", 1)[0], scope):
+        if not _in_scope(key.split(".", 1)[0], scope):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            errors.append(ConfigError(key, value, "must be a finite number"))
+        else:
             _positive(key, value, errors)
     non_negative = {
         "rollout.top_k": r.top_k,
@@ -465,6 +469,15 @@ def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 errors.append(
                     ConfigError("data.path", cfg.data.path, "no such directory (HF save_to_disk)")
                 )
+        elif Path(cfg.data.path).is_dir():
+            errors.append(
+                ConfigError(
+                    "data.path",
+                    cfg.data.path,
+                    f"is a directory: data.source={cfg.data.source.name} reads one file (a "
+                    "Hugging Face save_to_disk directory needs data.source=hf_disk)",
+                )
+            )
         elif not Path(cfg.data.path).is_file():
             errors.append(ConfigError("data.path", cfg.data.path, "no such file"))
 

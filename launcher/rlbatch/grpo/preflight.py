@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from pathlib import Path
+from typing import Any
 
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import DataConfig, DataSource, RewardKind, RunConfig
@@ -27,6 +28,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     from rlbatch.eval.settings import eval_enabled
 
     errors: list[ConfigError] = []
+    _check_cuda_only(cfg, errors)
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
     _check_environment(cfg, errors)
@@ -67,8 +69,34 @@ def _check_environment(cfg: RunConfig, errors: list[ConfigError]) -> None:
         errors.append(ConfigError("env.path", cfg.env.path, str(err)))
 
 
+def _cuda_available() -> bool:
+    """Torch's answer, imported only when a CUDA-only setting asks (the driver stays light)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_cuda_only(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Settings that cannot run without CUDA, refused before any worker starts."""
+    wanted = {
+        "parallel.backend": (cfg.parallel.backend.value == "nccl", "nccl", "auto or gloo"),
+        "rollout.backend": (
+            cfg.rollout.backend.value == "megatron_dynamic",
+            "megatron_dynamic",
+            "megatron",
+        ),
+    }
+    if not any(on for on, _, _ in wanted.values()) or _cuda_available():
+        return
+    for key, (on, value, fix) in wanted.items():
+        if on:
+            errors.append(
+                ConfigError(key, value, f"needs CUDA, which this machine lacks: use {key}={fix}")
+            )
+
+
 def tracking_warnings(cfg: RunConfig) -> list[str]:
-    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+    if cfg.logging.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
         return [
             "logging.tensorboard=true but tensorboard is not installed: no TensorBoard events"
             " will be written (pip install 'rlbatch[tensorboard]', or set"
@@ -103,8 +131,9 @@ def _check_dataset(
     except ValueError as err:
         errors.append(ConfigError(key, data.path, str(err)))
         return None
+    chat_ok = _check_prompts(cfg.data, examples, errors)
     tokenizer = _tokenizer(cfg)
-    if tokenizer is not None:
+    if tokenizer is not None and chat_ok:
         problems += prompt_length_problems(data, tokenizer, examples)[1]
         problems.sort(key=lambda p: row_position(p.where))
     if problems:
@@ -116,6 +145,37 @@ def _check_dataset(
     for ex in examples[1:]:
         common &= set(ex.fields)
     return common
+
+
+def _check_prompts(data: DataConfig, examples: list, errors: list[ConfigError]) -> bool:
+    """Chat-message prompts need a chat template; a dataset whose prompts are all empty trains
+    on nothing. False when the prompts cannot be rendered (no length check then)."""
+    from rlbatch.config.schema import ChatTemplate
+
+    chats = [ex.where for ex in examples if isinstance(ex.prompt, list)]
+    if chats and ChatTemplate(data.chat_template) == ChatTemplate.none:
+        errors.append(
+            ConfigError(
+                "data.chat_template",
+                "none",
+                f"{len(chats)} prompt(s) are chat messages ({', '.join(chats[:3])}...): set "
+                "data.chat_template=model (the model's own template) or qwen",
+            )
+        )
+
+    def text(prompt: Any) -> str:
+        return prompt if isinstance(prompt, str) else "".join(str(m["content"]) for m in prompt)
+
+    if examples and all(not text(ex.prompt).strip() for ex in examples):
+        errors.append(
+            ConfigError(
+                "data.prompt_key",
+                data.prompt_key,
+                f"every one of the {len(examples)} prompts is empty: point data.prompt_key at "
+                "the field that holds the prompts",
+            )
+        )
+    return not (chats and ChatTemplate(data.chat_template) == ChatTemplate.none)
 
 
 def _path_exists(data: DataConfig) -> bool:

@@ -224,6 +224,7 @@ def _unfinished(cfg: RunConfig, run_dir: Path) -> int:
         "FAILED; the newest checkpoint is intact (trainer.resume=auto)",
         markup=False,
         style="red",
+        soft_wrap=True,
     )
     return 1
 

@@ -40,7 +40,6 @@ def _forward(signum: int, frame: Any) -> None:
 
 def main() -> None:
     die_with_parent(signal.SIGKILL)  # SIGTERM now means 'save and stop'
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
     for sig in preempt.SIGNALS:
         signal.signal(sig, _forward)
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -48,7 +47,7 @@ def main() -> None:
     from torch.distributed.run import main as torchrun_main
 
     try:
-        torchrun_main(sys.argv[1:])
+        torchrun_main([f"--signals-to-handle={TORCHRUN_SIGNALS}", *sys.argv[1:]])
     except ChildFailedError as err:
         failures = err.failures
         codes = [f.exitcode for f in failures.values()] or [1]

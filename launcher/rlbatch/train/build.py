@@ -247,7 +247,7 @@ def build_components(cfg: RunConfig) -> Components:
         dist=WorldDist(),
         aggregator=aggregator,
         export_hf=lambda path: hf.export_hf(model, cfg.model, path),
-        meta={"parallel": layout, "rank_coords": _rank_coords(ps)},
+        meta={"parallel": layout, "rank_coords": _rank_coords(ps), "config": _config_of(cfg)},
         evaluate=_evaluate_fn(cfg, model, tokenizer, ps),
     )
 
@@ -277,6 +277,13 @@ def _evaluate_fn(cfg: RunConfig, model: list[Any], tokenizer: Any, ps: Any):
     from rlbatch.eval.runner import make_evaluate_fn
 
     return make_evaluate_fn(cfg, model, tokenizer, ps.dp_rank, ps.dp, ps.rank)
+
+
+def _config_of(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain data, for meta.json (the driver's resume check)."""
+    from rlbatch.config.load import to_container
+
+    return to_container(cfg)
 
 
 def _rank_coords(ps: Any) -> list[dict[str, int]]:

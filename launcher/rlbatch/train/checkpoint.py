@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from rlbatch.train import integrity
-from rlbatch.train.integrity import CheckpointSpaceError, Found
+from rlbatch.train.integrity import CheckpointSpaceError, resume_candidates
 
 FORMAT_VERSION = 3
 SHARDED_DIR = "model_optim"
@@ -212,38 +212,6 @@ def prune_checkpoints(
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed
-
-
-def resume_candidates(resume: str, ckpt_dir: str | Path) -> tuple[list[Path], list[Found]]:
-    """trainer.resume = none | auto | PATH -> (checkpoints to try, newest first; the damaged
-    ones newer than the newest intact one, with why). The caller verifies the candidates'
-    checksums in turn (:func:`verify_share`) and loads the first that passes.
-
-    auto: the intact checkpoints of ``ckpt_dir`` ([] when it holds none at all; checkpoints
-    that exist but none intact: NoIntactCheckpointError, never a silent fresh start). PATH:
-    that step directory, or the checkpoints of that directory."""
-    if resume in ("none", "", None):
-        return [], []
-    root = Path(ckpt_dir) if resume == "auto" else Path(resume)
-    if resume != "auto" and integrity.NAME_RE.match(root.name):
-        problems = integrity.check_sizes(root) if root.is_dir() else ["no such directory"]
-        if problems:
-            raise FileNotFoundError(
-                f"trainer.resume={resume} is not an intact checkpoint ({', '.join(problems)}): "
-                "pass another step_* directory, its parent, or trainer.resume=auto"
-            )
-        return [root], []
-    found = integrity.scan(root)
-    intact = [f for f in reversed(found) if f.intact]
-    if found and not intact:
-        raise integrity.no_intact_error(root, found)
-    if resume != "auto" and not intact:
-        raise FileNotFoundError(
-            f"trainer.resume={resume} holds no checkpoint: pass a step_* directory, its "
-            "parent, or trainer.resume=auto"
-        )
-    newest = intact[0].step if intact else -1
-    return [f.path for f in intact], [f for f in found if not f.intact and f.step > newest]
 
 
 def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:

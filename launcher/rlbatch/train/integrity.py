@@ -222,3 +222,35 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n = n / 1024  # type: ignore[assignment]
     return f"{n} B"
+
+
+def resume_candidates(resume: str, ckpt_dir: str | Path) -> tuple[list[Path], list[Found]]:
+    """trainer.resume = none | auto | PATH -> (checkpoints to try, newest first; the damaged
+    ones newer than the newest intact one, with why). The caller verifies the candidates'
+    checksums in turn (:func:`verify_share`) and loads the first that passes.
+
+    auto: the intact checkpoints of ``ckpt_dir`` ([] when it holds none at all; checkpoints
+    that exist but none intact: NoIntactCheckpointError, never a silent fresh start). PATH:
+    that step directory, or the checkpoints of that directory."""
+    if resume in ("none", "", None):
+        return [], []
+    root = Path(ckpt_dir) if resume == "auto" else Path(resume)
+    if resume != "auto" and NAME_RE.match(root.name):
+        problems = check_sizes(root) if root.is_dir() else ["no such directory"]
+        if problems:
+            raise FileNotFoundError(
+                f"trainer.resume={resume} is not an intact checkpoint ({', '.join(problems)}): "
+                "pass another step_* directory, its parent, or trainer.resume=auto"
+            )
+        return [root], []
+    found = scan(root)
+    intact = [f for f in reversed(found) if f.intact]
+    if found and not intact:
+        raise no_intact_error(root, found)
+    if resume != "auto" and not intact:
+        raise FileNotFoundError(
+            f"trainer.resume={resume} holds no checkpoint: pass a step_* directory, its "
+            "parent, or trainer.resume=auto"
+        )
+    newest = intact[0].step if intact else -1
+    return [f.path for f in intact], [f for f in found if not f.intact and f.step > newest]

@@ -454,6 +454,7 @@ def _resume(cfg: RunConfig, comps: Components) -> TrainState | None:
         return None
     payload = load_checkpoint(path, rank=comps.dist.rank, world_size=comps.dist.world_size)
     state = apply_payload(payload, comps.model, comps.optimizer, comps.scheduler)
+    _apply_lr_config(comps)
     comps.producer.load_state_dict(state.producer)
     if comps.planner is not None:
         comps.planner.load_state_dict(state.planner)
@@ -463,6 +464,26 @@ def _resume(cfg: RunConfig, comps: Components) -> TrainState | None:
     if comps.dist.rank == 0:
         log.info("resumed from %s at step %d", path, state.step)
     return state
+
+
+def _apply_lr_config(comps: Components) -> None:
+    """The learning rate of this run's config, not the checkpoint's: the optimizer state loads
+    each parameter group's max_lr / min_lr back from the checkpoint, which would silently keep
+    the old rate; set them to the scheduler's (built from trainer.optim) and recompute."""
+    sched, groups = comps.scheduler, getattr(comps.optimizer, "param_groups", None)
+    if sched is None or not groups or not hasattr(sched, "max_lr"):
+        return
+    old = groups[0].get("max_lr", sched.max_lr)
+    for group in groups:
+        group["max_lr"], group["min_lr"] = sched.max_lr, sched.min_lr
+    sched.step(increment=0)
+    if old != sched.max_lr and comps.dist.rank == 0:
+        log.warning(
+            "trainer.optim.lr changed on resume: %g -> %g, applied to the optimizer (now %g)",
+            old,
+            sched.max_lr,
+            groups[0]["lr"],
+        )
 
 
 def _first_verified(comps: Components, candidates: list[str], skipped: list[str]) -> Path | None:

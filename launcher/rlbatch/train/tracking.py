@@ -136,11 +136,12 @@ def open_sinks(logging_cfg: Any, run_dir: Path, resumed_step: int) -> list[Sink]
     """The enabled trackers of ``logging_cfg`` (rank 0 only); ``resumed_step``: the last step
     already done (0: a fresh run), so TensorBoard purges events from step resumed_step + 1."""
     sinks: list[Sink] = []
-    if logging_cfg.tensorboard:
+    if logging_cfg.tensorboard is not False:
         if importlib.util.find_spec("tensorboard") is None:
-            log.warning(
-                "logging.tensorboard=true but tensorboard is not installed: no events written"
-            )
+            if logging_cfg.tensorboard:
+                log.warning(
+                    "logging.tensorboard=true but tensorboard is not installed: no events written"
+                )
         else:
             sinks.append(TensorBoardSink(run_dir / "tb", resumed_step + 1))
     wandb_cfg = getattr(logging_cfg, "wandb", None)

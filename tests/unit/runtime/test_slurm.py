@@ -4,6 +4,7 @@ environment, and the hydra/launcher=slurm group (hydra-submitit-launcher, the `s
 from __future__ import annotations
 
 import shlex
+import subprocess
 
 import pytest
 
@@ -25,7 +26,7 @@ NODE_2_OF_4 = {
 def _sbatch_overrides() -> list[str]:
     text = SBATCH.read_text().replace("\\\n", " ")
     line = next(ln for ln in text.splitlines() if ln.startswith("srun "))
-    words = shlex.split(line)
+    words = shlex.split(line.split("||")[0])
     return words[words.index("rlbatch-train") + 1 :]
 
 
@@ -44,6 +45,26 @@ def test_sbatch_example_derives_the_multi_node_keys_from_slurm(tmp_path, monkeyp
     p = compose(overrides, "test").parallel
     assert (p.nnodes, p.node_rank, p.run_id) == (4, 2, "slurm-81234.0")
     assert p.rdzv_endpoint == "gpu017:29734"
+
+
+@pytest.mark.parametrize("code,requeued", [(75, True), (0, False), (1, False)])
+def test_sbatch_example_requeues_a_preempted_job(tmp_path, code, requeued):
+    """The script under bash with stand-in srun / scontrol: exit 75 (saved on SIGUSR1 or
+    SIGTERM) requeues the job; success or a failure does not; the exit code passes through."""
+    text = SBATCH.read_text()
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=USR1@" in text
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nexit {code}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/scontrol.txt\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "81234", "SLURM_JOB_NUM_NODES": "4"}
+    proc = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True)
+    assert proc.returncode == code, proc.stderr
+    called = (tmp_path / "scontrol.txt").read_text().split() if requeued else None
+    assert called == (["requeue", "81234"] if requeued else None)
+    assert (tmp_path / "scontrol.txt").exists() == requeued
 
 
 @pytest.mark.optional_extra

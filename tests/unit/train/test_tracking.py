@@ -139,6 +139,9 @@ def test_enabled_sink_without_its_package_is_a_config_error(monkeypatch):
 def test_tensorboard_missing_is_a_warning(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     cfg = RunConfig()
+    assert cfg.logging.tensorboard is None  # auto: a default run warns about nothing
+    assert tracking_warnings(cfg) == []
+    cfg.logging.tensorboard = True
     (warning,) = tracking_warnings(cfg)
     assert "tensorboard is not installed" in warning and "logging.tensorboard=false" in warning
     cfg.logging.tensorboard = False

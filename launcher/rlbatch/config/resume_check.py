@@ -1,0 +1,105 @@
+"""Resume compatibility, checked in the driver before launch (docs/resume.md).
+
+The checkpoint's meta.json holds the resolved config of the run that wrote it. A resume
+compares the new config with it, key by key:
+
+- keys in :data:`FIXED` may not change: the model's shape, the tokenizer, the batch and group
+  sizes, the seed and the data define what the checkpoint's weights, optimizer moments and
+  sampler cursor mean. Each change is one error (key, old value, new value), all at once;
+- every other key may change and takes effect from the next step (the learning rate and its
+  schedule, max_steps, checkpoint cadence, timeouts, logging, the parallel layout through
+  resharding...); the driver lists what changed.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlbatch.config.errors import ConfigError
+from rlbatch.config.load import to_container
+from rlbatch.config.schema import RunConfig
+
+FIXED = (
+    "model.",
+    "data.",
+    "trainer.seed",
+    "grpo.num_generations",
+    "grpo.global_batch_size",
+    "grpo.generation_batch_size",
+    "grpo.steps_per_generation",
+    "grpo.num_iterations",
+)
+"""Keys (or prefixes ending in '.') a resume may not change."""
+CHANGEABLE = (
+    "model.hf_path",
+    "model.recompute",
+    "data.reward_timeout_s",
+    "data.reward_abs_max",
+)
+"""Exceptions under FIXED prefixes: where the weights come from (the checkpoint's win), how
+activations are recomputed, and the bounds on reward calls."""
+IGNORED = ("run_dir", "trainer.resume", "parallel.run_id", "parallel.node_rank")
+"""Keys that differ between any two launches."""
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def is_fixed(key: str) -> bool:
+    if key in CHANGEABLE:
+        return False
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FIXED)
+
+
+def compare(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[tuple], list[tuple]]:
+    """(refused, allowed) changes, each (key, old, new), sorted by key."""
+    old_flat, new_flat = flatten(saved), flatten(new)
+    refused: list[tuple] = []
+    allowed: list[tuple] = []
+    for key in sorted(set(old_flat) | set(new_flat)):
+        if key in IGNORED or key not in old_flat or key not in new_flat:
+            continue  # a key added or removed by another rlbatch version: nothing to compare
+        old, value = old_flat[key], new_flat[key]
+        if old != value:
+            (refused if is_fixed(key) else allowed).append((key, old, value))
+    return refused, allowed
+
+
+def saved_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The resolved config a checkpoint was written with (None: an older checkpoint)."""
+    try:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = meta.get("config")
+    return config if isinstance(config, dict) else None
+
+
+def check_resume(cfg: RunConfig, checkpoint: Path) -> tuple[list[ConfigError], list[str]]:
+    """(errors for each fixed key that changed, notes on the changes that take effect)."""
+    saved = saved_config(checkpoint)
+    if saved is None:
+        return [], []
+    refused, allowed = compare(saved, to_container(cfg))
+    errors = [
+        ConfigError(
+            key,
+            new,
+            f"was {old!r} in {checkpoint}: it cannot change on resume (the checkpoint's "
+            f"weights, optimizer state and data position depend on it). Resume with {key}={old}, "
+            "or start a new run (another directory, trainer.resume=none)",
+        )
+        for key, old, new in refused
+    ]
+    notes = [f"{key}: {old!r} -> {new!r}" for key, old, new in allowed]
+    return errors, notes

@@ -1,0 +1,71 @@
+"""One run per directory: a live holder refuses a second launcher, naming it; a dead holder's
+lock (gone pid on this host, not refreshed, or this same requeued scheduler job) is taken
+over; release removes only our own lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlbatch.runtime import lock
+from rlbatch.runtime.lock import LOCK_NAME, RunLockedError, acquire
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from rlbatch.runtime.lock import acquire
+held = acquire([Path(sys.argv[1])], "run-a", None)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_live_holder_refuses_and_is_named(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLockedError) as err:
+            acquire([tmp_path], "run-b", None)
+        message = str(err.value)
+        assert f"host {socket.gethostname()}, pid {holder.pid}, started 20" in message
+        assert "(run id run-a)" in message
+        body = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert body["pid"] == holder.pid  # untouched by the refused launcher
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died without releasing: its lock is stale and taken over
+    with acquire([tmp_path], "run-b", None) as held:
+        assert json.loads(held.paths[0].read_text())["pid"] == os.getpid()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_stale_by_age_and_same_job(tmp_path):
+    other_host = {"host": "elsewhere", "pid": 1, "started": "then", "job": "slurm-7"}
+    path = tmp_path / LOCK_NAME
+    path.write_text(json.dumps(other_host))
+    with pytest.raises(RunLockedError, match="host elsewhere, pid 1"):
+        acquire([tmp_path], None, "slurm-8")
+    with acquire([tmp_path], None, "slurm-7"):  # the same job, requeued
+        pass
+    path.write_text(json.dumps(other_host))
+    old = time.time() - lock.STALE_S - 5
+    os.utime(path, (old, old))
+    with acquire([tmp_path], None, None):  # not refreshed for STALE_S: its holder is gone
+        pass
+
+
+def test_both_directories_or_none(tmp_path):
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / LOCK_NAME).write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    with pytest.raises(RunLockedError):
+        acquire([run_dir, ckpt], None, None)
+    assert not (run_dir / LOCK_NAME).exists()  # the lock already taken is released
