@@ -6,7 +6,8 @@ reward functions, reported as configuration errors (every one at once) and warni
 - each data.reward_fn entry is imported and its signature checked (and the dataset fields it
   asks for must exist); relative file paths are made absolute so workers find them;
 - an enabled sink whose package is missing is an error (logging.wandb / logging.mlflow);
-  TensorBoard enabled but missing is a warning.
+  TensorBoard enabled but missing is a warning;
+- an objective key set where the run ignores it is a warning.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 from pathlib import Path
 
 from rlbatch.config.errors import ConfigError
+from rlbatch.config.objectives import objective_warnings
 from rlbatch.config.schema import DataConfig, DataSource, RewardKind, RunConfig
 
 
@@ -25,7 +27,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     errors: list[ConfigError] = []
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
-    return errors, tracking_warnings(cfg)
+    return errors, tracking_warnings(cfg) + objective_warnings(cfg)
 
 
 def tracking_warnings(cfg: RunConfig) -> list[str]:
