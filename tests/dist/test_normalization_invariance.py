@@ -135,7 +135,8 @@ def test_pipeline_stages_learn_the_divisor(runs):
 def test_vocab_parallel_loss_matches_full_vocabulary(runs):
     """tp=2 (the dp-2 launch re-initialized): logps through megatron's
     vocab_parallel_cross_entropy and the tp entropy equal plain log_softmax on the full
-    logits; so do the gradients with respect to the logits (gathered over the shards)."""
+    logits; so do the gradients with respect to the logits (gathered over the shards), the
+    entropy bonus's included."""
     res = runs[2][("tp2", 0)]
     got, ref = res["numerator"]
     assert got == pytest.approx(ref, rel=1e-5)

@@ -99,3 +99,33 @@ def objective_errors(cfg: Any) -> list[ConfigError]:
             )
         )
     return errors
+
+
+def objective_warnings(cfg: Any) -> list[str]:
+    """A warning for each objective key set away from its default where the run ignores it."""
+    g, default = cfg.grpo, ObjectiveConfig()
+    masking = g.rollout_correction in (RolloutCorrection.token_mask, RolloutCorrection.seq_mask)
+    ignored = {
+        "sapo_tau_pos": (g.policy_loss != PolicyLoss.sapo, "grpo.policy_loss is not sapo"),
+        "sapo_tau_neg": (g.policy_loss != PolicyLoss.sapo, "grpo.policy_loss is not sapo"),
+        "kl_bias_correction": (g.beta == 0, "grpo.beta=0"),
+        "rollout_correction_lower": (not masking, "only the mask modes have a lower bound"),
+        "overlong_penalty_factor": (g.overlong_buffer_len == 0, "grpo.overlong_buffer_len=0"),
+        "max_generation_rounds": (g.filter_groups == FilterGroups.none, "grpo.filter_groups=none"),
+    }
+    out = [
+        f"grpo.{key}={getattr(g, key)} is ignored: {why}"
+        for key, (unused, why) in ignored.items()
+        if unused and getattr(g, key) != getattr(default, key)
+    ]
+    if g.advantage_estimator != AdvantageEstimator.grpo and g.scale_rewards != "group":
+        out.append(
+            f"grpo.scale_rewards={g.scale_rewards.value} is ignored: it scales the grpo "
+            f"advantage estimator only (grpo.advantage_estimator={g.advantage_estimator.value})"
+        )
+    if cfg.debug.perturb_behaviour_logps > 0:
+        out.append(
+            f"debug.perturb_behaviour_logps={cfg.debug.perturb_behaviour_logps}: the behaviour "
+            "log-probs are perturbed on purpose (a test aid): do not train a real model so"
+        )
+    return out

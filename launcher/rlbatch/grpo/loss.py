@@ -37,6 +37,7 @@ from rlbatch.grpo.objectives import (
     ROLLOUT_CORRECTIONS,
     CorrectionParams,
     PolicyParams,
+    PolicyTerm,
     seq_mean,
 )
 from rlbatch.grpo.types import Sample
@@ -395,7 +396,7 @@ def _importance_weights(
 def _stats(
     batch: GRPOBatch,
     settings: LossSettings,
-    term,
+    term: PolicyTerm,
     is_weight: torch.Tensor,
     hit: torch.Tensor,
     log_w: torch.Tensor,

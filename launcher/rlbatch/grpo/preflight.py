@@ -8,7 +8,8 @@ reward functions, reported as configuration errors (every one at once) and warni
 - env.path (a multi-turn environment) is imported the same way and must have reset / step and
   accept env.kwargs;
 - an enabled sink whose package is missing is an error (logging.wandb / logging.mlflow);
-  TensorBoard enabled but missing is a warning.
+  TensorBoard enabled but missing is a warning;
+- an objective key set where the run ignores it is a warning.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.config.errors import ConfigError
+from rlbatch.config.objectives import objective_warnings
 from rlbatch.config.schema import DataConfig, DataSource, RewardKind, RunConfig
 
 
@@ -34,7 +36,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     _check_environment(cfg, errors)
     if eval_enabled(cfg):
         check_eval_inputs(cfg, errors)
-    return errors, tracking_warnings(cfg)
+    return errors, tracking_warnings(cfg) + objective_warnings(cfg)
 
 
 def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -267,13 +267,14 @@ def run_pp2(samples: list[Sample]) -> dict:
 
 def run_tp2(samples: list[Sample]) -> dict:
     """tp=2: the GRPO loss on vocab-parallel logits (each rank holds half the vocabulary) vs
-    the same loss on the full logits computed locally (tp code paths bypassed)."""
+    the same loss on the full logits computed locally (tp code paths bypassed); with the
+    entropy bonus, whose gradient crosses the shards (megatron's autograd-aware all-reduce)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     mb = MicroBatch(tuple(range(6)), tuple(s.length for s in samples[:6]), 20, 120, 0)
     batch, _ = build_grpo_batch(samples[:6], mb, round_to=ROUND)
     batch.ref_logps = batch.old_logps + 0.05
-    st = LossSettings(beta=0.05, loss_agg_mode=LossAggMode.seq_mean_token_mean)
+    st = LossSettings(beta=0.05, loss_agg_mode=LossAggMode.seq_mean_token_mean, entropy_coef=0.05)
     g = torch.Generator().manual_seed(3)
     full = (torch.randn(6, 20, VOCAB, generator=g) * 3).requires_grad_(True)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -285,9 +286,9 @@ def run_tp2(samples: list[Sample]) -> dict:
     # reference: the full logits on one rank, plain log_softmax (tp paths not taken)
     logp = torch.log_softmax(full, -1).gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
     mask = batch.loss_mask
-    probs = torch.softmax(full.detach(), -1)
-    entropy = -(probs * torch.log(probs)).sum(-1)[mask].sum()
-    ref = loss_from_logps(logp[mask], batch, st)
+    per_token = -(torch.softmax(full, -1) * torch.log_softmax(full, -1)).sum(-1)[mask]
+    entropy = per_token.detach().sum()
+    ref = loss_from_logps(logp[mask], batch, st, entropy=per_token)
     ref.numerator.backward()
     return {
         ("tp2", tp_rank): {

@@ -223,3 +223,21 @@ def test_objective_keys_are_checked_all_at_once():
     assert "must be positive" in text["grpo.sapo_tau_neg"]
     assert "must be >= 0" in text["grpo.entropy_coef"]
     assert "grpo.policy_loss" in text
+
+
+def test_objective_keys_the_run_ignores_are_warned_about():
+    from rlbatch.config.objectives import objective_warnings
+    from rlbatch.config.schema import AdvantageEstimator, RunConfig, ScaleRewards
+
+    cfg = RunConfig()
+    assert objective_warnings(cfg) == []
+    cfg.grpo.sapo_tau_neg = 2.0
+    cfg.grpo.rollout_correction_lower = 0.5
+    cfg.grpo.advantage_estimator = AdvantageEstimator.rloo
+    cfg.grpo.scale_rewards = ScaleRewards.batch
+    cfg.debug.perturb_behaviour_logps = 0.1
+    text = "\n".join(objective_warnings(cfg))
+    assert "grpo.sapo_tau_neg=2.0 is ignored: grpo.policy_loss is not sapo" in text
+    assert "grpo.rollout_correction_lower=0.5 is ignored" in text
+    assert "grpo.scale_rewards=batch is ignored" in text
+    assert "debug.perturb_behaviour_logps=0.1" in text
