@@ -2,7 +2,8 @@
 a data reward function on top, async run-ahead with generation overlapping training (the
 generation worker builds the environment), two iterations per round (the old-logprob pass), the
 reference pass (grpo.beta > 0), the train pass planned on whole transcripts (logging.plans),
-env.on_error=zero_reward, logging.samples; and the errors: a bad env.path before launch, an
+env.on_error=zero_reward, logging.samples, evaluation during training through the same
+environment (and its resume); and the errors: a bad env.path before launch, an
 exception in step naming the class, the sample and the turn, without a traceback."""
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ USER_RUN = (
     "logging.samples=true", "logging.plans=true", "trainer.max_steps=4",
     "grpo.num_steps_async=1", "grpo.num_iterations=2", "grpo.beta=0.02",
     "grpo.global_batch_size=32", "rollout.max_new_tokens=24",
+    "eval.every_steps=2", "eval.data.path=held_out.jsonl", "eval.num_samples=2",
+    "eval.temperature=1.0", "eval.at_start=false",
 )  # fmt: skip
 
 
@@ -59,6 +62,8 @@ def user_run(bin_dir, subprocess_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("env")
     (tmp / "scripted.py").write_text(ENV)
     (tmp / "bonus.py").write_text("def bonus(completion):\n    return 0.5\n")
+    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in (1, 2, 3, 4, 5, 6, 7, 8)]
+    (tmp / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp / "run"
     proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", *USER_RUN)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -163,3 +168,18 @@ def test_environment_exception_names_class_sample_and_turn(bin_dir, subprocess_e
     assert "EnvCallError: environment Scripted.step on sample" in report
     assert "turn 1 raised ValueError: even secret" in report
     assert "Traceback" not in report and "Traceback" not in proc.stderr
+
+
+def test_evaluation_rolls_out_through_the_environment(user_run):
+    """eval.every_steps during a multi-turn run: the held-out episodes run through the same
+    environment and their rewards include its step rewards (a data reward alone would give
+    every sample exactly the 0.5 bonus), an environment error scoring 0 (env.on_error)."""
+    run_dir, records = user_run
+    assert [r["step"] for r in records if "eval/reward_mean" in r] == [2, 4]
+    rewards = []
+    for step in (2, 4):
+        lines = (run_dir / "eval" / f"step_{step:05d}.jsonl").read_text().splitlines()
+        rewards += [s["reward"] for line in lines for s in json.loads(line)["samples"]]
+    assert len(rewards) == 2 * 8 * 2
+    assert any(r > 0.5 for r in rewards)  # the environment paid: 0.5 + its step rewards
+    assert set(rewards) <= {0.0, 0.5, 0.75, 1.5, 1.75}

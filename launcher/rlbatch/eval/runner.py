@@ -111,9 +111,11 @@ class Evaluator:
         self, prompts: Sequence[Prompt], samples: list[Sample], n: int
     ) -> list[PromptResult]:
         from rlbatch.grpo.rewards import reward_input
+        from rlbatch.train.generation import add_episode_rewards
 
         inputs = [reward_input(s, self.tokenizer) for s in samples]
         totals, _ = self.rewards.score(inputs) if inputs else ([], {})
+        totals = add_episode_rewards(samples, totals)  # multi-turn: the environment's rewards
         threshold = self.cfg.eval.correct_threshold
         scored = [
             ScoredSample(
@@ -133,15 +135,13 @@ class Evaluator:
 
 
 def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> Any:
-    """The rollout engine with the evaluation's sampling settings, in rollout.micro_batch_size
-    prompt chunks (sequence parallelism off while decoding, as for training's rollouts)."""
-    from rlbatch.grpo.rollout import build_rollout_engine
-    from rlbatch.train.generation import SequenceParallelOffEngine
+    """The rollout engine with the evaluation's sampling settings and data, in
+    rollout.micro_batch_size prompt chunks (sequence parallelism off while decoding, as for
+    training's rollouts); multi-turn through the run's environment when env.path is set."""
+    from rlbatch.train.generation import SequenceParallelOffEngine, build_engine
 
-    sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg))
-    engine = build_rollout_engine(
-        sampling, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=True
-    )
+    sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg), data=eval_data(cfg))
+    engine = build_engine(sampling, model, tokenizer, chunked=True)
     if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
         engine = SequenceParallelOffEngine(engine, model)
     return engine

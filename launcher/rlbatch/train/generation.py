@@ -143,19 +143,30 @@ def make_reward_batch_fn(
         for name, values in parts.items():
             for s, v in zip(samples, values, strict=True):
                 s.metrics[f"reward/{name}"] = v
-        for i, s in enumerate(samples):
-            if s.episode is None:
-                continue
-            s.metrics["reward/env"] = s.episode["reward"]
-            totals[i] = 0.0 if s.episode["end"] == "error" else totals[i] + s.episode["reward"]
-        return totals
+        return add_episode_rewards(samples, totals)
 
     return reward_batch
 
 
-def build_engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> RolloutEngine:
-    """The rollout engine of a training run (the LCM aggregator chunks, so no chunk size),
-    multi-turn through the environment env.path names when it is set."""
+def add_episode_rewards(samples: Sequence[Sample], totals: list[float]) -> list[float]:
+    """Each multi-turn sample's total plus the sum of its environment's step rewards
+    (``reward/env`` in its metrics); an episode ended by an environment error
+    (env.on_error=zero_reward) totals 0. Single-turn samples keep their total."""
+    out = list(totals)
+    for i, s in enumerate(samples):
+        if s.episode is None:
+            continue
+        s.metrics["reward/env"] = s.episode["reward"]
+        out[i] = 0.0 if s.episode["end"] == "error" else out[i] + s.episode["reward"]
+    return out
+
+
+def build_engine(
+    cfg: RunConfig, model: list[Any], tokenizer: Any, *, chunked: bool = False
+) -> RolloutEngine:
+    """The rollout engine of a run (a training run's LCM aggregator chunks, so by default no
+    chunk size; evaluation chunks by rollout.micro_batch_size), multi-turn through the
+    environment env.path names when it is set."""
     from rlbatch.grpo.rollout import build_rollout_engine
 
     driver = None
@@ -165,7 +176,7 @@ def build_engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> RolloutEng
 
         driver = EnvDriver(build_environment(cfg.env.path, cfg.env.kwargs), cfg, tokenizer)
     return build_rollout_engine(
-        cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=False, driver=driver
+        cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=chunked, driver=driver
     )
 
 
