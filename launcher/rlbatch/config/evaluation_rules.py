@@ -19,13 +19,12 @@ from rlbatch.eval.settings import (
 )
 
 
-def check_eval(cfg: RunConfig, errors: list[ConfigError], *, training: bool = True) -> None:
-    """Every error of the eval group (and of trainer.checkpoint.keep_best when ``training``)."""
+def check_eval(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Every error of the eval group and of trainer.checkpoint.keep_best."""
     ev = cfg.eval
     _check_numbers(cfg, errors)
-    _check_data(cfg, errors, training=training)
-    if training:
-        _check_keep_best(cfg, errors)
+    _check_data(cfg, errors)
+    _check_keep_best(cfg, errors)
     if ev.num_samples >= 1 and ev.pass_k is not None:
         bad = [k for k in ev.pass_k if not 1 <= k <= ev.num_samples]
         if bad or not ev.pass_k:
@@ -81,12 +80,12 @@ def _check_numbers(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
 
 
-def _check_data(cfg: RunConfig, errors: list[ConfigError], *, training: bool) -> None:
+def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:
     data, own = eval_data(cfg), cfg.eval.data
     if data.source == DataSource.builtin:
         return
     key = "eval.data.path" if own.path is not None else "data.path"
-    if training and eval_enabled(cfg) and own.path is None:
+    if eval_enabled(cfg) and own.path is None:
         errors.append(
             ConfigError(
                 "eval.data.path",

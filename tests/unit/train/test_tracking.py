@@ -146,3 +146,22 @@ def test_tensorboard_missing_is_a_warning(monkeypatch):
     assert "tensorboard is not installed" in warning and "logging.tensorboard=false" in warning
     cfg.logging.tensorboard = False
     assert tracking_warnings(cfg) == []
+
+
+@pytest.mark.optional_extra
+def test_mlflow_gets_the_eval_metrics_under_names_it_accepts(tmp_path, monkeypatch):
+    """MLflow refuses '@' in a name: eval/pass@4 is logged as eval/pass_at_4, at its step."""
+    pytest.importorskip("mlflow", reason="optional extra 'mlflow' not installed")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = LoggingConfig(tensorboard=False, mlflow=MlflowConfig(enabled=True, experiment="e2"))
+    log = MetricsLogger(tmp_path, cfg, rank=0, max_steps=2, console=Console(file=io.StringIO()))
+    log.log({"step": 0, "eval/pass@4": 0.25})  # the step-0 baseline: eval keys only
+    log.log({**_records()[1], "eval/pass@4": 0.75})
+    log.close()
+    assert [r.get("eval/pass@4") for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.25, 0.75]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("e2").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "eval/pass_at_4")
+    assert [(m.step, m.value) for m in history] == [(0, 0.25), (2, 0.75)]
