@@ -25,7 +25,7 @@ def fail_config(err: ConfigErrors, command: str) -> NoReturn:
     console = Console(stderr=True, highlight=False)
     console.print(f"[bold red]{command}: {len(err.errors)} configuration error(s)[/]")
     for e in err.errors:
-        console.print(f"  [red]-[/] [bold]{e.key}[/]={_escape(e)}")
+        console.print(f"  [red]-[/] [bold]{e.key}[/]={_escape(e)}", soft_wrap=True)
     console.print("Nothing was run. Fix the keys above (see `--help` and docs/configuration.md).")
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise err

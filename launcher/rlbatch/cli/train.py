@@ -34,7 +34,8 @@ def _task(cfg) -> None:
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    if hydra_cfg.mode != RunMode.MULTIRUN:
+    in_process = "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
+    if hydra_cfg.mode != RunMode.MULTIRUN or not in_process:  # other launchers report jobs
         code = _run(cfg, run_dir)
         if code:
             sys.exit(code)
