@@ -13,6 +13,7 @@ from rlbatch.cli import eval as eval_cli
 from rlbatch.cli.export import select_checkpoint
 from rlbatch.config.load import dump_run_config
 from rlbatch.config.schema import BestMode, RunConfig
+from rlbatch.train import integrity
 
 
 def _run_dir(tmp_path, steps, records, keep_best=None):
@@ -25,6 +26,8 @@ def _run_dir(tmp_path, steps, records, keep_best=None):
         ckpt = tmp_path / "checkpoints" / f"step_{step:08d}"
         ckpt.mkdir(parents=True)
         (ckpt / "meta.json").write_text(json.dumps({"complete": True, "step": step}))
+        names = integrity.checkpoint_files(ckpt)
+        integrity.write_manifest(ckpt, integrity.file_entries(ckpt, names))  # an intact one
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return cfg
 
