@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 PACKAGE = REPO / "launcher" / "rlbatch"
@@ -83,4 +85,30 @@ def test_megatron_is_imported_only_by_the_engine():
                 names = [node.module]
             if any(n == "megatron" or n.startswith("megatron.") for n in names):
                 offenders.append(f"{rel}:{node.lineno}")
+    assert offenders == []
+
+
+def _imports_of(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield node.lineno, [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.lineno, [node.module]
+
+
+@pytest.mark.parametrize(
+    "layer, forbidden",
+    [
+        # the engine knows token ids, not samples, loops, environments or evaluations
+        ("engine", ("rlbatch.grpo", "rlbatch.train", "rlbatch.env", "rlbatch.eval")),
+        # config is the ground floor: it never reaches up into the engine
+        ("config", ("rlbatch.engine",)),
+    ],
+)
+def test_layers_import_only_downwards(layer, forbidden):
+    offenders = []
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for lineno, names in _imports_of(path):
+            if any(n == f or n.startswith(f + ".") for n in names for f in forbidden):
+                offenders.append(f"{path.relative_to(PACKAGE.parent).as_posix()}:{lineno}")
     assert offenders == []

@@ -503,7 +503,7 @@ def _check_tracking(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def _check_model_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    from rlbatch.engine.hub import looks_like_hub_id
+    from rlbatch.config.hub_id import looks_like_hub_id
 
     for key, path in (
         ("model.hf_path", cfg.model.hf_path),

@@ -1,8 +1,8 @@
 """``rollout.backend=megatron_dynamic``: generation through megatron-core's own inference engine
 (``DynamicInferenceEngine``: paged KV cache, continuous batching, CUDA graphs). CUDA only.
 
-It implements the same ``RolloutEngine`` contract as the built-in engine (rlbatch.grpo.rollout)
-on the policy's own GPTModel (tp >= 1, pp = 1 here), so the weights it samples from are always
+It decodes token ids (rlbatch.grpo.rollout wraps it into the same ``RolloutEngine`` contract as
+the built-in engine) on the policy's own GPTModel (tp >= 1, pp = 1 here), so the weights it samples from are always
 the current policy's: no weight sync. Samples carry megatron's behaviour logprobs (at the
 rollout temperature). Seeds: one engine per generate call seeded from ``seed``; megatron's
 sampler draws from a CUDA generator, so samples are reproducible on the same GPU and batch but
@@ -43,7 +43,8 @@ class _Tokens:
 
 
 class DynamicRolloutEngine:
-    """RolloutEngine on megatron-core's DynamicInferenceEngine (see the module docstring)."""
+    """Token-level decoding on megatron-core's DynamicInferenceEngine (see the module
+    docstring); rlbatch.grpo.rollout wraps it into a RolloutEngine."""
 
     def __init__(self, model: Any, params: Any, *, buffer_size_gb: float = 4.0) -> None:
         check_available()
@@ -95,17 +96,16 @@ class DynamicRolloutEngine:
         )
         return DynamicInferenceEngine(controller, context, random_seed=seed)
 
-    def generate(
-        self, prompts: Sequence[Any], num_generations: int, policy_version: int, seed: int
-    ) -> list[Any]:
+    def decode(
+        self, prompt_ids: Sequence[Sequence[int]], seed: int
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """One completion per prompt: (response tokens, behaviour logprobs, truncated) each.
+        The engine knows token ids only; rlbatch.grpo.rollout turns these into samples."""
         from megatron.core.inference.sampling_params import SamplingParams as MSampling
 
-        from rlbatch.grpo.types import Sample
-
-        rows = [(g, p) for g, p in enumerate(prompts) for _ in range(num_generations)]
         p = self.params
-        max_len = max(len(x.prompt_ids) for _, x in rows) + p.max_new_tokens
-        engine = self._engine(max_len, len(rows), seed)
+        max_len = max(len(ids) for ids in prompt_ids) + p.max_new_tokens
+        engine = self._engine(max_len, len(prompt_ids), seed)
         sampling = MSampling(
             temperature=p.temperature,
             top_k=p.top_k,
@@ -119,8 +119,8 @@ class DynamicRolloutEngine:
         self.model.eval()
         try:
             with torch.no_grad():
-                for i, (_, x) in enumerate(rows):
-                    engine.add_request(i, list(x.prompt_ids), sampling)
+                for i, ids in enumerate(prompt_ids):
+                    engine.add_request(i, list(ids), sampling)
                 done: dict[int, Any] = {}
                 while engine.has_unfinished_requests():
                     for record in engine.step_modern()["finished_request_records"]:
@@ -128,18 +128,9 @@ class DynamicRolloutEngine:
                         done[int(request.request_id)] = request
         finally:
             self.model.train(was_training)
-        samples = []
-        for i, (g, x) in enumerate(rows):
+        out = []
+        for i in range(len(prompt_ids)):
             tokens = [int(t) for t in done[i].generated_tokens]
             logps = [float(v) for v in done[i].generated_log_probs or []][: len(tokens)]
-            samples.append(
-                Sample(
-                    prompt=x,
-                    group_id=g,
-                    response_ids=tokens,
-                    behaviour_logps=logps,
-                    truncated=p.eos_id not in tokens,
-                    policy_version=policy_version,
-                )
-            )
-        return samples
+            out.append((tokens, logps, p.eos_id not in tokens))
+        return out

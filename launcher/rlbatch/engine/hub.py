@@ -10,17 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
+from rlbatch.config.hub_id import looks_like_hub_id
 
 MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken")
 """What a snapshot download fetches: configs, weights, tokenizer files (no .bin / .pth)."""
-
-
-def looks_like_hub_id(value: str) -> bool:
-    """org/name (or name) that is not an existing path and has no path-like pieces."""
-    if Path(value).exists() or value.startswith((".", "/", "~")):
-        return False
-    parts = value.split("/")
-    return len(parts) <= 2 and all(parts)
 
 
 def resolve_hf_path(value: str | Path, key: str = "model.hf_path") -> Path:

@@ -1,0 +1,35 @@
+"""TokenRolloutEngine: an engine that decodes token ids only (rollout.backend=megatron_dynamic's,
+which needs CUDA) becomes a RolloutEngine: contiguous groups, every per-token field aligned."""
+
+from __future__ import annotations
+
+from rlbatch.grpo.rollout import TokenRolloutEngine
+from rlbatch.grpo.types import Prompt
+
+
+class _Reverse:
+    """Decodes each prompt into its ids reversed plus EOS 0 when the seed is even."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decode(self, prompt_ids, seed):
+        self.calls.append(([list(p) for p in prompt_ids], seed))
+        eos = [0] if seed % 2 == 0 else []
+        return [(list(p)[::-1] + eos, [-0.5] * (len(p) + len(eos)), not eos) for p in prompt_ids]
+
+
+def test_groups_are_contiguous_and_samples_carry_the_decoded_tokens():
+    decoder = _Reverse()
+    prompts = [Prompt(7, (1, 2, 3), "a"), Prompt(9, (4, 5), "b")]
+    samples = TokenRolloutEngine(decoder).generate(prompts, 2, policy_version=3, seed=4)
+    assert decoder.calls == [([[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]], 4)]
+    assert [s.group_id for s in samples] == [0, 0, 1, 1]
+    assert [s.prompt.index for s in samples] == [7, 7, 9, 9]
+    assert samples[2].response_ids == [5, 4, 0] and not samples[2].truncated
+    for s in samples:
+        n = len(s.response_ids)
+        assert s.loss_mask == [1] * n and s.token_versions == [3] * n
+        assert s.behaviour_logps == [-0.5] * n
+    odd = TokenRolloutEngine(_Reverse()).generate(prompts[:1], 1, policy_version=0, seed=1)
+    assert odd[0].truncated and odd[0].response_ids == [3, 2, 1]
