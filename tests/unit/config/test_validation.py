@@ -51,6 +51,7 @@ CASES = [
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume", "auto"),
     (["data.reward_weights=[1.0,abc]"], "data.reward_weights[1]", "number"),
     (["data.source=hf_disk", "data.path=/nonexistent"], "data.path", "save_to_disk"),
+    (["model.logits_chunk_tokens=-1"], "model.logits_chunk_tokens", ">= 0"),
 ]
 
 
