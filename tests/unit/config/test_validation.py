@@ -63,6 +63,7 @@ CASES = [
         "batching.train.max_tokens",
         "env.max_total_tokens = 1000",
     ),
+    (["model.logits_chunk_tokens=-1"], "model.logits_chunk_tokens", ">= 0"),
 ]
 
 
