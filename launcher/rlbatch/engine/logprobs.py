@@ -57,6 +57,7 @@ def compute_logprobs(
     temperature: float = 1.0,
     on_micro_batch: Optional[Any] = None,
     score_from: Optional[Sequence[int]] = None,
+    score_mask: Optional[Sequence[Sequence[int]]] = None,
 ) -> Any:
     """Per-token logprobs (float32 tensors, ``len(sequences[i]) - 1`` each, in sample order)
     of every sample of ``plan`` (an infer plan over ``[len(s) for s in sequences]``); with
@@ -65,6 +66,9 @@ def compute_logprobs(
     ``score_from[i]``: the first scored position of sample i (e.g. ``len(prompt) - 1``: the
     response tokens only); ``logps[i]`` then holds the ``len(sequences[i]) - 1 - score_from[i]``
     values from there, and positions before it are never projected to the vocabulary.
+    ``score_mask[i]``: 0/1 per value from ``score_from[i]`` on (e.g. a multi-turn sample's
+    loss mask: observation tokens 0); the positions of a 0 are not projected either and hold 0.0
+    (and entropy 0.0) in the result, so every sample keeps one value per scored position.
     ``plan.dp`` == the DP size: each DP rank runs its own share and the results are gathered;
     ``plan.dp == 1``: every DP rank runs the whole plan. ``on_micro_batch(mb)``: called on every
     rank when the schedule pulls a micro-batch (progress bars). Logits are divided by ``temperature``."""
@@ -82,6 +86,10 @@ def compute_logprobs(
         assert inputs.loss_mask is not None
         for seg, i in zip(inputs.segments, mb.samples, strict=True):
             inputs.loss_mask[seg.row, seg.start : seg.start + min(first[i], seg.length)] = 0.0
+            if score_mask is not None:
+                lo, hi = seg.start + first[i], seg.start + seg.length - 1
+                keep = torch.tensor(score_mask[i][: max(0, hi - lo)], dtype=torch.float32)
+                inputs.loss_mask[seg.row, lo : lo + len(keep)] *= keep.to(inputs.loss_mask.device)
         return inputs
 
     def loss_fn(output: Any, inputs: schedule.MicroBatchInputs):
@@ -92,13 +100,25 @@ def compute_logprobs(
         )  # [N]: row-major over the mask, i.e. sample after sample
         counts = [int(mask[s.row, s.start : s.start + s.length].sum()) for s in inputs.segments]
         parts = zip(logps.detach().split(counts), _split(ents, counts), strict=True)
-        for i, (lp, en) in zip(inputs.micro_batch.samples, parts, strict=True):
+        for seg, i, (lp, en) in zip(
+            inputs.segments, inputs.micro_batch.samples, parts, strict=True
+        ):
+            if score_mask is not None:  # back to one value per position from score_from on
+                kept = mask[seg.row, seg.start + first[i] : seg.start + seg.length - 1]
+                lp, en = _scatter(lp, kept), None if en is None else _scatter(en, kept)
             results[i] = (lp.clone(), None if en is None else en.clone())
         return torch.zeros((), device=output.device), {}
 
     with torch.no_grad():
         schedule.run_pass(model, rank_plan, plan, batch_fn, loss_fn, forward_only=True)
     return _collect(results, sequences, plan, entropy)
+
+
+def _scatter(values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``values`` (one per True of ``kept``) at their positions, 0.0 elsewhere."""
+    out = torch.zeros(kept.shape[0], dtype=values.dtype, device=values.device)
+    out[kept] = values
+    return out
 
 
 def _split(values: Optional[torch.Tensor], counts: list[int]) -> Sequence[Optional[torch.Tensor]]:

@@ -219,10 +219,17 @@ def make_logps_fn(model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], 
             # log p(token j+1 | ..j): the response starts at position len(prompt) - 1; the
             # prompt's positions are not projected to the vocabulary at all
             score_from=[len(s.prompt.prompt_ids) - 1 for s in samples],
+            # observation tokens of multi-turn samples carry no loss: not projected either
+            score_mask=[s.loss_mask or [] for s in samples] if any_masked(samples) else None,
         )
         return [lp.tolist() for lp in logps]
 
     return ref_logps
+
+
+def any_masked(samples: Sequence[Sample]) -> bool:
+    """Whether any sample has tokens outside its loss (multi-turn observations)."""
+    return any(s.loss_mask is not None and 0 in s.loss_mask for s in samples)
 
 
 def build_reference(cfg: RunConfig, policy: list[Any]) -> list[Any] | None:

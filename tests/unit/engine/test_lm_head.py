@@ -178,6 +178,21 @@ def test_logprob_pass_scores_response_positions(tiny_cfg):
         assert got[i].shape == (n - 1 - starts[i],)
         torch.testing.assert_close(got[i], full[i][starts[i] :], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ents[i], full_ent[i][starts[i] :], rtol=1e-6, atol=1e-6)
+    # score_mask (a multi-turn loss mask): masked positions are not projected and hold 0.0 (a
+    # projected log-prob is < 0), the others equal the full pass
+    masks = [[(i + k) % 3 != 0 for k in range(n - 1 - starts[i])] for i, n in enumerate(LENGTHS)]
+    got, ents = logprobs.compute_logprobs(
+        chunks, seqs, plan, round_to=4, entropy=True, score_from=starts, score_mask=masks
+    )
+    for i, n in enumerate(LENGTHS):
+        keep = torch.tensor(masks[i], dtype=torch.bool)
+        assert got[i].shape == (n - 1 - starts[i],)
+        assert got[i][~keep].abs().sum() == 0 and ents[i][~keep].abs().sum() == 0
+        want = full[i][starts[i] :][keep]
+        torch.testing.assert_close(got[i][keep], want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            ents[i][keep], full_ent[i][starts[i] :][keep], rtol=1e-6, atol=1e-6
+        )
 
 
 def test_last_position_output_equals_full_logits(tiny_cfg):
