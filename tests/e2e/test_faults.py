@@ -103,30 +103,33 @@ def test_hangs_are_named_and_the_report_is_the_failing_ranks_own(bin_dir, subpro
     fn = f"data.reward_fn=[{tmp_path / 'hang.py'}:r]"
 
     def run(run_dir, dp, how, *extra):
+        """(launcher's stderr, flattened; the failing rank's own report file)."""
         env = {**subprocess_env, "HANG_RANK": str(dp - 1), "HOW": how,
                "AFTER": str(run_dir / "metrics.jsonl")}  # fmt: skip
         started = time.monotonic()
         proc = _train(bin_dir, env, fn, f"parallel.dp={dp}", "trainer.max_steps=50",
                       f"hydra.run.dir={run_dir}", *extra, timeout=300)  # fmt: skip
         assert proc.returncode not in (0, 75), proc.stderr[-3000:]
-        return _flat(proc.stderr), time.monotonic() - started
+        report = (run_dir / "errors" / f"rank{dp - 1}.txt").read_text()
+        return _flat(proc.stderr), _flat(report), time.monotonic() - started
 
     # dp1: a reward call that never returns, bounded by data.reward_timeout_s
-    err, took = run(tmp_path / "dp1", 1, "hang", "data.reward_timeout_s=4")
-    assert "rank0 failed first" in err
-    assert "HangError: no progress for" in err and "at step 2 (batch, in reward function" in err
-    assert "hang.py:r): over its own bound (4 s" in err and "time.sleep(3600)" in err
+    err, report, took = run(tmp_path / "dp1", 1, "hang", "data.reward_timeout_s=4")
+    assert "rank0 failed first" in err and "rank 0: HangError: no progress for" in err
+    assert "at step 2 (batch, in reward function" in report
+    assert "hang.py:r): over its own bound (4 s" in report and "time.sleep(3600)" in report
     assert took < 120
 
     # dp2: rank 1's reward raises a message full of markup: shown verbatim, rank 1's own
-    err, _ = run(tmp_path / "dp2", 2, "raise")
+    err, report, _ = run(tmp_path / "dp2", 2, "raise")
     assert "rank1 failed first" in err and "bad [/red] input [bold]x" in err
+    assert "rank 1: RewardCallError: reward function" in report
 
     # the same directory again, rank 1 hangs: its own hang is shown, not rank 0's wait and not
     # the previous run's error
-    err, took = run(tmp_path / "dp2", 2, "hang", "trainer.timeout_s=30")
+    err, report, took = run(tmp_path / "dp2", 2, "hang", "trainer.timeout_s=30")
     assert "rank1 failed first" in err and "rank 1: HangError: no progress for" in err
-    assert "in reward function" in err and "bad [/red]" not in err
+    assert "in reward function" in report and "bad [/red]" not in err
     assert took < 200
 
 
