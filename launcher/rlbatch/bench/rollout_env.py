@@ -53,7 +53,7 @@ def _config(args: argparse.Namespace) -> Any:
     return compose(overrides, "rlbatch-bench")
 
 
-def _policy(cfg: Any) -> Any:
+def turn_ending_policy(cfg: Any) -> Any:
     """The recipe's tiny policy, its EOS embedding moved so that turns end (module docstring)."""
     import torch
 
@@ -92,7 +92,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cfg = _config(args)
     tokenizer = build_tokenizer(cfg.model)
     prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)[: args.rows]
-    policy = _policy(cfg)
+    policy = turn_ending_policy(cfg)
     driver = EnvDriver(build_environment(cfg.env.path, cfg.env.kwargs), cfg, tokenizer)
     params = SamplingParams.from_config(cfg.rollout, eos_id=tokenizer.eos_id, pad_id=0)
     engine = MegatronRolloutEngine(

@@ -29,26 +29,11 @@ def model():
     """The tiny policy (init std 0.3: peaked logits), with EOS's embedding moved towards the
     mean final hidden state so that turns end after a few tokens (a random model almost never
     samples EOS)."""
-    from rlbatch.engine import parallel
-    from rlbatch.engine.model import build_model
+    from rlbatch.bench.rollout_env import turn_ending_policy
 
     cfg = RunConfig()
     cfg.model.init_method_std = 0.3
-    parallel.initialize(cfg)
-    (chunk,) = build_model(cfg, wrap_ddp=False)
-    seen = []
-    hook = chunk.decoder.final_layernorm.register_forward_hook(
-        lambda mod, args, out: seen.append(out.detach())
-    )
-    ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
-    mask = torch.triu(torch.ones(24, 24, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        chunk.eval()
-        chunk(ids, torch.arange(24)[None].expand(4, 24), mask)
-        hook.remove()
-        u = seen[0].reshape(-1, seen[0].shape[-1]).mean(0)
-        chunk.embedding.word_embeddings.weight[EOS] += 5.0 * u / u.norm()
-    return chunk
+    return turn_ending_policy(cfg)
 
 
 def full_logps(model, ids):
