@@ -11,25 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from processes import processes_of
+
 pytestmark = pytest.mark.e2e
 
 STOP_WITHIN_S = 5.0
 
 
 def _processes_of(run_dir: Path) -> list[str]:
-    """Live processes whose command line names the run directory: the launcher (hydra.run.dir),
-    torchrun and the workers (--config RUN_DIR/resolved.yaml)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue  # ended meanwhile
-        if str(run_dir) in cmdline:
-            found.append(f"{proc.name} {cmdline[:200]}")
-    return found
+    return [f"{pid} {cmdline[:200]}" for pid, cmdline in processes_of(run_dir).items()]
 
 
 def _rows(run_dir: Path) -> int:

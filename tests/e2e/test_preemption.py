@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from processes import processes_of
+
 pytestmark = pytest.mark.e2e
 
 STEPS = 8
@@ -43,20 +45,6 @@ def _train(bin_dir, env, *args, timeout=400):
         [str(bin_dir / "rlbatch-train"), *COMMON, *args],
         capture_output=True, text=True, env=env, timeout=timeout,
     )  # fmt: skip
-
-
-def _processes_of(run_dir: Path) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(run_dir) in cmdline:
-            found.append(int(proc.name))
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +91,7 @@ def test_preemption_saves_then_resume_is_exact(
         assert second.returncode == 3
         holder = f"host {socket.gethostname()}, pid {launcher.pid}, started"
         assert holder in " ".join(second.stderr.split()), second.stderr[-2000:]
-    targets = [launcher.pid] if target == "launcher" else _processes_of(run_dir)
+    targets = [launcher.pid] if target == "launcher" else list(processes_of(run_dir))
     assert len(targets) >= (1 if target == "launcher" else 2 + dp)
     for pid in targets:
         os.kill(pid, getattr(signal, sig))
