@@ -1,0 +1,39 @@
+"""Which keys a resume may change: the fixed set is refused key by key, the rest is listed."""
+
+from __future__ import annotations
+
+import json
+
+from rlbatch.config.load import to_container
+from rlbatch.config.resume_check import check_resume, compare
+from rlbatch.config.schema import RunConfig
+
+
+def test_fixed_keys_are_refused_and_the_rest_listed(tmp_path):
+    saved = RunConfig()
+    new = RunConfig()
+    new.trainer.seed = 9
+    new.model.hidden_size = 128
+    new.grpo.global_batch_size = 32
+    new.data.max_prompt_len = 64
+    new.trainer.optim.lr = 0.05
+    new.trainer.max_steps = 500
+    new.parallel.dp = 2
+    new.model.hf_path = "/moved/model"
+    new.run_dir = "/elsewhere"  # differs between any two launches: not compared
+    refused, allowed = compare(to_container(saved), to_container(new))
+    assert [k for k, _, _ in refused] == [
+        "data.max_prompt_len", "grpo.global_batch_size", "model.hidden_size", "trainer.seed",
+    ]  # fmt: skip
+    assert ("trainer.seed", 1234, 9) in refused
+    assert {k for k, _, _ in allowed} == {
+        "model.hf_path", "parallel.dp", "trainer.max_steps", "trainer.optim.lr",
+    }  # fmt: skip
+    ckpt = tmp_path / "step_00000004"
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({"config": to_container(saved)}))
+    errors, notes = check_resume(new, ckpt)
+    assert str(errors[-1]).startswith(f"trainer.seed=9: was 1234 in {ckpt}: it cannot change")
+    assert "trainer.optim.lr: 0.001 -> 0.05" in notes
+    (ckpt / "meta.json").write_text(json.dumps({"step": 4}))  # an older checkpoint: no config
+    assert check_resume(new, ckpt) == ([], [])
