@@ -17,6 +17,7 @@ split over the ranks.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("rlbatch")
+
 MANIFEST = "manifest.json"
 META = "meta.json"
 ALGORITHM = "crc32"
@@ -33,6 +36,9 @@ CHUNK = 8 << 20
 """Bytes read at a time while checksumming (streamed: memory stays flat for any shard)."""
 NAME_RE = re.compile(r"^step_(\d{8})$")
 SPACE_MARGIN = 1.10
+MANIFEST_SINCE = 3
+"""The checkpoint format (meta.json "format") that introduced manifests. An older complete
+checkpoint has none: it was committed by an atomic rename, so it is taken as intact, unverified."""
 """Free space a save needs: the expected size times this (file system metadata, rounding)."""
 
 
@@ -95,10 +101,25 @@ def read_manifest(directory: Path) -> tuple[dict[str, dict[str, Any]] | None, st
         return None, f"{MANIFEST} unreadable ({type(err).__name__})"
 
 
+def written_before_manifests(directory: Path) -> bool:
+    """A complete checkpoint of a format older than :data:`MANIFEST_SINCE` (no manifest)."""
+    if (directory / MANIFEST).exists():
+        return False
+    try:
+        meta = json.loads((directory / META).read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("complete") is True and int(meta.get("format", 0)) < MANIFEST_SINCE
+
+
 def check_sizes(directory: Path) -> list[str]:
     """What is wrong with ``directory`` by the manifest's names and sizes ([] = intact)."""
     files, why = read_manifest(directory)
     if files is None:
+        if written_before_manifests(directory):
+            log.warning("%s was written before checkpoints had manifests: taken as intact, "
+                        "its files unverified", directory)  # fmt: skip
+            return []
         return [why or "no manifest"]
     problems = []
     for name, entry in files.items():
@@ -121,6 +142,8 @@ def check_sizes(directory: Path) -> list[str]:
 def check_checksums(directory: Path, names: Sequence[str]) -> list[str]:
     """Checksum mismatches among ``names`` (a rank's share of the manifest's files)."""
     files, why = read_manifest(directory)
+    if files is None and written_before_manifests(directory):
+        return []
     if files is None:
         return [why or "no manifest"]
     problems = []

@@ -135,3 +135,20 @@ def test_disk_full_during_save_says_no_space_and_keeps_previous(tmp_path):
     assert "ERROR [Errno 28] no space left on the file system of" in proc.stdout, proc.stdout
     assert "checkpoint step 2" in proc.stdout and "step_00000001" in proc.stdout
     assert "LATEST step_00000001 1.0" in proc.stdout
+
+
+def test_checkpoint_written_before_manifests_still_resumes(tmp_path):
+    """A complete checkpoint of the format before manifests (committed by an atomic rename,
+    meta.json format 2) resumes, unverified; a current-format one without its manifest is a
+    damaged save and is skipped."""
+    old = _save(tmp_path, 2)
+    (old / "manifest.json").unlink()
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({**meta, "format": integrity.MANIFEST_SINCE - 1}))
+    candidates, skipped = resume_candidates("auto", tmp_path)
+    assert candidates == [old] and not skipped
+    assert verify_share(old, 0, 1) == []
+    newer = _save(tmp_path, 4)
+    (newer / "manifest.json").unlink()
+    candidates, skipped = resume_candidates("auto", tmp_path)
+    assert candidates == [old] and [f.path for f in skipped] == [newer]
