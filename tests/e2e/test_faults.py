@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -55,10 +54,10 @@ def test_damaged_checkpoints_and_resume_compatibility(bin_dir, subprocess_env, t
     assert _metrics(run_dir) == expected  # steps 3 and 4 again, bit-exact
 
     # keys that may not change: one error per key (old and new), before anything is launched
-    started = time.monotonic()
     refused = _train(bin_dir, subprocess_env, *common, "trainer.resume=auto", "trainer.seed=7",
                      "grpo.num_generations=4", "model.hidden_size=128")  # fmt: skip
-    assert refused.returncode == 2 and time.monotonic() - started < 30
+    assert refused.returncode == 2  # a configuration error: no worker started
+    assert _metrics(run_dir) == expected  # nothing trained, nothing appended
     err = _flat(refused.stderr)
     assert "3 configuration error(s)" in err and "Traceback" not in err
     for key, new, old in (("trainer.seed", 7, 1234), ("grpo.num_generations", 4, 8),
@@ -103,34 +102,33 @@ def test_hangs_are_named_and_the_report_is_the_failing_ranks_own(bin_dir, subpro
     fn = f"data.reward_fn=[{tmp_path / 'hang.py'}:r]"
 
     def run(run_dir, dp, how, *extra):
-        """(launcher's stderr, flattened; the failing rank's own report file)."""
+        """(launcher's stderr, flattened; the failing rank's own report file). A hang that went
+        undetected would run into the subprocess timeout: no wall-clock bound of our own here
+        (shared CI machines are noisy), the reports say which bound fired."""
         env = {**subprocess_env, "HANG_RANK": str(dp - 1), "HOW": how,
                "AFTER": str(run_dir / "metrics.jsonl")}  # fmt: skip
-        started = time.monotonic()
         proc = _train(bin_dir, env, fn, f"parallel.dp={dp}", "trainer.max_steps=50",
                       f"hydra.run.dir={run_dir}", *extra, timeout=300)  # fmt: skip
         assert proc.returncode not in (0, 75), proc.stderr[-3000:]
         report = (run_dir / "errors" / f"rank{dp - 1}.txt").read_text()
-        return _flat(proc.stderr), _flat(report), time.monotonic() - started
+        return _flat(proc.stderr), _flat(report)
 
     # dp1: a reward call that never returns, bounded by data.reward_timeout_s
-    err, report, took = run(tmp_path / "dp1", 1, "hang", "data.reward_timeout_s=4")
+    err, report = run(tmp_path / "dp1", 1, "hang", "data.reward_timeout_s=4")
     assert "rank0 failed first" in err and "rank 0: HangError: no progress for" in err
     assert "at step 2 (batch, in reward function" in report
     assert "hang.py:r): over its own bound (4 s" in report and "time.sleep(3600)" in report
-    assert took < 120
 
     # dp2: rank 1's reward raises a message full of markup: shown verbatim, rank 1's own
-    err, report, _ = run(tmp_path / "dp2", 2, "raise")
+    err, report = run(tmp_path / "dp2", 2, "raise")
     assert "rank1 failed first" in err and "bad [/red] input [bold]x" in err
     assert "RewardCallError: reward function" in report and report.startswith("rank 1: ")
 
     # the same directory again, rank 1 hangs: its own hang is shown, not rank 0's wait and not
     # the previous run's error
-    err, report, took = run(tmp_path / "dp2", 2, "hang", "trainer.timeout_s=30")
+    err, report = run(tmp_path / "dp2", 2, "hang", "trainer.timeout_s=30")
     assert "rank1 failed first" in err and "rank 1: HangError: no progress for" in err
     assert "in reward function" in report and "bad [/red]" not in err
-    assert took < 200
 
 
 EXITS = """
@@ -170,7 +168,6 @@ def test_failing_sweep_job_does_not_stop_the_sweep(bin_dir, subprocess_env, tmp_
 
 
 def test_everything_checkable_is_refused_before_launch(bin_dir, subprocess_env, tmp_path):
-    started = time.monotonic()
     proc = _train(bin_dir, subprocess_env, "parallel.backend=nccl",
                   "rollout.backend=megatron_dynamic", "trainer.optim.lr=nan", "data.source=jsonl",
                   f"data.path={tmp_path}", "data.reward=exact_match",
@@ -195,7 +192,7 @@ def test_everything_checkable_is_refused_before_launch(bin_dir, subprocess_env, 
         proc = _train(bin_dir, subprocess_env, "data.source=jsonl", f"data.path={path}",
                       "data.reward=exact_match", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
         assert proc.returncode == 2 and line in _flat(proc.stderr), proc.stderr[-3000:]
-    assert time.monotonic() - started < 90
+        assert not (tmp_path / "run" / "resolved.yaml").exists()
 
 
 def test_default_run_prints_no_warning(bin_dir, subprocess_env, tmp_path):
