@@ -44,12 +44,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("trl")
-
-from rlbatch.batching.plan import MicroBatch  # noqa: E402
-from rlbatch.config.schema import LossAggMode, PolicyLoss, RolloutCorrection  # noqa: E402
-from rlbatch.grpo.loss import STAT_INDEX, LossSettings, build_grpo_batch, grpo_loss  # noqa: E402
-from rlbatch.grpo.types import Prompt, Sample  # noqa: E402
+from rlbatch.batching.plan import MicroBatch
+from rlbatch.config.schema import LossAggMode, PolicyLoss, RolloutCorrection
+from rlbatch.grpo.loss import STAT_INDEX, LossSettings, build_grpo_batch, grpo_loss
+from rlbatch.grpo.types import Prompt, Sample
 
 pytestmark = pytest.mark.optional_extra
 
@@ -71,7 +69,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def template():
-    """The tiny Qwen2 both sides copy, and the completions with their old logps."""
+    """The tiny Qwen2 both sides copy, and the completions with their old logps (the test is
+    skipped, as an optional extra's, when trl is not installed)."""
+    pytest.importorskip("trl")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
