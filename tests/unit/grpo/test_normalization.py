@@ -92,8 +92,15 @@ def split(n: int, sizes: list[int]) -> list[list[int]]:
     return out
 
 
-def reference_grads(model: TinyLM, samples: list[Sample], st: LossSettings, mask_trunc: bool):
-    """The global objective written directly: per sample, per response token, float64."""
+def reference_grads(
+    model: TinyLM,
+    samples: list[Sample],
+    st: LossSettings,
+    mask_trunc: bool,
+    scored=lambda s: range(len(s.response_ids)),
+):
+    """The global objective written directly: per sample, per scored response token (``scored``:
+    the positions of the terms; default every response token), float64."""
     per_seq, n_tok = [], 0
     for s in samples:
         if mask_trunc and s.truncated:
@@ -102,8 +109,8 @@ def reference_grads(model: TinyLM, samples: list[Sample], st: LossSettings, mask
         logp_all = torch.log_softmax(model(ids.unsqueeze(0))[0], dim=-1)
         p = len(s.prompt.prompt_ids)
         terms = []
-        for k, tok in enumerate(s.response_ids):
-            lp = logp_all[p - 1 + k, tok]
+        for k in scored(s):
+            lp = logp_all[p - 1 + k, s.response_ids[k]]
             r = torch.exp(lp - s.old_logps[k])
             a = s.advantage
             pg = torch.maximum(-a * r, -a * r.clamp(1 - st.epsilon_low, 1 + st.epsilon_high))
@@ -271,43 +278,9 @@ def multi_turn_samples(n: int, seed: int) -> list[Sample]:
 def assistant_only_reference(model, samples, st, mask_trunc):
     """reference_grads over the assistant tokens alone: each trajectory's observation tokens
     are inputs of the forward but contribute no term and count in no divisor."""
-    kept = []
-    for s in samples:
-        keep = [k for k, m in enumerate(s.loss_mask) if m]
-        clone = Sample(
-            prompt=s.prompt, group_id=s.group_id, response_ids=list(s.response_ids),
-            behaviour_logps=list(s.behaviour_logps), truncated=s.truncated, policy_version=0,
-            advantage=s.advantage, old_logps=list(s.old_logps), ref_logps=list(s.ref_logps),
-        )  # fmt: skip
-        kept.append((clone, keep))
-    per_seq, n_tok = [], 0
-    for s, keep in kept:
-        if mask_trunc and s.truncated:
-            continue
-        logp_all = torch.log_softmax(model(torch.tensor(s.input_ids).unsqueeze(0))[0], dim=-1)
-        p = len(s.prompt.prompt_ids)
-        terms = []
-        for k in keep:
-            lp = logp_all[p - 1 + k, s.response_ids[k]]
-            r = torch.exp(lp - s.old_logps[k])
-            a = s.advantage
-            pg = torch.maximum(-a * r, -a * r.clamp(1 - st.epsilon_low, 1 + st.epsilon_high))
-            w = min(math.exp(s.old_logps[k] - s.behaviour_logps[k]), st.rollout_correction_cap)
-            d = s.ref_logps[k] - lp
-            terms.append(w * pg + st.beta * (torch.exp(d) - d - 1))
-        per_seq.append(torch.stack(terms))
-        n_tok += len(terms)
-    mode = st.loss_agg_mode
-    if mode == LossAggMode.token_mean:
-        loss = sum(t.sum() for t in per_seq) / n_tok
-    elif mode == LossAggMode.seq_mean_token_mean:
-        loss = sum(t.mean() for t in per_seq) / len(per_seq)
-    elif mode == LossAggMode.seq_mean_token_sum:
-        loss = sum(t.sum() for t in per_seq) / len(per_seq)
-    else:
-        loss = sum(t.sum() / st.max_response_len for t in per_seq) / len(per_seq)
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    return loss.item(), torch.cat([g.flatten() for g in grads])
+    return reference_grads(
+        model, samples, st, mask_trunc, scored=lambda s: [k for k, m in enumerate(s.loss_mask) if m]
+    )
 
 
 @pytest.mark.parametrize("agg", list(LossAggMode), ids=lambda m: m.value)
