@@ -142,7 +142,8 @@ def test_same_seed_same_trajectories_whatever_the_slots(model):
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
-            assert a.behaviour_logps == pytest.approx(b.behaviour_logps, rel=1e-5, abs=1e-6)  # fp32 batch sizes
+            # fp32: the batch size changes the reductions (~1e-5 on a logprob); the tokens are identical
+            assert a.behaviour_logps == pytest.approx(b.behaviour_logps, abs=1e-4)
 
 
 def test_limits_end_episodes_as_truncated(model):
