@@ -59,6 +59,27 @@ class Decoded:
     truncated: list[bool]
 
 
+@dataclass
+class DecodeStats:
+    """Decode-slot occupancy: every decode step (one sampled token per active row) adds its
+    active rows to ``busy_slot_steps`` and the decoding batch's slots to ``slot_steps``. On a
+    GPU a decode step costs about the same whatever number of its slots are busy, so
+    ``occupancy`` is the share of decode work that produced tokens."""
+
+    steps: int = 0
+    busy_slot_steps: int = 0
+    slot_steps: int = 0
+
+    def add(self, busy: int, slots: int) -> None:
+        self.steps += 1
+        self.busy_slot_steps += busy
+        self.slot_steps += slots
+
+    @property
+    def occupancy(self) -> float:
+        return self.busy_slot_steps / self.slot_steps if self.slot_steps else 0.0
+
+
 class _Outputs:
     """Tokens and logprobs of every row, written as they are sampled."""
 

@@ -7,6 +7,7 @@ Behaviour logprobs: ``log_softmax(logits / temperature)[token]`` over the full v
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     pad_id: int = 0
+    length_median: int = 0
+    """debug.response_length_median: > 0 gives every row its own length cap drawn from a
+    lognormal (:func:`length_caps`); 0 = every row may use max_new_tokens."""
+    length_sigma: float = 1.0
+    """debug.response_length_sigma: the lognormal's sigma (log scale)."""
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, eos_id: int, pad_id: int) -> SamplingParams:
@@ -94,6 +100,29 @@ def exponential_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> to
     ids = _mix(torch.arange(vocab, device=device, dtype=torch.long) + 0x632BE5AB)  # [V]
     bits = _mix(state[:, None] ^ ids[None])  # [n, V]
     return -torch.log((bits.double() + 0.5) / 2.0**32)
+
+
+_LENGTH_TAG = 0x1E57A11
+
+
+def length_caps(keys: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Per-row token caps [n] (int64) for rows with these sampling keys.
+
+    Off (``params.length_median == 0``): ``max_new_tokens`` for every row. On: a long-tailed
+    workload for benchmarks and tests on a model that seldom samples EOS (a random-init one):
+    row i stops after ``clamp(round(median * exp(sigma * z_i)), 1, max_new_tokens)`` tokens,
+    z_i ~ N(0, 1) drawn from the row's key, so a row's cap does not depend on its batch, slot or
+    the decoding path. A row that reaches its cap ends like an EOS (not truncated); only
+    ``max_new_tokens`` itself truncates.
+    """
+    full = torch.full(keys.shape, params.max_new_tokens, dtype=torch.long, device=keys.device)
+    if params.length_median <= 0:
+        return full
+    bits = _mix(keys.long() ^ _LENGTH_TAG)
+    uniform = (bits.double() + 0.5) / 2.0**32
+    z = math.sqrt(2.0) * torch.erfinv(2.0 * uniform - 1.0)
+    caps = torch.round(params.length_median * torch.exp(params.length_sigma * z)).long()
+    return caps.clamp(1, params.max_new_tokens)
 
 
 def sample_tokens(
