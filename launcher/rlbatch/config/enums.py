@@ -226,6 +226,14 @@ class FilterGroups(str, Enum):
     zero_variance = "zero_variance"
 
 
+class ConsumptionGranularity(str, Enum):
+    """What a partial-rollout round trains: its own draw of prompts (batch) or the first
+    groups to finish (group)."""
+
+    batch = "batch"
+    group = "group"
+
+
 class BestMode(str, Enum):
     """Whether a higher or a lower value of trainer.checkpoint.keep_best is better."""
 

@@ -21,6 +21,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     BestMode,
     BuiltinTask,
     ChatTemplate,
+    ConsumptionGranularity,
     DataSource,
     DistBackend,
     Dtype,
@@ -309,6 +310,16 @@ class GRPOConfig(ObjectiveConfig):
     overlap_generation: bool = True
     """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a thread on a
     model copy while training runs; false = generate inline (same samples, no overlap)."""
+    partial_rollouts: bool = False
+    """With num_steps_async > 0: one long-lived continuous batch of rollout rows across policy
+    versions (built-in engine): finished rows' slots take new rows at once and rows still
+    decoding at a weight swap go on under the new weights (caches recomputed), every token
+    recording its version; needs max_staleness >= num_steps_async + steps per round (x2 for
+    consumption_granularity=group)."""
+    consumption_granularity: ConsumptionGranularity = ConsumptionGranularity.batch
+    """With partial_rollouts: what a round trains. batch = exactly its own draw of prompts
+    (waiting for their slowest row while other rows keep the slots busy); group = the first
+    groups to finish (groups at the staleness bound first), longer ones trained in later rounds."""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     """LCM aggregation of rollout / ref / old / train micro sizes (docs/lcm_aggregation.md)."""
 

@@ -22,6 +22,7 @@ from rlbatch.config.schema import (
     ParallelConfig,
     RunConfig,
 )
+from rlbatch.config.streaming import check_partial_rollouts
 
 Check = Callable[[RunConfig, list[ConfigError]], None]
 
@@ -541,6 +542,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"debug", "parallel"}), _check_debug),
     Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),
     Rule(frozenset({"grpo", "rollout"}), lambda c, e: e.extend(objective_errors(c))),
+    Rule(frozenset({"grpo", "rollout", "parallel", "env"}), check_partial_rollouts),
     Rule(frozenset({"model", "data", "rollout", "env"}), _check_positions),
     Rule(frozenset({"env", "data", "rollout", "parallel"}), _check_env),
     Rule(frozenset({"data"}), _check_data),

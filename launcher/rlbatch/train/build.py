@@ -12,14 +12,10 @@ from functools import partial
 from typing import Any
 
 from rlbatch.config.schema import AdvantageEstimator, FilterGroups, RunConfig, ScaleRewards
-from rlbatch.grpo.rollout import RolloutEngine
 from rlbatch.grpo.types import Sample
 from rlbatch.train.generation import (
-    SequenceParallelOffEngine,
     build_aggregator,
-    build_engine,
     build_reference,
-    make_generate_fn,
     make_logps_fn,
     weights_snapshot,
 )
@@ -188,19 +184,10 @@ def build_generation(
             ref_weights=weights_snapshot(ref) if ref is not None else None,
         )
         return worker, worker  # its state_dict is the worker aggregator's
+    from rlbatch.train.streaming import local_generation
+
     aggregator = build_aggregator(cfg, tokenizer, ref, dp_rank)
-    engine: RolloutEngine = build_engine(cfg, model, tokenizer)
-    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
-        engine = SequenceParallelOffEngine(engine, model)
-    generate = make_generate_fn(
-        prompts,
-        aggregator,
-        engine,
-        train_micro_batch_size=cfg.grpo.aggregation.train_micro_batch_size,
-        perturb_logps=cfg.debug.perturb_behaviour_logps,
-        seed=cfg.trainer.seed,
-    )
-    return generate, aggregator
+    return local_generation(cfg, model, tokenizer, prompts, aggregator, dp_rank)
 
 
 def build_components(cfg: RunConfig) -> Components:

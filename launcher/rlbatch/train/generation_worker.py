@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 from rlbatch.config.schema import RunConfig
 from rlbatch.env.protocol import EnvCallError
-from rlbatch.grpo.types import Sample
 from rlbatch.train.producer import PolicySnapshot
 from rlbatch.train.sampler import GenerationRequest
 
@@ -73,7 +72,8 @@ class GenerationWorker:
             raise GenerationWorkerError(f"generation worker failed:\n{payload}")
         return payload
 
-    def __call__(self, request: GenerationRequest, snapshot: PolicySnapshot) -> list[Sample]:
+    def __call__(self, request: GenerationRequest, snapshot: PolicySnapshot) -> Any:
+        """The round's samples (a list, or a RoundOutput with the served request and figures)."""
         if self._pending_state is not None:
             self._call("load_state", self._pending_state)
             self._pending_state = None
@@ -206,7 +206,8 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     from rlbatch.engine.model import build_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.train.generation import build_aggregator, build_engine, make_generate_fn
+    from rlbatch.train.generation import build_aggregator
+    from rlbatch.train.streaming import local_generation
 
     for key in _TORCHRUN_ENV:  # a world of one, apart from the trainer's
         os.environ.pop(key, None)
@@ -238,13 +239,6 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     tokenizer = build_tokenizer(local.model)
     prompts = load_prompts(local.data, tokenizer, local.trainer.seed)
     aggregator = build_aggregator(local, tokenizer, ref, dp_rank)
-    engine = build_engine(local, model, tokenizer)
-    generate = make_generate_fn(
-        prompts,
-        aggregator,
-        engine,
-        train_micro_batch_size=local.grpo.aggregation.train_micro_batch_size,
-        perturb_logps=local.debug.perturb_behaviour_logps,
-        seed=local.trainer.seed,
-    )
-    return generate, aggregator, load
+    # the trainer's sharding (its dp): this worker generates DP rank dp_rank's share
+    generate, state = local_generation(cfg, model, tokenizer, prompts, aggregator, dp_rank)
+    return generate, state, load

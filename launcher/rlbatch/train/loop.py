@@ -46,7 +46,13 @@ from rlbatch.train.checkpoint import (
 from rlbatch.train.health import Heartbeat, Watchdog, check_finite, inject_fault, laggards
 from rlbatch.train.metrics import MetricsLogger
 from rlbatch.train.plot import plot_metrics
-from rlbatch.train.producer import RunAheadProducer, StepBatch
+from rlbatch.train.producer import RunAheadProducer, StepBatch, oldest_version
+from rlbatch.train.staleness import (
+    ROLLOUT_COUNTERS,
+    rollout_metrics,
+    staleness_metrics,
+    staleness_sums,
+)
 
 log = logging.getLogger("rlbatch.train")
 
@@ -336,9 +342,17 @@ def _record(
         local[1] += s.reward
         local[2] += s.reward * s.reward
         local[3] += len(s.response_ids)
-        local[4] += batch.round_start_version - s.policy_version
+        local[4] += batch.round_start_version - oldest_version(s)
         local[5] += s.length
-    n, r_sum, r_sq, len_sum, stale_sum, tokens = comps.dist.all_reduce_sum(local)
+    figures = dict(batch.filter_metrics)
+    rollout = [float(figures.pop(k, 0.0)) for k in ROLLOUT_COUNTERS]
+    staleness = staleness_sums(batch)
+    reduced = comps.dist.all_reduce_sum(local + staleness + rollout + [float(any(rollout)), 1.0])
+    n, r_sum, r_sq, len_sum, stale_sum, tokens = reduced[:6]
+    figures.update(staleness_metrics(reduced[6 : 6 + len(staleness)]))
+    if reduced[-2] == reduced[-1]:  # every rank of the reduction reported rollout counters
+        counters = reduced[6 + len(staleness) : -2]
+        figures.update(rollout_metrics(dict(zip(ROLLOUT_COUNTERS, counters, strict=True))))
     n = max(n, 1.0)
     mean = r_sum / n
     record = {
@@ -360,7 +374,7 @@ def _record(
         "round": batch.round_index,
         "iteration": batch.iteration,
         "samples": int(n),
-        **batch.filter_metrics,
+        **figures,
     }
     for key, value in metrics.items():
         record.setdefault(key, value)

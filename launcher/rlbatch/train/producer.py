@@ -108,8 +108,10 @@ class GeneratedRound:
     positions: list[int] | None = None
     """Dynamic sampling: the place of each of this rank's groups in the round's global list of
     kept groups (rlbatch.train.filtering); None = the round is not filtered."""
-    filter_metrics: dict[str, int] = field(default_factory=dict)
-    """Dynamic sampling: generation_rounds, prompts_drawn, groups_filtered, groups_unused."""
+    filter_metrics: dict[str, float] = field(default_factory=dict)
+    """The round's figures: dynamic sampling's generation_rounds, prompts_drawn,
+    groups_filtered, groups_unused; the rollout's ``rollout/*`` counters (this rank's, summed
+    over ranks by the loop)."""
 
 
 @dataclass
@@ -134,20 +136,26 @@ class StepBatch:
     round_samples: list[Sample] = field(default_factory=list)
     """This rank's whole round buffer (``samples`` are some of these objects): what the
     round's first step prepares (old logps, batch-scaled advantages)."""
-    filter_metrics: dict[str, int] = field(default_factory=dict)
-    """The round's dynamic-sampling metrics (empty when grpo.filter_groups=none)."""
+    filter_metrics: dict[str, float] = field(default_factory=dict)
+    """The round's figures (GeneratedRound.filter_metrics)."""
 
     @property
     def staleness_mean(self) -> float:
-        """Mean async lag: round start version - generating policy version."""
+        """Mean async lag of a sample: round start version - its oldest token's version."""
         if not self.samples:
             return 0.0
-        lags = [self.round_start_version - s.policy_version for s in self.samples]
+        lags = [self.round_start_version - oldest_version(s) for s in self.samples]
         return sum(lags) / len(lags)
 
     @property
     def staleness_max(self) -> int:
-        return max((self.round_start_version - s.policy_version for s in self.samples), default=0)
+        return max((self.round_start_version - oldest_version(s) for s in self.samples), default=0)
+
+
+def oldest_version(sample: Sample) -> int:
+    """The version of the policy that sampled the sample's oldest token (its policy_version
+    unless a partial rollout continued it under newer weights)."""
+    return min(sample.token_versions or [sample.policy_version])
 
 
 class RunAheadProducer:
@@ -211,11 +219,19 @@ class RunAheadProducer:
 
     def _generate(self, snapshot: PolicySnapshot) -> GeneratedRound:
         """Generate the sampler's next round with ``snapshot`` (refilled by further draws under
-        dynamic sampling)."""
+        dynamic sampling). A generate_fn may answer with the request it actually served and the
+        round's figures (rlbatch.train.streaming.RoundOutput: a partial-rollout round delivers
+        the groups that finished)."""
         request = self.sampler.next_round()
-        samples = self._draw(request, snapshot)
         if self.group_filter is None:
-            return GeneratedRound(request.round_index, snapshot.version, request, samples)
+            out = self.generate_fn(request, snapshot)
+            served, samples = getattr(out, "request", request), getattr(out, "samples", out)
+            self._check_samples(served, samples, snapshot.version)
+            figures = dict(getattr(out, "metrics", {}))
+            return GeneratedRound(
+                request.round_index, snapshot.version, served, samples, None, figures
+            )
+        samples = self._draw(request, snapshot)
 
         def draw_more() -> tuple[GenerationRequest, list[Sample]]:
             more = self.sampler.next_draw_of_round()
@@ -227,7 +243,8 @@ class RunAheadProducer:
         )
 
     def _draw(self, request: GenerationRequest, snapshot: PolicySnapshot) -> list[Sample]:
-        samples = self.generate_fn(request, snapshot)
+        out = self.generate_fn(request, snapshot)
+        samples = getattr(out, "samples", out)
         self._check_samples(request, samples, snapshot.version)
         return samples
 
@@ -248,6 +265,7 @@ class RunAheadProducer:
                 f"{request.num_generations})"
             )
         bad = [s.policy_version for s in samples if s.policy_version != version]
+        bad += [v for s in samples for v in (s.token_versions or []) if v > version]
         if bad:
             raise ValueError(
                 f"generate_fn tagged samples with policy_version {bad[0]}, the snapshot is "

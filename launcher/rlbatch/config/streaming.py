@@ -1,0 +1,108 @@
+"""Checks of ``grpo.partial_rollouts`` and ``grpo.consumption_granularity`` (the partial-rollout
+stream, docs/training_loop.md "Partial rollouts"): every problem at once, each with its fix."""
+
+from __future__ import annotations
+
+from rlbatch.config.enums import ConsumptionGranularity, FilterGroups, RolloutBackend
+from rlbatch.config.errors import ConfigError
+from rlbatch.config.schema import RunConfig
+
+
+def _steps_per_round(cfg: RunConfig) -> int:
+    g = cfg.grpo
+    if g.steps_per_generation:
+        per_generation = g.steps_per_generation
+    elif g.generation_batch_size and g.global_batch_size > 0:
+        per_generation = max(1, g.generation_batch_size // g.global_batch_size)
+    else:
+        per_generation = 1
+    return per_generation * max(1, g.num_iterations)
+
+
+def check_partial_rollouts(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    g = cfg.grpo
+    group = g.consumption_granularity == ConsumptionGranularity.group
+    if not g.partial_rollouts:
+        if group:
+            errors.append(
+                ConfigError(
+                    "grpo.consumption_granularity",
+                    "group",
+                    "trains the groups that finished first while longer ones keep decoding, "
+                    "which needs grpo.partial_rollouts=true",
+                )
+            )
+        return
+    if g.num_steps_async < 1:
+        errors.append(
+            ConfigError(
+                "grpo.partial_rollouts",
+                True,
+                "rows continue across weight updates only when generation runs ahead: set "
+                "grpo.num_steps_async >= 1",
+            )
+        )
+    per_round = _steps_per_round(cfg)
+    rounds = 2 if group else 1
+    need = max(g.num_steps_async, 1) + rounds * per_round
+    if g.max_staleness < need:
+        errors.append(
+            ConfigError(
+                "grpo.max_staleness",
+                g.max_staleness,
+                f"leaves partial rollouts no room: a row may start up to {rounds} round(s) of "
+                f"{per_round} step(s) before the round that trains it"
+                + (" and a finished group may wait one more" if group else "")
+                + f", on top of num_steps_async={g.num_steps_async}: set grpo.max_staleness >= "
+                f"{need}",
+            )
+        )
+    _check_engine(cfg, errors)
+
+
+def _check_engine(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The stream decodes on the built-in engine's per-row KV cache, single-turn, unfiltered."""
+    p, r = cfg.parallel, cfg.rollout
+    layout = {"parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp}
+    for key, value in layout.items():
+        if value != 1:
+            errors.append(
+                ConfigError(
+                    key,
+                    value,
+                    "grpo.partial_rollouts decodes on the built-in per-row KV-cache engine, which "
+                    f"needs tp = pp = cp = 1: set {key}=1 or grpo.partial_rollouts=false",
+                )
+            )
+    if r.backend != RolloutBackend.megatron or not r.kv_cache:
+        key, value = (
+            ("rollout.backend", r.backend.value)
+            if r.backend != RolloutBackend.megatron
+            else ("rollout.kv_cache", False)
+        )
+        errors.append(
+            ConfigError(
+                key,
+                value,
+                "grpo.partial_rollouts needs the built-in engine with its KV cache: "
+                "rollout.backend=megatron rollout.kv_cache=true",
+            )
+        )
+    if cfg.env.path:
+        errors.append(
+            ConfigError(
+                "env.path",
+                cfg.env.path,
+                "multi-turn rollouts do not run in the partial-rollout stream yet: set "
+                "grpo.partial_rollouts=false",
+            )
+        )
+    if cfg.grpo.filter_groups != FilterGroups.none:
+        errors.append(
+            ConfigError(
+                "grpo.filter_groups",
+                cfg.grpo.filter_groups.value,
+                "dynamic sampling refills whole rounds, which the partial-rollout stream does "
+                "not have: set grpo.filter_groups=none or grpo.partial_rollouts=false",
+            )
+        )

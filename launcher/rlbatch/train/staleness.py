@@ -1,0 +1,77 @@
+"""Per-step staleness and rollout figures, from sums that add up over DP ranks (one collective).
+
+- ``staleness_token_mean``: mean over the step's sampled tokens of (policy version at the round's
+  first step - the version that sampled the token);
+- ``length_staleness_corr``: Pearson correlation, over the step's samples, between a sample's
+  response length and its staleness (round start version - its oldest token's version). Rows
+  continued across weight updates are the long ones, so with partial rollouts it is positive;
+  0.0 when either has no spread (e.g. synchronous training);
+- ``rollout/slot_occupancy``: busy decode slot-steps / (decode steps x slots) of the round
+  (rlbatch.grpo.rollout.DecodeStats), over every rank;
+- partial rollouts: ``rollout/carried_rows`` (rows still decoding when the round was delivered),
+  ``rollout/waiting_groups`` (finished groups left for later rounds) and
+  ``rollout/untrained_fraction`` (rows started and neither trained nor still in the stream, over
+  the rows started: 0 by design, nothing is discarded).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rlbatch.train.producer import oldest_version
+
+ROLLOUT_COUNTERS = (
+    "rollout/busy_slot_steps",
+    "rollout/slot_steps",
+    "rollout/carried_rows",
+    "rollout/waiting_groups",
+    "rollout/started_rows",
+    "rollout/untrained_rows",
+)
+"""A round's rank-local counters (GeneratedRound.filter_metrics), summed over ranks."""
+
+
+def staleness_sums(batch: Any) -> list[float]:
+    """[n, sum x, sum y, sum xy, sum x^2, sum y^2, token staleness sum, tokens] of the step's
+    samples on this rank (x = response length, y = sample staleness)."""
+    out = [0.0] * 8
+    start = batch.round_start_version
+    for s in batch.samples:
+        x = float(len(s.response_ids))
+        y = float(start - oldest_version(s))
+        for i, v in enumerate((1.0, x, y, x * y, x * x, y * y)):
+            out[i] += v
+        versions = s.token_versions or [s.policy_version] * len(s.response_ids)
+        mask = s.loss_mask or [1] * len(versions)
+        out[6] += sum(start - v for v, m in zip(versions, mask, strict=True) if m)
+        out[7] += sum(mask)
+    return out
+
+
+def staleness_metrics(sums: list[float]) -> dict[str, float]:
+    n, sx, sy, sxy, sxx, syy, token_sum, tokens = sums
+    corr = 0.0
+    if n > 1:
+        cov = sxy - sx * sy / n
+        var_x, var_y = sxx - sx * sx / n, syy - sy * sy / n
+        if var_x > 1e-12 and var_y > 1e-12:
+            corr = cov / math.sqrt(var_x * var_y)
+    return {
+        "staleness_token_mean": token_sum / tokens if tokens else 0.0,
+        "length_staleness_corr": corr,
+    }
+
+
+def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The step's rollout figures from the rank-summed ``rollout/*`` counters of its round."""
+    out: dict[str, float] = {}
+    if sums.get("rollout/slot_steps"):
+        out["rollout/slot_occupancy"] = sums["rollout/busy_slot_steps"] / sums["rollout/slot_steps"]
+    if sums.get("rollout/started_rows"):  # partial rollouts
+        out["rollout/carried_rows"] = sums["rollout/carried_rows"]
+        out["rollout/waiting_groups"] = sums["rollout/waiting_groups"]
+        out["rollout/untrained_fraction"] = (
+            sums["rollout/untrained_rows"] / sums["rollout/started_rows"]
+        )
+    return out
