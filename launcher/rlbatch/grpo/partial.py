@@ -324,7 +324,7 @@ class PartialRolloutStream:
                     "prompt_index": g.prompt_index,
                     "group_id": g.group_id,
                     "finished": g.finished,
-                    "rows": [vars(row).copy() for row in g.rows],
+                    "rows": [{k: _copy(v) for k, v in vars(row).items()} for row in g.rows],
                 }
                 for i, g in self.groups.items()
             },

@@ -70,6 +70,8 @@ def sample_record(s: Sample) -> dict[str, Any]:
         "advantage": s.advantage,
         "truncated": s.truncated,
         "policy_version": s.policy_version,
+        "token_versions": list(s.token_versions or []),
+        "behaviour_logps": list(s.behaviour_logps),
     }
 
 
