@@ -144,7 +144,7 @@ def produce_samples(
     use_lcm(cfg, args, aggregated)
     tok = world.tokenizer
     engine = MegatronRolloutEngine(
-        world.model, SamplingParams.from_config(cfg.rollout, tok.eos_id, tok.pad_id)
+        world.model, SamplingParams.from_config(cfg.rollout, tok.eos_id, tok.pad_id, cfg.debug)
     )
     gen_tokens = lambda a, out: sum(len(s.response_ids) for s in out)  # noqa: E731
     all_tokens = lambda a, out: sum(s.length for s in a[0])  # noqa: E731
