@@ -28,8 +28,9 @@ samples EOS, so every row stops at its own lognormal-drawn length (debug.respons
   rows still decoding when the policy advances go on under the new weights.
 
 Reported per variant (medians over repeats): mean step time, training tokens/s (metrics.jsonl
-``tokens_per_s``), generation tokens/s (response tokens / step time) and decode-slot occupancy
-(mean of ``rollout/slot_occupancy`` over the steps; n/a where a run does not write it).
+``tokens_per_s``), generation tokens/s (response tokens / step time), mean response length and
+decode-slot occupancy (mean of ``rollout/slot_occupancy`` over the steps; n/a where a run does
+not write it).
 Figures: docs/benchmarks.md "## Partial rollouts on a long tail".
 """
 
@@ -179,8 +180,8 @@ def default_report(runs: dict[str, list[list[dict[str, Any]]]], warmup: int) -> 
 
 def run_figures(records: Sequence[dict[str, Any]], warmup: int) -> dict[str, Optional[float]]:
     """One run's figures: mean step time and training tokens/s over the timed steps,
-    generation tokens/s (response tokens over step time), mean slot occupancy (None where the
-    records do not carry it)."""
+    generation tokens/s (response tokens over step time), the mean response length and the
+    mean slot occupancy over every step (None where the records do not carry it)."""
     timed = records[warmup:]
     seconds = sum(r["step_time_s"] for r in timed)
     generated = sum(r["response_len_mean"] * r["samples"] for r in timed)
@@ -189,6 +190,7 @@ def run_figures(records: Sequence[dict[str, Any]], warmup: int) -> dict[str, Opt
         "step_time_s": seconds / len(timed),
         "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
         "generation_tokens_per_s": generated / seconds,
+        "response_len_mean": sum(r["response_len_mean"] for r in records) / len(records),
         "slot_occupancy": sum(occupancy) / len(occupancy) if occupancy else None,
     }
 
@@ -232,13 +234,16 @@ def format_async(result: dict[str, Any]) -> str:
 
 
 def format_longtail(result: dict[str, Any]) -> str:
-    lines = ["variant    step time (s)  tokens/s  gen tokens/s  slot occupancy   per repeat"]
+    lines = [
+        "variant    step time (s)  tokens/s  gen tokens/s  mean len  slot occupancy   per repeat"
+    ]
     for name, v in result["variants"].items():
         occ = "n/a" if v["slot_occupancy"] is None else f"{v['slot_occupancy']:.3f}"
         each = " ".join(f"{x:.3f}" for x in v["step_times_s"])
         lines.append(
             f"{name:<10} {v['step_time_s']:>13.3f} {v['tokens_per_s']:>9.0f}"
-            f" {v['generation_tokens_per_s']:>13.0f} {occ:>15}   {each}"
+            f" {v['generation_tokens_per_s']:>13.0f} {v['response_len_mean']:>9.1f} {occ:>15}"
+            f"   {each}"
         )
     if result["ratios"]:
         lines.append(

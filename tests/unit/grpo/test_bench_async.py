@@ -99,6 +99,7 @@ def test_longtail_report_and_its_table():
     assert partial["slot_occupancy"] == pytest.approx((0.6 + 0.9 + 0.9) / 3)
     assert result["ratios"] == {"partial_over_sync": pytest.approx(0.5)}
     table = grpo_async.format_async(result).splitlines()
-    assert table[1].split()[:5] == ["sync", "3.000", "333", "427", "n/a"]
-    assert table[2].split()[:5] == ["partial", "1.500", "667", "853", "0.800"]
+    assert sync["response_len_mean"] == 20.0
+    assert table[1].split()[:6] == ["sync", "3.000", "333", "427", "20.0", "n/a"]
+    assert table[2].split()[:6] == ["partial", "1.500", "667", "853", "20.0", "0.800"]
     assert table[-1] == "step time ratios: partial_over_sync=0.50"
