@@ -97,7 +97,9 @@ def test_inline_generation_and_a_killed_run_match_the_overlapped_one(
         assert _samples(killed_dir, step) == _samples(ref_dir, step)
 
 
-def test_partial_rollouts_without_staleness_room_fail_before_launch(bin_dir, subprocess_env, tmp_path):
+def test_partial_rollouts_without_staleness_room_fail_before_launch(
+    bin_dir, subprocess_env, tmp_path
+):
     proc = _train(bin_dir, subprocess_env, tmp_path / "bad", "grpo.max_staleness=2",
                   "parallel.tp=2", check=False)  # fmt: skip
     assert proc.returncode == 2

@@ -1,7 +1,8 @@
 """rlbatch-bench grpo: one GRPO step on the tiny model, timed by stage.
 
     rlbatch-bench grpo [--prompts 16] [--generations 4] [--repeats 3] [--threads 1] [--json]
-    rlbatch-bench grpo --async [--steps 12] [--repeats 3] [--threads 1]   (rlbatch.bench.grpo_async)
+    rlbatch-bench grpo --async [--workload default|longtail] [--variants sync,...] [--steps 12]
+                       [--repeats 3] [--threads 1]   (rlbatch.bench.grpo_async)
     rlbatch-bench grpo --against trl    (TRL's GRPOTrainer vs rlbatch: see rlbatch.bench.grpo_trl)
 
 Stages: rollout (generation on the policy, KV cache), ref (reference logprobs), old (policy
@@ -25,7 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from rlbatch.bench.grpo_async import WORKLOADS, variant_names
 from rlbatch.config.schema import BatchingMode, RunConfig
+
+ASYNC_WORKLOADS = tuple(WORKLOADS)
+TRL_WORKLOADS = ("issue", "longtail")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -43,7 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--async",
         dest="run_async",
         action="store_true",
-        help="instead: step time of the default recipe, sync vs async run-ahead (overlap)",
+        help="instead: step time of the default recipe, sync vs async (see --workload)",
     )
     p.add_argument("--steps", type=int, default=12, help="--async: optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="--async: first steps not timed")
@@ -51,9 +56,50 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--against", choices=("trl",), help="compare whole steps with TRL's GRPOTrainer instead"
     )
     p.add_argument("--completion-tokens", default="64,256", help="--against trl: caps to run")
-    p.add_argument("--workload", default="issue,longtail", help="--against trl: issue,longtail")
+    p.add_argument(
+        "--workload",
+        help="--async: default (the recipe) | longtail (lognormal response lengths); --against"
+        " trl: a comma list of issue,longtail (default both)",
+    )
+    p.add_argument(
+        "--variants", help="--async: comma list of the workload's variants to run (default all)"
+    )
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="--against trl")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    error = workload_error(args)
+    if error:
+        p.error(error)
+    if args.workload is None and (args.run_async or args.against == "trl"):
+        args.workload = "default" if args.run_async else ",".join(TRL_WORKLOADS)
+    if args.run_async:
+        try:
+            variant_names(args.workload, args.variants)
+        except ValueError as err:
+            p.error(str(err))
+    return args
+
+
+def workload_error(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with --workload / --variants for the benchmark chosen (None: fine)."""
+    if args.run_async and args.against:
+        return "--async and --against trl are two benchmarks: choose one"
+    if args.variants is not None and not args.run_async:
+        return "--variants selects --async variants: add --async"
+    if args.workload is None:
+        return None
+    if args.run_async:
+        if args.workload not in ASYNC_WORKLOADS:
+            return f"--async --workload {args.workload}: choose one of {', '.join(ASYNC_WORKLOADS)}"
+        return None
+    if args.against == "trl":
+        bad = [w for w in args.workload.split(",") if w not in TRL_WORKLOADS]
+        if bad:
+            return (
+                f"--against trl --workload {args.workload}: a comma list of"
+                f" {', '.join(TRL_WORKLOADS)}"
+            )
+        return None
+    return "--workload applies to --async or --against trl: add one of them"
 
 
 def bench_config(args: argparse.Namespace) -> RunConfig:
@@ -144,7 +190,7 @@ def produce_samples(
     use_lcm(cfg, args, aggregated)
     tok = world.tokenizer
     engine = MegatronRolloutEngine(
-        world.model, SamplingParams.from_config(cfg.rollout, tok.eos_id, tok.pad_id)
+        world.model, SamplingParams.from_config(cfg.rollout, tok.eos_id, tok.pad_id, cfg.debug)
     )
     gen_tokens = lambda a, out: sum(len(s.response_ids) for s in out)  # noqa: E731
     all_tokens = lambda a, out: sum(s.length for s in a[0])  # noqa: E731

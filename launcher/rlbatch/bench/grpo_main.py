@@ -13,7 +13,9 @@ def main(argv: list[str]) -> int:
     if args.run_async:
         from rlbatch.bench.grpo_async import format_async, run_async
 
-        result = run_async(args.steps, args.repeats, args.threads, args.warmup)
+        result = run_async(
+            args.steps, args.repeats, args.threads, args.warmup, args.workload, args.variants
+        )
         print(json.dumps(result, indent=2) if args.json else format_async(result))
         return 0
     if args.against == "trl":

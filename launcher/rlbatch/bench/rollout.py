@@ -3,6 +3,8 @@
     rlbatch-bench rollout [--models tiny,small] [--batch-sizes 4,16] [--spreads uniform,longtail]
                           [--max-new-tokens 64] [--rows 32] [--repeats 3] [--threads 2] [--json]
     rlbatch-bench rollout --env calculator    # multi-turn rollouts (rlbatch.bench.rollout_env)
+    rlbatch-bench rollout --occupancy         # decode-slot occupancy on a long tail
+                                              # (rlbatch.bench.rollout_occupancy)
 
 Both generate from the same Hugging Face Qwen2 checkpoint (written by transformers with random
 weights: ``tiny`` = vocab 512, hidden 128, 4 layers, 4 heads / 2 KV heads, tied; ``small`` =
@@ -236,6 +238,10 @@ def main(argv: list[str]) -> int:
         from rlbatch.bench import rollout_env
 
         return rollout_env.main(argv)
+    if "--occupancy" in argv:  # slot occupancy of the round engine: its own bench
+        from rlbatch.bench import rollout_occupancy
+
+        return rollout_occupancy.main(argv)
     args = parse_args(argv)
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else format_report(result))

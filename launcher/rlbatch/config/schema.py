@@ -457,6 +457,13 @@ class DebugConfig:
     perturb_behaviour_logps: float = 0.0
     """Add Gaussian noise of this std to the behaviour log-probs the rollout returns (seeded per
     token): makes the rollout-mismatch correction and its diagnostics visible on CPU (0 = off)."""
+    response_length_median: int = 0
+    """> 0: every rollout row stops after its own lognormal-drawn number of tokens (median this,
+    sigma debug.response_length_sigma, clamped to [1, rollout.max_new_tokens]; a row stopped
+    below max_new_tokens is not truncated): a long-tailed workload for benchmarks on a model that
+    seldom samples EOS. Training rollouts only (evaluation keeps it off); 0 = off."""
+    response_length_sigma: float = 1.0
+    """Sigma (log scale) of debug.response_length_median's lognormal: larger, a heavier tail."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ from rlbatch.config.schema import (
     RunConfig,
 )
 from rlbatch.config.streaming import check_partial_rollouts
+from rlbatch.config.workload_rules import check_response_lengths
 
 Check = Callable[[RunConfig, list[ConfigError]], None]
 
@@ -540,6 +541,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"model"}), _check_model_shape),
     Rule(frozenset({"model", "parallel"}), _check_model_split),
     Rule(frozenset({"debug", "parallel"}), _check_debug),
+    Rule(frozenset({"debug", "rollout", "env"}), check_response_lengths),
     Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),
     Rule(frozenset({"grpo", "rollout"}), lambda c, e: e.extend(objective_errors(c))),
     Rule(frozenset({"grpo", "rollout", "parallel", "env"}), check_partial_rollouts),

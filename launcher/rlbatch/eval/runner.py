@@ -137,10 +137,13 @@ class Evaluator:
 def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> Any:
     """The rollout engine with the evaluation's sampling settings and data, in
     rollout.micro_batch_size prompt chunks (sequence parallelism off while decoding, as for
-    training's rollouts); multi-turn through the run's environment when env.path is set."""
+    training's rollouts); multi-turn through the run's environment when env.path is set.
+    Evaluation measures the policy: the long-tailed length workload of training's rollouts
+    (debug.response_length_median) stays off here."""
     from rlbatch.train.generation import SequenceParallelOffEngine, build_engine
 
-    sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg), data=eval_data(cfg))
+    debug = dataclasses.replace(cfg.debug, response_length_median=0)
+    sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg), data=eval_data(cfg), debug=debug)
     engine = build_engine(sampling, model, tokenizer, chunked=True)
     if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
         engine = SequenceParallelOffEngine(engine, model)

@@ -31,6 +31,7 @@ from rlbatch.grpo.sampling import (  # noqa: F401  (re-exported: the rollout's v
     SamplingParams,
     exponential_noise,
     filter_logits,
+    length_caps,
     row_keys,
     sample_tokens,
 )
@@ -81,13 +82,19 @@ class DecodeStats:
 
 
 class _Outputs:
-    """Tokens and logprobs of every row, written as they are sampled."""
+    """Tokens and logprobs of every row, written as they are sampled. A row ends at EOS or at
+    its own cap (``length_caps``: max_new_tokens, or the row's lognormal draw when
+    debug.response_length_median is set); it is truncated only when it reached max_new_tokens
+    without EOS."""
 
-    def __init__(self, num_rows: int, max_new: int, device: torch.device) -> None:
+    def __init__(self, params: SamplingParams, keys: torch.Tensor, device: torch.device) -> None:
+        num_rows, max_new = len(keys), params.max_new_tokens
         self.tokens = torch.zeros(num_rows, max_new, dtype=torch.long, device=device)
         self.logps = torch.zeros(num_rows, max_new, dtype=torch.float64, device=device)
         self.count = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.hit_eos = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.caps = length_caps(keys, params).to(device)  # [num_rows]
+        self.max_new = max_new
 
     def add(self, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, params: Any) -> Any:
         """Record one token for each of rows; returns the mask of rows that just finished."""
@@ -97,14 +104,15 @@ class _Outputs:
         self.count[rows] = n + 1
         eos = tok == params.eos_id
         self.hit_eos[rows] |= eos
-        return eos | (n + 1 >= params.max_new_tokens)
+        return eos | (n + 1 >= self.caps[rows])
 
     def decoded(self) -> Decoded:
         count, tokens, logps = self.count.tolist(), self.tokens.cpu(), self.logps.cpu()
+        eos = self.hit_eos.tolist()
         return Decoded(
             response_ids=[tokens[i, :n].tolist() for i, n in enumerate(count)],
             logps=[logps[i, :n].tolist() for i, n in enumerate(count)],
-            truncated=[not h for h in self.hit_eos.tolist()],
+            truncated=[not eos[i] and n >= self.max_new for i, n in enumerate(count)],
         )
 
 
@@ -115,16 +123,18 @@ def decode_continuous(
     keys: torch.Tensor,
     num_slots: int,
     calls: list[int],
+    stats: Optional[DecodeStats] = None,
 ) -> Decoded:
     """Continuous batching on a per-slot decoder (engine.generation.LeanDecoder): up to
     num_slots rows at once; a row leaves when it ends and the next prompt takes its slot.
-    `calls` gets the number of rows of every prefill."""
+    `calls` gets the number of rows of every prefill; `stats` every sampling step (its rows
+    busy out of num_slots slots)."""
     # longest prompts first: long rows sit together in the first slots, so decode can attend
     # over them apart from the short ones (engine.generation.attention_parts); samples are
     # keyed by row, so the order changes no sample (beyond float rounding)
     queue = deque(sorted(range(len(prompt_ids)), key=lambda r: -len(prompt_ids[r])))
-    out = _Outputs(len(prompt_ids), params.max_new_tokens, decoder.device)
     keys = keys.to(decoder.device)
+    out = _Outputs(params, keys, decoder.device)
     first = [queue.popleft() for _ in range(num_slots)]
     rows = torch.tensor(first, device=decoder.device)  # [S] row held by each slot
     logits = decoder.prefill(range(num_slots), [prompt_ids[r] for r in first])
@@ -132,6 +142,8 @@ def decode_continuous(
     while len(rows):
         tok, lp = sample_tokens(logits, params, keys[rows], out.count[rows])
         finished = out.add(rows, tok, lp, params)
+        if stats is not None:
+            stats.add(len(rows), num_slots)
         if not bool(finished.any()):
             logits = decoder.decode(tok)
             continue
@@ -161,12 +173,14 @@ def decode_lockstep(
     prompt_ids: Sequence[Sequence[int]],
     params: SamplingParams,
     keys: torch.Tensor,
+    stats: Optional[DecodeStats] = None,
 ) -> Decoded:
     """All rows advance together until the last one ends (the megatron and pipeline path).
 
     `forward(tokens [B, T], start, end) -> logits [B, V]` at position end - 1 (None on
     pipeline stages other than the last). Prefill covers the shortest prompt; a longer prompt
     feeds its own tokens at the positions it still has (the sample drawn there is discarded).
+    `stats` gets every step: the rows that sample a token out of the chunk's rows.
     """
     lens = torch.tensor([len(p) for p in prompt_ids])
     batch, p_min = len(prompt_ids), int(lens.min())
@@ -175,7 +189,7 @@ def decode_lockstep(
     tokens = torch.full((batch, total), params.pad_id, dtype=torch.long)
     for i, p in enumerate(prompt_ids):
         tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-    out = _Outputs(batch, params.max_new_tokens, torch.device("cpu"))
+    out = _Outputs(params, keys.cpu(), torch.device("cpu"))
     done = torch.zeros(batch, dtype=torch.bool)
     logits = forward(tokens, 0, p_min)
     for t in range(p_min, total):
@@ -184,6 +198,8 @@ def decode_lockstep(
         tokens[:, t] = torch.where(active, new_tok, tokens[:, t])
         idx = torch.nonzero(active)[:, 0]
         done[idx] |= out.add(idx, new_tok[idx], new_lp[idx], params)
+        if stats is not None:
+            stats.add(len(idx), batch)
         if bool(done.all()):
             break
         logits = forward(tokens, t, t + 1)
@@ -248,6 +264,9 @@ class MegatronRolloutEngine:
         self.max_total_tokens = max_total_tokens
         self.slot_stats: Any = None
         """Multi-turn: decode-slot occupancy of the last generate (rlbatch.grpo.multiturn)."""
+        self.decode_stats = DecodeStats()
+        """Single-turn decode-slot occupancy, accumulated over generate() calls (a caller
+        that wants it per round assigns a fresh DecodeStats())."""
 
     def generate(
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
@@ -273,7 +292,9 @@ class MegatronRolloutEngine:
                 and generation.lean_decoding_supported(self.chunks)
             ):
                 decoder = generation.LeanDecoder(self.chunks[0], size, max_len)
-                out = decode_continuous(decoder, prompt_ids, self.params, keys, size, self.calls)
+                out = decode_continuous(
+                    decoder, prompt_ids, self.params, keys, size, self.calls, self.decode_stats
+                )
             else:
                 out = Decoded([], [], [])
                 for start in range(0, len(rows), size):
@@ -281,7 +302,9 @@ class MegatronRolloutEngine:
                     forward = generation.PipelineForward(
                         self.chunks, len(part), max_len, self.kv_cache
                     )
-                    done = decode_lockstep(forward, part, self.params, keys[start : start + size])
+                    done = decode_lockstep(
+                        forward, part, self.params, keys[start : start + size], self.decode_stats
+                    )
                     self.calls.append(len(part))
                     out.response_ids += done.response_ids
                     out.logps += done.logps
@@ -348,7 +371,7 @@ def as_rollout_fn(engine: RolloutEngine, policy_version: int) -> Any:
 def _megatron_engine(
     cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
 ) -> Any:
-    params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id)
+    params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id, debug=cfg.debug)
     chunk_size = cfg.rollout.micro_batch_size if chunked else None
     return MegatronRolloutEngine(
         model,

@@ -8,11 +8,12 @@ Behaviour logprobs: ``log_softmax(logits / temperature)[token]`` over the full v
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
-from rlbatch.config.schema import RolloutConfig
+from rlbatch.config.schema import DebugConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,22 @@ class SamplingParams:
     """debug.response_length_sigma: the lognormal's sigma (log scale)."""
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, eos_id: int, pad_id: int) -> SamplingParams:
+    def from_config(
+        cls,
+        cfg: RolloutConfig,
+        eos_id: int,
+        pad_id: int,
+        debug: Optional[DebugConfig] = None,
+    ) -> SamplingParams:
+        """`debug`: the run's debug group, whose response-length workload caps each row
+        (training rollouts; None = no caps, as evaluation samples)."""
         params = cls(cfg.max_new_tokens, eos_id, cfg.temperature, cfg.top_p, cfg.top_k, pad_id)
+        if debug is not None:
+            params = replace(
+                params,
+                length_median=debug.response_length_median,
+                length_sigma=debug.response_length_sigma,
+            )
         errors = params.errors()
         if errors:
             raise ValueError("invalid rollout config:\n  " + "\n  ".join(errors))
@@ -50,6 +65,13 @@ class SamplingParams:
             out.append(f"rollout.top_p={self.top_p} must be in (0, 1] (1 disables it)")
         if self.top_k < 0:
             out.append(f"rollout.top_k={self.top_k} must be >= 0 (0 disables it)")
+        if not 0 <= self.length_median <= self.max_new_tokens:
+            out.append(
+                f"debug.response_length_median={self.length_median} must be in"
+                f" [0, rollout.max_new_tokens={self.max_new_tokens}] (0 disables it)"
+            )
+        if not self.length_sigma > 0:
+            out.append(f"debug.response_length_sigma={self.length_sigma} must be > 0")
         return out
 
 

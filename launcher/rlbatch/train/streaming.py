@@ -94,7 +94,7 @@ class StreamingGeneration:
             len(prompts), schedule, dp_rank=dp_rank, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
         params = SamplingParams.from_config(
-            cfg.rollout, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
+            cfg.rollout, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, debug=cfg.debug
         )
         lead, slack = stream_shape(cfg)
         self.stream = PartialRolloutStream(

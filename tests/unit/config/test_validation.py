@@ -64,6 +64,19 @@ CASES = [
         "env.max_total_tokens = 1000",
     ),
     (["model.logits_chunk_tokens=-1"], "model.logits_chunk_tokens", ">= 0"),
+    (["debug.response_length_median=-1"], "debug.response_length_median", "[0, rollout"),
+    (
+        ["debug.response_length_median=17"],  # the recipe's rollout.max_new_tokens is 16
+        "debug.response_length_median",
+        "max_new_tokens=16",
+    ),
+    (["debug.response_length_sigma=0"], "debug.response_length_sigma", "> 0"),
+    (["env=calculator", "debug.response_length_median=4"], "env.path", "single-turn"),
+    (
+        ["rollout.backend=megatron_dynamic", "debug.response_length_median=4"],
+        "rollout.backend",
+        "built-in engine",
+    ),
 ]
 
 

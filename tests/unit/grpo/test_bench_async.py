@@ -1,0 +1,105 @@
+"""rlbatch-bench grpo --async: the workload and variant arguments, the long-tail workload's
+configuration and length distribution (the figures docs/benchmarks.md states), and the report
+computed from metrics records (no training run here: the bench itself runs minutes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlbatch.bench import grpo_async
+from rlbatch.bench.grpo import parse_args
+
+
+def test_workload_defaults_per_benchmark():
+    assert parse_args(["--async"]).workload == "default"
+    args = parse_args(["--async", "--workload", "longtail", "--variants", "partial,sync"])
+    assert (args.workload, args.variants) == ("longtail", "partial,sync")
+    assert grpo_async.variant_names("longtail", args.variants) == ["sync", "partial"]
+    assert grpo_async.variant_names("longtail", None) == ["sync", "run_ahead", "partial"]
+    assert parse_args(["--against", "trl"]).workload == "issue,longtail"
+    assert parse_args(["--against", "trl", "--workload", "issue"]).workload == "issue"
+    assert parse_args([]).workload is None  # the per-stage benchmark has no workload
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--async", "--workload", "issue"], "choose one of default, longtail"),
+        (["--against", "trl", "--workload", "default"], "a comma list of issue, longtail"),
+        (["--workload", "longtail"], "add one of them"),
+        (["--async", "--against", "trl"], "choose one"),
+        (["--variants", "sync"], "add --async"),
+        (["--async", "--variants", "partial"], "workload default has sync,async_inline"),
+        (["--async", "--workload", "longtail", "--variants", "x"], "sync,run_ahead,partial"),
+    ],
+)
+def test_wrong_combinations_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["sync", "run_ahead"])
+def test_longtail_variants_compose_and_validate(name):
+    """The variants' runs are valid configs of the default recipe with the long tail on.
+    (``partial`` needs grpo.partial_rollouts, composed by the partial-rollout tests.)"""
+    from rlbatch.cli.common import compose
+
+    cfg = compose(grpo_async.variant_overrides("longtail", name, 3, 2), "t")
+    assert (cfg.rollout.max_new_tokens, cfg.debug.response_length_median) == (128, 12)
+    assert cfg.debug.response_length_sigma == 1.0 and cfg.trainer.num_threads == 2
+    assert cfg.grpo.num_steps_async == (0 if name == "sync" else 1)
+
+
+def test_longtail_lengths_are_the_documented_distribution():
+    """Median 12, mean ~19, ~1% of rows at the 128 cap, as the docs say (the caps the
+    training engine gets from the composed config)."""
+    from rlbatch.cli.common import compose
+    from rlbatch.grpo.sampling import SamplingParams, length_caps, row_keys
+
+    cfg = compose(grpo_async.variant_overrides("longtail", "sync", 3, 1), "t")
+    params = SamplingParams.from_config(cfg.rollout, eos_id=258, pad_id=256, debug=cfg.debug)
+    caps = length_caps(row_keys(cfg.trainer.seed, 50_000), params).double()
+    assert float(caps.median()) == 12.0
+    assert 18.5 < float(caps.mean()) < 20.0
+    assert 0.006 < float((caps == 128).double().mean()) < 0.012
+
+
+def _records(step_times, occupancy=None):
+    out = []
+    for i, t in enumerate(step_times):
+        rec = {"step": i + 1, "step_time_s": t, "tokens_per_s": 1000.0 / t}
+        rec |= {"response_len_mean": 20.0, "samples": 64}
+        if occupancy is not None:
+            rec["rollout/slot_occupancy"] = occupancy[i]
+        out.append(rec)
+    return out
+
+
+def test_longtail_report_and_its_table():
+    """Per variant the median over repeats of: mean step time after warm-up, training tokens/s,
+    generation tokens/s (response tokens / step time) and the mean occupancy over every step;
+    n/a where the records carry no occupancy."""
+    runs = {
+        "sync": [_records([9.0, 2.0, 2.0]), _records([9.0, 4.0, 4.0]), _records([9.0, 3.0, 3.0])],
+        "partial": [
+            _records([9.0, 1.0, 1.0], [0.5, 0.9, 1.0]),
+            _records([9.0, 1.5, 1.5], [0.6, 0.9, 0.9]),
+            _records([9.0, 2.0, 2.0], [0.7, 1.0, 1.0]),
+        ],
+    }
+    result = grpo_async.longtail_report(runs, warmup=1)
+    sync, partial = result["variants"]["sync"], result["variants"]["partial"]
+    assert sync["step_time_s"] == 3.0 and sync["step_times_s"] == [2.0, 4.0, 3.0]
+    assert sync["tokens_per_s"] == pytest.approx(1000.0 / 3.0)
+    assert sync["generation_tokens_per_s"] == pytest.approx(20 * 64 / 3.0)
+    assert sync["slot_occupancy"] is None
+    assert partial["step_time_s"] == 1.5
+    assert partial["slot_occupancy"] == pytest.approx((0.6 + 0.9 + 0.9) / 3)
+    assert result["ratios"] == {"partial_over_sync": pytest.approx(0.5)}
+    table = grpo_async.format_async(result).splitlines()
+    assert sync["response_len_mean"] == 20.0
+    assert table[1].split()[:6] == ["sync", "3.000", "333", "427", "20.0", "n/a"]
+    assert table[2].split()[:6] == ["partial", "1.500", "667", "853", "20.0", "0.800"]
+    assert table[-1] == "step time ratios: partial_over_sync=0.50"
