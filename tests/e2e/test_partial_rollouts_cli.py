@@ -18,7 +18,7 @@ RUN = (
     "grpo.max_staleness=3", "grpo.partial_rollouts=true", "grpo.consumption_granularity=group",
     "debug.response_length_median=5", "logging.samples=true", "logging.plot=false",
     "logging.tensorboard=false", "trainer.checkpoint.export_hf=false",
-    "trainer.checkpoint.every_steps=1",
+    "trainer.checkpoint.every_steps=1", "trainer.num_threads=2",
 )  # fmt: skip
 
 
@@ -84,7 +84,9 @@ def test_inline_generation_and_a_killed_run_match_the_overlapped_one(
     yet trained) trains exactly the same samples."""
     ref_dir, expected = overlapped
     inline_dir = ref_dir.parent / "inline"
-    _train(bin_dir, subprocess_env, inline_dir, "grpo.overlap_generation=false")
+    # the overlapped run gives each side half of its 2 threads: the inline one runs on 1
+    _train(bin_dir, subprocess_env, inline_dir, "grpo.overlap_generation=false",
+           "trainer.num_threads=1")  # fmt: skip
     assert _untimed(_metrics(inline_dir)) == _untimed(expected)
 
     killed_dir = ref_dir.parent / "killed"

@@ -25,7 +25,10 @@ samples EOS, so every row stops at its own lognormal-drawn length (debug.respons
 - ``run_ahead``: num_steps_async=1, max_staleness=1, overlap on: whole rounds one step ahead,
   each round waiting for its longest row;
 - ``partial``: num_steps_async=1, max_staleness=2, grpo.partial_rollouts=true, overlap on:
-  rows still decoding when the policy advances go on under the new weights.
+  rows still decoding when the policy advances go on under the new weights; a row may start
+  one round before the round that trains it (lead 1);
+- ``partial_lead3``: the same with max_staleness=4: rows may start three rounds ahead, enough
+  admissible rows to keep the slots busy through a 128-token row.
 
 Reported per variant (medians over repeats): mean step time, training tokens/s (metrics.jsonl
 ``tokens_per_s``), generation tokens/s (response tokens / step time), mean response length and
@@ -67,6 +70,15 @@ LONGTAIL_VARIANTS: Variants = {
         [
             "grpo.num_steps_async=1",
             "grpo.max_staleness=2",
+            "grpo.partial_rollouts=true",
+            "grpo.overlap_generation=true",
+        ],
+        2,
+    ),
+    "partial_lead3": (
+        [
+            "grpo.num_steps_async=1",
+            "grpo.max_staleness=4",
             "grpo.partial_rollouts=true",
             "grpo.overlap_generation=true",
         ],

@@ -15,7 +15,12 @@ def test_workload_defaults_per_benchmark():
     args = parse_args(["--async", "--workload", "longtail", "--variants", "partial,sync"])
     assert (args.workload, args.variants) == ("longtail", "partial,sync")
     assert grpo_async.variant_names("longtail", args.variants) == ["sync", "partial"]
-    assert grpo_async.variant_names("longtail", None) == ["sync", "run_ahead", "partial"]
+    assert grpo_async.variant_names("longtail", None) == [
+        "sync",
+        "run_ahead",
+        "partial",
+        "partial_lead3",
+    ]
     assert parse_args(["--against", "trl"]).workload == "issue,longtail"
     assert parse_args(["--against", "trl", "--workload", "issue"]).workload == "issue"
     assert parse_args([]).workload is None  # the per-stage benchmark has no workload
@@ -30,7 +35,10 @@ def test_workload_defaults_per_benchmark():
         (["--async", "--against", "trl"], "choose one"),
         (["--variants", "sync"], "add --async"),
         (["--async", "--variants", "partial"], "workload default has sync,async_inline"),
-        (["--async", "--workload", "longtail", "--variants", "x"], "sync,run_ahead,partial"),
+        (
+            ["--async", "--workload", "longtail", "--variants", "x"],
+            "sync,run_ahead,partial,partial_lead3",
+        ),
     ],
 )
 def test_wrong_combinations_are_usage_errors(argv, message, capsys):
@@ -40,7 +48,7 @@ def test_wrong_combinations_are_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["sync", "run_ahead"])
+@pytest.mark.parametrize("name", ["sync", "run_ahead", "partial", "partial_lead3"])
 def test_longtail_variants_compose_and_validate(name):
     """The variants' runs are valid configs of the default recipe with the long tail on.
     (``partial`` needs grpo.partial_rollouts, composed by the partial-rollout tests.)"""
