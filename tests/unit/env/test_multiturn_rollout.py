@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_reference import full_logps
 from rlbatch.config.schema import RunConfig
 from rlbatch.engine.tokenizer import ByteTokenizer
 from rlbatch.env.driver import EnvDriver
@@ -34,17 +35,6 @@ def model():
     cfg = RunConfig()
     cfg.model.init_method_std = 0.3
     return turn_ending_policy(cfg)
-
-
-def full_logps(model, ids):
-    """float64 log-softmax of a full causal forward over one sequence: [S, V]."""
-    t = torch.tensor([ids])
-    s = t.shape[1]
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        model.eval()
-        out = model(t, torch.arange(s)[None], mask)
-    return torch.log_softmax(out[0].double(), dim=-1)
 
 
 class Scripted:

@@ -14,6 +14,7 @@ import pickle
 import pytest
 import torch
 
+from model_reference import full_logps
 from rlbatch.config.schema import RunConfig
 from rlbatch.engine.generation import LeanDecoder, inference_mode
 from rlbatch.engine.tokenizer import ByteTokenizer
@@ -72,16 +73,6 @@ def run_rounds(stream, model, versions, rounds):
             res = stream.run_round(r, lambda n, length: LeanDecoder(model, n, length))
         out.append((r, res.groups, res.stats))
     return out
-
-
-def full_logps(model, ids):
-    t = torch.tensor([ids])
-    s = t.shape[1]
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        model.eval()
-        out = model(t, torch.arange(s)[None], mask)
-    return torch.log_softmax(out[0].double(), dim=-1)
 
 
 def test_every_token_is_its_own_versions_sample(model, versions):
