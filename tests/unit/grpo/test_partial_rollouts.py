@@ -31,6 +31,7 @@ def model():
 
     cfg = RunConfig()
     cfg.model.init_method_std = 0.3
+    torch.manual_seed(0)  # the same weights whatever ran before in this process
     return turn_ending_policy(cfg)
 
 
