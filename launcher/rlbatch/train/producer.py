@@ -221,32 +221,35 @@ class RunAheadProducer:
         """Generate the sampler's next round with ``snapshot`` (refilled by further draws under
         dynamic sampling). A generate_fn may answer with the request it actually served and the
         round's figures (rlbatch.train.streaming.RoundOutput: a partial-rollout round delivers
-        the groups that finished)."""
+        the groups that finished); the figures of a round's draws add up."""
         request = self.sampler.next_round()
+        figures: dict[str, float] = {}
+        served, samples = self._draw(request, snapshot, figures)
         if self.group_filter is None:
-            out = self.generate_fn(request, snapshot)
-            served, samples = getattr(out, "request", request), getattr(out, "samples", out)
-            self._check_samples(served, samples, snapshot.version)
-            figures = dict(getattr(out, "metrics", {}))
             return GeneratedRound(
                 request.round_index, snapshot.version, served, samples, None, figures
             )
-        samples = self._draw(request, snapshot)
 
         def draw_more() -> tuple[GenerationRequest, list[Sample]]:
             more = self.sampler.next_draw_of_round()
-            return more, self._draw(more, snapshot)
+            return self._draw(more, snapshot, figures)
 
-        kept, positions, metrics = self.group_filter.fill((request, samples), draw_more)
+        kept, positions, metrics = self.group_filter.fill((served, samples), draw_more)
         return GeneratedRound(
-            request.round_index, snapshot.version, request, kept, positions, metrics
+            request.round_index, snapshot.version, served, kept, positions, figures | metrics
         )
 
-    def _draw(self, request: GenerationRequest, snapshot: PolicySnapshot) -> list[Sample]:
+    def _draw(
+        self, request: GenerationRequest, snapshot: PolicySnapshot, figures: dict[str, float]
+    ) -> tuple[GenerationRequest, list[Sample]]:
+        """(served request, samples) of one generate_fn call; its figures are added to
+        ``figures``."""
         out = self.generate_fn(request, snapshot)
-        samples = getattr(out, "samples", out)
-        self._check_samples(request, samples, snapshot.version)
-        return samples
+        served, samples = getattr(out, "request", request), getattr(out, "samples", out)
+        self._check_samples(served, samples, snapshot.version)
+        for key, value in getattr(out, "metrics", {}).items():
+            figures[key] = figures.get(key, 0.0) + value
+        return served, samples
 
     def _fill(self, version: int) -> list[int]:
         """Generate every round due at policy ``version`` (the live model is at ``version``)."""
