@@ -109,3 +109,19 @@ def test_partial_rollouts_without_staleness_room_fail_before_launch(
     assert "grpo.max_staleness" in out and "set grpo.max_staleness >= 3" in out
     assert "parallel.tp" in out and "Traceback" not in out
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_batch_granularity_trains_each_round_its_own_prompts(bin_dir, subprocess_env, tmp_path):
+    """consumption_granularity=batch (the default): rows of later draws start early and continue
+    under newer weights, but round r trains exactly the prompts of its own draw (group ids are
+    stream positions: 8 prompts per round)."""
+    run_dir = tmp_path / "batch"
+    _train(bin_dir, subprocess_env, run_dir, "grpo.consumption_granularity=batch",
+           "trainer.max_steps=3", "trainer.checkpoint.every_steps=0")  # fmt: skip
+    continued = 0
+    for step in (1, 2, 3):
+        samples = _samples(run_dir, step)
+        assert sorted({s["group_id"] for s in samples}) == list(range(8 * (step - 1), 8 * step))
+        continued += sum(len(set(s["token_versions"])) > 1 for s in samples)
+    assert continued > 0
+    assert all(r["rollout/untrained_fraction"] == 0.0 for r in _metrics(run_dir))
