@@ -95,6 +95,14 @@ class RewardKind(str, Enum):
     math_verify = "math_verify"
     none = "none"
     """No data reward: the environment's own rewards alone (env.path)."""
+    code_exec = "code_exec"
+    """The completion's program run in a sandbox against the row's tests (data.code_exec)."""
+    http = "http"
+    """A float from a reward server: each sample posted to data.reward_url (data.served)."""
+    judge = "judge"
+    """An LLM judge's score from an OpenAI-compatible chat endpoint at data.reward_url."""
+    reward_model = "reward_model"
+    """A local sequence-classification checkpoint (data.reward_model) scores each sample."""
 
 
 class AnswerFormat(str, Enum):

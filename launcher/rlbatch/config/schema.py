@@ -48,6 +48,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
 from rlbatch.config.env import EnvConfig
 from rlbatch.config.evaluation import EvalConfig, EvalDataConfig  # noqa: F401
 from rlbatch.config.objectives import ObjectiveConfig
+from rlbatch.config.rewards import CodeExecConfig, JudgeConfig, RewardModelConfig, ServedConfig
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -148,6 +149,19 @@ class DataConfig:
     it; null = trainer.timeout_s."""
     reward_abs_max: float = 1e6
     """A user reward of larger magnitude is an error naming the function and the sample."""
+    reward_url: Optional[str] = None
+    """Endpoint of data.reward=http (the URL posted to) or judge (an OpenAI-compatible server:
+    its base URL or its /v1/chat/completions URL)."""
+    reward_model: Optional[str] = None
+    """Hugging Face directory of a sequence-classification reward model (data.reward=reward_model)."""
+    code_exec: CodeExecConfig = field(default_factory=CodeExecConfig)
+    """Sandboxed execution of data.reward=code_exec."""
+    served: ServedConfig = field(default_factory=ServedConfig)
+    """Requests of data.reward=http and judge: timeout, retries, concurrency, on_error."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The judge's prompt, model name and score scale (data.reward=judge)."""
+    reward_model_batching: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Batching of data.reward=reward_model's forwards."""
     answer_format: AnswerFormat = AnswerFormat.raw
     """raw: the answer field as is; gsm8k: the text after its last '####' (GSM8K's format)."""
     shuffle: bool = True

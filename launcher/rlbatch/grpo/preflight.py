@@ -33,6 +33,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     _check_cuda_only(cfg, errors)
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
+    check_brought_rewards(cfg.data, cfg.trainer.seed, errors)
     _check_environment(cfg, errors)
     if eval_enabled(cfg):
         check_eval_inputs(cfg, errors)
@@ -239,6 +240,36 @@ def _check_rewards(
             )
     _check_kinds(data, kinds, errors, prefix)
     _check_weights(data, errors)
+
+
+def check_reward_specs(data: DataConfig, errors: list[ConfigError]) -> None:
+    """data.reward / data.reward_fn alone (no dataset: row-field checks skipped)."""
+    _check_rewards(data, None, errors)
+
+
+def check_brought_rewards(data: DataConfig, seed: int, errors: list[ConfigError]) -> None:
+    """The brought kinds among the rewards (code_exec, http, judge, reward_model): each one's
+    check (rlbatch.rewards.kinds.CHECKS) over the dataset's rows."""
+    from rlbatch.grpo.rewards import brought_kinds
+    from rlbatch.rewards.kinds import CHECKS
+
+    kinds = brought_kinds(data)
+    if not kinds:
+        return
+    rows: list[dict[str, Any]] | None = None
+    if data.source == DataSource.builtin or _path_exists(data):
+        from rlbatch.grpo.data import read_examples
+
+        try:
+            examples, _ = read_examples(data, seed)
+            rows = [
+                {**ex.fields, data.prompt_key: ex.prompt, data.answer_key: ex.answer}
+                for ex in examples
+            ]
+        except ValueError:
+            rows = None  # the dataset check reports it
+    for kind in dict.fromkeys(kinds):
+        errors += CHECKS[kind](data, rows)
 
 
 def _absolute_spec(spec: str) -> str:

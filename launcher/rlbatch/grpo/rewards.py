@@ -21,6 +21,7 @@ from rlbatch.config.schema import BuiltinTask, DataConfig, DataSource, RewardKin
 from rlbatch.grpo.tasks import task_reward
 from rlbatch.grpo.types import Sample
 from rlbatch.grpo.user_rewards import Completion, UserReward, call_reward, load_reward
+from rlbatch.rewards.base import Failure, Scored
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,11 @@ _REGISTRY: dict[RewardKind, Callable[[DataConfig], RewardFn]] = {
 
 
 def build_reward_fn(cfg: DataConfig) -> RewardFn:
-    """The reward function that ``data.reward`` names."""
+    """The reward function that ``data.reward`` names (a per-sample built-in; the brought kinds
+    score batches: build_rewards)."""
     kind = RewardKind(cfg.reward)
+    if kind not in _REGISTRY:
+        raise ValueError(f"data.reward={kind.value} scores batches: use build_rewards")
     if kind == RewardKind.task and DataSource(cfg.source) != DataSource.builtin:
         raise ValueError(
             f"data.reward=task needs data.source=builtin (got data.source={cfg.source.value}):"
@@ -186,6 +190,13 @@ class RewardComponent:
     name: str
     weight: float
     score: Callable[[Sequence[RewardInput]], list[float]]
+    scored: Optional[Callable[[Sequence[RewardInput]], list[Scored]]] = None
+    """A brought reward (rlbatch.rewards): values with the reason of every failure; when set,
+    ``score`` is its values alone."""
+
+
+NamedFailure = tuple[str, Failure]
+"""(reward part name, failure) of one sample."""
 
 
 @dataclass(frozen=True)
@@ -196,14 +207,37 @@ class RewardSet:
 
     def score(self, inputs: Sequence[RewardInput]) -> tuple[list[float], dict[str, list[float]]]:
         """(total per sample, each component's values per sample by name)."""
-        parts = {c.name: c.score(inputs) for c in self.components}
+        totals, parts, _ = self.score_detailed(inputs)
+        return totals, parts
+
+    def score_detailed(
+        self, inputs: Sequence[RewardInput]
+    ) -> tuple[list[float], dict[str, list[float]], list[list[NamedFailure]]]:
+        """(total per sample, each component's values by name, each sample's failures)."""
+        parts: dict[str, list[float]] = {}
+        failures: list[list[NamedFailure]] = [[] for _ in inputs]
+        for c in self.components:
+            if c.scored is None:
+                parts[c.name] = c.score(inputs)
+                continue
+            out = c.scored(inputs)
+            parts[c.name] = [s.value for s in out]
+            for i, s in enumerate(out):
+                failures[i].extend((c.name, f) for f in s.failures)
         totals = [
             sum(c.weight * parts[c.name][i] for c in self.components) for i in range(len(inputs))
         ]
-        return totals, parts
+        return totals, parts, failures
 
 
 def _builtin_component(kind: RewardKind, cfg: DataConfig, name: str, weight: float):
+    from rlbatch.rewards.kinds import BROUGHT
+
+    if kind in BROUGHT:
+        scored = BROUGHT[kind](cfg)
+        return RewardComponent(
+            name, weight, lambda inputs: [s.value for s in scored(inputs)], scored
+        )
     fn = build_reward_fn(_with_reward(cfg, kind))
     return RewardComponent(name, weight, lambda inputs: score(fn, inputs, name))
 
@@ -314,6 +348,15 @@ def build_run_rewards(cfg: RunConfig) -> RewardSet:
         cfg.rollout.max_new_tokens, g.overlong_buffer_len, g.overlong_penalty_factor
     )
     return RewardSet((*rewards.components, part))
+
+
+def brought_kinds(cfg: DataConfig) -> list[RewardKind]:
+    """The brought kinds (code_exec, http, judge, reward_model) among the run's rewards."""
+    from rlbatch.rewards.kinds import BROUGHT
+
+    specs = cfg.reward_fn or [RewardKind(cfg.reward).value]
+    kinds = [RewardKind(s) for s in specs if ":" not in s and s in RewardKind.__members__]
+    return [k for k in kinds if k in BROUGHT]
 
 
 def run_component_names(cfg: RunConfig) -> list[str]:

@@ -68,6 +68,9 @@ class Sample:
     """Multi-turn rollouts (env.path): the episode's record (rlbatch.env.driver.Episode: turns
     with role and text, the environment's rewards, why it ended, seconds in environment calls);
     None for single-turn samples."""
+    reward_failures: list[str] = field(default_factory=list)
+    """Why the sample's brought rewards (code_exec tests, served requests) failed, one line per
+    failure: ``<reward part>: <reason>: <detail>`` (logged samples)."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -84,6 +87,7 @@ class Sample:
         """Samples pickled before the per-token fields existed load with their defaults."""
         self.__dict__.update(state)
         self.__dict__.setdefault("episode", None)
+        self.__dict__.setdefault("reward_failures", [])
         if self.__dict__.get("loss_mask") is None or self.__dict__.get("token_versions") is None:
             self.__dict__.setdefault("loss_mask", None)
             self.__dict__.setdefault("token_versions", None)

@@ -44,6 +44,16 @@ def reward_means(samples: Sequence[Sample], names: Sequence[str], dist: Any) -> 
     return {f"reward/{n}_mean": v / count for n, v in zip(names, total[1:], strict=True)}
 
 
+def failure_counts(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
+    """``reward_fail/<reason>``: failures of the step's samples by reason (every reason of
+    rlbatch.rewards.base.FAILURE_REASONS, all ranks), for runs with a brought reward."""
+    from rlbatch.rewards.base import FAILURE_REASONS
+
+    keys = [f"reward_fail/{r}" for r in FAILURE_REASONS]
+    local = [sum(s.metrics.get(k, 0.0) for s in samples) for k in keys]
+    return dict(zip(keys, dist.all_reduce_sum(local), strict=True))
+
+
 def make_round_start(cfg: RunConfig, model: list[Any]) -> Callable[[list[Sample]], dict]:
     """round_start(round samples) -> metrics: what a round's first step runs before training,
     with the policy at the round's start version (rlbatch.grpo.proximal): the batch reward std
@@ -105,11 +115,12 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     (:func:`make_round_start`), then rlbatch.grpo.step.run_train_step."""
     from rlbatch import distributed
     from rlbatch.distributed import WorldDist
-    from rlbatch.grpo.rewards import run_component_names
+    from rlbatch.grpo.rewards import brought_kinds, run_component_names
     from rlbatch.grpo.step import Reducers, run_train_step
     from rlbatch.train.episodes import episode_metrics, make_sample_writer
 
     names = run_component_names(cfg)
+    count_failures = bool(brought_kinds(cfg.data))
     world = WorldDist()
 
     layout = ps
@@ -143,8 +154,10 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
         if write_samples is not None:
             write_samples(step, batch.samples)
         episodes = episode_metrics(batch.samples, world) if cfg.env.path else {}
+        failures = failure_counts(batch.samples, world) if count_failures else {}
         return {
             **reward_means(batch.samples, names, world),
+            **failures,
             **episodes,
             **metrics,
             **prepared,

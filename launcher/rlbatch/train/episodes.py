@@ -67,6 +67,7 @@ def sample_record(s: Sample) -> dict[str, Any]:
             k[len("reward/") :]: v for k, v in s.metrics.items() if k.startswith("reward/")
         },
         "env_rewards": ep.get("rewards", []),
+        "reward_failures": list(getattr(s, "reward_failures", [])),
         "advantage": s.advantage,
         "truncated": s.truncated,
         "policy_version": s.policy_version,

@@ -139,13 +139,25 @@ def make_reward_batch_fn(
     rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
 
     def reward_batch(samples: list[Sample]) -> list[float]:
-        totals, parts = rewards.score([reward_input(s, tokenizer) for s in samples])
+        inputs = [reward_input(s, tokenizer) for s in samples]
+        totals, parts, failures = rewards.score_detailed(inputs)
         for name, values in parts.items():
             for s, v in zip(samples, values, strict=True):
                 s.metrics[f"reward/{name}"] = v
+        for s, found in zip(samples, failures, strict=True):
+            record_failures(s, found)
         return add_episode_rewards(samples, totals)
 
     return reward_batch
+
+
+def record_failures(sample: Sample, failures: Sequence[tuple[str, Any]]) -> None:
+    """A sample's brought-reward failures: one line each in ``reward_failures`` (the logged
+    sample) and a count per reason in its metrics (``reward_fail/<reason>``)."""
+    sample.reward_failures = [f"{name}: {f}" for name, f in failures]
+    for _, f in failures:
+        key = f"reward_fail/{f.reason}"
+        sample.metrics[key] = sample.metrics.get(key, 0.0) + 1.0
 
 
 def add_episode_rewards(samples: Sequence[Sample], totals: list[float]) -> list[float]:

@@ -1,0 +1,163 @@
+"""rlbatch-score: score canned completions with the configured reward, no model, no GPU.
+
+    rlbatch-score +recipe=grpo_code score.input=ROWS.jsonl score.output=OUT.jsonl [KEY=VALUE ...]
+
+Each input line is a dataset row (``data.prompt_key``, ``data.answer_key``, any other fields
+such as ``tests``) with a ``completion`` (text). The rewards are what a training run with the
+same ``data.*`` keys would compute (``data.reward`` or ``data.reward_fn`` with weights, the
+sandbox, served rewards, the reward model); the prompt is taken as written (no chat template).
+Each output line, in input order: ``{"index", "reward", "parts", "failures"}``; a summary (mean
+reward, failures by reason) goes to stdout. Checks before launch are rlbatch-train's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rlbatch.cli.common import compose, fail_config, help_text
+from rlbatch.config.errors import ConfigError, ConfigErrors
+from rlbatch.config.schema import RunConfig
+
+USAGE = (
+    "score completions with the configured reward. rlbatch-score score.input=ROWS.jsonl "
+    "score.output=OUT.jsonl [+recipe=NAME] [data.reward=...] [KEY=VALUE ...]"
+)
+SCORE_SCOPE = frozenset({"data"})
+BATCH = 64
+"""Rows scored together (one pool of sandboxes / requests)."""
+
+
+def split_args(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(score.* keys, the Hydra overrides)."""
+    own = {
+        a.split("=", 1)[0][len("score.") :]: a.split("=", 1)[1]
+        for a in args
+        if a.startswith("score.") and "=" in a
+    }
+    return own, [a for a in args if not a.startswith("score.")]
+
+
+def _checks(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
+    from rlbatch.grpo.preflight import check_brought_rewards, check_reward_specs
+
+    errors: list[ConfigError] = []
+    check_reward_specs(cfg.data, errors)
+    check_brought_rewards(cfg.data, cfg.trainer.seed, errors)
+    return errors, []
+
+
+def read_rows(path: str, cfg: RunConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    """The input rows and every bad line (not JSON, not an object, no string completion)."""
+    rows, bad = [], []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            bad.append(f"line {n}: not valid JSON ({err})")
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("completion"), str):
+            bad.append(f"line {n}: needs a JSON object with a string 'completion'")
+            continue
+        rows.append(row)
+    return rows, bad
+
+
+def _inputs(rows: list[dict[str, Any]], cfg: RunConfig, start: int) -> list[Any]:
+    from rlbatch.engine.tokenizer import build_tokenizer
+    from rlbatch.grpo.rewards import RewardInput
+
+    tokenizer = build_tokenizer(cfg.model)
+    out = []
+    for i, row in enumerate(rows):
+        fields = {
+            k: v
+            for k, v in row.items()
+            if k not in (cfg.data.prompt_key, cfg.data.answer_key, "completion")
+        }
+        ids = tokenizer.encode(row["completion"])
+        prompt = row.get(cfg.data.prompt_key, "")
+        out.append(
+            RewardInput(
+                prompt=prompt if isinstance(prompt, str) else json.dumps(prompt),
+                response=row["completion"],
+                answer=str(row.get(cfg.data.answer_key, "")),
+                num_response_tokens=len(ids),
+                response_ids=tuple(ids),
+                fields=fields,
+                prompt_index=start + i,
+            )
+        )
+    return out
+
+
+def score_rows(cfg: RunConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One output record per row: index, total reward, parts by name, failures."""
+    from rlbatch.grpo.rewards import build_rewards
+
+    rewards = build_rewards(cfg.data)
+    records = []
+    for start in range(0, len(rows), BATCH):
+        inputs = _inputs(rows[start : start + BATCH], cfg, start)
+        totals, parts, failures = rewards.score_detailed(inputs)
+        for j, total in enumerate(totals):
+            records.append(
+                {
+                    "index": start + j,
+                    "reward": total,
+                    "parts": {name: values[j] for name, values in parts.items()},
+                    "failures": [
+                        {"part": name, "reason": f.reason, "detail": f.detail}
+                        for name, f in failures[j]
+                    ],
+                }
+            )
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in args):
+        print(help_text("rlbatch-score", USAGE))
+        return
+    own, overrides = split_args(args)
+    cfg = compose(overrides, "rlbatch-score", SCORE_SCOPE, extra=_checks)
+    errors = []
+    unknown = sorted(set(own) - {"input", "output"})
+    errors += [
+        ConfigError(f"score.{k}", own[k], "unknown key; valid: score.input, score.output")
+        for k in unknown
+    ]
+    source = own.get("input")
+    if not source or not Path(source).is_file():
+        errors.append(
+            ConfigError("score.input", source, "set an existing JSONL of rows with a 'completion'")
+        )
+    if not own.get("output"):
+        errors.append(ConfigError("score.output", None, "set the output JSONL path"))
+    rows: list[dict[str, Any]] = []
+    if source and Path(source).is_file():
+        rows, bad = read_rows(source, cfg)
+        if bad:
+            errors.append(
+                ConfigError(
+                    "score.input", source, f"{len(bad)} bad line(s): " + "; ".join(bad[:20])
+                )
+            )
+    if errors:
+        fail_config(ConfigErrors(errors), "rlbatch-score")
+    records = score_rows(cfg, rows)
+    Path(own["output"]).write_text("".join(json.dumps(r) + "\n" for r in records))
+    reasons = Counter(f["reason"] for r in records for f in r["failures"])
+    mean = sum(r["reward"] for r in records) / max(len(records), 1)
+    print(f"rlbatch-score: {len(records)} rows, mean reward {mean:.4f}, failures {dict(reasons)}")
+    print(f"rlbatch-score: wrote {own['output']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Config of the rewards users bring (docs/data_and_rewards.md): code run in a sandbox
+(``data.code_exec``), rewards served over HTTP or by an LLM judge (``data.served``,
+``data.judge``) and a local reward model (``data.reward_model``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from rlbatch.config.enums import EnvOnError
+
+
+class Isolation(str, Enum):
+    """How code_exec isolates a program: ``auto`` (unshare when it works here, else an error),
+    ``unshare`` (util-linux namespaces; an error when they do not work) or ``none`` (rlimits and a
+    clean environment only: an explicit opt-out, for machines without namespaces)."""
+
+    auto = "auto"
+    unshare = "unshare"
+    none = "none"
+
+
+class CodeSource(str, Enum):
+    """Which part of a completion is the program: the last fenced code block (```python or
+    plain ```; the whole completion when it has none), or the whole completion."""
+
+    last_block = "last_block"
+    whole = "whole"
+
+
+@dataclass
+class SandboxLimits:
+    """Limits of one sandboxed execution."""
+
+    cpu_s: float = 5.0
+    """CPU seconds (RLIMIT_CPU): a busy loop ends here with reason timeout."""
+    wall_s: float = 10.0
+    """Wall seconds, sleeping included; beyond it every process of the sandbox is killed."""
+    memory_mb: int = 512
+    """Address space (RLIMIT_AS) in MiB: a bigger allocation raises MemoryError (reason memory)."""
+    file_size_mb: int = 8
+    """Largest file the program may write, its standard output included (RLIMIT_FSIZE)."""
+    max_open_files: int = 64
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    max_processes: int = 16
+    """Processes and threads of the program's uid (RLIMIT_NPROC; each execution has its own
+    uid when rlbatch runs as root, so a fork bomb stops here)."""
+    scratch_mb: int = 64
+    """Size of the tmpfs that holds the scratch directory (and covers /tmp, /dev/shm)."""
+    max_output_bytes: int = 1_000_000
+    """Standard output compared with the expected output (the rest is not read)."""
+
+
+@dataclass
+class CodeExecConfig:
+    code: CodeSource = CodeSource.last_block
+    """The program: the last fenced code block of the completion, or the whole completion."""
+    all_or_nothing: bool = False
+    """Reward 1 only when every test passes (false: the fraction of tests passed)."""
+    isolation: Isolation = Isolation.auto
+    """auto | unshare | none (none: no namespaces; an explicit opt-out, see the docs)."""
+    num_workers: int = 2
+    """Executions at once (per trainer process)."""
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    """Per execution limits."""
+
+
+@dataclass
+class ServedConfig:
+    """Requests to a reward server (data.reward=http) or judge (data.reward=judge)."""
+
+    timeout_s: float = 30.0
+    """Longest one request may take."""
+    retries: int = 3
+    """Retries of a request that failed with a 5xx status, a connection error or a timeout."""
+    backoff_s: float = 0.5
+    """Wait before the first retry; doubled before each next one."""
+    max_concurrency: int = 8
+    """Requests in flight at once (per trainer process)."""
+    batch_size: int = 1
+    """http: samples per request (> 1 posts {"samples": [...]} and reads {"rewards": [...]})."""
+    on_error: EnvOnError = EnvOnError.raise_error
+    """raise_error: a request still failing after its retries stops the run naming the URL and
+    the sample; zero_reward: that sample scores 0 (counted in reward_fail/served_error)."""
+    check: bool = True
+    """Ask the endpoint once before launch (an error names the URL and what came back)."""
+
+
+@dataclass
+class JudgeConfig:
+    model: str = "judge"
+    """The ``model`` field of the chat request."""
+    template: Optional[str] = None
+    """Prompt of the judge with {prompt}, {completion} and {answer}; null = the built-in one."""
+    max_score: float = 10.0
+    """The judge's scale: its score is divided by this (and clamped to [0, 1])."""
+    max_tokens: int = 64
+    """Longest judge reply."""
+    temperature: float = 0.0
+    """Sampling temperature of the judge."""
+
+
+@dataclass
+class RewardModelConfig:
+    batch_tokens: int = 4096
+    """Token budget of one scoring forward (sequences are batched under it, longest first)."""
+    max_length: int = 2048
+    """Longest prompt + completion scored; longer ones keep their last tokens."""

@@ -1,0 +1,216 @@
+"""The brought reward kinds as a table: ``data.reward`` (or a ``data.reward_fn`` entry) of
+code_exec, http, judge or reward_model -> a batch scorer of RewardInputs into Scored values,
+and each kind's check before launch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rlbatch.config.enums import RewardKind
+from rlbatch.config.errors import ConfigError
+from rlbatch.rewards.base import Scored
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import DataConfig
+    from rlbatch.grpo.rewards import RewardInput
+
+BatchReward = Callable[[Sequence["RewardInput"]], list[Scored]]
+
+
+def _label(i: int, x: RewardInput) -> str:
+    return f"sample {i} (prompt index {x.prompt_index})"
+
+
+def _code_exec(cfg: DataConfig) -> BatchReward:
+    from rlbatch.rewards.code_exec import CodeExecReward
+    from rlbatch.rewards.sandbox import probe_isolation
+
+    isolation, why = probe_isolation(cfg.code_exec.isolation)
+    if isolation is None:
+        raise RuntimeError(f"data.reward=code_exec: no sandbox isolation works here ({why})")
+    reward = CodeExecReward(cfg.code_exec, isolation)
+    return lambda inputs: reward.score([x.response for x in inputs], [x.fields for x in inputs])
+
+
+def _http(cfg: DataConfig) -> BatchReward:
+    from rlbatch.rewards.served import HttpReward, sample_payload
+
+    assert cfg.reward_url is not None
+    reward = HttpReward(cfg.reward_url, cfg.served)
+
+    def score(inputs: Sequence[RewardInput]) -> list[Scored]:
+        payloads = [sample_payload(x.prompt, x.response, x.answer, x.fields) for x in inputs]
+        return reward.score(payloads, [_label(i, x) for i, x in enumerate(inputs)])
+
+    return score
+
+
+def _judge(cfg: DataConfig) -> BatchReward:
+    from rlbatch.rewards.judge import JudgeReward
+
+    assert cfg.reward_url is not None
+    judge = JudgeReward(cfg.reward_url, cfg.judge, cfg.served)
+
+    def score(inputs: Sequence[RewardInput]) -> list[Scored]:
+        messages = [judge.message(x.prompt, x.response, x.answer) for x in inputs]
+        return judge.score(messages, [_label(i, x) for i, x in enumerate(inputs)])
+
+    return score
+
+
+def _reward_model(cfg: DataConfig) -> BatchReward:
+    from rlbatch.rewards.reward_model import RewardModel
+
+    assert cfg.reward_model is not None
+    model = RewardModel(cfg.reward_model, cfg.reward_model_batching)
+    return lambda inputs: model.score([x.prompt + x.response for x in inputs])
+
+
+BROUGHT: dict[RewardKind, Callable[[DataConfig], BatchReward]] = {
+    RewardKind.code_exec: _code_exec,
+    RewardKind.http: _http,
+    RewardKind.judge: _judge,
+    RewardKind.reward_model: _reward_model,
+}
+"""Factories of the brought kinds (built once per process, in the driver's check and in each
+worker)."""
+
+
+# ------------------------------------------------------------------------------------------
+# Checks before launch
+# ------------------------------------------------------------------------------------------
+
+
+def _check_code_exec(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
+    from rlbatch.rewards.code_exec import row_test_problems
+    from rlbatch.rewards.sandbox import probe_isolation
+
+    errors = []
+    isolation, why = probe_isolation(cfg.code_exec.isolation)
+    if isolation is None:
+        errors.append(
+            ConfigError(
+                "data.code_exec.isolation",
+                cfg.code_exec.isolation.name,
+                f"no sandbox works on this machine ({why}): code_exec runs model-written"
+                " programs only in namespaces; fix unshare (util-linux, user namespaces), or"
+                " opt out of isolation explicitly with data.code_exec.isolation=none",
+            )
+        )
+    bad = [f"row {i}: {p}" for i, row in enumerate(rows or []) for p in row_test_problems(row)]
+    if bad:
+        more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
+        errors.append(
+            ConfigError(
+                "data.path",
+                cfg.path,
+                f"{len(bad)} row(s) without usable tests for data.reward=code_exec: "
+                + "; ".join(bad[:20])
+                + more,
+            )
+        )
+    errors += _positive(
+        "data.code_exec",
+        {"num_workers": cfg.code_exec.num_workers, **vars(cfg.code_exec.limits)},
+    )
+    return errors
+
+
+def _positive(prefix: str, values: dict[str, float]) -> list[ConfigError]:
+    return [
+        ConfigError(f"{prefix}.{'limits.' if k != 'num_workers' else ''}{k}", v, "must be > 0")
+        for k, v in values.items()
+        if v <= 0
+    ]
+
+
+def _first_sample(rows: list[dict[str, Any]] | None, cfg: DataConfig) -> dict[str, Any]:
+    from rlbatch.rewards.served import sample_payload
+
+    row = dict((rows or [{}])[0])
+    answer = str(row.pop(cfg.answer_key, ""))
+    prompt = row.pop(cfg.prompt_key, "")
+    return sample_payload(prompt if isinstance(prompt, str) else str(prompt), answer, answer, row)
+
+
+def _check_url(cfg: DataConfig, kind: RewardKind) -> list[ConfigError]:
+    if not cfg.reward_url:
+        return [
+            ConfigError(
+                "data.reward_url",
+                None,
+                f"data.reward={kind.value} needs the endpoint: set data.reward_url=http://HOST:PORT/...",
+            )
+        ]
+    if not cfg.reward_url.startswith(("http://", "https://")):
+        return [
+            ConfigError("data.reward_url", cfg.reward_url, "must start with http:// or https://")
+        ]
+    return _positive(
+        "data.served",
+        {
+            "max_concurrency": cfg.served.max_concurrency,
+            "batch_size": cfg.served.batch_size,
+            "timeout_s": cfg.served.timeout_s,
+        },
+    )
+
+
+def _check_http(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
+    from rlbatch.rewards.served import HttpReward
+
+    errors = _check_url(cfg, RewardKind.http)
+    if errors or not cfg.served.check:
+        return errors
+    assert cfg.reward_url is not None
+    why = HttpReward(cfg.reward_url, cfg.served).check(_first_sample(rows, cfg))
+    return [_unanswered(cfg.reward_url, why)] if why else []
+
+
+def _check_judge(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
+    from rlbatch.rewards.judge import JudgeReward
+
+    errors = _check_url(cfg, RewardKind.judge)
+    if cfg.judge.max_score <= 0:
+        errors.append(ConfigError("data.judge.max_score", cfg.judge.max_score, "must be > 0"))
+    if errors or not cfg.served.check:
+        return errors
+    assert cfg.reward_url is not None
+    why = JudgeReward(cfg.reward_url, cfg.judge, cfg.served).check()
+    return [_unanswered(cfg.reward_url, why)] if why else []
+
+
+def _unanswered(url: str, why: str) -> ConfigError:
+    return ConfigError(
+        "data.reward_url",
+        url,
+        f"the check before launch failed: {why}. Start the server (or fix the URL); set"
+        " data.served.check=false to skip this check",
+    )
+
+
+def _check_reward_model(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
+    from rlbatch.rewards.reward_model import check_reward_model
+
+    if not cfg.reward_model:
+        return [
+            ConfigError(
+                "data.reward_model",
+                None,
+                "data.reward=reward_model needs the checkpoint: set data.reward_model=HF_DIR",
+            )
+        ]
+    why = check_reward_model(cfg.reward_model)
+    return [ConfigError("data.reward_model", cfg.reward_model, why)] if why else []
+
+
+CHECKS: dict[RewardKind, Callable[[DataConfig, list[dict[str, Any]] | None], list[ConfigError]]] = {
+    RewardKind.code_exec: _check_code_exec,
+    RewardKind.http: _check_http,
+    RewardKind.judge: _check_judge,
+    RewardKind.reward_model: _check_reward_model,
+}
+"""Each brought kind's check before launch: data.reward_url / data.reward_model set and
+answering, the sandbox working, every row carrying tests (``rows``: the dataset's rows as
+fields, prompt and answer included; None when the dataset could not be read)."""
