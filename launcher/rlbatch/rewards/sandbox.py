@@ -173,15 +173,18 @@ def _run(job_dir: Path, limits: SandboxLimits, isolation: Isolation) -> Executio
     status = json.loads(status_text)
     stdout = _read_head(job_dir / "stdout", limits.max_output_bytes)
     stderr = _read_tail(job_dir / "stderr", 2000)
-    outcome = classify(status, stderr)
+    outcome = classify(status, stderr, limits.cpu_s)
     return Execution(outcome, status["exit_code"], status["signal"], stdout, stderr, wall)
 
 
-def classify(status: dict, stderr: str) -> Outcome:
-    """The outcome of a run from its status (exit code or signal, wall limit) and stderr."""
+def classify(status: dict, stderr: str, cpu_limit_s: float) -> Outcome:
+    """The outcome of a run from its status (exit code or signal, CPU seconds, wall limit)
+    and stderr. RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one; a
+    SIGKILL before the CPU limit is the program's own doing (a crash)."""
     sig = status.get("signal")
-    if status.get("wall_timeout") or sig in (signal.SIGXCPU, signal.SIGKILL):
-        return Outcome.timeout  # RLIMIT_CPU: SIGXCPU at the soft limit, SIGKILL at the hard one
+    over_cpu = sig == signal.SIGKILL and status.get("cpu_s", 0.0) >= cpu_limit_s - 0.05
+    if status.get("wall_timeout") or sig == signal.SIGXCPU or over_cpu:
+        return Outcome.timeout
     if sig == signal.SIGXFSZ or "File too large" in stderr:  # Python ignores SIGXFSZ: EFBIG
         return Outcome.output_limit
     if status.get("exit_code") == 0:

@@ -21,6 +21,7 @@ namespace (scratch included) disappears with it.
 
 import ctypes
 import json
+import math
 import os
 import resource
 import signal
@@ -60,7 +61,7 @@ def _bind_python(prefix):
 
 def _limits(job):
     mb = 1024 * 1024
-    cpu = int(job["cpu_s"])
+    cpu = max(1, math.ceil(job["cpu_s"]))
     return [
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
         (resource.RLIMIT_AS, (job["memory_mb"] * mb, job["memory_mb"] * mb)),
@@ -90,18 +91,19 @@ def _child(job, python, fds, scratch):
 
 
 def _wait(pid, wall_s, isolated):
+    """(wait status, CPU seconds of the program, whether the wall limit hit)."""
     deadline = time.monotonic() + wall_s
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
-            return status, False
+            return status, usage.ru_utime + usage.ru_stime, False
         if time.monotonic() > deadline:
             if isolated:  # PID 1 of the namespace: every other process in it
                 os.kill(-1, signal.SIGKILL)
             else:  # no namespace: the program's session (it may have left it)
                 os.killpg(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
-            return status, True
+            _, status, usage = os.wait4(pid, 0)
+            return status, usage.ru_utime + usage.ru_stime, True
         time.sleep(0.002)
 
 
@@ -141,12 +143,13 @@ def main(job_dir):
             os._exit(126)
     for fd in fds.values():
         os.close(fd)
-    status, timed_out = _wait(pid, job["wall_s"], isolated)
+    status, cpu, timed_out = _wait(pid, job["wall_s"], isolated)
     wall = time.monotonic() - started
     result = {
         "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
         "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
         "wall_s": wall,
+        "cpu_s": cpu,
         "wall_timeout": timed_out,
     }
     os.write(status_fd, json.dumps(result).encode())

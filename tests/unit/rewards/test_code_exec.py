@@ -10,8 +10,12 @@ from rlbatch.config.rewards import CodeExecConfig, CodeSource, Isolation, Sandbo
 from rlbatch.rewards.code_exec import CodeExecReward, extract_program, row_test_problems
 from rlbatch.rewards.sandbox import probe_isolation
 
-ISOLATION, WHY = probe_isolation(Isolation.auto)
-needs_sandbox = pytest.mark.skipif(ISOLATION is None, reason=f"no sandbox here: {WHY}")
+
+
+def test_namespaces_work_here():
+    """CI runs as root with util-linux: the sandbox is always available (never skipped)."""
+    isolation, why = probe_isolation(Isolation.auto)
+    assert isolation == Isolation.unshare, why
 
 
 def test_program_is_the_last_python_or_plain_fence_else_the_whole_text():
@@ -40,13 +44,12 @@ RIGHT = "```python\ndef add(a, b):\n    return a + b\n\nif __name__ == '__main__
 HALF = "def add(a, b):\n    return a * b if a == 5 else a + b\nimport sys\nd = sys.stdin.read().split()\nif d:\n    print(add(*map(int, d)))"
 
 
-@needs_sandbox
 @pytest.mark.parametrize("all_or_nothing", [False, True])
 def test_reward_is_the_fraction_of_tests_passed_with_each_failure_reason(all_or_nothing):
     cfg = CodeExecConfig(
         all_or_nothing=all_or_nothing, limits=SandboxLimits(cpu_s=2, wall_s=4), num_workers=2
     )
-    reward = CodeExecReward(cfg, ISOLATION)
+    reward = CodeExecReward(cfg, Isolation.unshare)
     out = reward.score(
         [RIGHT, HALF, "def add(a, b) return", "```python\nprint('?')\n```"], [ROW] * 4
     )

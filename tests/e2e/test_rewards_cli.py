@@ -1,0 +1,216 @@
+"""Rewards users bring, through the real commands.
+
+- rlbatch-score feeds a battery of hostile programs to code_exec: each is contained (reward 0,
+  the right reason), the command carries on, and nothing outside the sandbox changed.
+- rlbatch-train runs the grpo_code recipe's CPU twin with code_exec combined with a served
+  HTTP reward (a real server on 127.0.0.1 that fails twice first), generation running ahead
+  in its worker process; and the calculator environment with an LLM judge (a real
+  OpenAI-compatible server) and a local reward model on its final transcripts.
+- A bad setup (rows without tests, a server answering garbage, a missing reward model) is
+  stopped before launch, every error at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from reward_servers import Judge, Scorer, save_tiny_reward_model, scorer_rule
+
+from rlbatch.rewards.sandbox import INIT
+
+pytestmark = pytest.mark.e2e
+
+SECRET = "rlbatch-test-secret-7c1f"
+# The recipe's documented CPU twin (its header comment), shortened to what CI affords.
+TWIN = [
+    "+recipe=grpo_code",
+    "model=tiny",
+    "parallel.dp=1",
+    "grpo.num_generations=4",
+    "grpo.global_batch_size=16",
+    "data.max_prompt_len=320",
+    "rollout.max_new_tokens=16",
+    "batching.train.max_tokens=512",
+    "batching.infer.max_tokens=1024",
+    "logging.tensorboard=false",
+]
+
+
+def _run(bin_dir, command, env, cwd, *args, timeout=500):
+    return subprocess.run(
+        [str(bin_dir / command), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def _hostile(canary: Path, port: int) -> dict[str, tuple[str, str]]:
+    """name -> (program, the reason it must fail with)."""
+    return {
+        "infinite loop": ("while True:\n    pass", "timeout"),
+        "sleep forever": ("import time\ntime.sleep(600)", "timeout"),
+        "fork bomb": (
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            "timeout",
+        ),
+        "memory bomb": ("x = []\nwhile True:\n    x.append(' ' * 10**7)", "memory"),
+        "huge print": ("while True:\n    print('x' * 65536)", "output_limit"),
+        "write outside scratch": (f"open({str(canary)!r}, 'w').write('pwned')", "crash"),
+        "write to /etc": ("open('/etc/rlbatch_pwned', 'w').write('pwned')", "crash"),
+        "open a socket": (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
+            "crash",
+        ),
+        "read the trainer's env": (
+            "import os\nprint(os.environ.get('RLBATCH_SECRET', 'absent'))",
+            "wrong_answer",
+        ),
+        "kill the parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "crash"),
+        "kill its own group": ("import os, signal\nos.killpg(0, signal.SIGKILL)", "crash"),
+        "delete visible files": (f"import os\nos.remove({str(INIT)!r})", "crash"),
+        "syntax error": ("def f(:\n    pass", "syntax"),
+    }
+
+
+def _leftover_sandbox_processes() -> list[int]:
+    """Processes of a sandbox uid (fresh uids are >= 1,000,000) still alive on the host."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid >= 1_000_000:
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_hostile_programs_are_contained_and_scored_zero(bin_dir, subprocess_env, tmp_path):
+    canary = tmp_path / "canary.txt"
+    canary.write_text("untouched")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    hostile = _hostile(canary, listener.getsockname()[1])
+    rows = [
+        {"prompt": name, "answer": "", "tests": [{"input": "", "output": SECRET}], "completion": f"```python\n{code}\n```"}
+        for name, (code, _) in hostile.items()
+    ]
+    rows.append({"prompt": "honest", "answer": "", "tests": [{"input": "", "output": SECRET}], "completion": f"print({SECRET!r})"})
+    source = tmp_path / "hostile.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**subprocess_env, "RLBATCH_SECRET": SECRET}
+    before = INIT.read_bytes()
+    proc = _run(
+        bin_dir, "rlbatch-score", env, tmp_path,
+        "+recipe=grpo_code", "data.code_exec.limits.cpu_s=1", "data.code_exec.limits.wall_s=3",
+        "data.code_exec.limits.memory_mb=256", "data.code_exec.limits.file_size_mb=1",
+        f"score.input={source}", "score.output=out.jsonl", timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in out] == list(range(len(rows)))
+    for r, (name, (_, reason)) in zip(out, hostile.items(), strict=False):
+        assert r["reward"] == 0.0, name
+        assert [f["reason"] for f in r["failures"]] == [reason], (name, r["failures"])
+    assert out[-1]["reward"] == 1.0 and out[-1]["failures"] == []  # the run carried on
+    # nothing outside the sandbox changed
+    assert canary.read_text() == "untouched"
+    assert not Path("/etc/rlbatch_pwned").exists()
+    assert INIT.read_bytes() == before
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # no connection ever arrived
+    listener.close()
+    assert _leftover_sandbox_processes() == []
+    leak = out[list(hostile).index("read the trainer's env")]["failures"][0]["detail"]
+    assert leak.endswith("got 'absent\\n'"), leak  # the variable never reached the program
+
+
+def test_code_recipe_twin_with_a_flaky_http_reward_running_ahead(bin_dir, subprocess_env, tmp_path):
+    with Scorer(fail_first=2) as server:
+        proc = _run(
+            bin_dir, "rlbatch-train", subprocess_env, tmp_path, *TWIN,
+            "data.reward_fn=[code_exec,http]", "data.reward_weights=[1.0,0.5]",
+            f"data.reward_url={server.url}/score", "data.served.backoff_s=0.05",
+            "grpo.num_steps_async=1", "grpo.max_staleness=1",
+            "logging.samples=true", "trainer.max_steps=2", "hydra.run.dir=run",
+        )  # fmt: skip
+        answered = list(server.answered)
+        failures_sent = server.failures_sent
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert failures_sent == 2  # the first two requests failed (one was the check); retried
+    run_dir = tmp_path / "run"
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[1]["staleness_mean"] > 0  # step 2 trained on samples generated ahead
+    samples = []
+    for r in records:
+        step = [json.loads(x) for x in (run_dir / f"samples/step_{r['step']:05d}.jsonl").read_text().splitlines()]
+        samples += step
+        total = r["reward/code_exec_mean"] + 0.5 * r["reward/http_mean"]
+        assert r["reward_mean"] == pytest.approx(total, abs=1e-9)
+        # per-reason counts are the failures listed in the step's logged samples
+        for reason in ("syntax", "wrong_answer", "timeout", "crash", "served_error"):
+            listed = sum(f.split(": ")[1] == reason for s in step for f in s["reward_failures"])
+            assert r[f"reward_fail/{reason}"] == listed
+        assert sum(len(s["reward_failures"]) for s in step) > 0  # the tiny model writes junk
+        for s in step:
+            assert s["reward"] == pytest.approx(s["reward_parts"]["code_exec"] + 0.5 * s["reward_parts"]["http"])
+    # every http part is one of the server's answers (the server's own rule, not the client's)
+    parts = sorted(s["reward_parts"]["http"] for s in samples)
+    assert all(p in answered for p in parts) and len(answered) >= len(parts)
+
+
+def test_environment_with_judge_and_reward_model(bin_dir, subprocess_env, tmp_path):
+    save_tiny_reward_model(tmp_path / "rm")
+    with Judge() as judge:
+        proc = _run(
+            bin_dir, "rlbatch-train", subprocess_env, tmp_path,
+            "+recipe=grpo_calculator", "data.reward_fn=[judge,reward_model]",
+            f"data.reward_url={judge.url}", f"data.reward_model={tmp_path / 'rm'}",
+            "grpo.global_batch_size=16", "grpo.num_generations=4", "logging.tensorboard=false",
+            "logging.samples=true", "trainer.max_steps=1", "hydra.run.dir=run",
+        )  # fmt: skip
+        scores = list(judge.scores)
+        messages = list(judge.messages)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    step = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]
+    judged = sorted(s["reward_parts"]["judge"] for s in step)
+    assert judged == sorted(pytest.approx(n / 10) for n in scores[-len(step):])
+    for s in step:  # the environment's reward plus the two brought ones, on the transcript
+        parts = s["reward_parts"]
+        assert s["reward"] == pytest.approx(parts["env"] + parts["judge"] + parts["reward_model"])
+    assert record["reward/judge_mean"] == pytest.approx(sum(judged) / len(step))
+    assert any("<result>" in m for m in messages) or all(s["num_turns"] == 1 for s in step)
+
+
+def test_bad_reward_setup_is_refused_before_launch_all_at_once(bin_dir, subprocess_env, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "p", "answer": "a"}\n{"prompt": "q", "answer": "b", "tests": [{"in": 1}]}\n')
+    with Scorer(garbage=True) as server:
+        proc = _run(
+            bin_dir, "rlbatch-train", subprocess_env, tmp_path,
+            "data=jsonl", f"data.path={data}", "data.reward_fn=[code_exec,http,reward_model]",
+            f"data.reward_url={server.url}", f"data.reward_model={tmp_path / 'no_rm'}",
+            "data.code_exec.limits.cpu_s=0", timeout=120,
+        )  # fmt: skip
+    err = proc.stderr
+    assert proc.returncode == 2, proc.stdout[-2000:] + err[-2000:]
+    assert "row 0: no field 'tests' or 'test_code'" in err
+    assert "row 1: tests[0]" in err
+    assert f"data.reward_url={server.url}" in err and "not JSON" in err
+    assert "data.reward_model=" in err and "not a directory" in err
+    assert "data.code_exec.limits.cpu_s=0" in err
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
+    assert os.path.exists(INIT)
