@@ -19,8 +19,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from reward_servers import Judge, Scorer, save_tiny_reward_model, scorer_rule
 
+from reward_servers import Judge, Scorer, save_tiny_reward_model
 from rlbatch.rewards.sandbox import INIT
 
 pytestmark = pytest.mark.e2e
@@ -102,10 +102,22 @@ def test_hostile_programs_are_contained_and_scored_zero(bin_dir, subprocess_env,
     listener.setblocking(False)
     hostile = _hostile(canary, listener.getsockname()[1])
     rows = [
-        {"prompt": name, "answer": "", "tests": [{"input": "", "output": SECRET}], "completion": f"```python\n{code}\n```"}
+        {
+            "prompt": name,
+            "answer": "",
+            "tests": [{"input": "", "output": SECRET}],
+            "completion": f"```python\n{code}\n```",
+        }
         for name, (code, _) in hostile.items()
     ]
-    rows.append({"prompt": "honest", "answer": "", "tests": [{"input": "", "output": SECRET}], "completion": f"print({SECRET!r})"})
+    rows.append(
+        {
+            "prompt": "honest",
+            "answer": "",
+            "tests": [{"input": "", "output": SECRET}],
+            "completion": f"print({SECRET!r})",
+        }
+    )
     source = tmp_path / "hostile.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {**subprocess_env, "RLBATCH_SECRET": SECRET}
@@ -154,7 +166,10 @@ def test_code_recipe_twin_with_a_flaky_http_reward_running_ahead(bin_dir, subpro
     assert records[1]["staleness_mean"] > 0  # step 2 trained on samples generated ahead
     samples = []
     for r in records:
-        step = [json.loads(x) for x in (run_dir / f"samples/step_{r['step']:05d}.jsonl").read_text().splitlines()]
+        step = [
+            json.loads(x)
+            for x in (run_dir / f"samples/step_{r['step']:05d}.jsonl").read_text().splitlines()
+        ]
         samples += step
         total = r["reward/code_exec_mean"] + 0.5 * r["reward/http_mean"]
         assert r["reward_mean"] == pytest.approx(total, abs=1e-9)
@@ -164,7 +179,9 @@ def test_code_recipe_twin_with_a_flaky_http_reward_running_ahead(bin_dir, subpro
             assert r[f"reward_fail/{reason}"] == listed
         assert sum(len(s["reward_failures"]) for s in step) > 0  # the tiny model writes junk
         for s in step:
-            assert s["reward"] == pytest.approx(s["reward_parts"]["code_exec"] + 0.5 * s["reward_parts"]["http"])
+            assert s["reward"] == pytest.approx(
+                s["reward_parts"]["code_exec"] + 0.5 * s["reward_parts"]["http"]
+            )
     # every http part is one of the server's answers (the server's own rule, not the client's)
     parts = sorted(s["reward_parts"]["http"] for s in samples)
     assert all(p in answered for p in parts) and len(answered) >= len(parts)
@@ -187,7 +204,7 @@ def test_environment_with_judge_and_reward_model(bin_dir, subprocess_env, tmp_pa
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     step = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]
     judged = sorted(s["reward_parts"]["judge"] for s in step)
-    assert judged == sorted(pytest.approx(n / 10) for n in scores[-len(step):])
+    assert judged == pytest.approx(sorted(n / 10 for n in scores[-len(step) :]))
     for s in step:  # the environment's reward plus the two brought ones, on the transcript
         parts = s["reward_parts"]
         assert s["reward"] == pytest.approx(parts["env"] + parts["judge"] + parts["reward_model"])
@@ -197,7 +214,9 @@ def test_environment_with_judge_and_reward_model(bin_dir, subprocess_env, tmp_pa
 
 def test_bad_reward_setup_is_refused_before_launch_all_at_once(bin_dir, subprocess_env, tmp_path):
     data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "p", "answer": "a"}\n{"prompt": "q", "answer": "b", "tests": [{"in": 1}]}\n')
+    data.write_text(
+        '{"prompt": "p", "answer": "a"}\n{"prompt": "q", "answer": "b", "tests": [{"in": 1}]}\n'
+    )
     with Scorer(garbage=True) as server:
         proc = _run(
             bin_dir, "rlbatch-train", subprocess_env, tmp_path,
@@ -212,5 +231,7 @@ def test_bad_reward_setup_is_refused_before_launch_all_at_once(bin_dir, subproce
     assert f"data.reward_url={server.url}" in err and "not JSON" in err
     assert "data.reward_model=" in err and "not a directory" in err
     assert "data.code_exec.limits.cpu_s=0" in err
-    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
+    assert not (tmp_path / "outputs").exists() or not list(
+        (tmp_path / "outputs").rglob("metrics.jsonl")
+    )
     assert os.path.exists(INIT)

@@ -5,6 +5,7 @@ rlbatch-bench engine     forward+backward tokens/s: fixed vs dynamic vs packed b
 rlbatch-bench grpo       one GRPO step timed by stage, batching and aggregation compared
 rlbatch-bench memory     peak memory and time of a micro-batch: chunked vs full logits
 rlbatch-bench rollout    generation tokens/s: rlbatch against transformers' generate
+rlbatch-bench rewards    sandboxed code executions/s and judge requests/s
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ BENCHES = {
     "grpo": ("rlbatch.bench.grpo_main", "one GRPO step timed by stage; batching and LCM compared"),
     "memory": ("rlbatch.bench.memory", "peak memory and time of a micro-batch: chunked logits"),
     "rollout": ("rlbatch.bench.rollout", "generation tokens/s against transformers' generate"),
+    "rewards": ("rlbatch.bench.rewards", "sandboxed code executions/s and judge requests/s"),
 }
 
 

@@ -4,8 +4,8 @@ and each kind's check before launch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlbatch.config.enums import RewardKind
 from rlbatch.config.errors import ConfigError
@@ -13,9 +13,24 @@ from rlbatch.rewards.base import Scored
 
 if TYPE_CHECKING:
     from rlbatch.config.schema import DataConfig
-    from rlbatch.grpo.rewards import RewardInput
 
-BatchReward = Callable[[Sequence["RewardInput"]], list[Scored]]
+
+class RewardInput(Protocol):
+    """What a brought reward reads of a sample (rlbatch.grpo.rewards.RewardInput)."""
+
+    @property
+    def prompt(self) -> str: ...
+    @property
+    def response(self) -> str: ...
+    @property
+    def answer(self) -> str: ...
+    @property
+    def fields(self) -> Mapping[str, Any]: ...
+    @property
+    def prompt_index(self) -> int: ...
+
+
+BatchReward = Callable[[Sequence[RewardInput]], list[Scored]]
 
 
 def _label(i: int, x: RewardInput) -> str:

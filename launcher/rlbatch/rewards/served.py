@@ -150,12 +150,11 @@ class HttpReward:
         return score_requests(calls, names, sizes, self.url, self.cfg)
 
     def check(self, payload: dict[str, Any]) -> str:
-        """ "" when the scorer answers one sample with a reward, else what came back."""
-        probe = ServedConfig(
-            timeout_s=self.cfg.timeout_s, retries=0, batch_size=self.cfg.batch_size
-        )
+        """ "" when the scorer answers one sample with a reward (with the run's timeout and
+        retries: a server still warming up may answer 5xx first), else what came back."""
+        call = self._one(payload) if self.cfg.batch_size <= 1 else self._many([payload])
         try:
-            HttpReward(self.url, probe).score([payload], ["the check"])
+            call()
         except ServedError as err:
             return str(err)
         return ""

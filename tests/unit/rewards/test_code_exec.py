@@ -11,7 +11,6 @@ from rlbatch.rewards.code_exec import CodeExecReward, extract_program, row_test_
 from rlbatch.rewards.sandbox import probe_isolation
 
 
-
 def test_namespaces_work_here():
     """CI runs as root with util-linux: the sandbox is always available (never skipped)."""
     isolation, why = probe_isolation(Isolation.auto)

@@ -77,7 +77,8 @@ def test_garbage_is_not_retried_and_is_named():
 
 
 def test_unreachable_endpoint_check_says_what_happened():
-    why = HttpReward("http://127.0.0.1:9/score", ServedConfig(timeout_s=1)).check(_payloads()[0])
+    cfg = ServedConfig(timeout_s=1, retries=0)
+    why = HttpReward("http://127.0.0.1:9/score", cfg).check(_payloads()[0])
     assert "http://127.0.0.1:9/score failed 1 time(s)" in why and "refused" in why
 
 
