@@ -89,6 +89,9 @@ class ServedConfig:
 
 @dataclass
 class JudgeConfig:
+    url: Optional[str] = None
+    """The judge's OpenAI-compatible server (base URL or its /v1/chat/completions URL); null =
+    data.reward_url (set this one when a run also has data.reward=http)."""
     model: str = "judge"
     """The ``model`` field of the chat request."""
     template: Optional[str] = None

@@ -18,6 +18,7 @@ from typing import Any
 from rlbatch.config.rewards import CodeExecConfig, CodeSource, Isolation
 from rlbatch.rewards.base import Failure, Scored, run_bounded
 from rlbatch.rewards.sandbox import Execution, Outcome, execute
+from rlbatch.runtime import progress
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -141,12 +142,18 @@ class CodeExecReward:
                 failures[i] = [Failure("syntax", f"{j.label}: {why}") for j in todo]
                 continue
             jobs.extend(todo)
-        for job, failure in zip(
-            jobs, run_bounded(self._run, jobs, self.cfg.num_workers), strict=True
-        ):
+        with progress.user_call(f"code_exec: {len(jobs)} sandboxed executions", self._bound(jobs)):
+            results = run_bounded(self._run, jobs, self.cfg.num_workers)
+        for job, failure in zip(jobs, results, strict=True):
             if failure is not None:
                 failures[job.sample].append(failure)
         return [self._scored(n, f) for n, f in zip(counts, failures, strict=True)]
+
+    def _bound(self, jobs: Sequence[_Job]) -> float:
+        """The longest the batch may take (each wave of num_workers executions at most wall_s
+        and the sandbox's start): the watchdog's bound instead of trainer.timeout_s."""
+        waves = -(-len(jobs) // max(1, self.cfg.num_workers))
+        return waves * (self.cfg.limits.wall_s + 5.0) + 60.0
 
     def _scored(self, num_tests: int, failures: list[Failure]) -> Scored:
         passed = num_tests - len(failures)

@@ -64,8 +64,9 @@ def _http(cfg: DataConfig) -> BatchReward:
 def _judge(cfg: DataConfig) -> BatchReward:
     from rlbatch.rewards.judge import JudgeReward
 
-    assert cfg.reward_url is not None
-    judge = JudgeReward(cfg.reward_url, cfg.judge, cfg.served)
+    url = cfg.judge.url or cfg.reward_url
+    assert url is not None
+    judge = JudgeReward(url, cfg.judge, cfg.served)
 
     def score(inputs: Sequence[RewardInput]) -> list[Scored]:
         messages = [judge.message(x.prompt, x.response, x.answer) for x in inputs]
@@ -149,19 +150,12 @@ def _first_sample(rows: list[dict[str, Any]] | None, cfg: DataConfig) -> dict[st
     return sample_payload(prompt if isinstance(prompt, str) else str(prompt), answer, answer, row)
 
 
-def _check_url(cfg: DataConfig, kind: RewardKind) -> list[ConfigError]:
-    if not cfg.reward_url:
-        return [
-            ConfigError(
-                "data.reward_url",
-                None,
-                f"data.reward={kind.value} needs the endpoint: set data.reward_url=http://HOST:PORT/...",
-            )
-        ]
-    if not cfg.reward_url.startswith(("http://", "https://")):
-        return [
-            ConfigError("data.reward_url", cfg.reward_url, "must start with http:// or https://")
-        ]
+def _check_url(cfg: DataConfig, kind: RewardKind, key: str, url: str | None) -> list[ConfigError]:
+    if not url:
+        need = f"data.reward={kind.value} needs the endpoint: set {key}=http://HOST:PORT/..."
+        return [ConfigError(key, None, need)]
+    if not url.startswith(("http://", "https://")):
+        return [ConfigError(key, url, "must start with http:// or https://")]
     return _positive(
         "data.served",
         {
@@ -175,30 +169,32 @@ def _check_url(cfg: DataConfig, kind: RewardKind) -> list[ConfigError]:
 def _check_http(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
     from rlbatch.rewards.served import HttpReward
 
-    errors = _check_url(cfg, RewardKind.http)
+    errors = _check_url(cfg, RewardKind.http, "data.reward_url", cfg.reward_url)
     if errors or not cfg.served.check:
         return errors
     assert cfg.reward_url is not None
     why = HttpReward(cfg.reward_url, cfg.served).check(_first_sample(rows, cfg))
-    return [_unanswered(cfg.reward_url, why)] if why else []
+    return [_unanswered("data.reward_url", cfg.reward_url, why)] if why else []
 
 
 def _check_judge(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
     from rlbatch.rewards.judge import JudgeReward
 
-    errors = _check_url(cfg, RewardKind.judge)
+    key = "data.judge.url" if cfg.judge.url else "data.reward_url"
+    url = cfg.judge.url or cfg.reward_url
+    errors = _check_url(cfg, RewardKind.judge, key, url)
     if cfg.judge.max_score <= 0:
         errors.append(ConfigError("data.judge.max_score", cfg.judge.max_score, "must be > 0"))
     if errors or not cfg.served.check:
         return errors
-    assert cfg.reward_url is not None
-    why = JudgeReward(cfg.reward_url, cfg.judge, cfg.served).check()
-    return [_unanswered(cfg.reward_url, why)] if why else []
+    assert url is not None
+    why = JudgeReward(url, cfg.judge, cfg.served).check()
+    return [_unanswered(key, url, why)] if why else []
 
 
-def _unanswered(url: str, why: str) -> ConfigError:
+def _unanswered(key: str, url: str, why: str) -> ConfigError:
     return ConfigError(
-        "data.reward_url",
+        key,
         url,
         f"the check before launch failed: {why}. Start the server (or fix the URL); set"
         " data.served.check=false to skip this check",

@@ -21,6 +21,7 @@ from typing import Any
 from rlbatch.config.enums import EnvOnError
 from rlbatch.config.rewards import ServedConfig
 from rlbatch.rewards.base import Failure, Scored, run_bounded
+from rlbatch.runtime import progress
 
 
 class ServedError(RuntimeError):
@@ -97,7 +98,11 @@ def score_requests(
                 ) from err
             return [Scored(0.0, (Failure("served_error", str(err)[:300]),))] * sizes[i]
 
-    chunks = run_bounded(run, list(range(len(requests))), cfg.max_concurrency)
+    waves = -(-len(requests) // max(1, cfg.max_concurrency))
+    wait = cfg.backoff_s * (2**cfg.retries - 1)  # every backoff of one request
+    bound = waves * ((cfg.retries + 1) * cfg.timeout_s + wait) + 60.0
+    with progress.user_call(f"{len(requests)} reward requests to {url}", bound):
+        chunks = run_bounded(run, list(range(len(requests))), cfg.max_concurrency)
     return [s for chunk in chunks for s in chunk]
 
 
