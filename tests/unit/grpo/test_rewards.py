@@ -69,8 +69,16 @@ def test_task_reward_needs_builtin_source():
 
 
 def test_every_kind_is_registered():
+    """A per-sample built-in, or a brought kind (batch scorer) with its check before launch."""
+    from rlbatch.rewards.kinds import BROUGHT, CHECKS
+
     for kind in RewardKind:
-        assert callable(build_reward_fn(DataConfig(reward=kind)))
+        if kind in BROUGHT:
+            assert kind in CHECKS
+            with pytest.raises(ValueError, match="scores batches"):
+                build_reward_fn(DataConfig(reward=kind))
+        else:
+            assert callable(build_reward_fn(DataConfig(reward=kind)))
 
 
 def test_score_rejects_non_finite():
