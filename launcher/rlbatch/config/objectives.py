@@ -41,8 +41,9 @@ class ObjectiveConfig:
     rank), reinforce_pp_baseline (the group-centred reward, then the same normalization)."""
     rollout_correction: RolloutCorrection = RolloutCorrection.token_tis
     """How the weight pi_old / pi_behaviour (rollout-mismatch and staleness correction) is
-    applied: none, token_tis / seq_tis (truncated at rollout_correction_cap), token_mask /
-    seq_mask (0 outside [rollout_correction_lower, rollout_correction_cap])."""
+    applied: none (pi_old = pi_behaviour, no weight), token_tis / seq_tis (truncated at
+    rollout_correction_cap), token_mask / seq_mask (0 outside [rollout_correction_lower,
+    rollout_correction_cap])."""
     rollout_correction_cap: float = 2.0
     """Upper bound of the weight pi_old / pi_behaviour: the truncation (tis) or the mask's upper
     bound (mask modes)."""

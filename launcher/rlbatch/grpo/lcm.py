@@ -20,6 +20,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Optional
 
 from rlbatch.config.schema import (
@@ -55,7 +56,7 @@ class AggregationPlan:
     ref_pass: bool = True
     """The reference-logprob pass runs (grpo.beta > 0)."""
     old_pass: bool = True
-    """The old-logprob pass runs (off-policy samples trained over several steps:
+    """The old-logprob pass runs (rounds of several steps under a rollout correction:
     :func:`old_pass_runs`)."""
 
     @property
@@ -74,12 +75,24 @@ class AggregationPlan:
         return math.lcm(*[max(1, s) for s in sizes])
 
 
+class OldSource(str, Enum):
+    """Where the loss's pi_old (the clip's anchor) comes from: :func:`pi_old_source`."""
+
+    behaviour = "behaviour"
+    """The rollout's own logprobs (pi_old = pi_behaviour, no weight)."""
+    forward = "forward"
+    """The step's training forward, detached (the policy of a round of one step)."""
+    old_pass = "old_pass"
+    """The old-logprob pass at the round's first step (rlbatch.grpo.proximal)."""
+
+
 def off_policy(cfg: RunConfig) -> bool:
-    """The samples are off-policy: trained more than once (grpo.num_iterations > 1) or
-    generated ahead (grpo.num_steps_async > 0). The loss then clips against the proximal policy
-    pi_old and weights each token by pi_old / pi_behaviour (rlbatch.grpo.proximal)."""
+    """Some optimizer step trains samples that a policy other than its own generated: a round
+    of more than one step (grpo.steps_per_generation > 1, generation_batch_size >
+    global_batch_size, or grpo.num_iterations > 1: steps 2.. of the round train the samples of
+    the round's first policy) or generation ahead (grpo.num_steps_async > 0)."""
     g = cfg.grpo
-    return g.num_iterations > 1 or min(g.num_steps_async, g.max_staleness) > 0
+    return steps_per_round(cfg) > 1 or min(g.num_steps_async, g.max_staleness) > 0
 
 
 def steps_per_round(cfg: RunConfig) -> int:
@@ -93,27 +106,43 @@ def steps_per_round(cfg: RunConfig) -> int:
     return steps * g.num_iterations
 
 
+def pi_old_source(cfg: RunConfig) -> OldSource:
+    """Which policy the loss takes as pi_old, the one rule (docs/grpo_loss.md, "Where pi_old
+    comes from"). S = :func:`steps_per_round`; pi_behaviour = the policy that sampled the
+    tokens (the rollout's logprobs); w = grpo.rollout_correction applied to pi_old /
+    pi_behaviour.
+
+    | rollout_correction | S   | pi_old                        | w                 | old pass |
+    | none               | any | pi_behaviour                  | 1                 | no       |
+    | any other          | 1   | this step's forward, detached | pi_old / pi_behav | no       |
+    | any other          | > 1 | the round's first-step policy | pi_old / pi_behav | yes      |
+
+    With S > 1 the ratio pi / pi_old is 1 on the round's first step and moves on steps 2..S,
+    where epsilon_low / epsilon_high (or the objective's own gate) act: the policy loss acts
+    only off-policy. With S = 1 the proximal policy is the step's own (ratio exactly 1, plain
+    policy gradient) and w alone corrects the rollout mismatch and any run-ahead staleness
+    (grpo.num_steps_async, partial rollouts: per token). Under ``none`` the ratio is taken
+    against the behaviour policy itself, so staleness and mismatch both enter the clip."""
+    if RolloutCorrection(cfg.grpo.rollout_correction) == RolloutCorrection.none:
+        return OldSource.behaviour
+    return OldSource.old_pass if steps_per_round(cfg) > 1 else OldSource.forward
+
+
 def old_from_forward(cfg: RunConfig) -> bool:
-    """pi_old is the policy of the step's training forward, so its logps come from that
-    forward (detached) instead of a separate pass: off-policy samples trained in ONE optimizer
-    step (a round of one step, generated ahead), and on-policy samples under a rollout
-    correction (grpo.rollout_correction != none: the weight pi_old / pi_behaviour is then the
-    mismatch between the trainer's and the rollout engine's log-probs)."""
-    if off_policy(cfg):
-        return steps_per_round(cfg) == 1
-    return RolloutCorrection(cfg.grpo.rollout_correction) != RolloutCorrection.none
+    """pi_old's logps are the step's training forward's, detached (:func:`pi_old_source`)."""
+    return pi_old_source(cfg) == OldSource.forward
 
 
 def behaviour_weighted(cfg: RunConfig) -> bool:
     """The loss sees behaviour logps apart from pi_old (the weight pi_old / pi_behaviour and
-    its diagnostics exist): off-policy samples, or on-policy ones with pi_old from the forward."""
-    return off_policy(cfg) or old_from_forward(cfg)
+    its maximum exist): pi_old from the forward or the old pass (:func:`pi_old_source`)."""
+    return pi_old_source(cfg) != OldSource.behaviour
 
 
 def old_pass_runs(cfg: RunConfig) -> bool:
-    """The old-logprob (proximal policy) pass runs: off-policy samples trained over more than
-    one optimizer step, whose later steps need pi_old as it was at the round's first step."""
-    return off_policy(cfg) and steps_per_round(cfg) > 1
+    """The old-logprob (proximal policy) pass runs at each round's first step: rounds of more
+    than one optimizer step under a rollout correction (:func:`pi_old_source`)."""
+    return pi_old_source(cfg) == OldSource.old_pass
 
 
 def aggregation_plan(cfg: RunConfig) -> AggregationPlan:

@@ -82,8 +82,8 @@ class LossSettings:
     temperature: float = 1.0
     """rollout.temperature: the current policy's logprobs are those of logits / temperature."""
     old_from_forward: bool = False
-    """pi_old is the policy of this forward (rlbatch.grpo.lcm.old_from_forward): old logps =
-    the current logps, detached."""
+    """pi_old is the policy of this forward (a round of one step under a rollout correction,
+    rlbatch.grpo.lcm.pi_old_source): old logps = the current logps, detached."""
     policy_loss: PolicyLoss = PolicyLoss.clip
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
@@ -189,7 +189,7 @@ class LossTerms:
     nothing here synchronizes with the host."""
     weight_max: Optional[torch.Tensor] = None
     """float64 scalar, detached: the largest raw pi_old / pi_behaviour over the loss tokens
-    (None on-policy, where every weight is exactly 1)."""
+    (None under grpo.rollout_correction=none, where no weight applies)."""
 
 
 def divisor_count(batch: GRPOBatch, settings: LossSettings) -> torch.Tensor:
@@ -227,9 +227,9 @@ def _fill_logps(
     sample: Sample, n: int, old: torch.Tensor, behaviour: torch.Tensor, ref: torch.Tensor
 ) -> bool:
     """Write the first n response tokens' old / behaviour / ref logps into the given views
-    (without old logps, old is the behaviour: on-policy, the weight is exactly 1; with
-    LossSettings.old_from_forward the loss replaces it by the forward's logps). True if ref was
-    set."""
+    (without old logps, old is the behaviour: grpo.rollout_correction=none, no weight; with
+    LossSettings.old_from_forward the loss replaces it by the forward's logps; which one applies:
+    rlbatch.grpo.lcm.pi_old_source). True if ref was set."""
     old_l = sample.old_logps if sample.old_logps is not None else sample.behaviour_logps
     old.copy_(torch.tensor(old_l[:n], dtype=torch.float64))
     behaviour.copy_(torch.tensor(sample.behaviour_logps[:n], dtype=torch.float64))
@@ -252,10 +252,11 @@ def build_grpo_batch(
 
     ``samples`` are the micro-batch's samples in plan order. ``micro_batch.lengths`` may be
     shorter than a sample (oversize ``truncate``): only the kept response tokens carry loss.
-    Old logps default to the behaviour logps (on-policy GRPO: no old pass, weight exactly 1).
-    A sample whose old logps come from an old-logprob pass gets the behaviour importance weight
-    pi_old / pi_behaviour (``behaviour_logps`` is set when any sample has one, or always with
-    ``with_behaviour``: the old logps come from the training forward, old_from_forward).
+    Old logps default to the behaviour logps (grpo.rollout_correction=none: the ratio is taken
+    against the behaviour policy, no weight). A sample whose old logps come from an old-logprob
+    pass gets the behaviour importance weight pi_old / pi_behaviour (``behaviour_logps`` is set
+    when any sample has one, or always with ``with_behaviour``: the old logps come from the
+    training forward, old_from_forward). The rule: rlbatch.grpo.lcm.pi_old_source.
     """
     rows = max(1, micro_batch.num_rows)
     width = micro_batch.padded_len
@@ -383,7 +384,8 @@ def _importance_weights(
 
     The one implementation of the weight pi_old / pi_behaviour: the staleness correction of
     off-policy samples and the rollout-mismatch correction are the same quantity. A batch without
-    behaviour logps (on-policy, grpo.rollout_correction=none) gets weight 1 and no maximum."""
+    behaviour logps (grpo.rollout_correction=none: pi_old is the behaviour policy itself) gets
+    weight 1 and no maximum."""
     if batch.behaviour_logps is None:
         ones = torch.ones_like(log_w)
         return ones, torch.zeros_like(ones, dtype=torch.bool), None

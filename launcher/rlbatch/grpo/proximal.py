@@ -9,12 +9,14 @@ the policy at the round's first step, so they run there (docs/training_loop.md):
 - REINFORCE++ (``grpo.advantage_estimator=reinforce_pp[_baseline]``): the aggregator's values
   normalized by their mean and std over the loss tokens of the whole generation batch, over every
   DP rank (one gather of (value, tokens) pairs): the same advantages at any DP size;
-- the old-logprob pass (proximal policy pi_old, when :func:`rlbatch.grpo.lcm.old_pass_runs`):
+- the old-logprob pass (proximal policy pi_old, when :func:`rlbatch.grpo.lcm.old_pass_runs`:
+  a round of more than one optimizer step under a rollout correction, synchronous or not):
   this rank's round samples through the policy as it is at the round's first step, in the
-  aggregation plan's chunks (or under the infer token budget). The loss clips against pi_old
-  and weights each token by pi_old / pi_behaviour, truncated (docs/grpo_loss.md). A round
+  aggregation plan's chunks (or under the infer token budget). The loss clips against pi_old,
+  so steps 2.. of the round, which train samples of the round's first policy, see their ratio
+  move, and weights each token by pi_old / pi_behaviour, truncated (docs/grpo_loss.md). A round
   trained in one step needs no pass: its training forward is pi_old
-  (:func:`rlbatch.grpo.lcm.old_from_forward`).
+  (:func:`rlbatch.grpo.lcm.old_from_forward`). The rule: :func:`rlbatch.grpo.lcm.pi_old_source`.
 
 Both act in place on the round's ``Sample`` objects, which the producer keeps (and checkpoints)
 for the rest of the round.

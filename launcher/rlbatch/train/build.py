@@ -57,7 +57,8 @@ def failure_counts(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
 def make_round_start(cfg: RunConfig, model: list[Any]) -> Callable[[list[Sample]], dict]:
     """round_start(round samples) -> metrics: what a round's first step runs before training,
     with the policy at the round's start version (rlbatch.grpo.proximal): the batch reward std
-    over all DP ranks (scale_rewards=batch) and the old-logprob pass (off-policy samples)."""
+    over all DP ranks (scale_rewards=batch) and the old-logprob pass (rounds of several steps,
+    synchronous or not: rlbatch.grpo.lcm.old_pass_runs)."""
     import time
 
     from rlbatch import distributed

@@ -205,3 +205,64 @@ def test_stale_round_of_one_step_takes_pi_old_from_the_training_forward(world, t
     )
     assert metrics["is_weight_max"] == pytest.approx(max(weights), rel=1e-5)
     assert 0 < metrics["is_capped_fraction"] < 1
+
+
+def reference_ratios(model, samples, cfg) -> tuple[list[float], int]:
+    """float64 ratios pi / pi_old of every loss token under the model as it is now, and the
+    tokens where the clipped branch of max(-A r, -A clip(r)) is the active one."""
+    lo, hi = 1 - cfg.grpo.epsilon_low, 1 + cfg.grpo.epsilon_high
+    now = policy_logps(model, samples, cfg.rollout.temperature)
+    ratios, clipped = [], 0
+    for s, lps in zip(samples, now, strict=True):
+        for lp, old in zip(lps, s.old_logps, strict=True):
+            r = math.exp(lp - old)
+            ratios.append(r)
+            clipped += (s.advantage > 0 and r > hi) or (s.advantage < 0 and r < lo)
+    return ratios, clipped
+
+
+def test_second_step_of_a_synchronous_round_clips_against_the_generating_policy(world):
+    """grpo.steps_per_generation=2, synchronous: version 0 generates the round; step 1 trains
+    its first half, step 2 the second half with the policy at version 1. Step 2's pi_old is
+    the generating policy (the old-logprob pass at the round's first step), so its loss and
+    gradient equal the float64 objective with old = behaviour = version 0's logps, and its
+    ratio moves and clips (pi_old from step 2's own forward would make it exactly 1)."""
+    import copy
+
+    from rlbatch.engine.model import build_model, build_optimizer
+    from rlbatch.grpo.lcm import old_pass_runs
+    from rlbatch.grpo.step import run_train_step
+    from rlbatch.train.build import make_round_start
+
+    cfg = make_cfg(NormalizationMode.deferred_global)
+    cfg.grpo.num_iterations, cfg.grpo.steps_per_generation = 1, 2  # synchronous (no run-ahead)
+    cfg.grpo.epsilon_low, cfg.grpo.epsilon_high = 0.02, 0.03
+    cfg.trainer.optim.clip_grad, cfg.trainer.optim.lr = 1.0, 1e-2
+    assert old_pass_runs(cfg)
+    world.seed(cfg.trainer.seed)
+    model = build_model(cfg, calculate_per_token_loss=True)
+    optimizer, scheduler = build_optimizer(cfg, model)
+    samples = make_samples(32)
+    generating = policy_logps(model, samples, cfg.rollout.temperature)  # version 0, float64
+    for s, lp in zip(samples, generating, strict=True):
+        s.behaviour_logps, s.old_logps = list(lp), None  # as the rollout hands them over
+    reference = copy.deepcopy(samples[16:])
+    for s, lp in zip(reference, generating[16:], strict=True):
+        s.old_logps = list(lp)  # the intended pi_old: the policy that generated the round
+
+    prepared = make_round_start(cfg, model)(samples)  # the round's first step
+    assert "old_logps_seconds" in prepared
+    first = run_train_step(cfg, model, optimizer, scheduler, samples[:16], step=1)
+    assert first["clip_fraction"] == 0.0  # step 1: pi_old is the policy being trained
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+    ref_norm, ref_loss, weights = reference_grad_norm(model, reference, cfg)
+    ratios, clipped = reference_ratios(model, reference, cfg)
+    second = run_train_step(cfg, model, optimizer, scheduler, samples[16:], step=2)
+    assert second["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    assert second["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert second["ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-5)
+    assert second["clip_fraction"] == pytest.approx(clipped / len(ratios), abs=2 / len(ratios))
+    assert 0.0 < second["clip_fraction"] < 1.0 and second["ratio_std"] > 1e-3
+    assert max(abs(w - 1.0) for w in weights) < 1e-5  # behaviour = pi_old: no correction
+    assert second["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)

@@ -16,11 +16,14 @@ from rlbatch.grpo.advantages import compute_advantages
 from rlbatch.grpo.lcm import (
     AggregationPlan,
     LCMAggregator,
+    OldSource,
     Stages,
+    aggregation_plan,
     behaviour_weighted,
     off_policy,
     old_from_forward,
     old_pass_runs,
+    pi_old_source,
     steps_per_round,
 )
 from rlbatch.grpo.proximal import compute_old_logps, scale_by_batch_std
@@ -89,25 +92,57 @@ def test_old_pass_chunks_and_sets_old_logps(infer, chunks):
         assert s.old_logps == [-0.1 * (k + 1) for k in range(len(s.response_ids))]
 
 
-def test_old_logps_come_from_a_pass_or_from_the_training_forward():
+# (steps_per_generation, generation_batch_size, num_iterations, num_steps_async, correction)
+#   -> (off-policy, pi_old source); written from docs/grpo_loss.md's table, case by case
+PI_OLD_CASES = [
+    # synchronous round of one step: on-policy, pi_old = the forward, w = trainer / rollout
+    ((None, None, 1, 0, "token_tis"), (False, OldSource.forward)),
+    # several mini-batches per generation, synchronous: steps 2.. are off-policy -> old pass
+    ((2, None, 1, 0, "token_tis"), (True, OldSource.old_pass)),
+    ((4, None, 1, 0, "seq_mask"), (True, OldSource.old_pass)),
+    ((None, 2 * 64, 1, 0, "token_tis"), (True, OldSource.old_pass)),  # gen batch = 2 x global
+    ((None, None, 2, 0, "token_tis"), (True, OldSource.old_pass)),  # each sample trained twice
+    # generated ahead, one step per round: the proximal policy is the step's own
+    ((None, None, 1, 1, "token_tis"), (True, OldSource.forward)),
+    ((2, None, 1, 1, "token_tis"), (True, OldSource.old_pass)),
+    ((None, 2 * 64, 2, 2, "seq_tis"), (True, OldSource.old_pass)),
+    # none: pi_old is the behaviour policy in every case (the ratio sees staleness directly)
+    ((None, None, 1, 0, "none"), (False, OldSource.behaviour)),
+    ((4, None, 1, 0, "none"), (True, OldSource.behaviour)),
+    ((None, None, 1, 1, "none"), (True, OldSource.behaviour)),
+    ((2, None, 2, 1, "none"), (True, OldSource.behaviour)),
+]
+
+
+@pytest.mark.parametrize(("case", "expected"), PI_OLD_CASES)
+def test_pi_old_source_follows_the_documented_rule(case, expected):
+    steps, gen_batch, iters, ahead, correction = case
     cfg = RunConfig()
-    # on-policy under the default rollout correction (token_tis): pi_old from the forward, so
-    # the weight pi_old / pi_behaviour measures the trainer against the rollout engine
-    assert not off_policy(cfg) and not old_pass_runs(cfg) and old_from_forward(cfg)
-    cfg.grpo.rollout_correction = RolloutCorrection.none  # old logps = the rollout's
-    assert not old_from_forward(cfg) and not behaviour_weighted(cfg)
-    cfg.grpo.rollout_correction = RolloutCorrection.token_tis
-    cfg.grpo.num_iterations = 2  # a round trained twice: the second step needs pi_old
-    assert off_policy(cfg) and old_pass_runs(cfg) and not old_from_forward(cfg)
-    cfg.grpo.num_iterations, cfg.grpo.num_steps_async = 1, 1  # ahead, one step per round
-    assert off_policy(cfg) and old_from_forward(cfg) and not old_pass_runs(cfg)
-    cfg.grpo.steps_per_generation = 2  # ahead, two mini-batches per round
-    assert old_pass_runs(cfg) and not old_from_forward(cfg)
-    cfg.grpo.steps_per_generation = None
-    cfg.grpo.generation_batch_size = 2 * cfg.grpo.global_batch_size
-    assert old_pass_runs(cfg) and not old_from_forward(cfg)
-    cfg.grpo.num_steps_async = 0  # sync: behaviour = pi_old at the round start
-    assert not off_policy(cfg) and not old_pass_runs(cfg)
+    cfg.grpo.global_batch_size = 64
+    cfg.grpo.steps_per_generation, cfg.grpo.generation_batch_size = steps, gen_batch
+    cfg.grpo.num_iterations, cfg.grpo.num_steps_async = iters, ahead
+    cfg.grpo.rollout_correction = RolloutCorrection(correction)
+    want_off, want_source = expected
+    assert (off_policy(cfg), pi_old_source(cfg)) == (want_off, want_source)
+    assert old_pass_runs(cfg) == (want_source == OldSource.old_pass)
+    assert old_from_forward(cfg) == (want_source == OldSource.forward)
+    assert behaviour_weighted(cfg) == (want_source != OldSource.behaviour)
+    # the aggregation plan counts the old pass's chunk size only when that pass runs
+    assert aggregation_plan(cfg).old_pass == (want_source == OldSource.old_pass)
+
+
+def test_no_round_of_several_steps_takes_pi_old_from_the_step_itself():
+    """No combination trains steps 2.. of a round against the step's own forward (ratio 1)."""
+    for steps in (None, 1, 2, 3):
+        for iters in (1, 2):
+            for ahead in (0, 1):
+                for correction in RolloutCorrection:
+                    cfg = RunConfig()
+                    cfg.grpo.steps_per_generation, cfg.grpo.num_iterations = steps, iters
+                    cfg.grpo.num_steps_async = ahead
+                    cfg.grpo.rollout_correction = correction
+                    if (steps or 1) * iters > 1:
+                        assert pi_old_source(cfg) != OldSource.forward, (steps, iters, ahead)
 
 
 @pytest.mark.parametrize(
