@@ -117,11 +117,21 @@ def check_resume(cfg: RunConfig, checkpoint: Path) -> tuple[list[ConfigError], l
         ConfigError(
             key,
             new,
-            f"was {old!r} in {checkpoint}: it cannot change on resume (the checkpoint's "
-            f"weights, optimizer state and data position depend on it). Resume with {key}={old}, "
+            f"was {_as_override(old)} in {checkpoint}: it cannot change on resume (the "
+            "checkpoint's weights, optimizer state, data position or rounds generated ahead "
+            f"depend on it). Resume with {key}={_as_override(old)}, "
             "or start a new run (another directory, trainer.resume=none)",
         )
         for key, old, new in refused
     ]
     notes = [f"{key}: {old!r} -> {new!r}" for key, old, new in allowed]
     return errors, notes
+
+
+def _as_override(value: Any) -> str:
+    """``value`` as a KEY=VALUE override writes it (true, null, 0.001, a string unquoted)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)
