@@ -43,7 +43,7 @@ class QuietEnding(logging.Filter):
         if "closing signal" in msg:
             return False
         if "death signal" in msg or "termination signal" in msg:
-            return not any(str(a).endswith("SIGINT") for a in args)
+            return not any(a == signal.SIGINT or str(a).endswith("SIGINT") for a in args)
         return True
 
 
