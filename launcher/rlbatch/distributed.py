@@ -36,9 +36,9 @@ class CollectiveTimeoutError(RuntimeError):
 # How a backend reports a timed-out collective. NCCL raises torch's DistBackendError (a
 # DistError); gloo a plain RuntimeError ("Timed out waiting ...ms for recv", "Application
 # timeout caused pair closure") from inside torch.distributed or the work handle Megatron waits
-# on. So an error is a collective timeout by its type (a DistError, or exactly RuntimeError) and
-# its origin (raised in torch or megatron code, never in rlbatch's or the user's), and only then
-# by its wording: a user error that mentions a timeout (an environment's env.timeout_s, a reward
+# on. So an error is a collective timeout by its type (a DistError; or exactly RuntimeError
+# raised in torch or megatron code, never in rlbatch's or the user's), and only then by its
+# wording: a user error that mentions a timeout (an environment's env.timeout_s, a reward
 # function's own RuntimeError) is never taken for one. This module is the one place that knows.
 _TIMEOUT_WORDS = ("timed out", "timeout")
 _MEGATRON = importlib.util.find_spec("megatron")
@@ -65,9 +65,11 @@ def as_collective_timeout(exc: BaseException) -> Optional[CollectiveTimeoutError
     """``exc`` as a CollectiveTimeoutError when it reports a timed-out collective, else None."""
     if isinstance(exc, CollectiveTimeoutError):
         return exc
-    by_type = isinstance(exc, dist.DistError) or type(exc) is RuntimeError
-    if not by_type or not _raised_by_backend(exc):
-        return None
+    # torch's own error types say where they come from; a plain RuntimeError must come from
+    # torch's or megatron-core's code (gloo's), else it is the user's (or rlbatch's) own
+    if not isinstance(exc, dist.DistError):
+        if type(exc) is not RuntimeError or not _raised_by_backend(exc):
+            return None
     text = str(exc).lower()
     if any(word in text for word in _TIMEOUT_WORDS):
         timeout = CollectiveTimeoutError(str(exc))
