@@ -98,6 +98,7 @@ def test_misspelled_override_gets_did_you_mean(bin_dir, subprocess_env, tmp_path
     assert "+grpo.polcy_loss" not in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_environment_timeout_is_the_environments_error(bin_dir, subprocess_env, tmp_path):
     (tmp_path / "slow.py").write_text(SLOW_ENV)
     run_dir = tmp_path / "run"
@@ -113,6 +114,7 @@ def test_environment_timeout_is_the_environments_error(bin_dir, subprocess_env, 
     assert "RankTimeoutError" not in err and "trainer.timeout_s" not in err
 
 
+@pytest.mark.slow
 def test_interrupt_preemption_continue_and_paths(bin_dir, subprocess_env, tmp_path):
     launch_dir, elsewhere = tmp_path / "launch", tmp_path / "elsewhere"
     launch_dir.mkdir()
