@@ -15,8 +15,11 @@ initialized (rlbatch.engine.parallel.initialize), else the world.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import os
 import pickle
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -30,18 +33,43 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective got no answer within the process group's timeout (trainer.timeout_s)."""
 
 
-# How the backends word a timed-out collective. NCCL raises torch's DistBackendError; gloo a
-# plain RuntimeError ("Timed out waiting ...ms for recv", "Application timeout caused pair
-# closure"), so for gloo the message is the only mark. This module is the one place that knows.
+# How a backend reports a timed-out collective. NCCL raises torch's DistBackendError (a
+# DistError); gloo a plain RuntimeError ("Timed out waiting ...ms for recv", "Application
+# timeout caused pair closure") from inside torch.distributed or the work handle Megatron waits
+# on. So an error is a collective timeout by its type (a DistError; or exactly RuntimeError
+# raised in torch or megatron code, never in rlbatch's or the user's), and only then by its
+# wording: a user error that mentions a timeout (an environment's env.timeout_s, a reward
+# function's own RuntimeError) is never taken for one. This module is the one place that knows.
 _TIMEOUT_WORDS = ("timed out", "timeout")
+_MEGATRON = importlib.util.find_spec("megatron")
+_BACKEND_DIRS = tuple(
+    str(d) + os.sep
+    for d in [
+        Path(str(torch.__file__)).parent,
+        *(Path(str(p)) for p in (_MEGATRON and _MEGATRON.submodule_search_locations) or []),
+    ]
+)
+
+
+def _raised_by_backend(exc: BaseException) -> bool:
+    """The innermost frame of ``exc``'s traceback is torch's or megatron-core's code."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename.startswith(_BACKEND_DIRS)
 
 
 def as_collective_timeout(exc: BaseException) -> Optional[CollectiveTimeoutError]:
     """``exc`` as a CollectiveTimeoutError when it reports a timed-out collective, else None."""
     if isinstance(exc, CollectiveTimeoutError):
         return exc
-    if not isinstance(exc, RuntimeError):
-        return None
+    # torch's own error types say where they come from; a plain RuntimeError must come from
+    # torch's or megatron-core's code (gloo's), else it is the user's (or rlbatch's) own
+    if not isinstance(exc, dist.DistError):
+        if type(exc) is not RuntimeError or not _raised_by_backend(exc):
+            return None
     text = str(exc).lower()
     if any(word in text for word in _TIMEOUT_WORDS):
         timeout = CollectiveTimeoutError(str(exc))

@@ -141,6 +141,9 @@ def compose(
     from rlbatch.config.store import register_configs
 
     register_configs()
+    unknown = check_override_keys(overrides)
+    if unknown:
+        fail_config(ConfigErrors(unknown), command)
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
@@ -150,6 +153,53 @@ def compose(
         print(f"{command}: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     return to_validated_run_config(cfg, command, scope, extra)
+
+
+def check_override_keys(args: list[str]) -> list[ConfigError]:
+    """An error for each ``KEY=VALUE`` override whose key the config does not have, with the
+    closest existing key ("did you mean grpo.policy_loss?"), as the validator words it.
+
+    Hydra would refuse such a key alone, telling the user to add it with ``+``, which for a
+    misspelled key is the wrong fix. Checked against the schema: flags (``-m``), additions and
+    deletions (``+KEY``, ``~KEY``), config groups (``model=tiny``, ``batching@...``,
+    ``hydra/launcher=...``), ``hydra.*`` keys and the keys under a free-form mapping
+    (``env.kwargs.*``) are left to Hydra."""
+    import dataclasses
+    import difflib
+    import typing
+
+    from rlbatch.config.load import _FIELD_TO_KEY, _KEY_TO_FIELD, _unwrap_optional
+
+    groups = set(config_groups())
+    errors: list[ConfigError] = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if not eq or arg.startswith(("-", "+", "~")) or any(c in key for c in "@/"):
+            continue
+        if key in groups or key.split(".", 1)[0] == "hydra":
+            continue
+        cls: Any = RunConfig
+        prefix = ""
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not dataclasses.is_dataclass(cls):
+                break  # under a mapping or a scalar: Hydra's own checks
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            name = _KEY_TO_FIELD.get(part, part)
+            if name not in fields:
+                keys = [_FIELD_TO_KEY.get(n, n) for n in fields]
+                close = difflib.get_close_matches(part, keys, n=1)
+                rest = "".join(f".{p}" for p in parts[i + 1 :])
+                fix = (
+                    f"did you mean {prefix}{close[0]}{rest}?"
+                    if close
+                    else f"valid keys here: {', '.join(keys)}"
+                )
+                errors.append(ConfigError(key, value, f"unknown key; {fix}"))
+                break
+            cls = _unwrap_optional(typing.get_type_hints(cls)[name])[0]
+            prefix += f"{part}."
+    return errors
 
 
 def config_groups() -> dict[str, list[str]]:

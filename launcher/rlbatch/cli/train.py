@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rlbatch.cli.common import help_text, to_validated_run_config
+from rlbatch.cli.common import check_override_keys, fail_config, help_text, to_validated_run_config
+from rlbatch.config.errors import ConfigErrors
 from rlbatch.config.store import conf_dir, register_configs
 
 USAGE = "GRPO training on megatron-core. rlbatch-train [+recipe=NAME] [KEY=VALUE ...] [-m]"
@@ -35,13 +36,14 @@ def _task(cfg) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     in_process = "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
+    again = resume_command(list(hydra_cfg.overrides.task), run_dir)
     if hydra_cfg.mode != RunMode.MULTIRUN or not in_process:  # other launchers report jobs
-        code = _run(cfg, run_dir)
+        code = _run(cfg, run_dir, again)
         if code:
             sys.exit(code)
         return
     try:  # a failing job does not stop the sweep; main() reports every job at the end
-        code = _run(cfg, run_dir)
+        code = _run(cfg, run_dir, again)
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
     except Exception as err:  # noqa: BLE001 - reported in the table, the sweep goes on
@@ -53,13 +55,26 @@ def _task(cfg) -> None:
     JOBS.append((str(hydra_cfg.job.num), overrides, str(run_dir), code))
 
 
-def _run(cfg, run_dir: Path) -> int:
+def resume_command(overrides: list[str], run_dir: Path) -> str:
+    """The command line that continues the run in ``run_dir``: the job's own overrides (a
+    multirun job's, not the sweep's), its run directory, and trainer.resume=auto (which alone,
+    in a newly generated run directory, would start a fresh run), from the launch directory
+    (relative paths among the overrides stay valid)."""
+    import os
+    import shlex
+
+    kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "trainer.resume"]
+    again = ["rlbatch-train", *kept, f"hydra.run.dir={run_dir.resolve()}", "trainer.resume=auto"]
+    return f"cd {shlex.quote(os.getcwd())} && {shlex.join(again)}"
+
+
+def _run(cfg, run_dir: Path, again: str) -> int:
     from rlbatch.grpo.preflight import check_before_launch
     from rlbatch.runtime.driver import launch
 
     run_cfg = to_validated_run_config(cfg, "rlbatch-train", extra=check_before_launch)
     _check_resume(run_cfg, run_dir)
-    return launch(run_cfg, run_dir, entry=TRAIN_ENTRY)
+    return launch(run_cfg, run_dir, entry=TRAIN_ENTRY, resume_command=again)
 
 
 def _check_resume(run_cfg, run_dir: Path) -> None:
@@ -118,6 +133,9 @@ def main() -> None:
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
         print(help_text("rlbatch-train", USAGE, HYDRA_FLAGS))
         return
+    unknown = check_override_keys(sys.argv[1:])
+    if unknown:
+        fail_config(ConfigErrors(unknown), "rlbatch-train")
     import hydra
 
     register_configs()

@@ -172,6 +172,36 @@ def to_container(cfg: RunConfig) -> dict[str, Any]:
     return convert(cfg)
 
 
+def make_paths_absolute(cfg: RunConfig) -> None:
+    """Rewrite the relative file paths of ``cfg`` (relative to the launch directory) as absolute
+    ones, so resolved.yaml works from any directory: the workers', ``rlbatch-eval RUN_DIR`` and
+    ``rlbatch-export RUN_DIR`` run from anywhere. data.path and eval.data.path always; the
+    model and tokenizer paths when they name a local directory (else they are hub ids).
+    Reward and environment paths are made absolute by the pre-launch checks that import them."""
+    cfg.data.path = _absolute(cfg.data.path)
+    cfg.eval.data.path = _absolute(cfg.eval.data.path)
+    for name in ("hf_path", "tokenizer_path"):
+        value = getattr(cfg.model, name)
+        if value and Path(value).expanduser().exists():
+            setattr(cfg.model, name, _absolute(value))
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if not path else str(Path(path).expanduser().resolve())
+
+
+def same_path(old: Any, new: Any) -> bool:
+    """Two values of a path key name the same file (a relative one read from the launch
+    directory): resolved.yaml of an earlier rlbatch kept data.path as given."""
+    if not isinstance(old, str) or not isinstance(new, str):
+        return False
+    return _absolute(old) == _absolute(new)
+
+
+PATH_KEYS = ("data.path", "eval.data.path", "model.hf_path", "model.tokenizer_path")
+"""The keys :func:`make_paths_absolute` rewrites."""
+
+
 def dump_run_config(cfg: RunConfig, path: Path) -> None:
     import yaml
 

@@ -6,6 +6,9 @@ compares the new config with it, key by key:
 - keys in :data:`FIXED` may not change: the model's shape, the tokenizer, the batch and group
   sizes, the seed and the data define what the checkpoint's weights, optimizer moments and
   sampler cursor mean. Each change is one error (key, old value, new value), all at once;
+- keys in :data:`RUN_AHEAD` may not change either: the checkpoint holds rounds generated ahead
+  of training (and with partial rollouts, rows still decoding), laid out for exactly that
+  run-ahead; with partial rollouts the keys in :data:`STREAM` shape that stream too;
 - every other key may change and takes effect from the next step (the learning rate and its
   schedule, max_steps, checkpoint cadence, timeouts, logging, the parallel layout through
   resharding...); the driver lists what changed.
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.load import to_container
+from rlbatch.config.load import PATH_KEYS, same_path, to_container
 from rlbatch.config.schema import RunConfig
 
 FIXED = (
@@ -42,6 +45,17 @@ CHANGEABLE = (
 )
 """Exceptions under FIXED prefixes: where the weights come from (the checkpoint's win), how
 activations are recomputed, and the bounds on reward calls."""
+RUN_AHEAD = ("grpo.num_steps_async", "grpo.partial_rollouts")
+"""How far generation runs ahead and whether rows continue across rounds: the queued rounds and
+the partial-rollout stream saved in the checkpoint are shaped by them."""
+STREAM = (
+    "grpo.max_staleness",
+    "grpo.consumption_granularity",
+    "grpo.aggregation.rollout_micro_batch_size",
+    "rollout.micro_batch_size",
+)
+"""With grpo.partial_rollouts: how many rounds a row may start ahead and wait, and how many rows
+decode at once, which the saved stream's rows and slots depend on."""
 IGNORED = ("run_dir", "trainer.resume", "parallel.run_id", "parallel.node_rank")
 """Keys that differ between any two launches."""
 
@@ -61,17 +75,25 @@ def is_fixed(key: str) -> bool:
     return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FIXED)
 
 
+def fixed_keys(saved: dict[str, Any]) -> set[str]:
+    """The keys of :data:`RUN_AHEAD` and (a run with partial rollouts) :data:`STREAM`."""
+    partial = flatten(saved).get("grpo.partial_rollouts") is True
+    return set(RUN_AHEAD) | (set(STREAM) if partial else set())
+
+
 def compare(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[tuple], list[tuple]]:
     """(refused, allowed) changes, each (key, old, new), sorted by key."""
     old_flat, new_flat = flatten(saved), flatten(new)
+    also_fixed = fixed_keys(saved)
     refused: list[tuple] = []
     allowed: list[tuple] = []
     for key in sorted(set(old_flat) | set(new_flat)):
         if key in IGNORED or key not in old_flat or key not in new_flat:
             continue  # a key added or removed by another rlbatch version: nothing to compare
         old, value = old_flat[key], new_flat[key]
-        if old != value:
-            (refused if is_fixed(key) else allowed).append((key, old, value))
+        if old != value and not (key in PATH_KEYS and same_path(old, value)):
+            fixed = is_fixed(key) or key in also_fixed
+            (refused if fixed else allowed).append((key, old, value))
     return refused, allowed
 
 
@@ -95,11 +117,21 @@ def check_resume(cfg: RunConfig, checkpoint: Path) -> tuple[list[ConfigError], l
         ConfigError(
             key,
             new,
-            f"was {old!r} in {checkpoint}: it cannot change on resume (the checkpoint's "
-            f"weights, optimizer state and data position depend on it). Resume with {key}={old}, "
+            f"was {_as_override(old)} in {checkpoint}: it cannot change on resume (the "
+            "checkpoint's weights, optimizer state, data position or rounds generated ahead "
+            f"depend on it). Resume with {key}={_as_override(old)}, "
             "or start a new run (another directory, trainer.resume=none)",
         )
         for key, old, new in refused
     ]
     notes = [f"{key}: {old!r} -> {new!r}" for key, old, new in allowed]
     return errors, notes
+
+
+def _as_override(value: Any) -> str:
+    """``value`` as a KEY=VALUE override writes it (true, null, 0.001, a string unquoted)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)

@@ -448,8 +448,9 @@ class LoggingConfig:
     """Write each step's train-pass plan (rlbatch-plan's JSON) and the mini-batch's lengths to
     <run_dir>/plans/step_NNNNN.json."""
     samples: bool = False
-    """Write every trained sample of each step to <run_dir>/samples/step_NNNNN.jsonl: token ids,
-    loss mask, turns (role, text), reward and its parts, advantage, why the episode ended."""
+    """Write every trained sample of each step to <run_dir>/samples/step_NNNNN.jsonl: prompt text
+    and answer, token ids, loss mask, turns (role, text), reward and its parts, advantage, why
+    the episode ended."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases sink (optional extra ``wandb``)."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)

@@ -6,6 +6,9 @@ function declares what it reads by its parameter names (docs/data_and_rewards.md
 
 - per sample: ``prompt``, ``completion``, ``completion_ids``, ``answer`` -> a number;
 - per batch: ``prompts``, ``completions``, ``completion_ids``, ``answers`` (lists) -> a list;
+  ``completion_ids`` is in both: a function that reads only ``completion_ids`` (of the four) is
+  called per sample; declare ``completions``, ``prompts`` or ``answers`` too to be called per
+  batch;
 - any other parameter names a field of the dataset row (a list of them per batch), and
   ``**kwargs`` receives every extra field.
 
@@ -136,10 +139,11 @@ def inspect_reward(spec: str, fn: Callable[..., Any]) -> UserReward:
             f"mixes per-sample {sorted(sample)} and per-batch {sorted(batch)} parameters:"
             f" use {list(SAMPLE_ARGS)} or {list(BATCH_ARGS)}"
         )
-    if not sample and not batch:
+    if not sample and not batch and "completion_ids" not in names:
         raise RewardSpecError(
-            f"declares none of {sorted(_SAMPLE_ONLY)} (per sample) or {sorted(_BATCH_ONLY)}"
-            f" (per batch): its parameters are {list(params)}"
+            f"declares none of {list(SAMPLE_ARGS)} (per sample) or {list(BATCH_ARGS)}"
+            f" (per batch): its parameters are {list(params)}; name the ones it reads, e.g."
+            " def reward(completion, answer)"
         )
     known = set(BATCH_ARGS if batch else SAMPLE_ARGS)
     fields = tuple(

@@ -15,10 +15,11 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlbatch.config.load import dump_run_config
+from rlbatch.config.load import dump_run_config, make_paths_absolute
 from rlbatch.config.schema import RunConfig
 from rlbatch.config.validate import world_size
 from rlbatch.runtime import preempt
@@ -34,6 +35,20 @@ DONE_DIR = "done"
 STOP_GRACE_S = 10.0
 EXIT_LOCKED = 3
 """Exit code when another launcher holds the run (or checkpoint) directory."""
+EXIT_INTERRUPTED = 130
+"""Exit code after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What the launcher says when a run stops before its end."""
+
+    resume_command: str | None
+    """The command line that continues the run (rlbatch-train's own, with hydra.run.dir and
+    trainer.resume=auto), or None."""
+
+    def how_to_continue(self) -> str:
+        return f"Continue this run with:\n  {self.resume_command}" if self.resume_command else ""
 
 
 def torchrun_command(cfg: RunConfig, resolved: Path, entry: str) -> list[str]:
@@ -77,11 +92,20 @@ def worker_env(cfg: RunConfig) -> dict[str, str]:
     return env
 
 
-def launch(cfg: RunConfig, run_dir: Path, entry: str, *, stdout_to_stderr: bool = False) -> int:
+def launch(
+    cfg: RunConfig,
+    run_dir: Path,
+    entry: str,
+    *,
+    stdout_to_stderr: bool = False,
+    resume_command: str | None = None,
+) -> int:
     """Lock the run directory, write <run_dir>/resolved.yaml, run the workers, return 0 or the
-    failure's exit code (EXIT_PREEMPTED after a preemption save, EXIT_LOCKED when another
-    launcher holds the directory).
+    failure's exit code (EXIT_PREEMPTED after a preemption save, EXIT_INTERRUPTED after Ctrl-C,
+    EXIT_LOCKED when another launcher holds the directory).
     ``stdout_to_stderr``: the workers' output goes to stderr (a command printing JSON).
+    ``resume_command``: the command line that continues this run, printed after a preemption or
+    an interrupt (None: the command cannot be resumed).
 
     Multi-node: every node calls this with the same ``run_dir``, which must be on a filesystem
     all nodes share (each rank writes its checkpoint shard there; rank 0 commits it); node 0
@@ -99,9 +123,11 @@ def launch(cfg: RunConfig, run_dir: Path, entry: str, *, stdout_to_stderr: bool 
     with lock:
         _clear_previous_run(cfg, run_dir)
         resolved = resolved_path(cfg, run_dir)
+        make_paths_absolute(cfg)
         dump_run_config(cfg, resolved)
         cmd = torchrun_command(cfg, resolved, entry)
-        return _run_workers(cfg, run_dir, cmd, stdout_to_stderr=stdout_to_stderr)
+        ending = Ending(resume_command)
+        return _run_workers(cfg, run_dir, cmd, ending, stdout_to_stderr=stdout_to_stderr)
 
 
 def _lock(cfg: RunConfig, run_dir: Path) -> RunLock:
@@ -131,7 +157,12 @@ def done_file(rank: int) -> str:
 
 
 def _run_workers(
-    cfg: RunConfig, run_dir: Path, cmd: list[str], *, stdout_to_stderr: bool = False
+    cfg: RunConfig,
+    run_dir: Path,
+    cmd: list[str],
+    ending: Ending,
+    *,
+    stdout_to_stderr: bool = False,
 ) -> int:
     nodes = cfg.parallel.nnodes
     where = f", node {cfg.parallel.node_rank} of {nodes}" if nodes > 1 else ""
@@ -148,9 +179,9 @@ def _run_workers(
     try:
         code = _wait(proc, received, cfg.trainer.preempt_timeout_s)
     except KeyboardInterrupt:
-        log.warning("interrupted: stopping every worker")
-        _stop(proc)
-        return 130
+        _stop(proc, first=signal.SIGINT)
+        _report_interrupt(cfg, run_dir, ending)
+        return EXIT_INTERRUPTED
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -159,7 +190,7 @@ def _run_workers(
     if code == 0:
         code = _unfinished(cfg, run_dir)
     if code == preempt.EXIT_PREEMPTED:
-        _report_preemption(run_dir, signal.Signals(received[0]).name if received else None)
+        _report_preemption(run_dir, signal.Signals(received[0]).name if received else None, ending)
     elif code != 0:
         _report_failure(run_dir, code)
     else:
@@ -238,9 +269,12 @@ def _last_beat(run_dir: Path, rank: int) -> str:
     return f"last seen at step {beat['step']} ({beat['phase']}{detail})"
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the whole worker process group, SIGKILL it after a grace period."""
-    for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+def _stop(proc: subprocess.Popen, first: signal.Signals = signal.SIGTERM) -> None:
+    """Signal the whole worker process group with ``first`` (SIGTERM; SIGINT after Ctrl-C: the
+    workers stop at once instead of saving, which SIGTERM asks of them), then SIGTERM and SIGKILL
+    after grace periods."""
+    steps = [(first, STOP_GRACE_S)] + ([(signal.SIGTERM, 5.0)] if first != signal.SIGTERM else [])
+    for sig, wait in (*steps, (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -258,17 +292,29 @@ def _console() -> Any:
     return Console(stderr=True, highlight=False)
 
 
-def _report_preemption(run_dir: Path, launcher_signal: str | None) -> None:
-    """One line: the signal, the step saved, where (the signal the launcher got, else the one
-    a worker got)."""
+def _report_preemption(run_dir: Path, launcher_signal: str | None, ending: Ending) -> None:
+    """The signal, the step saved, where (the signal the launcher got, else the one a worker
+    got), and the command that continues the run."""
     try:
         record = json.loads((run_dir / preempt.RECORD).read_text())
         line = (
-            f"preempted ({launcher_signal or record['signal']}): saved step {record['step']} at {record['path']}; "
-            f"exit code {preempt.EXIT_PREEMPTED}. Continue with trainer.resume=auto"
+            f"preempted ({launcher_signal or record['signal']}): saved step {record['step']} at "
+            f"{record['path']}; exit code {preempt.EXIT_PREEMPTED}."
         )
     except (OSError, ValueError, KeyError):
-        line = f"preempted: exit code {preempt.EXIT_PREEMPTED} (no checkpoint record found)"
+        line = f"preempted: exit code {preempt.EXIT_PREEMPTED} (no checkpoint record found)."
+    more = ending.how_to_continue()
+    _console().print(line + (f" {more}" if more else ""), markup=False, soft_wrap=True)
+
+
+def _report_interrupt(cfg: RunConfig, run_dir: Path, ending: Ending) -> None:
+    """After Ctrl-C: the workers were stopped without saving; the newest checkpoint, and the
+    command that continues from it."""
+    ckpt_dir = Path(cfg.trainer.checkpoint.dir or run_dir / "checkpoints")
+    saved = sorted(ckpt_dir.glob("step_*")) if ckpt_dir.is_dir() else []
+    line = f"interrupted (Ctrl-C): stopped every worker; exit code {EXIT_INTERRUPTED}."
+    if saved and ending.resume_command:
+        line += f" The newest checkpoint is {saved[-1]}. {ending.how_to_continue()}"
     _console().print(line, markup=False, soft_wrap=True)
 
 

@@ -1,7 +1,8 @@
 """Worker logging: rich on rank 0 at the configured level, warnings only on other ranks.
 
 Python warnings go through logging too (once per rank-0 process, never once per rank), and
-the ones every CPU run would print are silenced: they describe the expected CPU fallback.
+the ones every CPU run would print are silenced: they describe the expected CPU fallback; so
+are torch's and megatron-core's Future/DeprecationWarnings about their own APIs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def setup_logging(rank: int, level: str = "INFO") -> None:
     root.addHandler(handler)
     for pattern in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
+    for category in (FutureWarning, DeprecationWarning):
+        # torch's and megatron-core's notes to each other about their own APIs (a deprecated
+        # checkpoint call Megatron makes on load): nothing a user of rlbatch can act on
+        warnings.filterwarnings("ignore", category=category, module=r"(torch|megatron)(\.|$)")
     if rank != 0:
         warnings.simplefilter("ignore")  # rank 0 already reports what every rank would
     logging.captureWarnings(True)

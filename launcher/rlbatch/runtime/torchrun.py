@@ -1,10 +1,13 @@
-"""torchrun, minus its own traceback on a worker failure (the driver shows the rank's error),
+"""torchrun, minus its own traceback on a worker failure (the driver shows the rank's error) and
+minus its log lines about a run that ended as asked (a preemption save, Ctrl-C), which read like
+a crash,
 bound to the launcher's life (when the launcher dies, torchrun gets SIGKILL and its workers
 follow it: rlbatch.runtime.lifeline), and passing preemption signals on to the workers instead
 of killing them (rlbatch.runtime.preempt)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -17,6 +20,36 @@ from rlbatch.runtime.lifeline import die_with_parent
 TORCHRUN_SIGNALS = "SIGINT,SIGQUIT"
 """The signals torchrun itself handles (by stopping its workers); it must not kill them on
 SIGTERM / SIGUSR1 / SIGHUP, which ask them to save first."""
+
+
+QUIET_EXITS = frozenset({preempt.EXIT_PREEMPTED, 130, -int(signal.SIGINT)})
+"""Worker exit codes of a run that stopped as asked: saved after a preemption signal, or
+interrupted (Ctrl-C: 128 + SIGINT from the worker, or killed by SIGINT)."""
+ELASTIC_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.agent.server.api",
+)
+
+
+class QuietEnding(logging.Filter):
+    """Drops torchrun's records about workers that stopped as asked: "failed (exitcode: 75)",
+    "Received SIGINT death signal", and the routine "Sending process N closing signal" (the
+    driver reports how the run ended, and the failing rank's own error)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
+        if msg.startswith("failed (exitcode") and args:
+            return args[0] not in QUIET_EXITS
+        if "closing signal" in msg:
+            return False
+        if "death signal" in msg or "termination signal" in msg:
+            return not any(a == signal.SIGINT or str(a).endswith("SIGINT") for a in args)
+        return True
+
+
+def quiet_elastic_logs() -> None:
+    for name in ELASTIC_LOGGERS:
+        logging.getLogger(name).addFilter(QuietEnding())
 
 
 def _children() -> list[int]:
@@ -45,6 +78,8 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+
+    quiet_elastic_logs()
 
     try:
         torchrun_main([f"--signals-to-handle={TORCHRUN_SIGNALS}", *sys.argv[1:]])

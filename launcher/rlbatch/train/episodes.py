@@ -55,6 +55,8 @@ def sample_record(s: Sample) -> dict[str, Any]:
     return {
         "prompt_index": s.prompt.index,
         "group_id": s.group_id,
+        "prompt": s.prompt.text,
+        "answer": s.prompt.answer,
         "prompt_ids": list(s.prompt.prompt_ids),
         "response_ids": list(s.response_ids),
         "loss_mask": list(s.loss_mask or []),

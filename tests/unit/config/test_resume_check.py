@@ -37,3 +37,30 @@ def test_fixed_keys_are_refused_and_the_rest_listed(tmp_path):
     assert "trainer.optim.lr: 0.001 -> 0.05" in notes
     (ckpt / "meta.json").write_text(json.dumps({"step": 4}))  # an older checkpoint: no config
     assert check_resume(new, ckpt) == ([], [])
+
+
+def test_run_ahead_keys_are_refused_and_with_partial_rollouts_the_stream_keys():
+    """The checkpoint's queued rounds depend on grpo.num_steps_async and partial_rollouts; with
+    partial rollouts, its stream of rows also on the staleness bound and the decode slots."""
+    saved = RunConfig()
+    new = RunConfig()
+    new.grpo.num_steps_async, new.grpo.max_staleness, new.grpo.partial_rollouts = 1, 4, True
+    refused, allowed = compare(to_container(saved), to_container(new))
+    assert [k for k, _, _ in refused] == ["grpo.num_steps_async", "grpo.partial_rollouts"]
+    assert [k for k, _, _ in allowed] == ["grpo.max_staleness"]  # no stream was saved
+    saved.grpo.num_steps_async, saved.grpo.max_staleness, saved.grpo.partial_rollouts = 1, 4, True
+    new.grpo.max_staleness, new.rollout.micro_batch_size = 6, 2
+    refused, _ = compare(to_container(saved), to_container(new))
+    assert [k for k, _, _ in refused] == ["grpo.max_staleness", "rollout.micro_batch_size"]
+
+
+def test_relative_and_absolute_data_paths_of_one_file_are_the_same(tmp_path, monkeypatch):
+    """A checkpoint of an rlbatch that kept data.path as given resumes with the absolute path
+    of the same file (from the same launch directory); another file is refused."""
+    monkeypatch.chdir(tmp_path)
+    saved, new = RunConfig(), RunConfig()
+    saved.data.path = "prompts.jsonl"
+    new.data.path = str(tmp_path / "prompts.jsonl")
+    assert compare(to_container(saved), to_container(new)) == ([], [])
+    new.data.path = str(tmp_path / "other.jsonl")
+    assert [k for k, _, _ in compare(to_container(saved), to_container(new))[0]] == ["data.path"]

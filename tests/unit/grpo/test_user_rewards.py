@@ -47,6 +47,9 @@ def mixed(prompt, completions):
 def neither(text):
     return 0.0
 
+def ids_only(completion_ids, difficulty):
+    return float(sum(completion_ids)) + difficulty
+
 not_a_function = 3
 """
 
@@ -92,6 +95,14 @@ def test_per_sample_batch_and_async_functions(rewards_file):
     }
     assert totals == [11.0, 12.0]
     assert score(rewards_file, "batch_async")[0] == [1.0, 1.0]
+
+
+def test_completion_ids_alone_is_a_per_sample_function(rewards_file):
+    """completion_ids is a parameter of both kinds: declared alone (with a field) the function
+    is called once per sample with that sample's ids and the row's field."""
+    assert not load_reward(f"{rewards_file}:ids_only").batched
+    _, parts = score(rewards_file, "ids_only")
+    assert parts == {"ids_only": [0 + 1 + 2 + 2.0, 0 + 1 + 2 + 3 + 2.0]}
 
 
 def test_weights_scale_each_component(rewards_file):
