@@ -51,11 +51,6 @@ def vllm_head_dim(cfg: RunConfig) -> int:
     return m.head_dim
 
 
-def max_model_len(cfg: RunConfig, longest: int) -> int:
-    """rollout.vllm.max_model_len, or the run's longest sequence (``longest``) when null."""
-    return cfg.rollout.vllm.max_model_len or longest
-
-
 def check_vllm(cfg: RunConfig, errors: list[ConfigError], longest: tuple[int, str]) -> None:
     """Every error of a run with rollout.backend=vllm (nothing otherwise). ``longest``: the
     run's longest sequence and where it comes from (rlbatch.config.validate)."""

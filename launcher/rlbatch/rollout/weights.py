@@ -21,19 +21,6 @@ from rlbatch.config.schema import ModelConfig
 TIED_HEAD = "lm_head.weight"
 
 
-def _pipeline() -> tuple[int, int, Any]:
-    """(pp rank, pp size, pp group) of this rank; (0, 1, None) without model parallelism."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return 0, 1, None
-    return (
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_world_size(),
-        ps.get_pipeline_model_parallel_group(),
-    )
-
-
 def _local_tensors(chunks: list[Any], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from rlbatch.engine.hf import iter_full_tensors
 
@@ -45,11 +32,12 @@ def stream_hf_weights(model: Any, model_cfg: ModelConfig) -> Iterator[tuple[str,
     """(HF name, full tensor) of every weight of the model, on every rank of this rank's
     model-parallel group (collective over tp and pp: every rank of the group iterates to the
     end in step)."""
+    from rlbatch.distributed import pipeline_stage
     from rlbatch.engine.hf import _chunks, full_model_config
 
     chunks = _chunks(model)
     cfg = full_model_config(chunks, model_cfg)
-    rank, size, group = _pipeline()
+    rank, size, group = pipeline_stage()
     if size == 1:
         stream: Iterator[tuple[str, torch.Tensor]] = _local_tensors(chunks, cfg)
     else:
