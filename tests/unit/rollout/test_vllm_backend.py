@@ -15,7 +15,7 @@ import torch
 from model_reference import full_logps
 from rlbatch.grpo.types import Prompt
 
-pytestmark = pytest.mark.optional_extra
+pytestmark = [pytest.mark.optional_extra, pytest.mark.slow]  # one vLLM start: ~70 s
 
 TEMPERATURE = 0.7
 PROMPT_LEN = 70  # over two KV blocks of 32: the prefix cache holds whole blocks of it
