@@ -1,7 +1,8 @@
 """rollout.backend=vllm through the real rlbatch-train: settings vLLM cannot honour are refused
-before launch, all at once; a run on vLLM (the ``vllm`` extra, installed by CI) takes the
-policy's weights at every step and its behaviour logprobs are the trainer's own: on-policy, the
-importance weights pi_old / pi_rollout stay 1 and nothing clips, step after step."""
+before launch, all at once; a run on vLLM (the ``vllm`` extra, installed by CI) at tp 2 x pp 2
+takes the policy's weights at every step and its behaviour logprobs are the trainer's own:
+on-policy, the importance weights pi_old / pi_rollout stay 1 and nothing clips, step after
+step. (tp 1: tests/unit/rollout/test_vllm_backend.py.)"""
 
 from __future__ import annotations
 
@@ -46,15 +47,21 @@ def test_settings_vllm_cannot_honour_are_refused_before_launch(bin_dir, subproce
 
 @pytest.mark.slow
 @pytest.mark.optional_extra
-def test_a_vllm_run_samples_with_the_trainers_logprobs(bin_dir, subprocess_env, tmp_path):
-    """Four steps at temperature 0.7 on vLLM: the weights are synced before every step's
-    generation (rollout/weight_sync_s), and vLLM's behaviour logprobs equal the training
-    forward's to float32 rounding after every optimizer step (a missed sync, a stale tied
-    output layer or a stale prefix cache would show as weights far from 1)."""
+def test_a_vllm_run_samples_with_the_trainers_logprobs_at_tp2_pp2(
+    bin_dir, subprocess_env, tmp_path
+):
+    """Three steps at temperature 0.7 on four ranks (tp 2 x pp 2), each with its own full vLLM
+    engine: before every step's generation the weights are streamed from megatron's shards
+    (gathered over tp, broadcast stage by stage over pp; rollout/weight_sync_s), and vLLM's
+    behaviour logprobs equal the training forward's to float32 rounding after every optimizer
+    step: on-policy, the importance weights pi_old / pi_rollout stay 1 and nothing clips (a
+    missed sync, a stale tied output layer or a stale prefix cache would show as weights far
+    from 1)."""
     pytest.importorskip("vllm")
-    steps = 4
+    steps = 3
     proc = _train(
         bin_dir, subprocess_env, tmp_path / "run", *HEADS_OF_32, f"trainer.max_steps={steps}",
+        "parallel.tp=2", "parallel.pp=2", "rollout.vllm.kv_cache_space_gb=0.25",
         "rollout.temperature=0.7", "grpo.epsilon_low=0.01", "grpo.epsilon_high=0.01",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

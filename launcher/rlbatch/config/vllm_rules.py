@@ -17,6 +17,7 @@ Whether the package is installed is checked by rlbatch-train's pre-launch checks
 from __future__ import annotations
 
 import importlib.metadata
+import math
 
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
@@ -133,6 +134,7 @@ def _check_model(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
         )
     elif cpu_build_installed() and head_dim not in CPU_HEAD_DIMS:
+        heads = _heads_for(m.hidden_size)
         errors.append(
             ConfigError(
                 "model.num_attention_heads",
@@ -140,8 +142,9 @@ def _check_model(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"gives a head dimension of {head_dim} (model.hidden_size / heads), which the"
                 f" attention kernels of vLLM's CPU build do not support (supported:"
                 f" {', '.join(map(str, CPU_HEAD_DIMS))}): choose a head count that gives one of"
-                f" them (e.g. model.num_attention_heads={_heads_for(m.hidden_size)}"
-                f" model.num_query_groups=...), or rollout.backend=megatron",
+                f" them (e.g. model.num_attention_heads={heads}"
+                f" model.num_query_groups={math.gcd(heads, m.num_query_groups)}), or"
+                " rollout.backend=megatron",
             )
         )
 

@@ -83,4 +83,5 @@ def test_head_dim_16_is_refused_on_the_cpu_build():
     cfg = RunConfig()
     cfg.rollout.backend = RolloutBackend.vllm
     message = errors_by_key(cfg)["model.num_attention_heads"]
-    assert "head dimension of 16" in message and "model.num_attention_heads=2" in message
+    assert "head dimension of 16" in message
+    assert "model.num_attention_heads=2 model.num_query_groups=2" in message  # 64 / 2 = 32
