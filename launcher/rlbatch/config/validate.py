@@ -549,7 +549,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"model", "data", "rollout", "env"}), _check_positions),
     Rule(frozenset({"env", "data", "rollout", "parallel"}), _check_env),
     Rule(
-        frozenset({"model", "data", "rollout", "env"}),
+        frozenset({"model", "data", "rollout", "env", "eval"}),
         lambda c, e: check_vllm(c, e, (longest_sequence(c), longest_sequence_text(c))),
     ),
     Rule(frozenset({"data"}), _check_data),

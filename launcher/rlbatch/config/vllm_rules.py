@@ -7,6 +7,7 @@ or whose numbers would not be the trainer's, each with its key, its value and th
   ``log_softmax(logits / T)`` every other logprob of the loss is taken at;
 - the model: the head dimension vLLM derives (its Qwen2 ignores ``head_dim``) and, on the CPU
   build, one its attention kernels support;
+- evaluation during training (not on this backend yet);
 - the longest sequence of the run within ``rollout.vllm.max_model_len`` and the model's
   positions.
 
@@ -61,6 +62,16 @@ def check_vllm(cfg: RunConfig, errors: list[ConfigError], longest: tuple[int, st
     _check_sampling(cfg, errors)
     _check_model(cfg, errors)
     _check_length(cfg, errors, *longest)
+    if cfg.eval.every_steps > 0:
+        errors.append(
+            ConfigError(
+                "eval.every_steps",
+                cfg.eval.every_steps,
+                "evaluation during training does not run on the vLLM backend yet (it samples"
+                " with its own settings, which would need a second engine in the process): set"
+                " eval.every_steps=0, or rollout.backend=megatron",
+            )
+        )
 
 
 def _check_settings(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -37,11 +37,12 @@ def test_every_bad_setting_is_reported_at_once():
     cfg.rollout.vllm.gpu_memory_utilization = 1.5
     cfg.rollout.vllm.max_num_seqs = 0
     cfg.rollout.vllm.max_model_len = 40  # below max_prompt_len 32 + max_new_tokens 24
+    cfg.eval.every_steps = 10
     errors = errors_by_key(cfg)
     assert set(errors) == {
         "rollout.top_p", "rollout.top_k", "rollout.kv_cache", "rollout.vllm.tensor_parallel_size",
         "rollout.vllm.dtype", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.max_num_seqs",
-        "rollout.vllm.max_model_len",
+        "rollout.vllm.max_model_len", "eval.every_steps",
     }  # fmt: skip
     assert "rollout.top_p=0.9" in errors["rollout.top_p"]
     assert "rollout.top_p=1.0" in errors["rollout.top_p"]  # the fix
