@@ -132,6 +132,19 @@ def pp_size() -> int:
     return ps.get_pipeline_model_parallel_world_size()
 
 
+def pipeline_stage() -> tuple[int, int, Optional[Any]]:
+    """(pp rank, pp size, pp group) of this rank; (0, 1, None) without model parallelism."""
+    if not _megatron_ready():
+        return 0, 1, None
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_group(),
+    )
+
+
 def is_last_stage() -> bool:
     if not _megatron_ready():
         return True

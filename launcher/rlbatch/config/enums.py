@@ -147,10 +147,12 @@ class RopeScaling(str, Enum):
 
 class RolloutBackend(str, Enum):
     """Generation engine; ``megatron`` generates on the policy itself (KV cache, continuous
-    batching); ``megatron_dynamic`` through megatron-core's DynamicInferenceEngine (CUDA only)."""
+    batching); ``megatron_dynamic`` through megatron-core's DynamicInferenceEngine (CUDA only);
+    ``vllm`` through an in-process vLLM engine fed the policy's weights (rlbatch.rollout)."""
 
     megatron = "megatron"
     megatron_dynamic = "megatron_dynamic"
+    vllm = "vllm"
 
 
 class DistBackend(str, Enum):

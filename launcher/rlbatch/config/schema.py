@@ -49,6 +49,7 @@ from rlbatch.config.env import EnvConfig
 from rlbatch.config.evaluation import EvalConfig, EvalDataConfig  # noqa: F401
 from rlbatch.config.objectives import ObjectiveConfig
 from rlbatch.config.rewards import CodeExecConfig, JudgeConfig, RewardModelConfig, ServedConfig
+from rlbatch.config.vllm import VllmConfig
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -171,8 +172,9 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     backend: RolloutBackend = RolloutBackend.megatron
-    """Generation engine: megatron (built-in, CPU and GPU) or megatron_dynamic (megatron-core's
-    DynamicInferenceEngine: paged KV cache, CUDA graphs; CUDA only, pp=1)."""
+    """Generation engine: megatron (built-in, CPU and GPU), megatron_dynamic (megatron-core's
+    DynamicInferenceEngine: paged KV cache, CUDA graphs; CUDA only, pp=1) or vllm (an in-process
+    vLLM engine per rank, weights synced every policy version; pip install 'rlbatch[vllm]')."""
     max_new_tokens: int = 24
     """Longest response in tokens."""
     temperature: float = 1.0
@@ -185,6 +187,8 @@ class RolloutConfig:
     """Prompts per rollout chunk (LCM aggregation input)."""
     kv_cache: bool = True
     """Incremental decoding with a KV cache (false: recompute the prefix every token)."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """The vLLM engine (rollout.backend=vllm)."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ from rlbatch.config.schema import (
     RunConfig,
 )
 from rlbatch.config.streaming import check_partial_rollouts
+from rlbatch.config.vllm_rules import check_vllm
 from rlbatch.config.workload_rules import check_response_lengths
 
 Check = Callable[[RunConfig, list[ConfigError]], None]
@@ -547,6 +548,10 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"grpo", "rollout", "parallel", "env"}), check_partial_rollouts),
     Rule(frozenset({"model", "data", "rollout", "env"}), _check_positions),
     Rule(frozenset({"env", "data", "rollout", "parallel"}), _check_env),
+    Rule(
+        frozenset({"model", "data", "rollout", "env", "eval"}),
+        lambda c, e: check_vllm(c, e, (longest_sequence(c), longest_sequence_text(c))),
+    ),
     Rule(frozenset({"data"}), _check_data),
     Rule(frozenset({"model"}), _check_model_paths),
     Rule(frozenset({"trainer"}), _check_resume),

@@ -257,40 +257,55 @@ def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
     return torch.zeros_like(param) if grad is None else grad.detach().to(param.dtype, copy=True)
 
 
-def _full_tensors(chunk: Any, cfg: ModelConfig, grads: bool = False) -> dict[str, torch.Tensor]:
-    """HF-named full tensors (or gradients) of one chunk (tp shards gathered; collective
-    over tp)."""
+def iter_full_tensors(
+    chunk: Any, cfg: ModelConfig, grads: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor or gradient) of one chunk, one tensor at a time (tp shards
+    gathered: collective over tp, every tp rank iterates in step). A tied model's
+    ``output_layer`` is left out (the embedding is the lm head)."""
     rank, size, group = _tp()
     params = dict(chunk.named_parameters())
-    out: dict[str, torch.Tensor] = {}
     head_dim = head_dim_of(cfg)
     for name, kind, src in _targets(chunk, cfg):
         p = _grad_of(params[name]) if grads else params[name].detach().clone()
         if kind == "rep":
-            out[src] = p.clone()
+            yield src, p.clone()
         elif kind in ("row", "qkv_w", "qkv_b"):
             full = _gather_tp(p, 0, group, size)
             if kind == "row":
                 if name == "output_layer.weight" and cfg.tie_word_embeddings:
                     continue  # tied: the embedding is the lm head
-                out[src] = full
+                yield src, full
             else:
                 for s, t in zip(
                     src,
                     split_qkv(full, cfg.num_attention_heads, cfg.num_query_groups, head_dim),
                     strict=True,
                 ):
-                    out[s] = t.clone()
+                    yield s, t.clone()
         elif kind == "col":
-            out[src] = _gather_tp(p, 1, group, size)
+            yield src, _gather_tp(p, 1, group, size)
         elif kind == "fc1":
             parts = [torch.empty_like(p) for _ in range(size)] if size > 1 else [p]
             if size > 1:
                 dist.all_gather(parts, p.contiguous(), group=group)
             gates, ups = zip(*(q.chunk(2) for q in parts), strict=True)
-            out[src[0]] = torch.cat(gates).clone()
-            out[src[1]] = torch.cat(ups).clone()
-    return out
+            yield src[0], torch.cat(gates).clone()
+            yield src[1], torch.cat(ups).clone()
+
+
+def _full_tensors(chunk: Any, cfg: ModelConfig, grads: bool = False) -> dict[str, torch.Tensor]:
+    """HF-named full tensors (or gradients) of one chunk (tp shards gathered; collective
+    over tp)."""
+    return dict(iter_full_tensors(chunk, cfg, grads))
+
+
+def full_model_config(model: Any, model_cfg: ModelConfig) -> ModelConfig:
+    """``model_cfg`` with the vocabulary size of the built model (megatron may pad it)."""
+    chunks = _chunks(model)
+    return replace(
+        model_cfg, vocab_size=_model_cfg_of(chunks[0]).vocab_size or model_cfg.vocab_size
+    )
 
 
 def gather_full(model: Any, model_cfg: ModelConfig, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -299,7 +314,7 @@ def gather_full(model: Any, model_cfg: ModelConfig, grads: bool = False) -> dict
     from megatron.core import parallel_state as ps
 
     chunks = _chunks(model)
-    cfg = replace(model_cfg, vocab_size=_model_cfg_of(chunks[0]).vocab_size or model_cfg.vocab_size)
+    cfg = full_model_config(chunks, model_cfg)
     mine: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         mine.update(_full_tensors(chunk, cfg, grads))

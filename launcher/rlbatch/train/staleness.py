@@ -11,7 +11,9 @@
 - partial rollouts: ``rollout/carried_rows`` (rows still decoding when the round was delivered),
   ``rollout/waiting_groups`` (finished groups left for later rounds) and
   ``rollout/untrained_fraction`` (rows started and neither trained nor still in the stream, over
-  the rows started: 0 by design, nothing is discarded).
+  the rows started: 0 by design, nothing is discarded);
+- ``rollout/weight_sync_s``: mean seconds one engine took to take the policy's weights, over
+  the syncs of the round's generation on every rank (rollout.backend=vllm).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ ROLLOUT_COUNTERS = (
     "rollout/waiting_groups",
     "rollout/started_rows",
     "rollout/untrained_rows",
+    "rollout/weight_sync_seconds",
+    "rollout/weight_syncs",
 )
 """A round's rank-local counters (GeneratedRound.filter_metrics), summed over ranks."""
 
@@ -68,6 +72,10 @@ def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     if sums.get("rollout/slot_steps"):
         out["rollout/slot_occupancy"] = sums["rollout/busy_slot_steps"] / sums["rollout/slot_steps"]
+    if sums.get("rollout/weight_syncs"):  # engines with their own weights (vLLM)
+        out["rollout/weight_sync_s"] = (
+            sums["rollout/weight_sync_seconds"] / sums["rollout/weight_syncs"]
+        )
     if sums.get("rollout/started_rows"):  # partial rollouts
         out["rollout/carried_rows"] = sums["rollout/carried_rows"]
         out["rollout/waiting_groups"] = sums["rollout/waiting_groups"]

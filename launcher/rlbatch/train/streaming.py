@@ -208,7 +208,8 @@ class RoundFigures:
         samples = self.generate(request, snapshot)
         stats = getattr(self.engine, "decode_stats", None)
         metrics = decode_metrics(stats) if stats is not None and stats.slot_steps else {}
-        return RoundOutput(request, samples, metrics)
+        take = getattr(self.engine, "take_figures", None)  # engines with their own weights
+        return RoundOutput(request, samples, metrics | (take() if take else {}))
 
 
 def local_generation(
@@ -227,8 +228,8 @@ def local_generation(
         stream = StreamingGeneration(cfg, model, tokenizer, prompts, aggregator, dp_rank)
         return stream, stream
     engine: Any = build_engine(cfg, model, tokenizer)
-    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
-        engine = SequenceParallelOffEngine(engine, model)
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 and cfg.rollout.backend != "vllm":
+        engine = SequenceParallelOffEngine(engine, model)  # vLLM decodes on its own copy
     generate = make_generate_fn(
         prompts,
         aggregator,

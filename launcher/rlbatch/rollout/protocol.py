@@ -1,0 +1,131 @@
+"""The contract between the GRPO loop and an engine that holds its own copy of the weights.
+
+A ``TokenBackend`` decodes token ids only (no text, no GRPO types) and is told when the policy
+changed; ``SyncedRolloutEngine`` turns it into the loop's ``RolloutEngine``
+(rlbatch.grpo.rollout): rows of a prompt contiguous, one seed per row, ``Sample``s with the
+version of the weights that produced them. A server-based backend (an engine on other GPUs,
+weights broadcast over NCCL) implements the same two methods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import numpy as np
+
+from rlbatch.grpo.types import Prompt, Sample
+
+
+@dataclass(frozen=True)
+class TokenSampling:
+    """What a backend samples with (the rollout.* settings it needs)."""
+
+    max_new_tokens: int
+    temperature: float
+    eos_id: int
+
+
+@dataclass
+class DecodedRow:
+    """One completion: response tokens (EOS kept when produced), the behaviour log-probability
+    of each (log_softmax(logits / temperature) of the sampled token over the full vocabulary)
+    and whether it stopped at max_new_tokens without EOS."""
+
+    tokens: list[int]
+    logps: list[float]
+    truncated: bool
+
+
+class TokenBackend(Protocol):
+    """An engine with its own copy of the policy's weights."""
+
+    version: Optional[int]
+    """The policy version of the weights it holds (None: none pushed yet)."""
+
+    def sync_weights(self) -> None:
+        """Take the policy's current weights (every rank of a model-parallel group calls it at
+        the same point: the transfer may be collective)."""
+        ...
+
+    def decode(
+        self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: TokenSampling
+    ) -> list[DecodedRow]:
+        """One completion per prompt, row i sampled from seeds[i] alone: the same seed gives
+        the same row whatever else is in the batch."""
+        ...
+
+
+_ROW_SEED_TAG = 0x5EED_0F_20
+"""Keeps row seeds apart from the other seeds rlbatch derives from trainer.seed."""
+
+
+def row_seeds(seed: int, num_rows: int) -> list[int]:
+    """A 31-bit seed per row of a generate call, from (seed, row index) only."""
+    return [
+        int(np.random.SeedSequence([_ROW_SEED_TAG, seed, i]).generate_state(1)[0] & 0x7FFFFFFF)
+        for i in range(num_rows)
+    ]
+
+
+@dataclass
+class SyncFigures:
+    """Weight syncs since the last round's figures were taken."""
+
+    seconds: float = 0.0
+    count: int = 0
+
+
+class SyncedRolloutEngine:
+    """The loop's RolloutEngine on a TokenBackend: before generating with a policy version the
+    backend has not seen, the backend takes the weights (the first call included, so a backend
+    starts from the model config alone); then each row is decoded from its own seed."""
+
+    def __init__(self, backend: TokenBackend, sampling: TokenSampling) -> None:
+        self.backend = backend
+        self.sampling = sampling
+        self.figures = SyncFigures()
+
+    def generate(
+        self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
+    ) -> list[Sample]:
+        rows = [(g, p) for g, p in enumerate(prompts) for _ in range(num_generations)]
+        if not rows:
+            return []
+        if min(len(p.prompt_ids) for _, p in rows) < 1:
+            raise ValueError("a prompt has no tokens: every prompt needs >= 1 token (e.g. a BOS)")
+        self.ensure_version(policy_version)
+        decoded = self.backend.decode(
+            [p.prompt_ids for _, p in rows], row_seeds(seed, len(rows)), self.sampling
+        )
+        return [
+            Sample(
+                prompt=p,
+                group_id=g,
+                response_ids=d.tokens,
+                behaviour_logps=d.logps,
+                truncated=d.truncated,
+                policy_version=policy_version,
+            )
+            for (g, p), d in zip(rows, decoded, strict=True)
+        ]
+
+    def ensure_version(self, version: int) -> None:
+        """Sync the backend's weights unless it already holds ``version``."""
+        if self.backend.version == version:
+            return
+        started = time.perf_counter()
+        self.backend.sync_weights()
+        self.figures.seconds += time.perf_counter() - started
+        self.figures.count += 1
+        self.backend.version = version
+
+    def take_figures(self) -> dict[str, float]:
+        """This rank's ``rollout/*`` counters since the last call (the loop sums them over
+        ranks: rollout/weight_sync_s is their ratio)."""
+        f, self.figures = self.figures, SyncFigures()
+        if not f.count:
+            return {}
+        return {"rollout/weight_sync_seconds": f.seconds, "rollout/weight_syncs": float(f.count)}

