@@ -139,3 +139,36 @@ def save_chat_tokenizer(tmp_path: Path, as_file: bool = False) -> Path:
         config["chat_template"] = CHAT_TEMPLATE
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     return tmp_path
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def save_qwen_style_tokenizer(path: Path, as_vocab_merges: bool = False) -> Any:
+    """A Qwen2-style byte-level BPE (the 256 bytes, Qwen's three special tokens, 5 merges: 264
+    ids, the tiny model's vocabulary) trained by the ``tokenizers`` library; EOS <|im_end|>.
+    Saved as tokenizer.json, or (``as_vocab_merges``) as vocab.json + merges.txt with a
+    Qwen2Tokenizer tokenizer_config.json, as older checkpoints ship. Returns the tokenizer."""
+    import json
+
+    from tokenizers import ByteLevelBPETokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(
+        ["the answer is 42, the tool says: the answer"] * 20, vocab_size=264, min_frequency=1,
+        special_tokens=QWEN_SPECIALS, show_progress=False,
+    )  # fmt: skip
+    config: dict[str, Any] = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    if as_vocab_merges:
+        tok.save_model(str(path))
+        config["tokenizer_class"] = "Qwen2Tokenizer"
+        config["added_tokens_decoder"] = {
+            str(tok.token_to_id(t)): {"content": t, "special": True, "normalized": False,
+                                      "lstrip": False, "rstrip": False, "single_word": False}
+            for t in QWEN_SPECIALS
+        }  # fmt: skip
+    else:
+        tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok

@@ -3,6 +3,8 @@ reward functions, reported as configuration errors (every one at once) and warni
 
 - the dataset is read and every bad row is listed (not UTF-8, not JSON, missing or wrongly typed
   prompt / answer, prompts over data.max_prompt_len with the run's tokenizer and chat template);
+- the run's tokenizer loads (a model directory without a loadable tokenizer names the files it
+  has and the fix; it never falls back to the byte tokenizer on its own);
 - each data.reward_fn entry is imported and its signature checked (and the dataset fields it
   asks for must exist); relative file paths are made absolute so workers find them;
 - env.path (a multi-turn environment) is imported the same way and must have reset / step and
@@ -27,10 +29,12 @@ from rlbatch.config.schema import DataConfig, DataSource, RewardKind, RunConfig
 def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     """(errors, warnings) of the data, rewards and tracking sinks of ``cfg``; rewrites relative
     data.reward_fn file paths to absolute ones."""
+    from rlbatch.engine.tokenizer import tokenizer_errors
     from rlbatch.eval.settings import eval_enabled
 
     errors: list[ConfigError] = []
     _check_cuda_only(cfg, errors)
+    errors += tokenizer_errors(cfg.model)
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
     _check_environment(cfg, errors)
