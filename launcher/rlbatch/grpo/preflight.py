@@ -8,7 +8,8 @@ reward functions, reported as configuration errors (every one at once) and warni
 - each data.reward_fn entry is imported and its signature checked (and the dataset fields it
   asks for must exist); relative file paths are made absolute so workers find them;
 - env.path (a multi-turn environment) is imported the same way and must have reset / step and
-  accept env.kwargs;
+  accept env.kwargs, and env.max_observation_tokens must hold the chat template's tool-turn
+  wrapper;
 - an enabled sink whose package is missing is an error (logging.wandb / logging.mlflow);
   TensorBoard enabled but missing is a warning;
 - an objective key set where the run ignores it is a warning.
@@ -73,6 +74,23 @@ def _check_environment(cfg: RunConfig, errors: list[ConfigError]) -> None:
         check_environment(cfg.env.path, cfg.env.kwargs)
     except EnvSpecError as err:
         errors.append(ConfigError("env.path", cfg.env.path, str(err)))
+    _check_observation_wrapper(cfg, errors)
+
+
+def _check_observation_wrapper(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """env.max_observation_tokens holds the chat template's tool-turn wrapper and some content
+    (an observation is cut inside its content, never in the wrapper)."""
+    from rlbatch.env.render import wrapper_error
+
+    tokenizer = _tokenizer(cfg)
+    if tokenizer is None or cfg.env.max_observation_tokens <= 0:
+        return  # reported by the tokenizer's / the positive-values rule
+    try:
+        error = wrapper_error(cfg.data.chat_template, tokenizer, cfg.env.max_observation_tokens)
+    except ValueError as err:
+        error = ConfigError("data.chat_template", cfg.data.chat_template, str(err))
+    if error is not None:
+        errors.append(error)
 
 
 def _cuda_available() -> bool:
