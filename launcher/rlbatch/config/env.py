@@ -34,4 +34,8 @@ class EnvConfig:
     """Threads that run synchronous reset / step calls at once (async ones share one loop)."""
     on_error: EnvOnError = EnvOnError.raise_error
     """raise_error: an exception, timeout or wrong return type stops the run naming the
-    environment, the sample and the turn; zero_reward: that episode ends with reward 0."""
+    environment, the sample and the turn; zero_reward: that episode ends with reward 0 (every
+    reward part 0)."""
+    max_error_fraction: float = 0.5
+    """zero_reward: a step where more than this fraction of the episodes that reached the
+    environment failed is a warning; a step where all of them failed stops the run."""
