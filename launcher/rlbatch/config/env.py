@@ -25,7 +25,7 @@ class EnvConfig:
     max_observation_tokens: int = 64
     """Tokens of one rendered observation, its chat wrapper included; a longer one has its
     content cut (the wrapper kept) to this many (``observations_cut`` metric). Must exceed the
-    wrapper of data.chat_template (qwen with the byte tokenizer: 85)."""
+    wrapper of data.chat_template (qwen with the byte tokenizer: 84)."""
     max_total_tokens: int = 256
     """Tokens of a whole trajectory (prompt, every assistant turn and observation); reaching it
     ends the episode as truncated. Also the longest sequence the token budgets must hold."""

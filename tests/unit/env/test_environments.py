@@ -148,7 +148,7 @@ def test_observations_render_by_chat_template(tmp_path):
 
 def test_observation_wrapper_and_the_limit_that_cannot_hold_it():
     """The qwen tool turn around an observation's content, and env.max_observation_tokens below
-    wrapper + 1 token refused (byte tokenizer: 35 + 50 bytes)."""
+    wrapper + 1 token refused (byte tokenizer: 34 + 50 bytes)."""
     from rlbatch.config.schema import ChatTemplate
     from rlbatch.engine.tokenizer import ByteTokenizer
     from rlbatch.env.render import wrapper_error, wrapper_text
@@ -157,8 +157,8 @@ def test_observation_wrapper_and_the_limit_that_cannot_hold_it():
     assert before == "\n<|im_start|>user\n<tool_response>\n"
     assert after == "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert wrapper_text(ChatTemplate.none, ByteTokenizer()) == ("", "")
-    error = wrapper_error(ChatTemplate.qwen, ByteTokenizer(), 85)
+    error = wrapper_error(ChatTemplate.qwen, ByteTokenizer(), 84)
     assert error is not None and error.key == "env.max_observation_tokens"
-    assert "(85 tokens" in error.message and "at least 86" in error.message
-    assert wrapper_error(ChatTemplate.qwen, ByteTokenizer(), 86) is None
+    assert "(84 tokens" in error.message and "at least 85" in error.message
+    assert wrapper_error(ChatTemplate.qwen, ByteTokenizer(), 85) is None
     assert wrapper_error(ChatTemplate.none, ByteTokenizer(), 1) is None
