@@ -19,8 +19,9 @@ pytestmark = pytest.mark.e2e
 
 ENV = '''
 class Scripted:
-    """An observation after turn 1, done after turn 2; even secrets raise at turn 1 (when asked
-    to). The untrained model ends few turns with EOS, so episodes are kept short."""
+    """An observation after turn 1, done after turn 2; even secrets raise at turn 1 after a
+    turn of even length (when asked to: a step keeps episodes that succeed, or the run would
+    stop). The untrained model ends few turns with EOS, so episodes are kept short."""
 
     def __init__(self, fail=False):
         self.fail = fail
@@ -30,7 +31,7 @@ class Scripted:
 
     async def step(self, state, text):
         state["turn"] += 1
-        if self.fail and int(state["secret"]) % 2 == 0:
+        if self.fail and int(state["secret"]) % 2 == 0 and len(text) % 2 == 0:
             raise ValueError("even secret")
         if state["turn"] >= 2:
             return {"observation": None, "done": True, "reward": 1.0}
@@ -358,6 +359,7 @@ def test_every_episode_failing_stops_the_run(bin_dir, subprocess_env, tmp_path, 
     report = " ".join(next((run_dir / "errors").glob("rank*.txt")).read_text().split())
     assert "step 1: every one of the" in report and "reached the environment failed" in report
     assert "tool service down" in report
+    assert "Traceback" not in report and "collective" not in report  # a user error, as such
     assert not (run_dir / "metrics.jsonl").exists() or not _metrics(run_dir)
 
 
