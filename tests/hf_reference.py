@@ -139,3 +139,59 @@ def save_chat_tokenizer(tmp_path: Path, as_file: bool = False) -> Path:
         config["chat_template"] = CHAT_TEMPLATE
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     return tmp_path
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def save_qwen_style_tokenizer(path: Path, as_vocab_merges: bool = False) -> Any:
+    """A Qwen2-style byte-level BPE (the 256 bytes, Qwen's three special tokens, 5 merges: 264
+    ids, the tiny model's vocabulary) trained by the ``tokenizers`` library; EOS <|im_end|>.
+    Saved as tokenizer.json, or (``as_vocab_merges``) as vocab.json + merges.txt with a
+    Qwen2Tokenizer tokenizer_config.json, as older checkpoints ship. Returns the tokenizer."""
+    import json
+
+    from tokenizers import ByteLevelBPETokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(
+        ["the answer is 42, the tool says: the answer"] * 20, vocab_size=264, min_frequency=1,
+        special_tokens=QWEN_SPECIALS, show_progress=False,
+    )  # fmt: skip
+    config: dict[str, Any] = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    if as_vocab_merges:
+        tok.save_model(str(path))
+        config["tokenizer_class"] = "Qwen2Tokenizer"
+        config["added_tokens_decoder"] = {
+            str(tok.token_to_id(t)): {"content": t, "special": True, "normalized": False,
+                                      "lstrip": False, "rstrip": False, "single_word": False}
+            for t in QWEN_SPECIALS
+        }  # fmt: skip
+    else:
+        tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok
+
+
+def save_turn_ending_qwen2(path: Path, eos_id: int, push: float = 5.0) -> Any:
+    """A tiny random Qwen2 (tied embeddings, vocabulary 264) whose ``eos_id`` embedding is moved
+    towards the mean final hidden state, so that its sampled turns end with EOS after a few
+    tokens (a random model almost never samples EOS); saved to ``path``."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, attn_implementation="eager", initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).float().eval()
+    ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        u = hidden.reshape(-1, hidden.shape[-1]).mean(0)
+        model.model.embed_tokens.weight[eos_id] += push * u / u.norm()
+    model.save_pretrained(path)
+    return model

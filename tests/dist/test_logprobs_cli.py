@@ -29,6 +29,7 @@ def test_rlbatch_logprobs_pp2_vpp2(tmp_path, bin_dir, subprocess_env):
         f"model.hf_path={tmp_path / 'hf'}",
         f"logprobs.input={tmp_path / 'in.jsonl'}",
         f"logprobs.output={tmp_path / 'out.jsonl'}",
+        "model.tokenizer=bytes",  # the text row: a model without tokenizer files
         "parallel.pp=2", "parallel.vpp=2",
         "batching.infer.mode=packed", "batching.infer.max_tokens=64",
         # the CLI validates the preset before the workers read config.json: match it

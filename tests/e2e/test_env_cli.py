@@ -19,8 +19,9 @@ pytestmark = pytest.mark.e2e
 
 ENV = '''
 class Scripted:
-    """An observation after turn 1, done after turn 2; even secrets raise at turn 1 (when asked
-    to). The untrained model ends few turns with EOS, so episodes are kept short."""
+    """An observation after turn 1, done after turn 2; even secrets raise at turn 1 after a
+    turn of even length (when asked to: a step keeps episodes that succeed, or the run would
+    stop). The untrained model ends few turns with EOS, so episodes are kept short."""
 
     def __init__(self, fail=False):
         self.fail = fail
@@ -30,7 +31,7 @@ class Scripted:
 
     async def step(self, state, text):
         state["turn"] += 1
-        if self.fail and int(state["secret"]) % 2 == 0:
+        if self.fail and int(state["secret"]) % 2 == 0 and len(text) % 2 == 0:
             raise ValueError("even secret")
         if state["turn"] >= 2:
             return {"observation": None, "done": True, "reward": 1.0}
@@ -183,3 +184,202 @@ def test_evaluation_rolls_out_through_the_environment(user_run):
     assert len(rewards) == 2 * 8 * 2
     assert any(r > 0.5 for r in rewards)  # the environment paid: 0.5 + its step rewards
     assert set(rewards) <= {0.0, 0.5, 0.75, 1.5, 1.75}
+
+
+# ------------------------------------------------------------------ a real tokenizer, qwen turns
+CHATTY = '''
+LONG = "the tool says: " + "the answer is 42, " * 8
+
+
+class Chatty:
+    """A long tool answer after turns 1 and 2, done after turn 3; a row with "fail" raises at
+    its second step."""
+
+    def reset(self, row):
+        return {"n": 0, "fail": row["fail"]}
+
+    def step(self, state, text):
+        state["n"] += 1
+        if state["fail"] and state["n"] == 2:
+            raise ValueError("tool crashed")
+        if state["n"] >= 3:
+            return {"observation": None, "done": True, "reward": 1.0}
+        return {"observation": LONG, "done": False, "reward": 0.5}
+'''
+LONG = "the tool says: " + "the answer is 42, " * 8
+BEFORE = "\n<|im_start|>user\n<tool_response>\n"  # Qwen2.5's tool turn after an assistant EOS
+AFTER = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def turn_model(tmp_path_factory):
+    """A tiny Qwen2 checkpoint with a Qwen2-style byte-level BPE tokenizer.json (EOS
+    <|im_end|>) whose turns end with EOS after a few tokens; (directory, transformers'
+    tokenizer of it)."""
+    import transformers
+
+    from hf_reference import save_qwen_style_tokenizer, save_turn_ending_qwen2
+
+    path = tmp_path_factory.mktemp("turn_model")
+    tok = save_qwen_style_tokenizer(path)
+    save_turn_ending_qwen2(path, eos_id=tok.token_to_id("<|im_end|>"))
+    return path, transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def qwen_run(bin_dir, subprocess_env, tmp_path_factory, turn_model):
+    """Two steps of 32 episodes with data.chat_template=qwen and the real tokenizer: long
+    observations cut to a limit 12 tokens over the tool turn's wrapper; 2 of the 8 prompts'
+    episodes fail at their second step (env.on_error=zero_reward), with a data reward of 0.5."""
+    model_dir, theirs = turn_model
+    tmp = tmp_path_factory.mktemp("qwen_env")
+    (tmp / "chatty.py").write_text(CHATTY)
+    (tmp / "bonus.py").write_text("def bonus(completion):\n    return 0.5\n")
+    chat = [{"role": "system", "content": "go"}, {"role": "user", "content": "ask the tool"}]
+    rows = [{"prompt": chat, "answer": str(i), "fail": i < 2} for i in range(8)]
+    (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    wrapper = len(theirs.encode(BEFORE, add_special_tokens=False)) + len(
+        theirs.encode(AFTER, add_special_tokens=False)
+    )
+    limit = wrapper + 12
+    run_dir = tmp / "run"
+    proc = _run(
+        bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", f"model.hf_path={model_dir}",
+        f"data.path={tmp / 'data.jsonl'}", "data.chat_template=qwen", "data.max_prompt_len=64",
+        "data.reward_fn=bonus.py:bonus", "env=default", "env.path=chatty.py:Chatty",
+        "env.on_error=zero_reward", f"env.max_observation_tokens={limit}",
+        "env.max_total_tokens=400", "env.max_error_fraction=0.05", "logging.samples=true",
+        "trainer.max_steps=2", "grpo.global_batch_size=32", "rollout.max_new_tokens=24",
+        "logging.progress=true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    samples = {
+        step: [
+            json.loads(line)
+            for line in (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
+        ]
+        for step in (1, 2)
+    }
+    output = " ".join((proc.stdout + proc.stderr).split())
+    return _metrics(run_dir), samples, output, limit
+
+
+@pytest.mark.slow
+def test_cut_observation_keeps_the_chat_wrapper(qwen_run, turn_model):
+    """An observation over env.max_observation_tokens loses the end of its content, never the
+    tool turn's closing tags nor the next assistant header; the samples file logs exactly the
+    text of the ids that were appended (decoded by transformers)."""
+    records, samples, _, limit = qwen_run
+    _, theirs = turn_model
+    cut = 0
+    for step, rows in samples.items():
+        for s in rows:
+            pos = 0
+            for k, turn in enumerate(s["turns"]):
+                ids = s["response_ids"][pos : pos + turn["tokens"]]
+                if turn["role"] == "observation":
+                    text = turn["text"]
+                    assert theirs.decode(ids, skip_special_tokens=False) == text
+                    assert text.startswith(BEFORE) and text.endswith(AFTER), text
+                    content = text[len(BEFORE) : -len(AFTER)]
+                    assert content and LONG.startswith(content) and content != LONG
+                    assert len(ids) == limit
+                    assert s["turns"][k + 1]["role"] == "assistant"  # sampled after the header
+                    cut += 1
+                pos += turn["tokens"]
+            assert pos == len(s["response_ids"])
+        assert records[step - 1]["observations_cut"] == sum(
+            t["role"] == "observation" for s in rows for t in s["turns"]
+        )
+    assert cut > 0
+
+
+@pytest.mark.slow
+def test_zeroed_episodes_count_zero_in_every_reward_metric(qwen_run):
+    """env.on_error=zero_reward: an episode ended by an error trained on 0, and so its parts
+    (the data reward, the environment's step rewards paid before the error) are 0 in the
+    samples' reward_parts and in reward/<name>_mean."""
+    records, samples, output, _ = qwen_run
+    errors = 0
+    for step, rows in samples.items():
+        want_bonus, want_env = [], []
+        for s in rows:
+            if s["end"] == "error":
+                errors += 1
+                assert "tool crashed" in s["error"] and s["env_rewards"] == [0.5]
+                want_bonus.append(0.0)
+                want_env.append(0.0)
+                assert s["reward"] == 0.0
+            else:
+                want_bonus.append(0.5)
+                want_env.append(sum(s["env_rewards"]))
+            assert s["reward_parts"] == {"bonus": want_bonus[-1], "env": want_env[-1]}
+        r = records[step - 1]
+        assert r["reward/bonus_mean"] == pytest.approx(sum(want_bonus) / len(rows))
+        assert r["reward/env_mean"] == pytest.approx(sum(want_env) / len(rows))
+        assert r["env_errors"] == sum(s["end"] == "error" for s in rows)
+    assert errors > 0
+    # over env.max_error_fraction=0.05: a warning naming the step and an example error
+    assert "episodes that reached the environment failed (over env.max_error_fraction=0.05)" in (
+        output
+    )
+
+
+@pytest.mark.slow
+def test_progress_line_and_summary_show_episode_figures(qwen_run):
+    records, _, output, _ = qwen_run
+    last = records[-1]
+    line = f"step 2/2 reward {last['reward_mean']:.3f} kl {last['kl']:.4f}"  # then tok/s, then the episode figures
+    assert line in output, output[-3000:]
+    assert (
+        f"turns {last['turns_mean']:.2f} env_errors {last['env_errors']:.0f} truncated"
+        f" {last['episodes_truncated']:.0f}"
+    ) in output
+    for row in ("turns_mean", "env_errors", "episodes_truncated"):
+        assert f"│ {row} " in output, row
+
+
+def test_every_episode_failing_stops_the_run(bin_dir, subprocess_env, tmp_path, turn_model):
+    """env.on_error=zero_reward with an environment whose every step fails (as when every
+    thread is held by a hung call): the run stops at step 1 naming the failure, rather than
+    training on reward 0."""
+    model_dir, _ = turn_model
+    (tmp_path / "broken.py").write_text(
+        "class Broken:\n    def reset(self, row):\n        return 0\n"
+        "    def step(self, state, text):\n        raise OSError('tool service down')\n"
+    )
+    run_dir = tmp_path / "run"
+    proc = _run(
+        bin_dir, subprocess_env, tmp_path, f"hydra.run.dir={run_dir}",
+        f"model.hf_path={model_dir}", "env=default", "env.path=broken.py:Broken",
+        "env.on_error=zero_reward", "trainer.max_steps=2", "grpo.global_batch_size=32",
+        "rollout.max_new_tokens=24",
+    )  # fmt: skip
+    assert proc.returncode not in (0, 2), proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = " ".join(next((run_dir / "errors").glob("rank*.txt")).read_text().split())
+    assert "step 1: every one of the" in report and "reached the environment failed" in report
+    assert "tool service down" in report
+    assert "Traceback" not in report and "collective" not in report  # a user error, as such
+    assert not (run_dir / "metrics.jsonl").exists() or not _metrics(run_dir)
+
+
+@pytest.mark.slow
+def test_no_episode_reaching_the_environment_is_reported(bin_dir, subprocess_env, tmp_path):
+    """Every turn cut by rollout.max_new_tokens=1 (the untrained tiny model samples EOS about
+    once in 264 tokens; with this seed, never in the two steps): the episodes never call the
+    environment, which the run says at its first step and at the end."""
+    (tmp_path / "scripted.py").write_text(ENV)
+    run_dir = tmp_path / "run"
+    proc = _run(
+        bin_dir, subprocess_env, tmp_path, f"hydra.run.dir={run_dir}", "env=default",
+        "env.path=scripted.py:Scripted", "trainer.max_steps=2", "grpo.global_batch_size=32",
+        "rollout.max_new_tokens=1", "trainer.seed=1", "logging.progress=true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _metrics(run_dir)
+    assert [r["env_episodes"] for r in records] == [0, 0]
+    assert all(r["episodes_truncated"] == 32 for r in records)
+    output = " ".join((proc.stdout + proc.stderr).split())
+    assert "step 1: no episode reached the environment" in output
+    assert "step 2: no episode reached the environment" not in output  # said once
+    assert "no episode reached the environment in 2 step(s)" in output

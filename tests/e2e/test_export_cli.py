@@ -40,7 +40,7 @@ def test_export_middle_step_of_tp2_run(tmp_path, bin_dir, subprocess_env):
     _run(
         [
             str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"hydra.run.dir={run}",
-            f"model.hf_path={src}", "parallel.tp=2", "trainer.max_steps=2",
+            f"model.hf_path={src}", "model.tokenizer=bytes", "parallel.tp=2", "trainer.max_steps=2",
             "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=2",
         ],
         tmp_path, subprocess_env,

@@ -251,6 +251,16 @@ class BestMode(str, Enum):
     min = "min"
 
 
+class TokenizerSource(str, Enum):
+    """Which tokenizer a run uses: ``auto`` = model.tokenizer_path, else the tokenizer files of
+    model.hf_path (an error when neither has a loadable one, or when model.hf_path has none);
+    the built-in byte tokenizer only for a random-init model (no model.hf_path). ``bytes`` =
+    the built-in byte tokenizer, chosen deliberately (e.g. a checkpoint trained with it)."""
+
+    auto = "auto"
+    bytes = "bytes"
+
+
 class EnvOnError(str, Enum):
     """What an exception (or a timeout, or a wrong return type) in an environment's reset / step
     does: stop the run naming the environment, sample and turn, or end that episode with

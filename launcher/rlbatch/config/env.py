@@ -23,8 +23,9 @@ class EnvConfig:
     max_turns: int = 4
     """Assistant turns per episode; an episode still going after this many is truncated."""
     max_observation_tokens: int = 64
-    """Tokens of one rendered observation; longer ones are cut to this many (counted in the
-    ``observations_cut`` metric)."""
+    """Tokens of one rendered observation, its chat wrapper included; a longer one has its
+    content cut (the wrapper kept) to this many (``observations_cut`` metric). Must exceed the
+    wrapper of data.chat_template (qwen with the byte tokenizer: 84)."""
     max_total_tokens: int = 256
     """Tokens of a whole trajectory (prompt, every assistant turn and observation); reaching it
     ends the episode as truncated. Also the longest sequence the token budgets must hold."""
@@ -34,4 +35,8 @@ class EnvConfig:
     """Threads that run synchronous reset / step calls at once (async ones share one loop)."""
     on_error: EnvOnError = EnvOnError.raise_error
     """raise_error: an exception, timeout or wrong return type stops the run naming the
-    environment, the sample and the turn; zero_reward: that episode ends with reward 0."""
+    environment, the sample and the turn; zero_reward: that episode ends with reward 0 (every
+    reward part 0)."""
+    max_error_fraction: float = 0.5
+    """zero_reward: a step where more than this fraction of the episodes that reached the
+    environment failed is a warning; a step where all of them failed stops the run."""

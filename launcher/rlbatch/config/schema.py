@@ -42,6 +42,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     RolloutCorrection,
     RopeScaling,
     ScaleRewards,
+    TokenizerSource,
     WandbMode,
     Workload,
 )
@@ -116,7 +117,12 @@ class ModelConfig:
     """Hugging Face checkpoint to load (config.json + *.safetensors): a local directory or a
     hub id (org/name, resolved through the huggingface_hub cache); null = random init."""
     tokenizer_path: Optional[str] = None
-    """Local HF tokenizer directory; null = hf_path, or the built-in byte tokenizer."""
+    """Local HF tokenizer directory; null = hf_path's tokenizer files (model.tokenizer=auto)."""
+    tokenizer: TokenizerSource = TokenizerSource.auto
+    """auto: tokenizer_path, else hf_path's tokenizer files (tokenizer.json, or vocab.json +
+    merges.txt / tokenizer.model through transformers), else the byte tokenizer when there is
+    no hf_path; a hf_path without a loadable tokenizer stops the run before launch. bytes: the
+    built-in byte tokenizer, deliberately (docs/data_and_rewards.md, "Tokenizers")."""
 
 
 @dataclass

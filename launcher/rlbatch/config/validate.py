@@ -428,6 +428,14 @@ def _check_env(cfg: RunConfig, errors: list[ConfigError]) -> None:
         ("env.max_concurrency", env.max_concurrency),
     ):
         _positive(key, value, errors)
+    if not 0.0 <= env.max_error_fraction <= 1.0:
+        errors.append(
+            ConfigError(
+                "env.max_error_fraction",
+                env.max_error_fraction,
+                "is a fraction of the episodes: set it in [0, 1]",
+            )
+        )
     if env.max_total_tokens <= cfg.data.max_prompt_len:
         errors.append(
             ConfigError(

@@ -4,6 +4,13 @@ Both have the same interface: ``encode(text) -> list[int]``, ``decode(ids) -> st
 ``eos_id``, ``pad_id``, ``bos_id`` (or None), ``vocab_size``.
 
     tokenizer = build_tokenizer(cfg.model)   # tokenizer_path, else hf_path, else bytes
+
+A directory's ``tokenizer.json`` is read by the ``tokenizers`` library; a directory with other
+tokenizer files only (``vocab.json`` + ``merges.txt``, a sentencepiece ``tokenizer.model``) is
+converted by ``transformers.AutoTokenizer`` to the same fast tokenizer. A model directory
+(model.hf_path) never falls back to the byte tokenizer on its own: without a loadable tokenizer
+:func:`tokenizer_errors` names the files found and the fix, before launch; ``model.tokenizer=
+bytes`` chooses the byte tokenizer deliberately.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
-from rlbatch.config.schema import ModelConfig
+from rlbatch.config.errors import ConfigError
+from rlbatch.config.schema import ModelConfig, TokenizerSource
 
 
 class Tokenizer(Protocol):
@@ -52,19 +60,64 @@ def _special_id(tok: Any, value: Any) -> Optional[int]:
     return None
 
 
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "vocab.txt", "tokenizer_config.json",
+)  # fmt: skip
+"""Files that make a directory a tokenizer's (tokenizer_config.json alone does not load)."""
+
+
+def tokenizer_files(path: str | Path) -> list[str]:
+    """The tokenizer files in ``path`` (TOKENIZER_FILE_NAMES order)."""
+    return [name for name in TOKENIZER_FILE_NAMES if (Path(path) / name).is_file()]
+
+
+class TokenizerLoadError(ValueError):
+    """A directory's tokenizer files cannot be loaded; the message names them and the fix."""
+
+
+def _backend(path: Path) -> Any:
+    """The directory's ``tokenizers.Tokenizer``: tokenizer.json as is, else what
+    transformers.AutoTokenizer converts the other files to (its fast tokenizer)."""
+    from tokenizers import Tokenizer as _Tokenizer
+
+    if (path / "tokenizer.json").is_file():
+        return _Tokenizer.from_file(str(path / "tokenizer.json"))
+    found = tokenizer_files(path)
+    if not [f for f in found if f != "tokenizer_config.json"]:
+        raise TokenizerLoadError(
+            f"{path} has no tokenizer files (looked for {', '.join(TOKENIZER_FILE_NAMES[:-1])}):"
+            " copy the model's tokenizer files there"
+        )
+    try:
+        import transformers
+
+        converted = transformers.AutoTokenizer.from_pretrained(str(path))
+        backend = getattr(converted, "backend_tokenizer", None)
+    except Exception as err:  # noqa: BLE001 - any failure of the conversion is reported
+        raise TokenizerLoadError(
+            f"{path} has {', '.join(found)} but no tokenizer.json, and transformers could not"
+            f" load them ({type(err).__name__}: {str(err).strip()[:300]}): add tokenizer.json"
+            " (tokenizer.save_pretrained(DIR) with transformers writes it), or install what the"
+            " files need (pip install sentencepiece for a *.model file)"
+        ) from err
+    if backend is None:
+        raise TokenizerLoadError(
+            f"{path} has {', '.join(found)}: transformers loads them as a slow tokenizer only"
+            " (no fast conversion): add tokenizer.json"
+        )
+    return backend
+
+
 class HFTokenizer:
-    """A local HF tokenizer directory (tokenizer.json, via the ``tokenizers`` library). The EOS
-    and PAD tokens come from tokenizer_config.json (eos_token / pad_token), else
+    """A local HF tokenizer directory (tokenizer.json via the ``tokenizers`` library, else the
+    fast tokenizer transformers converts vocab.json + merges.txt or a sentencepiece model to).
+    The EOS and PAD tokens come from tokenizer_config.json (eos_token / pad_token), else
     generation_config.json / config.json (eos_token_id); pad defaults to EOS."""
 
     def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer as _Tokenizer
-
         self.path = Path(path)
-        file = self.path / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"{path}: no tokenizer.json (set model.tokenizer_path)")
-        self._tok = _Tokenizer.from_file(str(file))
+        self._tok = _backend(self.path)
         meta: dict[str, Any] = {}
         for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
             if (self.path / name).is_file():
@@ -117,12 +170,40 @@ def _chat_template(path: Path, configured: Any) -> Optional[str]:
     return configured if isinstance(configured, str) else None
 
 
+def tokenizer_source(model: ModelConfig) -> tuple[str, Optional[str]]:
+    """(dotted key, directory) of the run's tokenizer: model.tokenizer_path, else model.hf_path;
+    (model.tokenizer, None) for the built-in byte tokenizer (model.tokenizer=bytes, or no
+    directory at all)."""
+    if TokenizerSource(model.tokenizer) == TokenizerSource.bytes:
+        return "model.tokenizer", None
+    if model.tokenizer_path:
+        return "model.tokenizer_path", model.tokenizer_path
+    if model.hf_path:
+        return "model.hf_path", model.hf_path
+    return "model.tokenizer", None
+
+
+def tokenizer_errors(model: ModelConfig) -> list[ConfigError]:
+    """Before launch: the run's tokenizer loads (its files found, what failed and the fix)."""
+    key, path = tokenizer_source(model)
+    if path is None or not Path(path).is_dir():
+        return []  # the byte tokenizer; a missing directory is its own rule's error
+    try:
+        build_tokenizer(model)
+    except TokenizerLoadError as err:
+        fix = "set model.tokenizer_path=DIR (a tokenizer directory)"
+        if key == "model.hf_path":
+            fix += ", or model.tokenizer=bytes to train with the built-in byte tokenizer"
+        return [ConfigError(key, path, f"{err}; or {fix}")]
+    except ValueError as err:
+        return [ConfigError(key, path, str(err))]
+    return []
+
+
 def build_tokenizer(model: ModelConfig) -> Tokenizer:
-    """model.tokenizer_path, else model.hf_path (when it has a tokenizer.json), else the
-    built-in byte tokenizer. The model's vocabulary must cover the tokenizer's."""
-    path = model.tokenizer_path
-    if path is None and model.hf_path and (Path(model.hf_path) / "tokenizer.json").is_file():
-        path = model.hf_path
+    """The tokenizer :func:`tokenizer_source` names (an HF directory never falls back to bytes:
+    TokenizerLoadError). The model's vocabulary must cover the tokenizer's."""
+    _, path = tokenizer_source(model)
     tokenizer: Tokenizer = HFTokenizer(path) if path else ByteTokenizer()
     if tokenizer.vocab_size > model.vocab_size:
         raise ValueError(

@@ -3,8 +3,8 @@
 The decoding loop (rlbatch.grpo.multiturn) speaks token ids only; this driver turns them into
 the environment's calls and back: ``begin`` resets one episode per row, ``submit`` decodes an
 assistant turn and starts its ``step`` call, ``collect`` waits for those calls and answers each
-row with its observation's token ids (rendered by the chat template, cut to
-env.max_observation_tokens) or None when the episode is over (done, env.max_turns, or an error
+row with its observation's token ids (rendered by the chat template; one over
+env.max_observation_tokens has its content cut, its wrapper kept) or None when the episode is over (done, env.max_turns, or an error
 under env.on_error=zero_reward). Synchronous methods run in a thread pool of
 env.max_concurrency; ``async def`` ones on one event loop in a background thread; each call is
 bounded by env.timeout_s.
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rlbatch.config.enums import ChatTemplate, EnvOnError
+from rlbatch.config.errors import ConfigErrors
 from rlbatch.config.schema import RunConfig
 from rlbatch.env.protocol import EnvCallError, StepResult, as_step_result
-from rlbatch.env.render import observation_text
+from rlbatch.env.render import observation_text, wrapper_error, wrapper_text
 from rlbatch.grpo.types import Prompt
 
 
@@ -50,6 +51,13 @@ class Episode:
     """Time spent in this episode's reset / step calls."""
     observation_tokens: int = 0
     observations_cut: int = 0
+    steps_called: int = 0
+    """step calls made (answered, failed or timed out)."""
+
+    @property
+    def reached_env(self) -> bool:
+        """Its environment was asked something beyond reset: a step call, or a failed reset."""
+        return self.steps_called > 0 or self.end == "error"
 
     @property
     def num_turns(self) -> int:
@@ -68,6 +76,7 @@ class Episode:
             "env_seconds": self.seconds,
             "observation_tokens": self.observation_tokens,
             "observations_cut": self.observations_cut,
+            "reached_env": self.reached_env,
         }
 
 
@@ -167,6 +176,7 @@ class EnvDriver:
         self._pending: dict[int, tuple[Future, float]] = {}
         self._closed: set[int] = set()
         """Rows that submitted a turn to an episode already over (a failed reset)."""
+        self._wrapped: Optional[tuple[tuple[str, list[int]], tuple[str, list[int]]]] = None
 
     # ---------------------------------------------------------------- episodes
     def _row(self, prompt: Prompt) -> dict[str, Any]:
@@ -207,6 +217,7 @@ class EnvDriver:
         if ep.end:  # its reset failed (env.on_error=zero_reward): the episode is over
             self._closed.add(row)
             return
+        ep.steps_called += 1
         self._pending[row] = (self.calls.submit(self.env.step, ep.state, text), time.monotonic())
 
     def collect(self) -> dict[int, Optional[list[int]]]:
@@ -271,11 +282,33 @@ class EnvDriver:
         if ep.num_turns >= self.limits.max_turns:
             ep.end, ep.truncated = "max_turns", True
             return None
-        text = observation_text(self.template, result.observation, self.tokenizer)
-        ids = [int(t) for t in self.tokenizer.encode(text)]
-        if len(ids) > self.limits.max_observation_tokens:
-            ids = ids[: self.limits.max_observation_tokens]
-            ep.observations_cut += 1
+        text, ids, cut = self._observation(result.observation)
+        ep.observations_cut += cut
         ep.turns.append({"role": "observation", "text": text, "tokens": len(ids)})
         ep.observation_tokens += len(ids)
         return ids
+
+    def _observation(self, observation: str) -> tuple[str, list[int], bool]:
+        """(text, ids, cut) appended for ``observation``: the rendered turn, or, when it is over
+        env.max_observation_tokens, its content cut to what the wrapper leaves (the wrapper's
+        ids around the content's first ids; the text is what those ids are)."""
+        text = observation_text(self.template, observation, self.tokenizer)
+        ids = [int(t) for t in self.tokenizer.encode(text)]
+        if len(ids) <= self.limits.max_observation_tokens:
+            return text, ids, False
+        (before, before_ids), (after, after_ids) = self._wrapper()
+        room = self.limits.max_observation_tokens - len(before_ids) - len(after_ids)
+        content = [int(t) for t in self.tokenizer.encode(observation)][:room]
+        kept = self.tokenizer.decode(content)
+        return before + kept + after, before_ids + content + after_ids, True
+
+    def _wrapper(self) -> tuple[tuple[str, list[int]], tuple[str, list[int]]]:
+        """The template's text and ids before and after an observation's content (cached)."""
+        if self._wrapped is None:
+            error = wrapper_error(self.template, self.tokenizer, self.limits.max_observation_tokens)
+            if error is not None:
+                raise ConfigErrors([error])
+            parts = wrapper_text(self.template, self.tokenizer)
+            before, after = ((t, [int(i) for i in self.tokenizer.encode(t)]) for t in parts)
+            self._wrapped = (before, after)
+        return self._wrapped

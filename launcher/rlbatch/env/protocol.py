@@ -52,9 +52,11 @@ class EnvSpecError(ValueError):
     """env.path cannot be loaded, or the class lacks what the protocol needs."""
 
 
-class EnvCallError(RuntimeError):
-    """An environment's reset / step raised, timed out or returned the wrong type; the message
-    names the environment class, the sample and the turn."""
+class EnvCallError(Exception):
+    """An environment's reset / step raised, timed out or returned the wrong type (or every
+    episode of a step failed); the message names the environment class, the sample and the
+    turn. Not a RuntimeError: the training loop reads a RuntimeError whose message mentions a
+    timeout as a collective timeout, and this message may name env.timeout_s."""
 
 
 def as_step_result(value: Any, where: str) -> StepResult:

@@ -3,10 +3,13 @@ reward functions, reported as configuration errors (every one at once) and warni
 
 - the dataset is read and every bad row is listed (not UTF-8, not JSON, missing or wrongly typed
   prompt / answer, prompts over data.max_prompt_len with the run's tokenizer and chat template);
+- the run's tokenizer loads (a model directory without a loadable tokenizer names the files it
+  has and the fix; it never falls back to the byte tokenizer on its own);
 - each data.reward_fn entry is imported and its signature checked (and the dataset fields it
   asks for must exist); relative file paths are made absolute so workers find them;
 - env.path (a multi-turn environment) is imported the same way and must have reset / step and
-  accept env.kwargs;
+  accept env.kwargs, and env.max_observation_tokens must hold the chat template's tool-turn
+  wrapper;
 - an enabled sink whose package is missing is an error (logging.wandb / logging.mlflow);
   TensorBoard enabled but missing is a warning;
 - an objective key set where the run ignores it is a warning.
@@ -27,11 +30,13 @@ from rlbatch.config.schema import DataConfig, DataSource, RewardKind, RunConfig
 def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     """(errors, warnings) of the data, rewards and tracking sinks of ``cfg``; rewrites relative
     data.reward_fn file paths to absolute ones."""
+    from rlbatch.engine.tokenizer import tokenizer_errors
     from rlbatch.eval.settings import eval_enabled
 
     errors: list[ConfigError] = []
     _check_cuda_only(cfg, errors)
     _check_vllm_installed(cfg, errors)
+    errors += tokenizer_errors(cfg.model)
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
     check_brought_rewards(cfg.data, cfg.trainer.seed, errors)
@@ -71,6 +76,23 @@ def _check_environment(cfg: RunConfig, errors: list[ConfigError]) -> None:
         check_environment(cfg.env.path, cfg.env.kwargs)
     except EnvSpecError as err:
         errors.append(ConfigError("env.path", cfg.env.path, str(err)))
+    _check_observation_wrapper(cfg, errors)
+
+
+def _check_observation_wrapper(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """env.max_observation_tokens holds the chat template's tool-turn wrapper and some content
+    (an observation is cut inside its content, never in the wrapper)."""
+    from rlbatch.env.render import wrapper_error
+
+    tokenizer = _tokenizer(cfg)
+    if tokenizer is None or cfg.env.max_observation_tokens <= 0:
+        return  # reported by the tokenizer's / the positive-values rule
+    try:
+        error = wrapper_error(cfg.data.chat_template, tokenizer, cfg.env.max_observation_tokens)
+    except ValueError as err:
+        error = ConfigError("data.chat_template", cfg.data.chat_template, str(err))
+    if error is not None:
+        errors.append(error)
 
 
 def _cuda_available() -> bool:

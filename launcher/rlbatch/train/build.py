@@ -118,7 +118,7 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     from rlbatch.distributed import WorldDist
     from rlbatch.grpo.rewards import brought_kinds, run_component_names
     from rlbatch.grpo.step import Reducers, run_train_step
-    from rlbatch.train.episodes import episode_metrics, make_sample_writer
+    from rlbatch.train.episodes import check_env_errors, episode_metrics, make_sample_writer
 
     names = run_component_names(cfg)
     count_failures = bool(brought_kinds(cfg.data))
@@ -132,6 +132,7 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
     )
 
     round_start = make_round_start(cfg, model)
+    warned: set[str] = set()
     write_plan = make_plan_writer(cfg) if cfg.logging.plans and ps.rank == 0 else None
     write_samples = None
     if cfg.logging.samples:
@@ -156,6 +157,8 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             write_samples(step, batch.samples)
         episodes = episode_metrics(batch.samples, world) if cfg.env.path else {}
         failures = failure_counts(batch.samples, world) if count_failures else {}
+        if episodes:
+            _warn_env(check_env_errors(episodes, batch.samples, cfg.env, step), ps.rank, warned)
         return {
             **reward_means(batch.samples, names, world),
             **failures,
@@ -166,6 +169,18 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
         }
 
     return train_step
+
+
+def _warn_env(warnings: list[str], rank: int, warned: set[str]) -> None:
+    """Rank 0 logs each environment warning; "no episode reached the environment" once."""
+    import logging
+
+    for text in warnings:
+        kind = "unreached" if "no episode reached" in text else text
+        if rank == 0 and kind not in warned:
+            logging.getLogger("rlbatch.env").warning(text)
+        if kind == "unreached":
+            warned.add(kind)
 
 
 def run(cfg: RunConfig) -> None:

@@ -6,8 +6,14 @@ Metrics (only with env.path set): ``turns_mean`` / ``turns_max`` (assistant turn
 concurrently, so this can exceed the wall time), ``observation_tokens_mean``,
 ``episodes_truncated`` (episodes ended by a limit: max_turns, max_total_tokens,
 max_new_tokens), ``env_errors`` (episodes ended by an environment error under
-env.on_error=zero_reward) and ``observations_cut`` (observations cut to
-env.max_observation_tokens).
+env.on_error=zero_reward), ``observations_cut`` (observations cut to
+env.max_observation_tokens) and ``env_episodes`` (episodes that reached their environment: at
+least one step call, or a failed reset; an episode whose every turn was cut by
+rollout.max_new_tokens never does).
+
+:func:`check_env_errors` reads them after each step: a warning when more than
+env.max_error_fraction of the episodes that reached the environment failed, a stop when all of
+them did, and a warning when none reached it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Sample
 
-_SUMS = ("samples", "turns", "env_seconds", "observation_tokens", "truncated", "errors", "cut")
+_SUMS = (
+    "samples", "turns", "env_seconds", "observation_tokens", "truncated", "errors", "cut",
+    "reached",
+)  # fmt: skip
 
 
 def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
@@ -35,6 +45,7 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         local["truncated"] += bool(ep.get("truncated", s.truncated))
         local["errors"] += ep.get("end") == "error"
         local["cut"] += ep.get("observations_cut", 0)
+        local["reached"] += bool(ep.get("reached_env", False))
         turns_max = max(turns_max, ep.get("num_turns", 1))
     total = dict(zip(_SUMS, dist.all_reduce_sum([local[k] for k in _SUMS]), strict=True))
     n = max(total["samples"], 1.0)
@@ -46,7 +57,39 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         "episodes_truncated": total["truncated"],
         "env_errors": total["errors"],
         "observations_cut": total["cut"],
+        "env_episodes": total["reached"],
     }
+
+
+def check_env_errors(
+    metrics: dict[str, float], samples: Sequence[Sample], env: Any, step: int
+) -> list[str]:
+    """Warnings of one step's episode metrics (every rank gets the same: the metrics are
+    reduced); raises EnvCallError when every episode that reached the environment failed (the
+    step would train on reward 0 alone). ``env``: cfg.env."""
+    errors, reached = metrics["env_errors"], metrics["env_episodes"]
+    if reached == 0:
+        return [
+            f"step {step}: no episode reached the environment: every assistant turn was cut"
+            " before it ended (rollout.max_new_tokens, env.max_total_tokens), so no step call"
+            " was made: raise rollout.max_new_tokens, or check that the model ends its turns"
+            " with EOS"
+        ]
+    example = next((e for s in samples if (e := (s.episode or {}).get("error"))), "")
+    if errors == reached:
+        raise EnvCallError(
+            f"step {step}: every one of the {errors:.0f} episodes that reached the environment"
+            f" failed (env.on_error=zero_reward would train on reward 0 alone), e.g. {example}:"
+            " fix the environment, or raise env.timeout_s / env.max_concurrency if its calls"
+            " time out"
+        )
+    if errors / reached > env.max_error_fraction:
+        return [
+            f"step {step}: {errors:.0f} of the {reached:.0f} episodes that reached the"
+            f" environment failed (over env.max_error_fraction={env.max_error_fraction}) and"
+            f" score 0{', e.g. ' + example if example else ''}"
+        ]
+    return []
 
 
 def sample_record(s: Sample) -> dict[str, Any]:

@@ -135,7 +135,7 @@ def make_reward_batch_fn(
     """The aggregator's reward_fn: decode responses (EOS excluded) and score them; each
     component's value goes to the sample's metrics as ``reward/<name>``. A multi-turn sample
     adds the sum of its environment's step rewards (``reward/env``); an episode ended by an
-    environment error (env.on_error=zero_reward) gets a total of 0."""
+    environment error (env.on_error=zero_reward) gets a total of 0, and every part 0."""
     rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
 
     def reward_batch(samples: list[Sample]) -> list[float]:
@@ -163,13 +163,20 @@ def record_failures(sample: Sample, failures: Sequence[tuple[str, Any]]) -> None
 def add_episode_rewards(samples: Sequence[Sample], totals: list[float]) -> list[float]:
     """Each multi-turn sample's total plus the sum of its environment's step rewards
     (``reward/env`` in its metrics); an episode ended by an environment error
-    (env.on_error=zero_reward) totals 0. Single-turn samples keep their total."""
+    (env.on_error=zero_reward) totals 0 and so does each of its parts (``reward/<name>``, what
+    ``reward/<name>_mean`` and the samples' ``reward_parts`` show: what was trained).
+    Single-turn samples keep their total."""
     out = list(totals)
     for i, s in enumerate(samples):
         if s.episode is None:
             continue
         s.metrics["reward/env"] = s.episode["reward"]
-        out[i] = 0.0 if s.episode["end"] == "error" else out[i] + s.episode["reward"]
+        if s.episode["end"] == "error":
+            for key in [k for k in s.metrics if k.startswith("reward/")]:
+                s.metrics[key] = 0.0
+            out[i] = 0.0
+        else:
+            out[i] += s.episode["reward"]
     return out
 
 

@@ -63,7 +63,13 @@ SUMMARY_KEYS = (
     "staleness_mean",
     "tokens_per_s",
     "step_time_s",
+    "turns_mean",
+    "env_errors",
+    "episodes_truncated",
+    "env_episodes",
 )
+"""The summary's rows (a metric a run does not record, such as the episode metrics of a run
+without an environment, has no row)."""
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -219,6 +225,9 @@ class MetricsLogger:
             table = eval_table(self.history)
             if table is not None:
                 self.console.print(table)
+            note = unreached_note(self.history)
+            if note:
+                self.console.print(note, highlight=False)
 
 
 def format_eval(rec: dict[str, Any]) -> str:
@@ -231,15 +240,34 @@ def format_eval(rec: dict[str, Any]) -> str:
 
 
 def format_latest(rec: dict[str, Any]) -> str:
-    """'reward 0.41  kl 0.002  1.2e+03 tok/s' for the progress bar."""
+    """'reward 0.41  kl 0.002  1.2e+03 tok/s' for the progress bar; a run with an environment
+    adds 'turns 2.31  env_errors 3  truncated 5'."""
 
     def num(key: str, fmt: str) -> str:
         value = rec.get(key)
         return "-" if value is None else format(value, fmt)
 
-    return (
+    line = (
         f"reward {num('reward_mean', '.3f')}  kl {num('kl', '.4f')}  "
         f"{num('tokens_per_s', '.3g')} tok/s"
+    )
+    if "turns_mean" in rec:  # episode metrics: a run with env.path set
+        line += (
+            f"  turns {num('turns_mean', '.2f')}  env_errors {num('env_errors', '.0f')}"
+            f"  truncated {num('episodes_truncated', '.0f')}"
+        )
+    return line
+
+
+def unreached_note(history: Sequence[dict[str, Any]]) -> str:
+    """The end-of-run note of a run with an environment that no episode ever reached ('')."""
+    reached = [r["env_episodes"] for r in history if r.get("env_episodes") is not None]
+    if not reached or any(reached):
+        return ""
+    return (
+        f"warning: no episode reached the environment in {len(reached)} step(s): every assistant"
+        " turn was cut before it ended with EOS (rollout.max_new_tokens, env.max_total_tokens),"
+        " so the environment was never called and the rewards are the data rewards alone"
     )
 
 

@@ -11,7 +11,7 @@ import torch
 from engine_helpers import megatron_world  # noqa: F401, E402
 
 from hf_reference import reference_logps, save_tiny_qwen2  # noqa: E402
-from rlbatch.config.schema import BatchingMode, RunConfig  # noqa: E402
+from rlbatch.config.schema import BatchingMode, RunConfig, TokenizerSource  # noqa: E402
 from rlbatch.engine.tokenizer import ByteTokenizer  # noqa: E402
 from rlbatch.jobs import logprobs as logprobs_job  # noqa: E402
 
@@ -29,6 +29,7 @@ def test_logprobs_job_matches_transformers(megatron_world, tmp_path):
 
     cfg = RunConfig()
     cfg.model.hf_path = str(tmp_path / "hf")
+    cfg.model.tokenizer = TokenizerSource.bytes  # the text row; the model has no tokenizer files
     cfg.logprobs.input, cfg.logprobs.output = str(src), str(tmp_path / "out" / "lp.jsonl")
     cfg.logprobs.entropy = True
     cfg.batching.infer.mode = BatchingMode.packed

@@ -144,3 +144,21 @@ def test_observations_render_by_chat_template(tmp_path):
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="set data.chat_template=qwen or none"):
         observation_text(ChatTemplate.model, "higher", HFTokenizer(path))
+
+
+def test_observation_wrapper_and_the_limit_that_cannot_hold_it():
+    """The qwen tool turn around an observation's content, and env.max_observation_tokens below
+    wrapper + 1 token refused (byte tokenizer: 34 + 50 bytes)."""
+    from rlbatch.config.schema import ChatTemplate
+    from rlbatch.engine.tokenizer import ByteTokenizer
+    from rlbatch.env.render import wrapper_error, wrapper_text
+
+    before, after = wrapper_text(ChatTemplate.qwen, ByteTokenizer())
+    assert before == "\n<|im_start|>user\n<tool_response>\n"
+    assert after == "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert wrapper_text(ChatTemplate.none, ByteTokenizer()) == ("", "")
+    error = wrapper_error(ChatTemplate.qwen, ByteTokenizer(), 84)
+    assert error is not None and error.key == "env.max_observation_tokens"
+    assert "(84 tokens" in error.message and "at least 85" in error.message
+    assert wrapper_error(ChatTemplate.qwen, ByteTokenizer(), 85) is None
+    assert wrapper_error(ChatTemplate.none, ByteTokenizer(), 1) is None
