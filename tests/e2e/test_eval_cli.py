@@ -163,8 +163,7 @@ def test_rlbatch_eval_reproduces_the_training_evaluation(work, bin_dir):
     # the run's Hugging Face export of the same weights, with the recipe's eval keys: a table
     cmd = [
         str(bin_dir / "rlbatch-eval"), f"model.hf_path={work['on'] / 'hf'}", "+recipe=grpo_qwen",
-        "model.tokenizer=bytes",  # the run's byte tokenizer: the export holds no tokenizer files
-        *EVAL,
+        *EVAL,  # no model.tokenizer: the export says it was trained with the byte tokenizer
     ]  # fmt: skip
     table = _run(cmd, work["root"], work["env"]).stdout
     assert "pass@4" in table and "maj@4" in table and "samples:" in table

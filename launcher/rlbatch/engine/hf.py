@@ -377,16 +377,19 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_bytes: in
 def write_side_files(model_cfg: ModelConfig, out: Path) -> None:
     """Tokenizer files and generation_config.json copied from the source model
     (model.tokenizer_path, else model.hf_path); generation_config.json from the tokenizer's
-    special tokens when the source has none."""
+    special tokens when the source has none; a run with the byte tokenizer writes
+    rlbatch_tokenizer.json instead of tokenizer files, so the export loads with it again."""
     import shutil
 
-    from rlbatch.engine.tokenizer import build_tokenizer
+    from rlbatch.engine.tokenizer import BYTES_MARKER, build_tokenizer, tokenizer_source
 
     sources = [Path(p) for p in (model_cfg.tokenizer_path, model_cfg.hf_path) if p]
     for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
         found = next((src / name for src in sources if (src / name).is_file()), None)
         if found is not None:
             shutil.copyfile(found, out / name)
+    if tokenizer_source(model_cfg)[1] is None:  # the byte tokenizer: say so in the directory
+        (out / BYTES_MARKER).write_text(json.dumps({"tokenizer": "bytes"}) + "\n")
     if not (out / GENERATION_CONFIG).is_file():
         tok = build_tokenizer(model_cfg)
         gen = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}

@@ -72,6 +72,23 @@ def tokenizer_files(path: str | Path) -> list[str]:
     return [name for name in TOKENIZER_FILE_NAMES if (Path(path) / name).is_file()]
 
 
+BYTES_MARKER = "rlbatch_tokenizer.json"
+"""Written by rlbatch's HF export of a run that used the byte tokenizer ({"tokenizer": "bytes"}):
+the directory itself says which tokenizer its weights were trained with, so loading it under
+``model.tokenizer=auto`` takes the byte tokenizer without a guess."""
+
+
+def marks_bytes(path: str | Path) -> bool:
+    """``path`` is an export of a byte-tokenizer run: the marker, and no tokenizer files."""
+    marker = Path(path) / BYTES_MARKER
+    if not marker.is_file() or tokenizer_files(path):
+        return False
+    try:
+        return json.loads(marker.read_text()).get("tokenizer") == "bytes"
+    except (ValueError, AttributeError):
+        return False
+
+
 class TokenizerLoadError(ValueError):
     """A directory's tokenizer files cannot be loaded; the message names them and the fix."""
 
@@ -172,13 +189,15 @@ def _chat_template(path: Path, configured: Any) -> Optional[str]:
 
 def tokenizer_source(model: ModelConfig) -> tuple[str, Optional[str]]:
     """(dotted key, directory) of the run's tokenizer: model.tokenizer_path, else model.hf_path;
-    (model.tokenizer, None) for the built-in byte tokenizer (model.tokenizer=bytes, or no
-    directory at all)."""
+    (key, None) for the built-in byte tokenizer (model.tokenizer=bytes, no directory at all, or
+    a model.hf_path that rlbatch exported from a byte-tokenizer run: :data:`BYTES_MARKER`)."""
     if TokenizerSource(model.tokenizer) == TokenizerSource.bytes:
         return "model.tokenizer", None
     if model.tokenizer_path:
         return "model.tokenizer_path", model.tokenizer_path
     if model.hf_path:
+        if marks_bytes(model.hf_path):
+            return "model.hf_path", None  # rlbatch's export of a byte-tokenizer run
         return "model.hf_path", model.hf_path
     return "model.tokenizer", None
 

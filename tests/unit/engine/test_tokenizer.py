@@ -39,3 +39,26 @@ def test_hf_tokenizer_dir(tmp_path):
     assert hf.decode([3, 4, 1]) == "hello world"
     with pytest.raises(ValueError, match="model.vocab_size"):
         build_tokenizer(replace(ModelConfig(vocab_size=4), tokenizer_path=str(tmp_path)))
+
+
+def test_export_of_a_byte_tokenizer_run_loads_with_bytes_and_others_do_not(tmp_path):
+    from rlbatch.engine.hf import write_side_files
+    from rlbatch.engine.tokenizer import TokenizerLoadError, tokenizer_errors
+
+    export = tmp_path / "export"
+    export.mkdir()
+    write_side_files(ModelConfig(), export)  # a random-init run: the byte tokenizer
+    assert json.loads((export / "rlbatch_tokenizer.json").read_text()) == {"tokenizer": "bytes"}
+    from_export = replace(ModelConfig(), hf_path=str(export))
+    assert isinstance(build_tokenizer(from_export), ByteTokenizer)
+    assert tokenizer_errors(from_export) == []
+
+    # a model directory without the marker (a hub checkpoint missing its tokenizer) still stops
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(TokenizerLoadError, match="no tokenizer files"):
+        build_tokenizer(replace(ModelConfig(), hf_path=str(bare)))
+    # and real tokenizer files win over a stale marker
+    (export / "vocab.json").write_text("{}")
+    with pytest.raises(TokenizerLoadError):
+        build_tokenizer(from_export)
