@@ -32,8 +32,8 @@ samples EOS, so every row stops at its own lognormal-drawn length (debug.respons
 
 Reported per variant (medians over repeats): mean step time, training tokens/s (metrics.jsonl
 ``tokens_per_s``), generation tokens/s (response tokens / step time), mean response length and
-decode-slot occupancy (mean of ``rollout/slot_occupancy`` over the steps; n/a where a run does
-not write it).
+decode-slot occupancy (busy over all slot-steps of the run's rounds, from the per-step
+``rollout/busy_slot_steps`` / ``rollout/slot_steps``; n/a where a run does not write them).
 Figures: docs/benchmarks.md "## Partial rollouts on a long tail".
 """
 
@@ -193,11 +193,17 @@ def default_report(runs: dict[str, list[list[dict[str, Any]]]], warmup: int) -> 
 def run_figures(records: Sequence[dict[str, Any]], warmup: int) -> dict[str, Optional[float]]:
     """One run's figures: mean step time and training tokens/s over the timed steps,
     generation tokens/s (response tokens over step time), the mean response length and the
-    mean slot occupancy over every step (None where the records do not carry it)."""
+    slot occupancy: busy over all decode slot-steps of the run where the records carry the
+    counters (a round that decoded nothing then weighs nothing), else the mean over the steps
+    (None where the records carry neither)."""
     timed = records[warmup:]
     seconds = sum(r["step_time_s"] for r in timed)
     generated = sum(r["response_len_mean"] * r["samples"] for r in timed)
     occupancy = [r[OCCUPANCY_KEY] for r in records if OCCUPANCY_KEY in r]
+    counted = [r for r in records if "rollout/slot_steps" in r]
+    slot_steps = sum(r["rollout/slot_steps"] for r in counted)
+    if slot_steps:  # the run's occupancy: rounds weighted by their decode work
+        occupancy = [sum(r["rollout/busy_slot_steps"] for r in counted) / slot_steps]
     return {
         "step_time_s": seconds / len(timed),
         "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),

@@ -345,14 +345,20 @@ def _record(
         local[4] += batch.round_start_version - oldest_version(s)
         local[5] += s.length
     figures = dict(batch.filter_metrics)
+    reported = [float(k in figures) for k in ROLLOUT_COUNTERS]  # present, even when 0
     rollout = [float(figures.pop(k, 0.0)) for k in ROLLOUT_COUNTERS]
     staleness = staleness_sums(batch)
-    reduced = comps.dist.all_reduce_sum(local + staleness + rollout + [float(any(rollout)), 1.0])
+    reduced = comps.dist.all_reduce_sum(local + staleness + rollout + reported + [1.0])
     n, r_sum, r_sq, len_sum, stale_sum, tokens = reduced[:6]
     figures.update(staleness_metrics(reduced[6 : 6 + len(staleness)]))
-    if reduced[-2] == reduced[-1]:  # every rank of the reduction reported rollout counters
-        counters = reduced[6 + len(staleness) : -2]
-        figures.update(rollout_metrics(dict(zip(ROLLOUT_COUNTERS, counters, strict=True))))
+    counters = reduced[6 + len(staleness) : 6 + len(staleness) + len(rollout)]
+    ranks = reduced[6 + len(staleness) + len(rollout) : -1]
+    # a counter counts when every rank of the reduction reported it (a round that decoded
+    # nothing reports zeros, not nothing)
+    present = {
+        k: c for k, c, r in zip(ROLLOUT_COUNTERS, counters, ranks, strict=True) if r == reduced[-1]
+    }
+    figures.update(rollout_metrics(present))
     n = max(n, 1.0)
     mean = r_sum / n
     record = {

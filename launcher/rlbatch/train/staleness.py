@@ -68,18 +68,26 @@ def staleness_metrics(sums: list[float]) -> dict[str, float]:
 
 
 def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """The step's rollout figures from the rank-summed ``rollout/*`` counters of its round."""
+    """The step's rollout figures from the rank-summed ``rollout/*`` counters its round reported
+    (a key is absent when the round's engine does not count it; present and 0 when it counted
+    nothing). A round that decoded nothing (partial rollouts served wholly by groups finished in
+    earlier rounds) left no slot idle: occupancy 1.0 with ``rollout/slot_steps`` = 0, so the
+    run's occupancy is sum(busy_slot_steps) / sum(slot_steps) over the steps."""
     out: dict[str, float] = {}
-    if sums.get("rollout/slot_steps"):
-        out["rollout/slot_occupancy"] = sums["rollout/busy_slot_steps"] / sums["rollout/slot_steps"]
+    if "rollout/slot_steps" in sums:
+        busy, slots = sums["rollout/busy_slot_steps"], sums["rollout/slot_steps"]
+        out["rollout/slot_occupancy"] = busy / slots if slots else 1.0
+        out["rollout/slot_steps"] = slots
+        out["rollout/busy_slot_steps"] = busy
     if sums.get("rollout/weight_syncs"):  # engines with their own weights (vLLM)
         out["rollout/weight_sync_s"] = (
             sums["rollout/weight_sync_seconds"] / sums["rollout/weight_syncs"]
         )
-    if sums.get("rollout/started_rows"):  # partial rollouts
+    if "rollout/started_rows" in sums:  # partial rollouts
         out["rollout/carried_rows"] = sums["rollout/carried_rows"]
         out["rollout/waiting_groups"] = sums["rollout/waiting_groups"]
+        started = sums["rollout/started_rows"]
         out["rollout/untrained_fraction"] = (
-            sums["rollout/untrained_rows"] / sums["rollout/started_rows"]
+            sums["rollout/untrained_rows"] / started if started else 0.0
         )
     return out

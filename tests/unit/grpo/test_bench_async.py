@@ -111,3 +111,19 @@ def test_longtail_report_and_its_table():
     assert table[1].split()[:6] == ["sync", "3.000", "333", "427", "20.0", "n/a"]
     assert table[2].split()[:6] == ["partial", "1.500", "667", "853", "20.0", "0.800"]
     assert table[-1] == "step time ratios: partial_over_sync=0.50"
+
+
+def test_occupancy_of_a_run_weighs_rounds_by_their_decode_work():
+    """A round that decoded nothing (served from groups finished earlier) reports occupancy 1.0
+    with zero slot-steps: the run's figure is busy / all slot-steps, not a mean over steps."""
+    from rlbatch.train.staleness import rollout_metrics
+
+    idle = rollout_metrics({"rollout/busy_slot_steps": 0.0, "rollout/slot_steps": 0.0})
+    assert idle["rollout/slot_occupancy"] == 1.0 and idle["rollout/slot_steps"] == 0.0
+    assert "rollout/slot_occupancy" not in rollout_metrics({})  # the engine counts nothing
+    busy = rollout_metrics({"rollout/busy_slot_steps": 30.0, "rollout/slot_steps": 40.0})
+    records = _records([9.0, 1.0, 1.0], [0.5, 1.0, 0.75])
+    first = {"rollout/busy_slot_steps": 10.0, "rollout/slot_steps": 20.0}
+    for rec, figs in zip(records, (first, idle, busy), strict=True):
+        rec |= {k: v for k, v in figs.items() if k != "rollout/slot_occupancy"}
+    assert grpo_async.run_figures(records, warmup=1)["slot_occupancy"] == pytest.approx(40 / 60)
