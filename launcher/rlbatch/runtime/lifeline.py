@@ -60,11 +60,16 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
 def die_with_parent(sig: signal.Signals, *, kernel: bool = True) -> None:
     """Receive ``sig`` when the parent dies (at once if it already has); then mark this process
     as the parent of the children it starts (they inherit os.environ), and bind every child it
-    forks the same way.
+    forks the same way. A second call in a bound process only arms the kernel's signal (when
+    ``kernel``).
 
     ``kernel=False``: the parent started this process from a thread other than its main thread
     (that thread may end first): only the parent-pid watch binds it."""
     global _hooked
+    if _binding is not None:  # bound already (at import, or as a fork of a bound process)
+        if kernel and _binding[0] == os.getppid():
+            _arm_parent_death_signal(sig)
+        return
     expected = int(os.environ.get(PARENT_PID_ENV) or os.getppid())
     os.environ[PARENT_PID_ENV] = str(os.getpid())
     if not _hooked:

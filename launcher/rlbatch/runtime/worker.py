@@ -12,10 +12,21 @@ saves and raises Preempted, and the worker exits with EXIT_PREEMPTED.
 
 from __future__ import annotations
 
+import signal
+
+from rlbatch.runtime.lifeline import die_with_parent
+
+if __name__ in ("__main__", "__mp_main__"):
+    # Bound before the imports below, which take seconds: a worker whose torchrun dies while it
+    # imports must not finish them first. multiprocessing's spawn imports this module as
+    # __mp_main__ in each child a rank starts (its generation worker) before it unpickles the
+    # child's own code: that child is bound here too, by the parent-pid watch (the kernel's
+    # signal is armed once it knows it was started from its rank's main thread).
+    die_with_parent(signal.SIGKILL, kernel=__name__ == "__main__")
+
 import argparse
 import importlib
 import os
-import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -26,7 +37,6 @@ from rlbatch.config.load import load_run_config
 from rlbatch.config.schema import RunConfig
 from rlbatch.env.protocol import EnvCallError
 from rlbatch.runtime import preempt
-from rlbatch.runtime.lifeline import die_with_parent
 from rlbatch.runtime.logs import setup_logging
 
 
@@ -68,7 +78,7 @@ def _mark_done(run_dir: Path, rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_parent(signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)  # a no-op when bound at import
     parser = argparse.ArgumentParser(prog="rlbatch.runtime.worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--entry", required=True)
