@@ -3,7 +3,8 @@
     python -m rlbatch.runtime.worker --config RUN_DIR/resolved.yaml --entry module:function
 
 The worker dies with its torchrun (SIGKILL: an orphan has nothing left to finish; checkpoints
-commit atomically). A failure is written to <run_dir>/errors/rank<N>.txt for the driver to
+commit atomically), bound from the first lines of this module, and so does every child it forks
+or spawns (rlbatch.runtime.lifeline). A failure is written to <run_dir>/errors/rank<N>.txt for the driver to
 show, then the process exits non-zero so torchrun stops the other ranks. An entry that returns
 leaves <run_dir>/done/rank<N> (an exit with code 0 without it is a failure: user code called
 sys.exit). Preemption signals are recorded, not fatal (rlbatch.runtime.preempt): the loop
