@@ -101,8 +101,7 @@ def launch(cfg: RunConfig, run_dir: Path, entry: str, *, stdout_to_stderr: bool 
         resolved = resolved_path(cfg, run_dir)
         dump_run_config(cfg, resolved)
         cmd = torchrun_command(cfg, resolved, entry)
-        env = lock.child_env(child_env(worker_env(cfg)))  # marks the run's processes
-        return _run_workers(cfg, run_dir, cmd, env, stdout_to_stderr=stdout_to_stderr)
+        return _run_workers(cfg, run_dir, cmd, stdout_to_stderr=stdout_to_stderr)
 
 
 def _lock(cfg: RunConfig, run_dir: Path) -> RunLock:
@@ -132,12 +131,7 @@ def done_file(rank: int) -> str:
 
 
 def _run_workers(
-    cfg: RunConfig,
-    run_dir: Path,
-    cmd: list[str],
-    env: dict[str, str],
-    *,
-    stdout_to_stderr: bool = False,
+    cfg: RunConfig, run_dir: Path, cmd: list[str], *, stdout_to_stderr: bool = False
 ) -> int:
     nodes = cfg.parallel.nnodes
     where = f", node {cfg.parallel.node_rank} of {nodes}" if nodes > 1 else ""
@@ -145,7 +139,7 @@ def _run_workers(
     started = time.monotonic()
     proc = subprocess.Popen(
         cmd,
-        env=env,
+        env=child_env(worker_env(cfg)),
         start_new_session=True,
         stdout=sys.stderr if stdout_to_stderr else None,
     )

@@ -84,14 +84,16 @@ class RunLock:
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> RunLock:
+        """Held: the processes this launcher starts meanwhile inherit the token (RUN_ENV in
+        os.environ until :meth:`__exit__`)."""
+        if self.token:
+            os.environ[RUN_ENV] = self.token
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.token and os.environ.get(RUN_ENV) == self.token:
+            del os.environ[RUN_ENV]
         self.release()
-
-    def child_env(self, env: dict[str, str]) -> dict[str, str]:
-        """``env`` for the run's processes: marked with this lock's token."""
-        return {**env, RUN_ENV: self.token} if self.token else env
 
     def start_refresh(self) -> None:
         def refresh() -> None:

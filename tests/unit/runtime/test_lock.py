@@ -102,7 +102,8 @@ def test_dead_holder_whose_run_still_has_a_process_is_not_taken_over(tmp_path, m
     with acquire([tmp_path], "run-b", None) as held:  # nothing of run-a is left
         body = json.loads(held.paths[0].read_text())
         assert body["pid"] == os.getpid() and body["token"] == held.token != token
-        assert held.child_env({})[lock.RUN_ENV] == held.token
+        assert os.environ[lock.RUN_ENV] == held.token  # inherited by what the launcher starts
+    assert lock.RUN_ENV not in os.environ
 
 
 def test_dead_holder_is_taken_over_once_its_last_process_ended(tmp_path):
