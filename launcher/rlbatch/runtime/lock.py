@@ -11,7 +11,12 @@ naming the holder, unless the lock is stale:
 - or it belongs to this same scheduler job (a requeued SLURM job: the scheduler never runs one
   job twice at once).
 
-A stale lock is taken over with a warning. Multi-node: only node 0 takes the lock (every node
+A stale lock is taken over with a warning, but only once no process of the holder's run is left
+on this host: every process of a run carries the lock's token in its environment
+(:data:`RUN_ENV`, inherited by torchrun, the workers, their generation workers and anything
+they start), and a launcher that finds one alive waits up to :data:`SURVIVOR_WAIT_S` for it to
+end (a killed run's processes follow their launcher within a second:
+rlbatch.runtime.lifeline), then refuses, naming them. Multi-node: only node 0 takes the lock (every node
 of the run shares the run id and the directory; the others are the same run).
 
 Torch-free; no Hydra.
@@ -25,6 +30,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,6 +43,10 @@ REFRESH_S = 30.0
 """The holder touches its lock this often."""
 STALE_S = 300.0
 """A lock not touched for this long belongs to a dead holder, wherever it ran."""
+RUN_ENV = "RLBATCH_RUN_LOCK"
+"""Environment variable holding the lock's token in every process of the run."""
+SURVIVOR_WAIT_S = 10.0
+"""How long a launcher waits for a dead holder's processes to end before it refuses."""
 
 
 class RunLockedError(RuntimeError):
@@ -69,12 +79,20 @@ class RunLock:
     """The locks this launcher holds; :meth:`release` (or the context manager) drops them."""
 
     paths: list[Path] = field(default_factory=list)
+    token: str | None = None
+    """Marks the processes of this run (:data:`RUN_ENV`); None when no lock is held."""
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> RunLock:
+        """Held: the processes this launcher starts meanwhile inherit the token (RUN_ENV in
+        os.environ until :meth:`__exit__`)."""
+        if self.token:
+            os.environ[RUN_ENV] = self.token
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.token and os.environ.get(RUN_ENV) == self.token:
+            del os.environ[RUN_ENV]
         self.release()
 
     def start_refresh(self) -> None:
@@ -102,11 +120,11 @@ class RunLock:
 def acquire(dirs: list[Path], run_id: str | None, job: str | None) -> RunLock:
     """Lock every directory of ``dirs`` (created if missing), or raise RunLockedError naming
     the holder (after releasing what was already taken)."""
-    lock = RunLock()
+    lock = RunLock(token=uuid.uuid4().hex)
     try:
         for directory in dict.fromkeys(d.resolve() for d in dirs):
             directory.mkdir(parents=True, exist_ok=True)
-            lock.paths.append(_take(directory / LOCK_NAME, run_id, job))
+            lock.paths.append(_take(directory / LOCK_NAME, run_id, job, lock.token))
     except BaseException:
         lock.release()
         raise
@@ -114,10 +132,10 @@ def acquire(dirs: list[Path], run_id: str | None, job: str | None) -> RunLock:
     return lock
 
 
-def _take(path: Path, run_id: str | None, job: str | None) -> Path:
+def _take(path: Path, run_id: str | None, job: str | None, token: str | None) -> Path:
     started = datetime.now(UTC).isoformat(timespec="seconds")
     body = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
-    body |= {"run_id": run_id, "job": job}
+    body |= {"run_id": run_id, "job": job, "token": token}
     for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -147,5 +165,48 @@ def _take_over_if_stale(path: Path, job: str | None) -> None:
             "checkpoints and metrics: wait for it to end, stop it, or use another directory "
             "(hydra.run.dir / trainer.checkpoint.dir)"
         )
+    if holder.get("host") == socket.gethostname() and holder.get("token"):
+        _refuse_if_survivors(path, holder, why)
     log.warning("taking over the stale lock %s: %s (holder: %s)", path, why, holder)
     path.unlink(missing_ok=True)
+
+
+def _refuse_if_survivors(path: Path, holder: dict[str, Any], why: str) -> None:
+    """Wait up to SURVIVOR_WAIT_S for the processes of ``holder``'s run on this host to end;
+    raise RunLockedError naming those still alive."""
+    deadline = time.monotonic() + SURVIVOR_WAIT_S
+    while survivors := run_processes(str(holder["token"])):
+        if time.monotonic() > deadline:
+            listed = "; ".join(f"{pid}: {cmd[:120]}" for pid, cmd in sorted(survivors.items()))
+            pids = " ".join(str(pid) for pid in sorted(survivors))
+            raise RunLockedError(
+                f"{path.parent}: the lock's holder is stale ({why}), but {len(survivors)} "
+                f"process(es) of its run (run id {holder.get('run_id')}) are still alive after "
+                f"{SURVIVOR_WAIT_S:.0f} s ({listed}). A new run beside them would overwrite its "
+                f"checkpoints and metrics: stop them (kill -9 {pids}), then launch again"
+            )
+        time.sleep(0.1)
+
+
+def run_processes(token: str) -> dict[int, str]:
+    """pid -> command line of the live processes of this host whose environment holds
+    ``RUN_ENV=token`` (Linux /proc; empty elsewhere and for processes this user cannot read)."""
+    marker = f"{RUN_ENV}={token}".encode()
+    found: dict[int, str] = {}
+    try:
+        entries = [e for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return found
+    for entry in entries:
+        try:
+            with open(f"{entry.path}/environ", "rb") as fh:
+                if marker not in fh.read().split(b"\0"):
+                    continue
+            with open(f"{entry.path}/stat", "rb") as fh:
+                if fh.read().rsplit(b")", 1)[-1].split()[0] in (b"Z", b"X"):
+                    continue  # ended, not yet reaped
+            with open(f"{entry.path}/cmdline", "rb") as fh:
+                found[int(entry.name)] = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile, or another user's
+    return found

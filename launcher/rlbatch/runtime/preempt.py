@@ -15,12 +15,19 @@ a run reacts the same way:
 
 The signal may reach one process of the run or all of them (SLURM signals every task of a step,
 ``kill -TERM -- -PGID`` a group): any one rank's request stops all ranks at the same step.
+
+A process that outlived its parent (rlbatch.runtime.lifeline.orphaned: nothing is left to
+coordinate a save with) dies of the signal instead, as an unhandled SIGTERM would end it; so
+does a child it forked, which inherits the handler.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any
+
+from rlbatch.runtime.lifeline import orphaned
 
 EXIT_PREEMPTED = 75
 """Exit code of a run stopped by a preemption signal after saving (BSD sysexits' EX_TEMPFAIL:
@@ -44,6 +51,10 @@ class Preempted(Exception):
 
 
 def _record(signum: int, frame: Any) -> None:
+    if orphaned():
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     _received.append(signal.Signals(signum).name)
 
 

@@ -3,7 +3,8 @@
     python -m rlbatch.runtime.worker --config RUN_DIR/resolved.yaml --entry module:function
 
 The worker dies with its torchrun (SIGKILL: an orphan has nothing left to finish; checkpoints
-commit atomically). A failure is written to <run_dir>/errors/rank<N>.txt for the driver to
+commit atomically), bound from the first lines of this module, and so does every child it forks
+or spawns (rlbatch.runtime.lifeline). A failure is written to <run_dir>/errors/rank<N>.txt for the driver to
 show, then the process exits non-zero so torchrun stops the other ranks. An entry that returns
 leaves <run_dir>/done/rank<N> (an exit with code 0 without it is a failure: user code called
 sys.exit). Preemption signals are recorded, not fatal (rlbatch.runtime.preempt): the loop
@@ -12,10 +13,21 @@ saves and raises Preempted, and the worker exits with EXIT_PREEMPTED.
 
 from __future__ import annotations
 
+import signal
+
+from rlbatch.runtime.lifeline import die_with_parent
+
+if __name__ in ("__main__", "__mp_main__"):
+    # Bound before the imports below, which take seconds: a worker whose torchrun dies while it
+    # imports must not finish them first. multiprocessing's spawn imports this module as
+    # __mp_main__ in each child a rank starts (its generation worker) before it unpickles the
+    # child's own code: that child is bound here too, by the parent-pid watch (the kernel's
+    # signal is armed once it knows it was started from its rank's main thread).
+    die_with_parent(signal.SIGKILL, kernel=__name__ == "__main__")
+
 import argparse
 import importlib
 import os
-import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -26,7 +38,6 @@ from rlbatch.config.load import load_run_config
 from rlbatch.config.schema import RunConfig
 from rlbatch.env.protocol import EnvCallError
 from rlbatch.runtime import preempt
-from rlbatch.runtime.lifeline import die_with_parent
 from rlbatch.runtime.logs import setup_logging
 
 
@@ -68,7 +79,7 @@ def _mark_done(run_dir: Path, rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    die_with_parent(signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)  # a no-op when bound at import
     parser = argparse.ArgumentParser(prog="rlbatch.runtime.worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--entry", required=True)

@@ -15,11 +15,17 @@ groups, and it needs none itself: only layouts whose generation is local (tp = p
 use it. Samples, versions and the aggregator's counters (seeds) are those the inline path
 produces: same seed, same results (tested). The aggregator's state comes back with every round,
 for checkpoints, and is restored into the worker on resume.
+
+The worker dies with its rank (rlbatch.runtime.lifeline: SIGKILL when the rank process dies,
+whatever killed it), and so does any child it forks; multiprocessing's resource tracker, which
+the spawn starts, ends by itself once the rank and the worker are gone.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import traceback
 from typing import Any, Optional
 
@@ -52,7 +58,7 @@ class GenerationWorker:
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
             target=_serve,
-            args=(cfg, dp_rank, threads, ref_weights, child),
+            args=(cfg, dp_rank, threads, ref_weights, child, _main_thread()),
             name=f"rlbatch-generation-{dp_rank}",
             daemon=True,
         )
@@ -130,14 +136,24 @@ class GenerationWorker:
         self._conn.close()
 
 
+def _main_thread() -> bool:
+    """Whether the caller is its process's main thread (the kernel's parent-death signal fires
+    when the thread that started a child ends)."""
+    return threading.current_thread() is threading.main_thread()
+
+
 def _serve(
     cfg: RunConfig,
     dp_rank: int,
     threads: int,
     ref_weights: Optional[list[dict[str, Any]]],
     conn: Any,
+    from_main_thread: bool,
 ) -> None:
     """The worker's main loop: build, then answer generate / load_state / stop messages."""
+    from rlbatch.runtime.lifeline import die_with_parent
+
+    die_with_parent(signal.SIGKILL, kernel=from_main_thread)
     try:
         generate, aggregator, load = _build(cfg, dp_rank, threads, ref_weights)
     except BaseException:  # noqa: BLE001 - reported to the trainer

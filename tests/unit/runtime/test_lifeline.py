@@ -70,3 +70,56 @@ def test_child_whose_parent_already_died_stops_at_once():
         [sys.executable, "-c", CHILD, "pdeathsig"], env=env, capture_output=True, timeout=30
     )
     assert proc.returncode == -signal.SIGKILL and b"armed" not in proc.stdout
+
+
+RELAY = """
+import os, subprocess, sys, time
+from rlbatch.runtime.lifeline import child_env
+child = subprocess.Popen(
+    [sys.executable, "-c", sys.argv[1], sys.argv[2]],
+    env=child_env(dict(os.environ)), stdout=subprocess.PIPE, text=True,
+)
+print(child.stdout.readline().strip(), flush=True)  # the pid of the child's fork
+time.sleep(60)
+"""
+
+FORKING_CHILD = """
+import os, signal, sys, threading, time
+import rlbatch.runtime.lifeline as lifeline
+from rlbatch.runtime import preempt
+lifeline.die_with_parent(signal.SIGKILL)
+preempt.install()  # the fork inherits the handler: it records SIGTERM, not SIGKILL
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(pid, flush=True)
+if sys.argv[1] == "thread":  # the kernel's signal would follow the thread: the watch binds it
+    threading.Thread(target=fork).start()
+else:
+    fork()
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("where", ["main_thread", "thread"])
+def test_a_fork_of_a_bound_process_ends_with_it(where):
+    """A forked child (megatron's checkpoint writer, a reward's pool) of a bound process is
+    bound to it: when the bound process dies (its own parent was killed), the fork follows."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", RELAY, FORKING_CHILD, where], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    fork = int(parent.stdout.readline())
+    assert _alive(fork)
+    parent.kill()
+    parent.wait()
+    killed = time.monotonic()
+    while _alive(fork) and time.monotonic() - killed < 5:
+        time.sleep(0.02)
+    took = time.monotonic() - killed
+    if _alive(fork):
+        os.kill(fork, signal.SIGKILL)
+    assert took < 2.0, f"{where}: the fork outlived its parent by {took:.1f} s"

@@ -69,3 +69,46 @@ def test_both_directories_or_none(tmp_path):
     with pytest.raises(RunLockedError):
         acquire([run_dir, ckpt], None, None)
     assert not (run_dir / LOCK_NAME).exists()  # the lock already taken is released
+
+
+def _dead_holder(path, token):
+    """A lock left by a launcher of this host that is gone (its pid ended), run id run-a."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    body = {"host": socket.gethostname(), "pid": int(ended.stdout), "started": "then",
+            "run_id": "run-a", "token": token}  # fmt: skip
+    path.write_text(json.dumps(body))
+
+
+def _process_of_run(token, seconds):
+    env = {**os.environ, lock.RUN_ENV: token}
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"], env=env)
+
+
+def test_dead_holder_whose_run_still_has_a_process_is_not_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock, "SURVIVOR_WAIT_S", 1.0)
+    token = "a" * 32
+    _dead_holder(tmp_path / LOCK_NAME, token)
+    survivor = _process_of_run(token, 60)
+    try:
+        with pytest.raises(RunLockedError) as err:
+            acquire([tmp_path], "run-b", None)
+        message = str(err.value)
+        assert "run id run-a" in message and f"kill -9 {survivor.pid}" in message
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == token  # untouched
+    finally:
+        survivor.kill()
+        survivor.wait()
+    with acquire([tmp_path], "run-b", None) as held:  # nothing of run-a is left
+        body = json.loads(held.paths[0].read_text())
+        assert body["pid"] == os.getpid() and body["token"] == held.token != token
+        assert os.environ[lock.RUN_ENV] == held.token  # inherited by what the launcher starts
+    assert lock.RUN_ENV not in os.environ
+
+
+def test_dead_holder_is_taken_over_once_its_last_process_ended(tmp_path):
+    token = "b" * 32
+    _dead_holder(tmp_path / LOCK_NAME, token)
+    ending = _process_of_run(token, 1.0)
+    with acquire([tmp_path], "run-b", None):
+        assert ending.poll() is not None  # the takeover waited for it
