@@ -65,6 +65,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--variants", help="--async: comma list of the workload's variants to run (default all)"
     )
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="--against trl")
+    p.add_argument(
+        "--models",
+        default="tiny,qwen0.5b",
+        help="--against trl: widths to run (tiny: every --workload and --completion-tokens;"
+        " qwen0.5b: Qwen2.5-0.5B's widths with 2 layers, the issue workload at"
+        " --wide-completion-tokens)",
+    )
+    p.add_argument(
+        "--wide-completion-tokens", default="64", help="--against trl: caps of the qwen0.5b cells"
+    )
+    p.add_argument(
+        "--trl-ckpt",
+        choices=("on", "off", "both"),
+        default="on",
+        help="--against trl: TRL's gradient checkpointing (its default is on)",
+    )
     args = p.parse_args(argv)
     error = workload_error(args)
     if error:
