@@ -12,7 +12,7 @@ Qwen2 of ``rlbatch-bench rollout`` (vocab 512, hidden 128, 4 layers, 4 heads / 2
 heads) with 2 of its 24 layers. beta 0.04 (the reference pass runs); temperature 1.
 Workloads: ``issue`` = 2 prompts of 4 tokens x 8 generations; ``longtail`` = 8 prompts x 4
 generations with prompt lengths 8-400 (most short). The tiny model runs every workload x
-``--completion-tokens``; qwen0.5b the issue prompts x 4 generations at
+``--completion-tokens``; qwen0.5b the issue prompts x 2 generations at
 ``--wide-completion-tokens`` (its train pass is ~100x the tiny one's). EOS is a real token, so
 a few completions end before the cap.
 
@@ -236,7 +236,7 @@ def cells(args: argparse.Namespace) -> list[tuple[str, str, int, int | None]]:
                 out += [("tiny", name, cap, None) for cap in caps]
         else:
             caps = [int(x) for x in args.wide_completion_tokens.split(",")]
-            out += [(model, "issue", cap, 4) for cap in caps]
+            out += [(model, "issue", cap, 2) for cap in caps]
     return out
 
 
