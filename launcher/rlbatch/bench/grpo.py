@@ -31,6 +31,7 @@ from rlbatch.config.schema import BatchingMode, RunConfig
 
 ASYNC_WORKLOADS = tuple(WORKLOADS)
 TRL_WORKLOADS = ("issue", "longtail")
+TRL_MODELS = ("tiny", "qwen0.5b")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -101,6 +102,10 @@ def workload_error(args: argparse.Namespace) -> Optional[str]:
         return "--async and --against trl are two benchmarks: choose one"
     if args.variants is not None and not args.run_async:
         return "--variants selects --async variants: add --async"
+    if args.against == "trl":
+        bad_models = [m for m in args.models.split(",") if m not in TRL_MODELS]
+        if bad_models:
+            return f"--against trl --models {args.models}: a comma list of {', '.join(TRL_MODELS)}"
     if args.workload is None:
         return None
     if args.run_async:
