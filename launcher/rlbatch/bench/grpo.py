@@ -31,6 +31,7 @@ from rlbatch.config.schema import BatchingMode, RunConfig
 
 ASYNC_WORKLOADS = tuple(WORKLOADS)
 TRL_WORKLOADS = ("issue", "longtail")
+TRL_MODELS = ("tiny", "qwen0.5b")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,6 +66,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--variants", help="--async: comma list of the workload's variants to run (default all)"
     )
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="--against trl")
+    p.add_argument(
+        "--models",
+        default="tiny,qwen0.5b",
+        help="--against trl: widths to run (tiny: every --workload and --completion-tokens;"
+        " qwen0.5b: Qwen2.5-0.5B's widths with 2 layers, the issue workload at"
+        " --wide-completion-tokens)",
+    )
+    p.add_argument(
+        "--wide-completion-tokens", default="64", help="--against trl: caps of the qwen0.5b cells"
+    )
+    p.add_argument(
+        "--trl-ckpt",
+        choices=("on", "off", "both"),
+        default="on",
+        help="--against trl: TRL's gradient checkpointing (its default is on)",
+    )
     args = p.parse_args(argv)
     error = workload_error(args)
     if error:
@@ -85,6 +102,10 @@ def workload_error(args: argparse.Namespace) -> Optional[str]:
         return "--async and --against trl are two benchmarks: choose one"
     if args.variants is not None and not args.run_async:
         return "--variants selects --async variants: add --async"
+    if args.against == "trl":
+        bad_models = [m for m in args.models.split(",") if m not in TRL_MODELS]
+        if bad_models:
+            return f"--against trl --models {args.models}: a comma list of {', '.join(TRL_MODELS)}"
     if args.workload is None:
         return None
     if args.run_async:

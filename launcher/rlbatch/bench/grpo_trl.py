@@ -1,26 +1,36 @@
 """rlbatch-bench grpo --against trl: one GRPO step of TRL's GRPOTrainer and of rlbatch on the
 same Hugging Face checkpoint, interleaved in one process (needs the ``bench`` extra: trl).
 
-    rlbatch-bench grpo --against trl [--completion-tokens 64,256] [--workload issue,longtail]
-                                     [--repeats 3] [--clock cpu|wall] [--json]
+    rlbatch-bench grpo --against trl [--models tiny,qwen0.5b] [--completion-tokens 64,256]
+                                     [--wide-completion-tokens 64] [--workload issue,longtail]
+                                     [--trl-ckpt on|off|both] [--repeats 3] [--clock cpu|wall]
+                                     [--json]
 
-Setup: the tiny Qwen2 of ``rlbatch-bench rollout`` (vocab 512, hidden 128, 4 layers, 4 heads /
-2 KV heads, tied; random weights written by transformers); fp32; beta 0.04 (the reference pass
-runs); temperature 1. Workloads: ``issue`` = 2 prompts of 4 tokens x 8 generations;
-``longtail`` = 8 prompts x 4 generations with prompt lengths 8-400 (most short). EOS is a real
-token, so a few completions end before the cap. A step is timed from TRL's ``on_step_begin`` to
-``on_step_end`` (generation, reference logprobs, loss, backward, optimizer step); between two
-TRL steps one rlbatch step runs with dynamic and one with packed batching of the reference and
-train passes (batching.infer.mode and batching.train.mode; rollout,
-reference logprobs, train step: what rlbatch-train runs for this on-policy config, so no
-old-logprob pass). Tokens/s = (prompt + completion tokens) / seconds.
-TRL runs with and without gradient checkpointing (its default is on).
+Models (random weights written by transformers, fp32, tied embeddings): ``tiny`` = the tiny
+Qwen2 of ``rlbatch-bench rollout`` (vocab 512, hidden 128, 4 layers, 4 heads / 2 KV heads);
+``qwen0.5b`` = Qwen2.5-0.5B's widths (vocab 151,936, hidden 896, MLP 4,864, 14 heads / 2 KV
+heads) with 2 of its 24 layers. beta 0.04 (the reference pass runs); temperature 1.
+Workloads: ``issue`` = 2 prompts of 4 tokens x 8 generations; ``longtail`` = 8 prompts x 4
+generations with prompt lengths 8-400 (most short). The tiny model runs every workload x
+``--completion-tokens``; qwen0.5b the issue prompts x 2 generations at
+``--wide-completion-tokens`` (its train pass is ~100x the tiny one's). EOS is a real token, so
+a few completions end before the cap.
+
+A step is timed from TRL's ``on_step_begin`` to ``on_step_end`` (generation, reference
+logprobs, loss, backward, optimizer step); between two TRL steps one rlbatch step runs with
+dynamic and one with packed batching of the reference and train passes (batching.infer.mode
+and batching.train.mode; rollout, reference logprobs, train step: what rlbatch-train runs for
+this on-policy config, so no old-logprob pass). Phases: ``gen`` = generation + reference
+logprobs (+ rewards; TRL's ``_generate_and_score_completions``, rlbatch's rollout round),
+``train`` = the rest of the step (forward, backward, optimizer step). Tokens/s = (prompt +
+completion tokens) / seconds; medians over ``--repeats`` steps after a warm-up step.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import statistics
 import sys
@@ -87,7 +97,9 @@ def build_trl(path: Path, prompts: list[list[int]], gens: int, max_new: int, ckp
         reward_funcs=reward,
         args=config,
         train_dataset=data,
-        processing_class=trl_tokenizer(512),
+        processing_class=trl_tokenizer(
+            json.loads((path / "config.json").read_text())["vocab_size"]
+        ),
         callbacks=[callback],
     )
 
@@ -121,9 +133,10 @@ def rlbatch_world(path: Path, gens: int, max_new: int, prompts: list[list[int]])
     return world
 
 
-def rlbatch_step(world: Any, mode: Any, clock: str) -> tuple[float, int]:
+def rlbatch_step(world: Any, mode: Any, clock: str) -> tuple[dict[str, float], int]:
     """One step as rlbatch-train runs it for this config: rollout, reference pass, the train
-    step (on-policy, one iteration: no old-logprob pass, like TRL)."""
+    step (on-policy, one iteration: no old-logprob pass, like TRL). ({phase: seconds},
+    tokens)."""
     from rlbatch.bench.grpo import Clock, produce_samples, time_train
     from rlbatch.grpo.lcm import old_pass_runs
 
@@ -132,24 +145,33 @@ def rlbatch_step(world: Any, mode: Any, clock: str) -> tuple[float, int]:
     world.cfg.batching.infer.mode = mode  # the reference pass batched like the train pass
     t0 = _clock(clock)
     samples = produce_samples(world, args, True, Clock(), old_pass_runs(world.cfg))
+    t1 = _clock(clock)
     time_train(world, samples, mode, Clock())
-    return _clock(clock) - t0, sum(s.length for s in samples)
+    t2 = _clock(clock)
+    return {"gen": t1 - t0, "train": t2 - t1}, sum(s.length for s in samples)
 
 
-def measure(path: Path, name: str, max_new: int, ckpt: bool, repeats: int, clock: str) -> dict:
+SYSTEMS = ("trl", "dynamic", "packed")
+
+
+def measure(path: Path, name: str, max_new: int, ckpt: bool, repeats: int, clock: str,
+            gens: int | None = None) -> dict:  # fmt: skip
     from transformers import TrainerCallback
 
     from rlbatch.config.schema import BatchingMode
 
-    prompts, gens = workload(name)
+    prompts, default_gens = workload(name)
+    gens = gens or default_gens
     world = rlbatch_world(path, gens, max_new, prompts)
-    rates: dict[str, list[float]] = {"trl": [], "dynamic": [], "packed": []}
+    steps: dict[str, list[tuple[dict[str, float], int]]] = {k: [] for k in SYSTEMS}
     prompt_tokens = sum(len(p) for p in prompts) * gens
+    trl_gen = [0.0]
 
     class Interleave(TrainerCallback):  # type: ignore[misc]
         t0 = 0.0
 
         def on_step_begin(self, *a: Any, **k: Any) -> None:
+            trl_gen[0] = 0.0
             self.t0 = _clock(clock)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **k: Any) -> None:
@@ -158,20 +180,64 @@ def measure(path: Path, name: str, max_new: int, ckpt: bool, repeats: int, clock
                 rlbatch_step(world, BatchingMode.dynamic, clock)  # warm-up
                 return
             completions = trainer._metrics["train"]["completions/mean_length"][-1]
-            rates["trl"].append((prompt_tokens + completions * len(prompts) * gens) / seconds)
+            tokens = round(prompt_tokens + completions * len(prompts) * gens)
+            phases = {"gen": trl_gen[0], "train": seconds - trl_gen[0]}
+            steps["trl"].append((phases, tokens))
             for mode in (BatchingMode.dynamic, BatchingMode.packed):
-                secs, tokens = rlbatch_step(world, mode, clock)
-                rates[mode.value].append(tokens / secs)
+                steps[mode.value].append(rlbatch_step(world, mode, clock))
 
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trl(
             path, prompts, gens, max_new, ckpt, Path(out), repeats + 1, Interleave()
         )
+        generate = trainer._generate_and_score_completions
+
+        def timed_generate(*a: Any, **k: Any) -> Any:
+            t0 = _clock(clock)
+            result = generate(*a, **k)
+            trl_gen[0] += _clock(clock) - t0
+            return result
+
+        trainer._generate_and_score_completions = timed_generate
         with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs on stdout
             trainer.train()
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    return {"tokens_per_s": med, "dynamic_over_trl": med["dynamic"] / med["trl"],
-            "packed_over_trl": med["packed"] / med["trl"]}  # fmt: skip
+    return summarize(steps)
+
+
+def summarize(steps: dict[str, list[tuple[dict[str, float], int]]]) -> dict[str, Any]:
+    """Median tokens/s of whole steps and median seconds per phase of each system; ratios to
+    TRL (tokens/s ratio: > 1 is faster than TRL; phase ratio: seconds over TRL's, < 1 is
+    faster)."""
+    med = statistics.median
+    rates = {k: med(t / sum(p.values()) for p, t in v) for k, v in steps.items()}
+    phases = {
+        k: {ph: med(p[ph] for p, _ in v) for ph in ("gen", "train")} for k, v in steps.items()
+    }
+    return {
+        "tokens_per_s": rates,
+        "phase_seconds": phases,
+        "tokens": {k: med(t for _, t in v) for k, v in steps.items()},
+        "dynamic_over_trl": rates["dynamic"] / rates["trl"],
+        "packed_over_trl": rates["packed"] / rates["trl"],
+        "phase_over_trl": {
+            k: {ph: phases[k][ph] / phases["trl"][ph] for ph in ("gen", "train")}
+            for k in ("dynamic", "packed")
+        },
+    }
+
+
+def cells(args: argparse.Namespace) -> list[tuple[str, str, int, int | None]]:
+    """(model, workload, completion cap, generations or None = the workload's) to run."""
+    out: list[tuple[str, str, int, int | None]] = []
+    for model in args.models.split(","):
+        if model == "tiny":
+            for name in args.workload.split(","):
+                caps = [int(x) for x in args.completion_tokens.split(",")]
+                out += [("tiny", name, cap, None) for cap in caps]
+        else:
+            caps = [int(x) for x in args.wide_completion_tokens.split(",")]
+            out += [(model, "issue", cap, 2) for cap in caps]
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,28 +246,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlbatch.bench.rollout import write_checkpoint
 
     torch.set_num_threads(args.threads)
-    cells = []
+    ckpts = {"on": (True,), "off": (False,), "both": (True, False)}[args.trl_ckpt]
+    result = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "tiny"
-        write_checkpoint("tiny", path, eos_id=EOS, pad_id=PAD)
-        for name in args.workload.split(","):
-            for max_new in [int(x) for x in args.completion_tokens.split(",")]:
-                for ckpt in (True, False):
-                    cell = measure(path, name, max_new, ckpt, args.repeats, args.clock)
-                    cells.append({"workload": name, "completions": max_new,
-                                  "trl_gradient_checkpointing": ckpt} | cell)  # fmt: skip
-    return {"cells": cells, "setup": vars(args)}
+        for model, name, max_new, gens in cells(args):
+            path = Path(tmp) / model
+            if not path.exists():
+                write_checkpoint(model, path, eos_id=EOS, pad_id=PAD)
+            for ckpt in ckpts:
+                cell = measure(path, name, max_new, ckpt, args.repeats, args.clock, gens)
+                result.append({"model": model, "workload": name, "completions": max_new,
+                               "trl_gradient_checkpointing": ckpt} | cell)  # fmt: skip
+    return {"cells": result, "setup": vars(args)}
 
 
 def format_report(result: dict[str, Any]) -> str:
+    """Tokens/s per system and the phase split (seconds: gen = generation + reference pass,
+    train = forward/backward/optimizer) with each phase's ratio to TRL's."""
     lines = [
-        "workload  max_new  trl ckpt  trl tok/s  dynamic tok/s  packed tok/s  dyn/trl  pack/trl"
+        "model     workload  max_new ckpt | tok/s trl   dyn  pack  dyn/trl pack/trl |"
+        " gen s trl   dyn  pack | train s trl   dyn  pack | gen dyn/trl train dyn/trl"
     ]
     for c in result["cells"]:
-        t = c["tokens_per_s"]
+        t, ph, r = c["tokens_per_s"], c["phase_seconds"], c["phase_over_trl"]["dynamic"]
         lines.append(
-            f"{c['workload']:<9} {c['completions']:>7} {str(c['trl_gradient_checkpointing']):>9}"
-            f" {t['trl']:>10.0f} {t['dynamic']:>14.0f} {t['packed']:>13.0f}"
-            f" {c['dynamic_over_trl']:>8.2f} {c['packed_over_trl']:>9.2f}"
+            f"{c['model']:<9} {c['workload']:<9} {c['completions']:>7}"
+            f" {'on' if c['trl_gradient_checkpointing'] else 'off':>4} |"
+            f" {t['trl']:>9.0f} {t['dynamic']:>5.0f} {t['packed']:>5.0f}"
+            f" {c['dynamic_over_trl']:>8.2f} {c['packed_over_trl']:>8.2f} |"
+            + "".join(f" {ph[k]['gen']:>{w}.2f}" for k, w in zip(SYSTEMS, (9, 5, 5), strict=True))
+            + " |"
+            + "".join(
+                f" {ph[k]['train']:>{w}.2f}" for k, w in zip(SYSTEMS, (11, 5, 5), strict=True)
+            )
+            + f" | {r['gen']:>11.2f} {r['train']:>13.2f}"
         )
     return "\n".join(lines)

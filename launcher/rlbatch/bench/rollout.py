@@ -52,6 +52,15 @@ MODELS: dict[str, dict[str, Any]] = {
         num_attention_heads=8,
         num_key_value_heads=4,
     ),
+    # Qwen2.5-0.5B's widths (vocabulary, hidden, MLP, heads) with 2 of its 24 layers
+    "qwen0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=2,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
 }
 EOS_ID = 1
 

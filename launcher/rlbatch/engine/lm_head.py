@@ -8,7 +8,9 @@ through, see :func:`output_layer_mode`) and the loss projects only the positions
 (those whose label is scored: response tokens, never prompt tokens), ``chunk_tokens`` positions
 at a time, inside :class:`ChunkedLogprobs`: its forward keeps one chunk's logits
 ``[chunk, V/tp]`` at a time and its backward recomputes them chunk by chunk, so no more than one
-chunk of logits (and of their gradient) ever exists. Vocab-parallel under tp > 1 (the row max
+chunk of logits (and of their gradient) ever exists. When the scored positions fit one chunk
+(and pp == 1) the forward keeps that chunk's exponentials for the backward instead of
+recomputing them: the same memory, one output-layer matmul fewer. Vocab-parallel under tp > 1 (the row max
 and the sums are all-reduced over the tensor-parallel group, as megatron's
 vocab_parallel_cross_entropy does); the gradient flows to the hidden states and to the output
 weight (the embedding when tied). ``chunk_tokens == 0`` is the unchunked path: the output layer
@@ -127,6 +129,16 @@ def _acc_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
+def _one_stage() -> bool:
+    """No pipeline parallelism: a micro-batch's backward follows its forward (no other
+    micro-batch's forward in between holding its own chunk)."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1
+    )
+
+
 def _label_columns(labels: torch.Tensor, vocab_start: int, width: int) -> tuple[Any, Any]:
     """(local column of each label clamped into this shard, bool: the label is in the shard)."""
     local = labels - vocab_start
@@ -164,6 +176,11 @@ class ChunkedLogprobs(torch.autograd.Function):
         row_max = torch.empty(n, dtype=acc, device=h.device)
         sum_exp = torch.empty(n, dtype=acc, device=h.device)
         mean_x = torch.empty(n if want_entropy else 0, dtype=acc, device=h.device)
+        # one chunk without pipelining: keep its exponentials for the backward rather than
+        # recomputing the logits there (the same one chunk of memory, freed by the backward
+        # that follows this micro-batch's forward; saves a [n, H] x [H, V/tp] matmul)
+        keep = n <= chunk and not (want_entropy and entropy_grad) and _one_stage()
+        kept = torch.empty(0, dtype=acc, device=h.device)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             x = _chunk_logits(h[lo:hi], weight, temperature)  # [c, V/tp]
@@ -174,6 +191,8 @@ class ChunkedLogprobs(torch.autograd.Function):
             col, inside = _label_columns(labels[lo:hi], rank * width, width)
             picked = x.gather(-1, col[:, None]).squeeze(-1) * inside
             ex = x.exp()
+            if keep:
+                kept = ex
             sums = [ex.sum(-1), picked] + ([(ex * x).sum(-1)] if want_entropy else [])
             stacked = torch.stack(sums)
             if size > 1:
@@ -184,7 +203,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 mean_x[lo:hi] = stacked[2] / z
                 entropy[lo:hi] = torch.log(z) - mean_x[lo:hi]
             row_max[lo:hi], sum_exp[lo:hi] = m, z
-        ctx.save_for_backward(h, weight, labels, row_max, sum_exp, mean_x)
+        ctx.save_for_backward(h, weight, labels, row_max, sum_exp, mean_x, kept)
         ctx.chunk, ctx.temperature, ctx.vocab_start = chunk, temperature, rank * width
         ctx.entropy_grad = want_entropy and entropy_grad
         if not ctx.entropy_grad:
@@ -193,17 +212,20 @@ class ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_logps: torch.Tensor, grad_entropy: Any) -> tuple:  # type: ignore[override]
-        h, weight, labels, row_max, sum_exp, mean_x = ctx.saved_tensors
+        h, weight, labels, row_max, sum_exp, mean_x, kept = ctx.saved_tensors
         with_entropy = ctx.entropy_grad and grad_entropy is not None
         width = weight.shape[0]
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device)
         for lo in range(0, h.shape[0], ctx.chunk):
             hi = min(h.shape[0], lo + ctx.chunk)
-            x = _chunk_logits(h[lo:hi], weight, ctx.temperature)  # recomputed [c, V/tp]
-            x.sub_(row_max[lo:hi, None])
-            shifted = x.clone() if with_entropy else None
-            p = x.exp_().div_(sum_exp[lo:hi, None])  # softmax
+            if kept.numel():  # the forward's one chunk: exp(x - max) kept
+                shifted, p = None, kept.div_(sum_exp[:, None])
+            else:
+                x = _chunk_logits(h[lo:hi], weight, ctx.temperature)  # recomputed [c, V/tp]
+                x.sub_(row_max[lo:hi, None])
+                shifted = x.clone() if with_entropy else None
+                p = x.exp_().div_(sum_exp[lo:hi, None])  # softmax
             g = grad_logps[lo:hi].to(p.dtype)
             if shifted is not None:  # d H / d x = -p (x - E_p[x])
                 ge = grad_entropy[lo:hi].to(p.dtype)

@@ -29,8 +29,8 @@ from rlbatch import distributed
 from rlbatch.config.schema import RolloutBackend, RunConfig
 from rlbatch.grpo.sampling import (  # noqa: F401  (re-exported: the rollout's vocabulary)
     SamplingParams,
-    exponential_noise,
     filter_logits,
+    keyed_uniform,
     length_caps,
     row_keys,
     sample_tokens,

@@ -1,5 +1,5 @@
 """Sampling of the built-in rollout engine: parameters, top-k / top-p filtering and the keyed
-exponential race (a row's samples depend only on the seed, its row index and token index).
+inverse-CDF draw (a row's samples depend only on the seed, its row index and token index).
 
 Behaviour logprobs: ``log_softmax(logits / temperature)[token]`` over the full vocabulary
 (before top-k / top-p truncation), the convention of TRL and verl.
@@ -93,11 +93,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------------ sampling
-# Sampling noise is a hash of (seed, row, token index, vocabulary id), not a generator's
-# stream: a row's sample does not depend on which rows share its batch, the order rows enter
-# a continuous batch, the rollout chunk size or the decoding path (lean, megatron, pipeline).
+# Sampling noise is a hash of (seed, row, token index), not a generator's stream: a row's
+# sample does not depend on which rows share its batch, the order rows enter a continuous
+# batch, the rollout chunk size or the decoding path (lean, megatron, pipeline).
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**31: products of 32-bit values stay inside int64
+_HIGH_TAG, _LOW_TAG = 0x632BE5AB, 0x2545F491
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -115,13 +116,13 @@ def row_keys(seed: int, num_rows: int) -> torch.Tensor:
     return _mix(base ^ torch.arange(num_rows, dtype=torch.long))
 
 
-def exponential_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) variates [n, V] (float64) for rows with these keys at these token indices."""
-    device = keys.device
-    state = _mix(keys ^ _mix(steps.to(device) & _M32))  # [n]
-    ids = _mix(torch.arange(vocab, device=device, dtype=torch.long) + 0x632BE5AB)  # [V]
-    bits = _mix(state[:, None] ^ ids[None])  # [n, V]
-    return -torch.log((bits.double() + 0.5) / 2.0**32)
+def keyed_uniform(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row [n] (float64, 53 random bits) for rows with these keys at
+    these token indices: two 32-bit hashes of (key, token index)."""
+    state = _mix(keys ^ _mix(steps.to(keys.device) & _M32))  # [n]
+    high = _mix(state ^ _HIGH_TAG) >> 5  # 27 bits
+    low = _mix(state ^ _LOW_TAG) >> 6  # 26 bits
+    return (high * 2.0**26 + low).double() / 2.0**53
 
 
 _LENGTH_TAG = 0x1E57A11
@@ -152,13 +153,26 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of logits [n, V]: (tokens [n], behaviour logprobs [n]).
 
-    The exponential race argmax(log p - log E), E ~ Exp(1), draws exactly from p (the
-    tempered, top-k / top-p filtered softmax) without normalising it; the logprob is the
-    tempered full-vocabulary one of the chosen token: logit / T - logsumexp(logits / T).
+    Inverse CDF with one keyed uniform u per row (:func:`keyed_uniform`): the token is the
+    first vocabulary index whose running sum of the tempered, top-k / top-p filtered
+    probabilities exceeds u (an exact draw from them). The running sum is of the unnormalised
+    exp(x - max) in float64, so u is scaled by its total rather than every entry divided;
+    filtered-out entries add 0 and are never chosen. The logprob is the tempered
+    full-vocabulary one of the chosen token: logit / T - logsumexp(logits / T).
     """
     scaled = logits.float() / params.temperature
     filtered = filter_logits(scaled, params.top_k, params.top_p)
-    noise = exponential_noise(keys, steps, scaled.shape[-1])
-    tokens = torch.argmax(filtered.double() - torch.log(noise), dim=-1)  # [n]
+    top = scaled.amax(dim=-1, keepdim=True)  # the filters always keep the row's maximum
+    weights = torch.exp(filtered - top)  # [n, V]: 0 where filtered out, 1 at the maximum
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)  # [n, V], nondecreasing
+    total = cdf[:, -1:]
+    target = keyed_uniform(keys, steps)[:, None].to(cdf.device) * total
+    # u * total < total unless it rounds up: keep the target inside the last kept token's step
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True)[:, 0]  # first index with cdf > target
     chosen = scaled.gather(-1, tokens[:, None])[:, 0]
-    return tokens, chosen - torch.logsumexp(scaled, dim=-1)
+    if filtered is scaled:  # no filter: the running sum's total is the normaliser
+        log_norm = (top.double() + torch.log(total))[:, 0]
+    else:
+        log_norm = torch.logsumexp(scaled, dim=-1)
+    return tokens, (chosen - log_norm).float()

@@ -127,3 +127,38 @@ def test_occupancy_of_a_run_weighs_rounds_by_their_decode_work():
     for rec, figs in zip(records, (first, idle, busy), strict=True):
         rec |= {k: v for k, v in figs.items() if k != "rollout/slot_occupancy"}
     assert grpo_async.run_figures(records, warmup=1)["slot_occupancy"] == pytest.approx(40 / 60)
+
+
+def test_trl_comparison_cells_and_phase_split():
+    """--against trl: the tiny model runs every workload x cap, the 0.5B shape the issue
+    prompts at its own caps; the report's phase ratios are seconds over TRL's seconds and its
+    tokens/s ratios whole-step rates (medians of the steps)."""
+    from rlbatch.bench import grpo_trl
+
+    args = parse_args(["--against", "trl", "--completion-tokens", "64,256"])
+    assert args.models == "tiny,qwen0.5b" and args.trl_ckpt == "on"
+    assert grpo_trl.cells(args) == [
+        ("tiny", "issue", 64, None),
+        ("tiny", "issue", 256, None),
+        ("tiny", "longtail", 64, None),
+        ("tiny", "longtail", 256, None),
+        ("qwen0.5b", "issue", 64, 2),
+    ]
+    steps = {
+        "trl": [({"gen": 2.0, "train": 2.0}, 400), ({"gen": 3.0, "train": 1.0}, 400)],
+        "dynamic": [({"gen": 1.0, "train": 1.0}, 400), ({"gen": 1.0, "train": 1.0}, 400)],
+        "packed": [({"gen": 1.0, "train": 0.5}, 300), ({"gen": 1.0, "train": 0.5}, 300)],
+    }
+    out = grpo_trl.summarize(steps)
+    assert out["tokens_per_s"] == {"trl": 100.0, "dynamic": 200.0, "packed": 200.0}
+    assert out["dynamic_over_trl"] == 2.0
+    assert out["phase_seconds"]["trl"] == {"gen": 2.5, "train": 1.5}
+    assert out["phase_over_trl"]["dynamic"] == {"gen": 0.4, "train": pytest.approx(2 / 3)}
+    assert "tiny" in grpo_trl.format_report({"cells": [{"model": "tiny", "workload": "issue",
+        "completions": 64, "trl_gradient_checkpointing": True} | out]})  # fmt: skip
+
+
+def test_trl_comparison_unknown_model_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--against", "trl", "--models", "tiny,huge"])
+    assert "a comma list of tiny, qwen0.5b" in capsys.readouterr().err

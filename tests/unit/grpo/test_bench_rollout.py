@@ -28,13 +28,16 @@ def test_bench_grpo_against_trl_json(capsys):
     pytest.importorskip("trl")  # the optional bench extra
     from rlbatch.bench import grpo_main as bench
 
-    args = ["--against", "trl", "--workload", "issue", "--completion-tokens", "4"]
+    args = ["--against", "trl", "--models", "tiny", "--workload", "issue"]
+    args += ["--completion-tokens", "4", "--trl-ckpt", "both"]
     assert bench.main(args + ["--repeats", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [c["trl_gradient_checkpointing"] for c in doc["cells"]] == [True, False]
     for cell in doc["cells"]:
         assert set(cell["tokens_per_s"]) == {"trl", "dynamic", "packed"}
         assert all(v > 0 for v in cell["tokens_per_s"].values())
+        for phases in cell["phase_seconds"].values():  # generation + reference, train
+            assert phases["gen"] > 0 and phases["train"] > 0
 
 
 @pytest.mark.slow

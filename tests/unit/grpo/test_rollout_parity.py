@@ -170,3 +170,39 @@ def test_sampler_draws_from_the_tempered_filtered_softmax():
     assert torch.allclose(freq, probs, atol=0.01)
     full = torch.log_softmax(scaled, -1)
     assert torch.allclose(logps.double(), full[tokens], atol=1e-5)
+
+
+def test_sampler_is_the_inverse_cdf_of_each_rows_keyed_uniform():
+    """Each row's token is the first index where a float64 running sum of its tempered,
+    filtered softmax exceeds the row's keyed uniform, whatever other rows share the batch."""
+    from rlbatch.grpo.sampling import keyed_uniform
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 50, generator=gen) * 2
+    keys, steps = row_keys(7, 32), torch.arange(32, dtype=torch.long) % 5
+    for params in (
+        SamplingParams(max_new_tokens=1, eos_id=-1, temperature=0.7),
+        SamplingParams(max_new_tokens=1, eos_id=-1, temperature=1.3, top_k=10, top_p=0.8),
+    ):
+        tokens, logps = sample_tokens(logits, params, keys, steps)
+        u = keyed_uniform(keys, steps)
+        assert bool(((u >= 0) & (u < 1)).all()) and len(set(u.tolist())) == 32
+        for r in range(32):
+            scaled = logits[r].double() / params.temperature
+            allowed = torch.ones(50, dtype=torch.bool)
+            if params.top_k:
+                allowed[torch.argsort(scaled, descending=True)[params.top_k :]] = False
+            if params.top_p < 1:
+                order = torch.argsort(torch.where(allowed, scaled, -torch.inf), descending=True)
+                p = torch.softmax(torch.where(allowed, scaled, -torch.inf)[order], -1)
+                allowed[order[(torch.cumsum(p, -1) - p) >= params.top_p]] = False
+            probs = torch.softmax(torch.where(allowed, scaled, -torch.inf), -1)
+            expected = int(torch.nonzero(torch.cumsum(probs, -1) > u[r])[0, 0])
+            assert int(tokens[r]) == expected
+            assert float(logps[r]) == pytest.approx(
+                float(torch.log_softmax(scaled, -1)[expected]), abs=1e-5
+            )
+        # a row alone, or among other rows in another order, draws the same token
+        perm = torch.randperm(32, generator=gen)[:9]
+        alone, _ = sample_tokens(logits[perm], params, keys[perm], steps[perm])
+        assert torch.equal(alone, tokens[perm])
