@@ -153,6 +153,9 @@ def test_reward_exits_are_failures_naming_the_function(bin_dir, subprocess_env, 
                       "trainer.max_steps=2", f"hydra.run.dir={tmp_path / name}")  # fmt: skip
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert message in _flat(proc.stderr), proc.stderr[-3000:]
+        if name == "by_os_exit":  # the exact command that continues this run, not a hint
+            cont = _flat(proc.stderr).split("Continue this run with:", 1)[-1]
+            assert f"hydra.run.dir={tmp_path / name}" in cont and "trainer.resume=auto" in cont
 
 
 def test_failing_sweep_job_does_not_stop_the_sweep(bin_dir, subprocess_env, tmp_path):

@@ -44,14 +44,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _checks(source: Optional[Path], args: argparse.Namespace, picked: dict[str, Any]):
-    """rlbatch-eval's own checks (to_validated_run_config's ``extra``): the checkpoint, the
-    evaluation set and rewards; the chosen checkpoint goes into ``picked``."""
+    """rlbatch-eval's own checks (to_validated_run_config's ``extra``): the tokenizer, the
+    checkpoint, the evaluation set and rewards; the chosen checkpoint goes into ``picked``."""
 
     def check(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
         from rlbatch.cli.export import select_checkpoint
+        from rlbatch.engine.tokenizer import tokenizer_errors
         from rlbatch.grpo.preflight import check_eval_inputs
 
-        errors: list[ConfigError] = []
+        errors: list[ConfigError] = tokenizer_errors(cfg.model)  # the model's own, or stop
         if source is not None:
             cfg.run_dir = str(source)
             picked["checkpoint"] = select_checkpoint(cfg, args.step, args.best, errors)

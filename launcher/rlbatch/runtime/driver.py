@@ -188,7 +188,7 @@ def _run_workers(
         if proc.poll() is None:
             _stop(proc)
     if code == 0:
-        code = _unfinished(cfg, run_dir)
+        code = _unfinished(cfg, run_dir, ending)
     if code == preempt.EXIT_PREEMPTED:
         _report_preemption(run_dir, signal.Signals(received[0]).name if received else None, ending)
     elif code != 0:
@@ -239,9 +239,10 @@ def _wait(proc: subprocess.Popen, received: list[int], preempt_timeout_s: float)
             return 128 + int(received[0])
 
 
-def _unfinished(cfg: RunConfig, run_dir: Path) -> int:
+def _unfinished(cfg: RunConfig, run_dir: Path, ending: Ending) -> int:
     """0 when every local worker's entry returned; else report the ranks that exited with code
-    0 before that (user code calling sys.exit(0) or os._exit(0)) and return 1."""
+    0 before that (user code calling sys.exit(0) or os._exit(0)), with the command that continues
+    the run from its newest checkpoint, and return 1."""
     nproc = cfg.parallel.nproc_per_node or world_size(cfg) // cfg.parallel.nnodes
     first = (cfg.parallel.node_rank or 0) * nproc
     missing = [r for r in range(first, first + nproc) if not (run_dir / done_file(r)).exists()]
@@ -252,7 +253,8 @@ def _unfinished(cfg: RunConfig, run_dir: Path) -> int:
     _console().print(
         f"workers exited with code 0 before the run finished ({where}). Something in the "
         "process (user code such as a reward function) called sys.exit or os._exit: this run "
-        "FAILED; the newest checkpoint is intact (trainer.resume=auto)",
+        "FAILED; the newest checkpoint is intact. "
+        + (ending.how_to_continue() or "Continue it with trainer.resume=auto"),
         markup=False,
         style="red",
         soft_wrap=True,

@@ -267,7 +267,9 @@ def _stop_preempted(cfg: RunConfig, comps: Components, step: int, path: Path, si
     if comps.dist.rank == 0:
         record = {"signal": sig, "step": step, "path": str(path)}
         (run_dir(cfg) / preempt.RECORD).write_text(json.dumps(record))
-        log.warning("preempted (%s): saved step %d at %s", sig, step, path)
+        # the worker sees the launcher's forwarded signal; the launcher names the one it got
+        log.warning("preemption requested (%s reached the workers): saved step %d at %s",
+                    sig, step, path)  # fmt: skip
     raise preempt.Preempted(step, str(path), sig)
 
 

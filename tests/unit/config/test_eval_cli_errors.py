@@ -64,3 +64,15 @@ def test_rlbatch_eval_refuses_bad_input_before_launch(tmp_path, capsys):
 def test_the_cli_imports_no_torch():
     code = "import sys, rlbatch.cli.eval; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_rlbatch_eval_refuses_a_model_without_a_loadable_tokenizer(tmp_path, capsys):
+    """A model directory whose tokenizer cannot load is refused before a worker starts, with
+    the files found and the fix, never evaluated with the byte tokenizer."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    (model / "tokenizer.model").write_text("not a sentencepiece model")
+    err = _errors(capsys, [f"model.hf_path={model}", "eval.num_samples=2"])
+    assert f"model.hf_path={model}" in err and "tokenizer.model" in err
+    assert "model.tokenizer=bytes" in err  # the deliberate choice, named as a fix
