@@ -12,7 +12,7 @@ from rlbatch.config.errors import ConfigError
 from rlbatch.rewards.base import Scored
 
 if TYPE_CHECKING:
-    from rlbatch.config.schema import DataConfig
+    from rlbatch.config.schema import BatchingPassConfig, DataConfig
 
 
 class RewardInput(Protocol):
@@ -37,7 +37,7 @@ def _label(i: int, x: RewardInput) -> str:
     return f"sample {i} (prompt index {x.prompt_index})"
 
 
-def _code_exec(cfg: DataConfig) -> BatchReward:
+def _code_exec(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.code_exec import CodeExecReward
     from rlbatch.rewards.sandbox import probe_isolation
 
@@ -48,7 +48,7 @@ def _code_exec(cfg: DataConfig) -> BatchReward:
     return lambda inputs: reward.score([x.response for x in inputs], [x.fields for x in inputs])
 
 
-def _http(cfg: DataConfig) -> BatchReward:
+def _http(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.served import HttpReward, sample_payload
 
     assert cfg.reward_url is not None
@@ -61,7 +61,7 @@ def _http(cfg: DataConfig) -> BatchReward:
     return score
 
 
-def _judge(cfg: DataConfig) -> BatchReward:
+def _judge(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.judge import JudgeReward
 
     url = cfg.judge.url or cfg.reward_url
@@ -75,22 +75,22 @@ def _judge(cfg: DataConfig) -> BatchReward:
     return score
 
 
-def _reward_model(cfg: DataConfig) -> BatchReward:
+def _reward_model(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.reward_model import RewardModel
 
     assert cfg.reward_model is not None
-    model = RewardModel(cfg.reward_model, cfg.reward_model_batching)
+    model = RewardModel(cfg.reward_model, cfg.reward_model_batching, infer)
     return lambda inputs: model.score([x.prompt + x.response for x in inputs])
 
 
-BROUGHT: dict[RewardKind, Callable[[DataConfig], BatchReward]] = {
+BROUGHT: dict[RewardKind, Callable[[DataConfig, BatchingPassConfig], BatchReward]] = {
     RewardKind.code_exec: _code_exec,
     RewardKind.http: _http,
     RewardKind.judge: _judge,
     RewardKind.reward_model: _reward_model,
 }
 """Factories of the brought kinds (built once per process, in the driver's check and in each
-worker)."""
+worker) from ``data`` and the run's ``batching.infer`` (the reward model's micro-batches)."""
 
 
 # ------------------------------------------------------------------------------------------
