@@ -6,8 +6,8 @@
   combined with a served HTTP reward (a real server on 127.0.0.1 that fails twice first), an
   LLM judge (a real OpenAI-compatible server) and a local reward model, weighted, the
   calculator environment's reward on top of them, generation running ahead in its worker.
-- A bad setup (rows without tests, a server answering garbage, a missing reward model) is
-  stopped before launch, every error at once.
+- A bad setup (training or held-out rows without tests, a server answering garbage, a missing
+  reward model) is stopped before launch, every error at once.
 """
 
 from __future__ import annotations
@@ -202,17 +202,27 @@ def test_bad_reward_setup_is_refused_before_launch_all_at_once(bin_dir, subproce
     data.write_text(
         '{"prompt": "p", "answer": "a"}\n{"prompt": "q", "answer": "b", "tests": [{"in": 1}]}\n'
     )
+    held_out = tmp_path / "held_out.jsonl"  # the evaluation's rows are checked the same way
+    good = '{"prompt": "r", "answer": "c", "tests": [{"input": "", "output": "1"}]}'
+    held_out.write_text(
+        f'{good}\n{good}\n{{"prompt": "s", "answer": "d", "test_code": "assert ("}}\n'
+    )
     with Scorer(garbage=True) as server:
         proc = _run(
             bin_dir, "rlbatch-train", subprocess_env, tmp_path,
             "data=jsonl", f"data.path={data}", "data.reward_fn=[code_exec,http,reward_model]",
             f"data.reward_url={server.url}", f"data.reward_model={tmp_path / 'no_rm'}",
-            "data.code_exec.limits.cpu_s=0", timeout=120,
+            "data.code_exec.limits.cpu_s=0", "eval.every_steps=1", f"eval.data.path={held_out}",
+            timeout=120,
         )  # fmt: skip
     err = proc.stderr
     assert proc.returncode == 2, proc.stdout[-2000:] + err[-2000:]
-    assert "row 0: no field 'tests' or 'test_code'" in err
-    assert "row 1: tests[0]" in err
+    assert f"data.path={data}: 2 row(s) without usable tests" in err
+    assert "line 1: no field 'tests' or 'test_code'" in err
+    assert "line 2: tests[0]" in err
+    assert f"eval.data.path={held_out}: 1 row(s) without usable tests" in err
+    assert "line 3: 'test_code' does not compile" in err
+    assert "'tests' list of" in err  # the fix
     assert f"data.reward_url={server.url}" in err and "not JSON" in err
     assert "data.reward_model=" in err and "not a directory" in err
     assert "data.code_exec.limits.cpu_s=0" in err

@@ -60,6 +60,9 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     own = cfg.eval.reward_fn or cfg.eval.reward is not None
     found: list[ConfigError] = []
     _check_rewards(data, fields, found, prefix="eval" if own else "data")
+    # the brought kinds' checks over the held-out rows (code_exec: every row's tests); what
+    # repeats the training data's checks (the sandbox, the endpoints) is reported once
+    check_brought_rewards(data, eval_data_seed(cfg.trainer.seed), found, "eval.data.path")
     errors += [e for e in found if str(e) not in {str(x) for x in errors}]
 
 
@@ -285,25 +288,29 @@ def check_reward_specs(data: DataConfig, errors: list[ConfigError]) -> None:
     _check_rewards(data, None, errors)
 
 
-def check_brought_rewards(data: DataConfig, seed: int, errors: list[ConfigError]) -> None:
+def check_brought_rewards(
+    data: DataConfig, seed: int, errors: list[ConfigError], key: str = "data.path"
+) -> None:
     """The brought kinds among the rewards (code_exec, http, judge, reward_model): each one's
-    check (rlbatch.rewards.kinds.CHECKS) over the dataset's rows."""
+    check (rlbatch.rewards.kinds.CHECKS) over the rows of ``data``'s dataset, whose file is
+    config key ``key`` (data.path, or eval.data.path for the held-out set)."""
     from rlbatch.grpo.rewards import brought_kinds
-    from rlbatch.rewards.kinds import CHECKS
+    from rlbatch.rewards.kinds import CHECKS, DatasetRows
 
     kinds = brought_kinds(data)
     if not kinds:
         return
-    rows: list[dict[str, Any]] | None = None
+    rows: DatasetRows | None = None
     if data.source == DataSource.builtin or _path_exists(data):
         from rlbatch.grpo.data import read_examples
 
         try:
             examples, _ = read_examples(data, seed)
-            rows = [
+            fields = [
                 {**ex.fields, data.prompt_key: ex.prompt, data.answer_key: ex.answer}
                 for ex in examples
             ]
+            rows = DatasetRows(key, data.path, fields, [ex.where for ex in examples])
         except ValueError:
             rows = None  # the dataset check reports it
     for kind in dict.fromkeys(kinds):
