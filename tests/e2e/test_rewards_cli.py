@@ -162,7 +162,7 @@ def test_code_recipe_twin_with_served_rewards_an_environment_and_run_ahead(
             "data.reward_weights=[1.0,0.5,0.25,0.1]",
             f"data.reward_url={server.url}/score", f"data.judge.url={judge.url}",
             "data.served.backoff_s=0.05",
-            f"data.reward_model={tmp_path / 'rm'}",
+            f"data.reward_model={tmp_path / 'rm'}", "data.reward_model_batching.max_length=1024",
             "grpo.num_steps_async=1", "grpo.max_staleness=1",
             "logging.samples=true", "trainer.max_steps=2", "hydra.run.dir=run",
         )  # fmt: skip
@@ -213,6 +213,7 @@ def test_bad_reward_setup_is_refused_before_launch_all_at_once(bin_dir, subproce
             "data=jsonl", f"data.path={data}", "data.reward_fn=[code_exec,http,reward_model]",
             f"data.reward_url={server.url}", f"data.reward_model={tmp_path / 'no_rm'}",
             "data.code_exec.limits.cpu_s=0", "eval.every_steps=1", f"eval.data.path={held_out}",
+            "batching.infer.max_tokens=1024",  # under the reward model's max_length (2048)
             timeout=120,
         )  # fmt: skip
     err = proc.stderr
@@ -223,6 +224,9 @@ def test_bad_reward_setup_is_refused_before_launch_all_at_once(bin_dir, subproce
     assert f"eval.data.path={held_out}: 1 row(s) without usable tests" in err
     assert "line 3: 'test_code' does not compile" in err
     assert "'tests' list of" in err  # the fix
+    budget = "data.reward_model_batching.max_length=2048: a text this long (rounded to 2048) is"
+    assert f"{budget} over batching.infer.max_tokens=1024" in err
+    assert "lower it to 1024 or less" in err
     assert f"data.reward_url={server.url}" in err and "not JSON" in err
     assert "data.reward_model=" in err and "not a directory" in err
     assert "data.code_exec.limits.cpu_s=0" in err

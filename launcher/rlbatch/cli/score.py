@@ -46,7 +46,7 @@ def _checks(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
 
     errors: list[ConfigError] = []
     check_reward_specs(cfg.data, errors)
-    check_brought_rewards(cfg.data, cfg.trainer.seed, errors)
+    check_brought_rewards(cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer)
     return errors, []
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rlbatch.config.enums import OversizePolicy
+from rlbatch.config.errors import ConfigError
 from rlbatch.config.rewards import RewardModelConfig
 from rlbatch.config.schema import BatchingPassConfig
 from rlbatch.rewards.base import Scored
@@ -42,6 +44,29 @@ def check_reward_model(path: str) -> str:
     if getattr(config, "num_labels", 1) != 1:
         return f"has num_labels={config.num_labels}: a reward model has one (a scalar score)"
     return ""
+
+
+def budget_errors(cfg: RewardModelConfig, infer: BatchingPassConfig) -> list[ConfigError]:
+    """data.reward_model_batching.max_length >= 1 and, under batching.infer.oversize=error, a
+    text of max_length tokens fits batching.infer.max_tokens (else a long completion would
+    stop the run mid-training)."""
+    key = "data.reward_model_batching.max_length"
+    if cfg.max_length < 1:
+        return [ConfigError(key, cfg.max_length, "must be >= 1")]
+    r = max(infer.sequence_length_round, 1)
+    rounded = -(-cfg.max_length // r) * r
+    if infer.oversize != OversizePolicy.error or rounded <= infer.max_tokens:
+        return []
+    return [
+        ConfigError(
+            key,
+            cfg.max_length,
+            f"a text this long (rounded to {rounded}) is over batching.infer.max_tokens="
+            f"{infer.max_tokens}, the budget the reward model is scored under: lower it to"
+            f" {infer.max_tokens // r * r} or less, raise batching.infer.max_tokens, or set"
+            " batching.infer.oversize=isolate (own forward) or truncate (last tokens kept)",
+        )
+    ]
 
 
 class RewardModel:

@@ -106,3 +106,20 @@ def test_checkpoint_check(tmp_path):
     config["architectures"] = ["Qwen2ForCausalLM"]
     (path / "config.json").write_text(json.dumps(config))
     assert "ForSequenceClassification" in check_reward_model(str(path))
+
+
+def test_max_length_over_the_infer_budget_is_refused_before_launch_unless_a_policy_takes_it():
+    from rlbatch.rewards.reward_model import budget_errors
+
+    assert (
+        budget_errors(RewardModelConfig(max_length=2048), BatchingPassConfig(max_tokens=2048)) == []
+    )
+    # 1001 tokens round (by 8) to 1008 > 1000: a text that long could not be planned
+    (err,) = budget_errors(RewardModelConfig(max_length=1001), BatchingPassConfig(max_tokens=1004))
+    assert (err.key, err.value) == ("data.reward_model_batching.max_length", 1001)
+    assert "batching.infer.max_tokens=1004" in err.message and "lower it to 1000" in err.message
+    for policy in (OversizePolicy.isolate, OversizePolicy.truncate):
+        infer = BatchingPassConfig(max_tokens=512, oversize=policy)
+        assert budget_errors(RewardModelConfig(max_length=2048), infer) == []
+    (err,) = budget_errors(RewardModelConfig(max_length=0), BatchingPassConfig())
+    assert err.message == "must be >= 1"
