@@ -6,8 +6,8 @@
   combined with a served HTTP reward (a real server on 127.0.0.1 that fails twice first), an
   LLM judge (a real OpenAI-compatible server) and a local reward model, weighted, the
   calculator environment's reward on top of them, generation running ahead in its worker.
-- A bad setup (rows without tests, a server answering garbage, a missing reward model) is
-  stopped before launch, every error at once.
+- A bad setup (training or held-out rows without tests, a server answering garbage, a missing
+  reward model) is stopped before launch, every error at once.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def test_code_recipe_twin_with_served_rewards_an_environment_and_run_ahead(
             "data.reward_weights=[1.0,0.5,0.25,0.1]",
             f"data.reward_url={server.url}/score", f"data.judge.url={judge.url}",
             "data.served.backoff_s=0.05",
-            f"data.reward_model={tmp_path / 'rm'}",
+            f"data.reward_model={tmp_path / 'rm'}", "data.reward_model_batching.max_length=1024",
             "grpo.num_steps_async=1", "grpo.max_staleness=1",
             "logging.samples=true", "trainer.max_steps=2", "hydra.run.dir=run",
         )  # fmt: skip
@@ -202,17 +202,31 @@ def test_bad_reward_setup_is_refused_before_launch_all_at_once(bin_dir, subproce
     data.write_text(
         '{"prompt": "p", "answer": "a"}\n{"prompt": "q", "answer": "b", "tests": [{"in": 1}]}\n'
     )
+    held_out = tmp_path / "held_out.jsonl"  # the evaluation's rows are checked the same way
+    good = '{"prompt": "r", "answer": "c", "tests": [{"input": "", "output": "1"}]}'
+    held_out.write_text(
+        f'{good}\n{good}\n{{"prompt": "s", "answer": "d", "test_code": "assert ("}}\n'
+    )
     with Scorer(garbage=True) as server:
         proc = _run(
             bin_dir, "rlbatch-train", subprocess_env, tmp_path,
             "data=jsonl", f"data.path={data}", "data.reward_fn=[code_exec,http,reward_model]",
             f"data.reward_url={server.url}", f"data.reward_model={tmp_path / 'no_rm'}",
-            "data.code_exec.limits.cpu_s=0", timeout=120,
+            "data.code_exec.limits.cpu_s=0", "eval.every_steps=1", f"eval.data.path={held_out}",
+            "batching.infer.max_tokens=1024",  # under the reward model's max_length (2048)
+            timeout=120,
         )  # fmt: skip
     err = proc.stderr
     assert proc.returncode == 2, proc.stdout[-2000:] + err[-2000:]
-    assert "row 0: no field 'tests' or 'test_code'" in err
-    assert "row 1: tests[0]" in err
+    assert f"data.path={data}: 2 row(s) without usable tests" in err
+    assert "line 1: no field 'tests' or 'test_code'" in err
+    assert "line 2: tests[0]" in err
+    assert f"eval.data.path={held_out}: 1 row(s) without usable tests" in err
+    assert "line 3: 'test_code' does not compile" in err
+    assert "'tests' list of" in err  # the fix
+    budget = "data.reward_model_batching.max_length=2048: a text this long (rounded to 2048) is"
+    assert f"{budget} over batching.infer.max_tokens=1024" in err
+    assert "lower it to 1024 or less" in err
     assert f"data.reward_url={server.url}" in err and "not JSON" in err
     assert "data.reward_model=" in err and "not a directory" in err
     assert "data.code_exec.limits.cpu_s=0" in err

@@ -46,7 +46,7 @@ def _checks(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
 
     errors: list[ConfigError] = []
     check_reward_specs(cfg.data, errors)
-    check_brought_rewards(cfg.data, cfg.trainer.seed, errors)
+    check_brought_rewards(cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer)
     return errors, []
 
 
@@ -100,7 +100,7 @@ def score_rows(cfg: RunConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any
     """One output record per row: index, total reward, parts by name, failures."""
     from rlbatch.grpo.rewards import build_rewards
 
-    rewards = build_rewards(cfg.data)
+    rewards = build_rewards(cfg.data, cfg.batching.infer)
     records = []
     for start in range(0, len(rows), BATCH):
         inputs = _inputs(rows[start : start + BATCH], cfg, start)

@@ -106,7 +106,7 @@ class JudgeConfig:
 
 @dataclass
 class RewardModelConfig:
-    batch_tokens: int = 4096
-    """Token budget of one scoring forward (sequences are batched under it, longest first)."""
+    """Scoring of data.reward=reward_model (its forwards are planned under batching.infer)."""
+
     max_length: int = 2048
     """Longest prompt + completion scored; longer ones keep their last tokens."""

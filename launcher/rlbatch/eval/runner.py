@@ -85,7 +85,7 @@ class Evaluator:
         self.blocks = list(enumerate(blocks))[dp_rank::dp_size]  # (block index, prompts)
         self.tokenizer = tokenizer
         self.engine = _engine(cfg, model, tokenizer)
-        self.rewards = build_rewards(data)
+        self.rewards = build_rewards(data, cfg.batching.infer)
         self.answer: Optional[AnswerFn] = answer_fn(
             voting_kind(data.reward, data.reward_fn), data.task
         )

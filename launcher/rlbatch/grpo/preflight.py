@@ -24,7 +24,7 @@ from typing import Any
 
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.objectives import objective_warnings
-from rlbatch.config.schema import DataConfig, DataSource, RewardKind, RunConfig
+from rlbatch.config.schema import BatchingPassConfig, DataConfig, DataSource, RewardKind, RunConfig
 
 
 def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
@@ -39,7 +39,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     errors += tokenizer_errors(cfg.model)
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
-    check_brought_rewards(cfg.data, cfg.trainer.seed, errors)
+    check_brought_rewards(cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer)
     _check_environment(cfg, errors)
     if eval_enabled(cfg):
         check_eval_inputs(cfg, errors)
@@ -60,6 +60,10 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     own = cfg.eval.reward_fn or cfg.eval.reward is not None
     found: list[ConfigError] = []
     _check_rewards(data, fields, found, prefix="eval" if own else "data")
+    # the brought kinds' checks over the held-out rows (code_exec: every row's tests); what
+    # repeats the training data's checks (the sandbox, the endpoints) is reported once
+    seed = eval_data_seed(cfg.trainer.seed)
+    check_brought_rewards(data, seed, found, "eval.data.path", cfg.batching.infer)
     errors += [e for e in found if str(e) not in {str(x) for x in errors}]
 
 
@@ -285,25 +289,38 @@ def check_reward_specs(data: DataConfig, errors: list[ConfigError]) -> None:
     _check_rewards(data, None, errors)
 
 
-def check_brought_rewards(data: DataConfig, seed: int, errors: list[ConfigError]) -> None:
+def check_brought_rewards(
+    data: DataConfig,
+    seed: int,
+    errors: list[ConfigError],
+    key: str = "data.path",
+    infer: BatchingPassConfig | None = None,
+) -> None:
     """The brought kinds among the rewards (code_exec, http, judge, reward_model): each one's
-    check (rlbatch.rewards.kinds.CHECKS) over the dataset's rows."""
+    check (rlbatch.rewards.kinds.CHECKS) over the rows of ``data``'s dataset, whose file is
+    config key ``key`` (data.path, or eval.data.path for the held-out set); with ``infer``
+    (batching.infer), the reward model's longest text against that budget."""
     from rlbatch.grpo.rewards import brought_kinds
-    from rlbatch.rewards.kinds import CHECKS
+    from rlbatch.rewards.kinds import CHECKS, DatasetRows
 
     kinds = brought_kinds(data)
     if not kinds:
         return
-    rows: list[dict[str, Any]] | None = None
+    if infer is not None and RewardKind.reward_model in kinds:
+        from rlbatch.rewards.reward_model import budget_errors
+
+        errors += budget_errors(data.reward_model_batching, infer)
+    rows: DatasetRows | None = None
     if data.source == DataSource.builtin or _path_exists(data):
         from rlbatch.grpo.data import read_examples
 
         try:
             examples, _ = read_examples(data, seed)
-            rows = [
+            fields = [
                 {**ex.fields, data.prompt_key: ex.prompt, data.answer_key: ex.answer}
                 for ex in examples
             ]
+            rows = DatasetRows(key, data.path, fields, [ex.where for ex in examples])
         except ValueError:
             rows = None  # the dataset check reports it
     for kind in dict.fromkeys(kinds):

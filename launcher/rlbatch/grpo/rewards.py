@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Optional, Protocol
 
-from rlbatch.config.schema import BuiltinTask, DataConfig, DataSource, RewardKind, RunConfig
+from rlbatch.config.schema import (
+    BatchingConfig,
+    BatchingPassConfig,
+    BuiltinTask,
+    DataConfig,
+    DataSource,
+    RewardKind,
+    RunConfig,
+)
 from rlbatch.grpo.tasks import task_reward
 from rlbatch.grpo.types import Sample
 from rlbatch.grpo.user_rewards import Completion, UserReward, call_reward, load_reward
@@ -230,11 +238,13 @@ class RewardSet:
         return totals, parts, failures
 
 
-def _builtin_component(kind: RewardKind, cfg: DataConfig, name: str, weight: float):
+def _builtin_component(
+    kind: RewardKind, cfg: DataConfig, name: str, weight: float, infer: BatchingPassConfig
+):
     from rlbatch.rewards.kinds import BROUGHT
 
     if kind in BROUGHT:
-        scored = BROUGHT[kind](cfg)
+        scored = BROUGHT[kind](cfg, infer)
         return RewardComponent(
             name, weight, lambda inputs: [s.value for s in scored(inputs)], scored
         )
@@ -291,20 +301,24 @@ def component_names(cfg: DataConfig) -> list[str]:
     return [] if kind == RewardKind.none else [kind.value]
 
 
-def build_rewards(cfg: DataConfig) -> RewardSet:
-    """data.reward_fn (weighted by data.reward_weights) when set, else data.reward alone."""
+def build_rewards(cfg: DataConfig, infer: BatchingPassConfig | None = None) -> RewardSet:
+    """data.reward_fn (weighted by data.reward_weights) when set, else data.reward alone.
+    ``infer``: the run's batching.infer (how data.reward=reward_model batches its forwards;
+    None = that slot's default)."""
+    if infer is None:
+        infer = BatchingConfig().infer
     if not cfg.reward_fn:
         kind = RewardKind(cfg.reward)
         if kind == RewardKind.none:
             return RewardSet(())
-        return RewardSet((_builtin_component(kind, cfg, component_names(cfg)[0], 1.0),))
+        return RewardSet((_builtin_component(kind, cfg, component_names(cfg)[0], 1.0, infer),))
     weights = cfg.reward_weights or [1.0] * len(cfg.reward_fn)
     components = []
     for spec, name, weight in zip(cfg.reward_fn, reward_names(cfg.reward_fn), weights, strict=True):
         if ":" in spec:
             components.append(_user_component(load_reward(spec), name, weight, cfg))
         else:
-            components.append(_builtin_component(RewardKind(spec), cfg, name, weight))
+            components.append(_builtin_component(RewardKind(spec), cfg, name, weight, infer))
     return RewardSet(tuple(components))
 
 
@@ -340,7 +354,7 @@ def overlong_component(max_new_tokens: int, buffer_len: int, factor: float) -> R
 def build_run_rewards(cfg: RunConfig) -> RewardSet:
     """The run's reward parts: :func:`build_rewards` of ``data``, plus the overlong penalty
     when ``grpo.overlong_buffer_len`` > 0."""
-    rewards = build_rewards(cfg.data)
+    rewards = build_rewards(cfg.data, cfg.batching.infer)
     g = cfg.grpo
     if g.overlong_buffer_len <= 0:
         return rewards

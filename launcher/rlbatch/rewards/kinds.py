@@ -5,6 +5,7 @@ and each kind's check before launch."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlbatch.config.enums import RewardKind
@@ -12,7 +13,7 @@ from rlbatch.config.errors import ConfigError
 from rlbatch.rewards.base import Scored
 
 if TYPE_CHECKING:
-    from rlbatch.config.schema import DataConfig
+    from rlbatch.config.schema import BatchingPassConfig, DataConfig
 
 
 class RewardInput(Protocol):
@@ -37,7 +38,7 @@ def _label(i: int, x: RewardInput) -> str:
     return f"sample {i} (prompt index {x.prompt_index})"
 
 
-def _code_exec(cfg: DataConfig) -> BatchReward:
+def _code_exec(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.code_exec import CodeExecReward
     from rlbatch.rewards.sandbox import probe_isolation
 
@@ -48,7 +49,7 @@ def _code_exec(cfg: DataConfig) -> BatchReward:
     return lambda inputs: reward.score([x.response for x in inputs], [x.fields for x in inputs])
 
 
-def _http(cfg: DataConfig) -> BatchReward:
+def _http(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.served import HttpReward, sample_payload
 
     assert cfg.reward_url is not None
@@ -61,7 +62,7 @@ def _http(cfg: DataConfig) -> BatchReward:
     return score
 
 
-def _judge(cfg: DataConfig) -> BatchReward:
+def _judge(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.judge import JudgeReward
 
     url = cfg.judge.url or cfg.reward_url
@@ -75,22 +76,22 @@ def _judge(cfg: DataConfig) -> BatchReward:
     return score
 
 
-def _reward_model(cfg: DataConfig) -> BatchReward:
+def _reward_model(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.reward_model import RewardModel
 
     assert cfg.reward_model is not None
-    model = RewardModel(cfg.reward_model, cfg.reward_model_batching)
+    model = RewardModel(cfg.reward_model, cfg.reward_model_batching, infer)
     return lambda inputs: model.score([x.prompt + x.response for x in inputs])
 
 
-BROUGHT: dict[RewardKind, Callable[[DataConfig], BatchReward]] = {
+BROUGHT: dict[RewardKind, Callable[[DataConfig, BatchingPassConfig], BatchReward]] = {
     RewardKind.code_exec: _code_exec,
     RewardKind.http: _http,
     RewardKind.judge: _judge,
     RewardKind.reward_model: _reward_model,
 }
 """Factories of the brought kinds (built once per process, in the driver's check and in each
-worker)."""
+worker) from ``data`` and the run's ``batching.infer`` (the reward model's micro-batches)."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -98,8 +99,21 @@ worker)."""
 # ------------------------------------------------------------------------------------------
 
 
-def _check_code_exec(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
-    from rlbatch.rewards.code_exec import row_test_problems
+@dataclass(frozen=True)
+class DatasetRows:
+    """The rows of the dataset a run reads (training or evaluation), as the checks see them."""
+
+    key: str
+    """The config key of the dataset's file: data.path, or eval.data.path for the held-out set."""
+    path: str | None
+    """That key's value (the file)."""
+    rows: list[dict[str, Any]]
+    """Each row's fields, prompt and answer included."""
+    where: list[str]
+    """Where each row is in the file ("line 3", "row 7"), aligned with ``rows``."""
+
+
+def _check_code_exec(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
     from rlbatch.rewards.sandbox import probe_isolation
 
     errors = []
@@ -114,23 +128,38 @@ def _check_code_exec(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list
                 " opt out of isolation explicitly with data.code_exec.isolation=none",
             )
         )
-    bad = [f"row {i}: {p}" for i, row in enumerate(rows or []) for p in row_test_problems(row)]
-    if bad:
-        more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
-        errors.append(
-            ConfigError(
-                "data.path",
-                cfg.path,
-                f"{len(bad)} row(s) without usable tests for data.reward=code_exec: "
-                + "; ".join(bad[:20])
-                + more,
-            )
-        )
+    if rows is not None:
+        errors += _row_tests(rows)
     errors += _positive(
         "data.code_exec",
         {"num_workers": cfg.code_exec.num_workers, **vars(cfg.code_exec.limits)},
     )
     return errors
+
+
+def _row_tests(rows: DatasetRows) -> list[ConfigError]:
+    """Every row without usable tests, as one error on the dataset's key."""
+    from rlbatch.rewards.code_exec import row_test_problems
+
+    bad = [
+        f"{where}: {p}"
+        for where, row in zip(rows.where, rows.rows, strict=True)
+        for p in row_test_problems(row)
+    ]
+    if not bad:
+        return []
+    more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
+    return [
+        ConfigError(
+            rows.key,
+            rows.path,
+            f"{len(bad)} row(s) without usable tests for data.reward=code_exec: "
+            + "; ".join(bad[:20])
+            + more
+            + '. Give every row a \'tests\' list of {"input": str, "output": str} cases or a'
+            " 'test_code' string of asserts",
+        )
+    ]
 
 
 def _positive(prefix: str, values: dict[str, float]) -> list[ConfigError]:
@@ -141,10 +170,10 @@ def _positive(prefix: str, values: dict[str, float]) -> list[ConfigError]:
     ]
 
 
-def _first_sample(rows: list[dict[str, Any]] | None, cfg: DataConfig) -> dict[str, Any]:
+def _first_sample(rows: DatasetRows | None, cfg: DataConfig) -> dict[str, Any]:
     from rlbatch.rewards.served import sample_payload
 
-    row = dict((rows or [{}])[0])
+    row = dict((rows.rows if rows and rows.rows else [{}])[0])
     answer = str(row.pop(cfg.answer_key, ""))
     prompt = row.pop(cfg.prompt_key, "")
     return sample_payload(prompt if isinstance(prompt, str) else str(prompt), answer, answer, row)
@@ -166,7 +195,7 @@ def _check_url(cfg: DataConfig, kind: RewardKind, key: str, url: str | None) -> 
     )
 
 
-def _check_http(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
+def _check_http(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
     from rlbatch.rewards.served import HttpReward
 
     errors = _check_url(cfg, RewardKind.http, "data.reward_url", cfg.reward_url)
@@ -177,7 +206,7 @@ def _check_http(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[Conf
     return [_unanswered("data.reward_url", cfg.reward_url, why)] if why else []
 
 
-def _check_judge(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
+def _check_judge(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
     from rlbatch.rewards.judge import JudgeReward
 
     key = "data.judge.url" if cfg.judge.url else "data.reward_url"
@@ -201,7 +230,7 @@ def _unanswered(key: str, url: str, why: str) -> ConfigError:
     )
 
 
-def _check_reward_model(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> list[ConfigError]:
+def _check_reward_model(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
     from rlbatch.rewards.reward_model import check_reward_model
 
     if not cfg.reward_model:
@@ -216,12 +245,12 @@ def _check_reward_model(cfg: DataConfig, rows: list[dict[str, Any]] | None) -> l
     return [ConfigError("data.reward_model", cfg.reward_model, why)] if why else []
 
 
-CHECKS: dict[RewardKind, Callable[[DataConfig, list[dict[str, Any]] | None], list[ConfigError]]] = {
+CHECKS: dict[RewardKind, Callable[[DataConfig, DatasetRows | None], list[ConfigError]]] = {
     RewardKind.code_exec: _check_code_exec,
     RewardKind.http: _check_http,
     RewardKind.judge: _check_judge,
     RewardKind.reward_model: _check_reward_model,
 }
 """Each brought kind's check before launch: data.reward_url / data.reward_model set and
-answering, the sandbox working, every row carrying tests (``rows``: the dataset's rows as
-fields, prompt and answer included; None when the dataset could not be read)."""
+answering, the sandbox working, every row carrying tests (``rows``: the training or evaluation
+dataset's rows; None when it could not be read)."""

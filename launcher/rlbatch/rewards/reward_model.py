@@ -3,9 +3,15 @@
 ``data.reward_model`` is a Hugging Face directory with a ``*ForSequenceClassification`` model
 of one label and its tokenizer (a discriminative reward model such as Skywork-Reward or a
 Qwen2.5-RM). The text scored is the prompt as the policy saw it (chat template included)
-followed by the completion; the reward is the model's logit. Samples are scored in the
-trainer process, sorted by length and batched under ``data.reward_model_batching.batch_tokens``
-(padded tokens per forward), so that long and short samples do not share a batch.
+followed by the completion; the reward is the model's logit at the text's last token.
+
+Samples are scored in the trainer process, in micro-batches planned by rlbatch's batching
+planner under ``batching.infer`` (the slot of the reference and old-logprob passes): its mode,
+``max_tokens``, ``sequence_length_round`` and ``oversize`` policy govern the scoring forwards
+too. A padded micro-batch is one right-padded row per sample; a packed one (``mode=packed`` or
+``pool_packing``) is one row of the samples back to back, each attending only to itself
+(position ids restarting at 0, a block-diagonal causal mask), read at each sample's last token.
+A score is the same whatever the plan: only how many forwards it takes changes.
 """
 
 from __future__ import annotations
@@ -13,21 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rlbatch.config.enums import OversizePolicy
+from rlbatch.config.errors import ConfigError
 from rlbatch.config.rewards import RewardModelConfig
+from rlbatch.config.schema import BatchingPassConfig
 from rlbatch.rewards.base import Scored
-
-
-def token_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped longest first so that each batch's padded size (count x longest) stays
-    within ``batch_tokens`` (a sequence longer than that is a batch of its own)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 def check_reward_model(path: str) -> str:
@@ -50,17 +46,42 @@ def check_reward_model(path: str) -> str:
     return ""
 
 
-class RewardModel:
-    """The loaded model and tokenizer (float32, eval mode, on the CPU or this rank's GPU)."""
+def budget_errors(cfg: RewardModelConfig, infer: BatchingPassConfig) -> list[ConfigError]:
+    """data.reward_model_batching.max_length >= 1 and, under batching.infer.oversize=error, a
+    text of max_length tokens fits batching.infer.max_tokens (else a long completion would
+    stop the run mid-training)."""
+    key = "data.reward_model_batching.max_length"
+    if cfg.max_length < 1:
+        return [ConfigError(key, cfg.max_length, "must be >= 1")]
+    r = max(infer.sequence_length_round, 1)
+    rounded = -(-cfg.max_length // r) * r
+    if infer.oversize != OversizePolicy.error or rounded <= infer.max_tokens:
+        return []
+    return [
+        ConfigError(
+            key,
+            cfg.max_length,
+            f"a text this long (rounded to {rounded}) is over batching.infer.max_tokens="
+            f"{infer.max_tokens}, the budget the reward model is scored under: lower it to"
+            f" {infer.max_tokens // r * r} or less, raise batching.infer.max_tokens, or set"
+            " batching.infer.oversize=isolate (own forward) or truncate (last tokens kept)",
+        )
+    ]
 
-    def __init__(self, path: str, cfg: RewardModelConfig) -> None:
+
+class RewardModel:
+    """The loaded model and tokenizer (float32, eval mode, on the CPU or this rank's GPU),
+    scoring under the ``infer`` pass config (``batching.infer``)."""
+
+    def __init__(self, path: str, cfg: RewardModelConfig, infer: BatchingPassConfig) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.cfg = cfg
+        self.infer = infer
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model: Any = AutoModelForSequenceClassification.from_pretrained(
-            path, torch_dtype=torch.float32
+            path, dtype=torch.float32
         )
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device).eval()
@@ -70,26 +91,87 @@ class RewardModel:
         self.pad_id = 0 if pad is None else pad
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.pad_id
+        # the head read at chosen positions (Llama, Qwen2, Mistral, Gemma ...: ``score``); a
+        # model without one runs a packed micro-batch's samples one row each
+        head = getattr(self.model, "score", None)
+        self.head = head if isinstance(head, torch.nn.Linear) else None
 
     def score(self, texts: Sequence[str]) -> list[Scored]:
-        import torch
+        from rlbatch.batching.planner import plan_pass
 
         ids = [
             self.tokenizer(t, add_special_tokens=False)["input_ids"][-self.cfg.max_length :]
             for t in texts
         ]
+        try:
+            plan = plan_pass([len(x) for x in ids], self.infer, dp=1, pass_name="infer")
+        except ValueError as err:
+            raise ValueError(
+                f"data.reward=reward_model: {err} (the reward model scores under batching.infer;"
+                " lower data.reward_model_batching.max_length or raise batching.infer.max_tokens)"
+            ) from err
         out = [0.0] * len(texts)
-        for batch in token_batches([len(x) for x in ids], self.cfg.batch_tokens):
-            width = max(len(ids[i]) for i in batch)
-            tokens = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # [B, T]
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):
-                tokens[row, : len(ids[i])] = torch.tensor(ids[i])
-                mask[row, : len(ids[i])] = 1
-            with torch.no_grad():
-                logits = self.model(
-                    input_ids=tokens.to(self.device), attention_mask=mask.to(self.device)
-                ).logits  # [B, 1]
-            for row, i in enumerate(batch):
-                out[i] = float(logits[row, 0])
+        for mb in plan.for_rank(0).micro_batches:
+            if mb.filler:
+                continue
+            # the oversize policy truncate keeps a sample's last tokens (its completion)
+            rows = [ids[i][len(ids[i]) - n :] for i, n in zip(mb.samples, mb.lengths, strict=True)]
+            if mb.packed and self.head is not None:
+                values = self._packed(rows)
+            elif mb.packed:
+                values = [v for r in rows for v in self._padded([r], len(r))]
+            else:
+                values = self._padded(rows, mb.padded_len)
+            for i, v in zip(mb.samples, values, strict=True):
+                out[i] = v
         return [Scored(v) for v in out]
+
+    def _padded(self, rows: list[list[int]], width: int) -> list[float]:
+        """One right-padded row per sample (``width`` >= the longest), each read at its last
+        real token."""
+        import torch
+
+        width = max(width, max(len(r) for r in rows))
+        tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [B, T]
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, r in enumerate(rows):
+            tokens[j, : len(r)] = torch.tensor(r)
+            mask[j, : len(r)] = 1
+        if self.head is not None:
+            hidden = self._hidden(tokens, mask, None)  # [B, T, H]
+            ends = torch.tensor([len(r) - 1 for r in rows])
+            with torch.no_grad():
+                return self.head(hidden[torch.arange(len(rows)), ends])[:, 0].tolist()
+        with torch.no_grad():
+            logits = self.model(
+                input_ids=tokens.to(self.device), attention_mask=mask.to(self.device)
+            ).logits  # [B, 1]
+        return logits[:, 0].tolist()
+
+    def _packed(self, rows: list[list[int]]) -> list[float]:
+        """The samples back to back in one row, each attending to itself alone."""
+        import torch
+
+        seg = torch.cat([torch.full((len(r),), j) for j, r in enumerate(rows)])  # [T]
+        tokens = torch.tensor([t for r in rows for t in r]).unsqueeze(0)  # [1, T]
+        positions = torch.cat([torch.arange(len(r)) for r in rows]).unsqueeze(0)  # [1, T]
+        causal = torch.ones(len(seg), len(seg), dtype=torch.bool).tril()
+        allowed = causal & (seg[:, None] == seg[None, :])  # [T, T]
+        blocked = torch.finfo(torch.float32).min
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, blocked)[None, None]
+        hidden = self._hidden(tokens, mask, positions)  # [1, T, H]
+        ends = torch.tensor([len(r) for r in rows]).cumsum(0) - 1
+        assert self.head is not None
+        with torch.no_grad():
+            return self.head(hidden[0, ends])[:, 0].tolist()
+
+    def _hidden(self, tokens: Any, mask: Any, positions: Any) -> Any:
+        import torch
+
+        base = self.model.base_model
+        with torch.no_grad():
+            return base(
+                input_ids=tokens.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=None if positions is None else positions.to(self.device),
+            ).last_hidden_state

@@ -1,6 +1,7 @@
 """data.reward=reward_model: a tiny Qwen2ForSequenceClassification saved by transformers scores
-batches (sorted by length, padded under the token budget) exactly like transformers scoring
-each text alone in float64; the checkpoint check names what is wrong."""
+micro-batches planned under batching.infer exactly like transformers scoring each text alone in
+float64, whatever the infer mode (padded or packed) and token budget; the checkpoint check
+names what is wrong."""
 
 from __future__ import annotations
 
@@ -10,34 +11,90 @@ import pytest
 
 from reward_servers import save_tiny_reward_model
 from rlbatch.config.rewards import RewardModelConfig
-from rlbatch.rewards.reward_model import RewardModel, check_reward_model, token_batches
+from rlbatch.config.schema import BatchingMode, BatchingPassConfig, OversizePolicy
+from rlbatch.rewards.reward_model import RewardModel, check_reward_model
+
+TEXTS = [
+    "Q: 2+2?\nA: 4",
+    "short",
+    "a much longer completion that needs more tokens " * 3,
+    "x",
+    "Q: name a prime\nA: 7",
+    "the same length?",
+    "the same length!",
+]
 
 
-def test_token_batches_stay_within_the_budget_longest_first():
-    lengths = [5, 17, 3, 9, 9, 30, 1]
-    batches = token_batches(lengths, 20)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    for b in batches:
-        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 20
-    assert batches[0] == [5]  # longer than the budget: alone
-
-
-def test_batched_scores_match_transformers_one_text_at_a_time(tmp_path):
+def _want(model, path, texts):
+    """transformers' own forward of each text alone, in float64."""
     import torch
     from transformers import AutoTokenizer
 
-    path = tmp_path / "rm"
-    model = save_tiny_reward_model(path)
-    texts = ["Q: 2+2?\nA: 4", "short", "a much longer completion that needs more tokens " * 3, "x"]
-    out = RewardModel(str(path), RewardModelConfig(batch_tokens=200)).score(texts)
     tok = AutoTokenizer.from_pretrained(path)
     model = model.double()
-    for text, got in zip(texts, out, strict=True):
+    out = []
+    for text in texts:
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
-            want = float(model(input_ids=ids).logits[0, 0])
-        assert got.value == pytest.approx(want, abs=1e-5)
-    assert len({round(s.value, 6) for s in out}) == len(texts)  # not a constant
+            out.append(float(model(input_ids=ids).logits[0, 0]))
+    return out
+
+
+def test_batched_scores_match_transformers_one_text_at_a_time(tmp_path):
+    path = tmp_path / "rm"
+    want = _want(save_tiny_reward_model(path), path, TEXTS)
+    infer = BatchingPassConfig(max_tokens=200)  # the infer slot's dynamic mode
+    out = RewardModel(str(path), RewardModelConfig(), infer).score(TEXTS)
+    assert [s.value for s in out] == pytest.approx(want, abs=1e-5)
+    assert len({round(s.value, 6) for s in out}) == len(TEXTS)  # not a constant
+
+
+@pytest.mark.parametrize(
+    "infer",
+    [
+        BatchingPassConfig(mode=BatchingMode.dynamic, max_tokens=152),  # the longest alone
+        BatchingPassConfig(mode=BatchingMode.dynamic, max_tokens=1024),  # all in one row set
+        BatchingPassConfig(mode=BatchingMode.fixed, micro_batch_size=3, max_tokens=1024),
+        BatchingPassConfig(mode=BatchingMode.packed, max_tokens=200),  # several packed rows
+        BatchingPassConfig(mode=BatchingMode.packed, max_tokens=1024),  # one packed row
+        BatchingPassConfig(mode=BatchingMode.pool, pool_packing=True, max_tokens=256),
+    ],
+    ids=["dynamic-152", "dynamic-1024", "fixed-3", "packed-200", "packed-1024", "pool-packed"],
+)
+def test_scores_do_not_depend_on_the_infer_plan(tmp_path, infer):
+    from rlbatch.batching import plan_pass
+
+    path = tmp_path / "rm"
+    want = _want(save_tiny_reward_model(path), path, TEXTS)
+    model = RewardModel(str(path), RewardModelConfig(), infer)
+    lengths = [len(model.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in TEXTS]
+    plan = plan_pass(lengths, infer, dp=1, pass_name="infer")
+    shared = [mb for mb in plan.for_rank(0).micro_batches if len(mb.samples) > 1]
+    assert shared  # samples really share forwards (rows of one batch, or one packed row)
+    assert all(
+        mb.packed == (infer.mode == BatchingMode.packed or infer.pool_packing) for mb in shared
+    )
+    out = model.score(TEXTS)
+    assert [s.value for s in out] == pytest.approx(want, abs=1e-5)
+
+
+def test_a_text_over_the_infer_budget_names_both_keys(tmp_path):
+    path = tmp_path / "rm"
+    save_tiny_reward_model(path)
+    model = RewardModel(str(path), RewardModelConfig(), BatchingPassConfig(max_tokens=16))
+    with pytest.raises(ValueError) as err:
+        model.score(["a text longer than sixteen characters"])
+    assert "batching.infer.max_tokens" in str(err.value)
+    assert "data.reward_model_batching.max_length" in str(err.value)
+
+
+def test_truncate_policy_keeps_the_last_tokens(tmp_path):
+    path = tmp_path / "rm"
+    text = "eighteen_characters"  # one token per character, 19 > 16
+    want = _want(save_tiny_reward_model(path), path, [text[-16:]])
+    infer = BatchingPassConfig(max_tokens=16, oversize=OversizePolicy.truncate)
+    out = RewardModel(str(path), RewardModelConfig(), infer).score([text])
+    assert out[0].value == pytest.approx(want[0], abs=1e-5)
 
 
 def test_checkpoint_check(tmp_path):
@@ -49,3 +106,20 @@ def test_checkpoint_check(tmp_path):
     config["architectures"] = ["Qwen2ForCausalLM"]
     (path / "config.json").write_text(json.dumps(config))
     assert "ForSequenceClassification" in check_reward_model(str(path))
+
+
+def test_max_length_over_the_infer_budget_is_refused_before_launch_unless_a_policy_takes_it():
+    from rlbatch.rewards.reward_model import budget_errors
+
+    assert (
+        budget_errors(RewardModelConfig(max_length=2048), BatchingPassConfig(max_tokens=2048)) == []
+    )
+    # 1001 tokens round (by 8) to 1008 > 1000: a text that long could not be planned
+    (err,) = budget_errors(RewardModelConfig(max_length=1001), BatchingPassConfig(max_tokens=1004))
+    assert (err.key, err.value) == ("data.reward_model_batching.max_length", 1001)
+    assert "batching.infer.max_tokens=1004" in err.message and "lower it to 1000" in err.message
+    for policy in (OversizePolicy.isolate, OversizePolicy.truncate):
+        infer = BatchingPassConfig(max_tokens=512, oversize=policy)
+        assert budget_errors(RewardModelConfig(max_length=2048), infer) == []
+    (err,) = budget_errors(RewardModelConfig(max_length=0), BatchingPassConfig())
+    assert err.message == "must be >= 1"
