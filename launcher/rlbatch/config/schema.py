@@ -231,7 +231,8 @@ class BatchingConfig:
     train: BatchingPassConfig = field(default_factory=BatchingPassConfig)
     """Micro-batching of the training (forward/backward) passes."""
     infer: BatchingPassConfig = field(default_factory=lambda: BatchingPassConfig(max_tokens=2048))
-    """Micro-batching of forward-only passes (ref / old logprobs, rlbatch-logprobs)."""
+    """Micro-batching of forward-only passes (ref / old logprobs, rlbatch-logprobs, the local
+    reward model of data.reward_model)."""
 
 
 @dataclass
