@@ -52,7 +52,7 @@ USER_RUN = (
     "env.on_error=zero_reward", "env.max_turns=3", "data.reward_fn=bonus.py:bonus",
     "logging.samples=true", "logging.plans=true", "trainer.max_steps=4",
     "grpo.num_steps_async=1", "grpo.num_iterations=2", "grpo.beta=0.02",
-    "grpo.global_batch_size=32", "rollout.max_new_tokens=24",
+    "grpo.global_batch_size=32", "rollout.max_new_tokens=64",  # turns long enough to end with EOS
     "eval.every_steps=2", "eval.data.path=held_out.jsonl", "eval.num_samples=2",
     "eval.temperature=1.0", "eval.at_start=false",
 )  # fmt: skip
