@@ -29,6 +29,10 @@ NUM_STEPS = 3
 NUM_GENERATIONS = 2
 MAX_NEW_TOKENS = 8
 MAX_PROMPT_LEN = 256
+"""The twin's prompt cap, raised to the recipe's own up to :data:`MAX_PROMPT_CAP` (within
+tiny_twin's max_position_embeddings): the twin's byte tokenizer spells a recipe's shipped prompts
+in more tokens than the recipe model's tokenizer does."""
+MAX_PROMPT_CAP = 384
 
 
 def _value(value: Any) -> str:
@@ -44,6 +48,7 @@ def twin_overrides(cfg: RunConfig, *, cpu: bool = True) -> list[str]:
     num_layers = stages * max(1, -(-2 // stages))  # at least 2 layers
     # one prompt per DP rank per optimizer step, whole groups: the smallest valid batch
     global_batch = NUM_GENERATIONS * dp
+    prompt_len = max(MAX_PROMPT_LEN, min(cfg.data.max_prompt_len, MAX_PROMPT_CAP))
     out = [
         "model=tiny_twin",
         f"model.num_layers={num_layers}",
@@ -62,7 +67,7 @@ def twin_overrides(cfg: RunConfig, *, cpu: bool = True) -> list[str]:
         f"grpo.global_batch_size={global_batch}",
         "grpo.generation_batch_size=null",
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
-        f"data.max_prompt_len={MAX_PROMPT_LEN}",
+        f"data.max_prompt_len={prompt_len}",
         "grpo.aggregation.rollout_micro_batch_size=1",
         "grpo.aggregation.ref_logps_micro_batch_size=1",
         "grpo.aggregation.old_logps_micro_batch_size=1",
@@ -71,7 +76,7 @@ def twin_overrides(cfg: RunConfig, *, cpu: bool = True) -> list[str]:
     ]
     if cfg.env.path:  # a trajectory holds the (longer) twin prompt and every turn
         per_turn = MAX_NEW_TOKENS + cfg.env.max_observation_tokens
-        out.append(f"env.max_total_tokens={MAX_PROMPT_LEN + cfg.env.max_turns * per_turn}")
+        out.append(f"env.max_total_tokens={prompt_len + cfg.env.max_turns * per_turn}")
     if cpu:
         out.append("model.params_dtype=fp32")
     return out
