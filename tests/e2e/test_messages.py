@@ -134,9 +134,12 @@ def test_interrupt_preemption_continue_and_paths(bin_dir, subprocess_env, tmp_pa
     assert again.endswith(f"hydra.run.dir={run_dir} trainer.resume=auto")
 
     # the printed command continues the run from anywhere; a preemption signal saves and says so
+    # (the first run may have saved more than step 1 before Ctrl-C reached it: wait for a
+    # checkpoint this run writes, so the signal finds it running)
+    newest = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
     proc = subprocess.Popen(_shell(again), cwd=elsewhere, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    code, err = _signal_after(proc, run_dir, 2, signal.SIGTERM)
+    code, err = _signal_after(proc, run_dir, newest + 1, signal.SIGTERM)
     assert code == 75, err[-3000:]
     saved = _rows(run_dir)[-1]["step"]
     assert f"preempted (SIGTERM): saved step {saved} at " in _flat(err)
