@@ -110,12 +110,13 @@ def _clock(kind: str) -> float:
 
 def rlbatch_world(path: Path, gens: int, max_new: int, prompts: list[list[int]]) -> Any:
     from rlbatch.bench.grpo import build_world
-    from rlbatch.config.schema import RunConfig
+    from rlbatch.config.schema import RunConfig, TokenizerSource
     from rlbatch.engine import hf
     from rlbatch.grpo.types import Prompt
 
     cfg = RunConfig()
     cfg.model.hf_path = str(path)
+    cfg.model.tokenizer = TokenizerSource.bytes  # ids in, ids out: PAD / EOS of the byte tokenizer
     cfg.model, _ = hf.resolve_model_config(cfg.model)
     cfg.grpo.num_generations = gens
     cfg.grpo.beta = 0.04
