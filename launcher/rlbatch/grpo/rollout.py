@@ -421,9 +421,9 @@ class TokenRolloutEngine:
 def _vllm_engine(
     cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
 ) -> Any:
-    from rlbatch.rollout.vllm_engine import build_vllm_engine
+    from rlbatch.rollout.protocol import build_synced_engine
 
-    return build_vllm_engine(cfg, model, eos_id=eos_id)
+    return build_synced_engine(cfg, model, eos_id=eos_id)
 
 
 _ENGINES = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import numpy as np
 
@@ -129,3 +129,20 @@ class SyncedRolloutEngine:
         if not f.count:
             return {}
         return {"rollout/weight_sync_seconds": f.seconds, "rollout/weight_syncs": float(f.count)}
+
+
+SYNCED_BACKENDS = {"vllm": "rlbatch.rollout.vllm_engine:build_vllm_engine"}
+"""rollout.backend -> the factory (module:function) of a backend with its own copy of the
+weights; the module is imported only when its backend is chosen (vLLM's import is heavy)."""
+
+
+def build_synced_engine(cfg: Any, model: Any, *, eos_id: int) -> SyncedRolloutEngine:
+    """The RolloutEngine of ``cfg.rollout.backend`` (one of :data:`SYNCED_BACKENDS`): the loop
+    reaches every such backend through this call and the protocol, never by its module."""
+    import importlib
+
+    backend = getattr(cfg.rollout.backend, "value", cfg.rollout.backend)
+    module, name = SYNCED_BACKENDS[backend].split(":")
+    factory = getattr(importlib.import_module(module), name)
+    engine: SyncedRolloutEngine = factory(cfg, model, eos_id=eos_id)
+    return engine
