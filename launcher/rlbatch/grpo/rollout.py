@@ -35,7 +35,7 @@ from rlbatch.grpo.sampling import (  # noqa: F401  (re-exported: the rollout's v
     row_keys,
     sample_tokens,
 )
-from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.grpo.types import Prompt, Sample, group_rows
 
 
 class RolloutEngine(Protocol):
@@ -273,12 +273,10 @@ class MegatronRolloutEngine:
     ) -> list[Sample]:
         from rlbatch.engine import generation
 
-        rows = [(g, p) for g, p in enumerate(prompts) for _ in range(num_generations)]
+        rows = group_rows(prompts, num_generations)
         if not rows:
             return []
         prompt_ids = [p.prompt_ids for _, p in rows]
-        if min(len(p) for p in prompt_ids) < 1:
-            raise ValueError("a prompt has no tokens: every prompt needs >= 1 token (e.g. a BOS)")
         size = len(rows) if self.chunk_size is None else self.chunk_size * num_generations
         size = max(1, min(size, len(rows)))
         keys = row_keys(seed, len(rows))
@@ -403,7 +401,7 @@ class TokenRolloutEngine:
     def generate(
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
     ) -> list[Sample]:
-        rows = [(g, p) for g, p in enumerate(prompts) for _ in range(num_generations)]
+        rows = group_rows(prompts, num_generations)
         decoded = self.decoder.decode([p.prompt_ids for _, p in rows], seed)
         return [
             Sample(

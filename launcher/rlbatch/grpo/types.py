@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -107,3 +108,12 @@ class Sample:
     @property
     def input_ids(self) -> list[int]:
         return list(self.prompt.prompt_ids) + list(self.response_ids)
+
+
+def group_rows(prompts: Sequence[Prompt], num_generations: int) -> list[tuple[int, Prompt]]:
+    """(group index, prompt) per row: each prompt repeated num_generations times contiguously,
+    as every rollout engine lays out its rows. A prompt without tokens is an error."""
+    rows = [(g, p) for g, p in enumerate(prompts) for _ in range(num_generations)]
+    if rows and min(len(p.prompt_ids) for _, p in rows) < 1:
+        raise ValueError("a prompt has no tokens: every prompt needs >= 1 token (e.g. a BOS)")
+    return rows

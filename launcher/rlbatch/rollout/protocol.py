@@ -16,7 +16,7 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.grpo.types import Prompt, Sample, group_rows
 
 
 @dataclass(frozen=True)
@@ -91,11 +91,9 @@ class SyncedRolloutEngine:
     def generate(
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
     ) -> list[Sample]:
-        rows = [(g, p) for g, p in enumerate(prompts) for _ in range(num_generations)]
+        rows = group_rows(prompts, num_generations)
         if not rows:
             return []
-        if min(len(p.prompt_ids) for _, p in rows) < 1:
-            raise ValueError("a prompt has no tokens: every prompt needs >= 1 token (e.g. a BOS)")
         self.ensure_version(policy_version)
         decoded = self.backend.decode(
             [p.prompt_ids for _, p in rows], row_seeds(seed, len(rows)), self.sampling
