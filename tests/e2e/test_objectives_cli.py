@@ -6,10 +6,9 @@ mid-run checkpoint that continues exactly like the uninterrupted run."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
+
+from recipe_runs import stable, train_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -21,20 +20,7 @@ SMALL = [
 
 
 def _train(bin_dir, env, cwd, run_dir, *overrides):
-    proc = subprocess.run(
-        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"hydra.run.dir={run_dir}",
-         "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false",
-         "logging.progress=false", *overrides],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=400,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def _stable(record):
-    timing = ("_s", "_seconds", "seconds")
-    return {k: v for k, v in record.items() if not k.endswith(timing) and "per_s" not in k}
+    return train_recipe(bin_dir, env, run_dir, *overrides, cwd=cwd)
 
 
 def test_objective_keys_act_end_to_end(bin_dir, subprocess_env, tmp_path):
@@ -86,4 +72,4 @@ def test_dynamic_sampling_exact_batches_and_exact_resume(bin_dir, subprocess_env
         bin_dir, subprocess_env, tmp_path, tmp_path / "resumed", *common,
         f"trainer.resume={step2}",
     )  # fmt: skip
-    assert [_stable(r) for r in resumed] == [_stable(r) for r in ref]
+    assert [stable(r) for r in resumed] == [stable(r) for r in ref]

@@ -8,12 +8,12 @@ ratio)."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from recipe_runs import stable, train_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -31,20 +31,7 @@ SCALED = {  # the presets' length and round keys, scaled to the tiny recipe
 
 
 def _train(bin_dir, env, run_dir, *overrides):
-    proc = subprocess.run(
-        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"hydra.run.dir={run_dir}",
-         "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false",
-         "logging.progress=false", *SMALL, *overrides],
-        capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=400,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def _stable(record):
-    timing = ("_s", "_seconds", "seconds")
-    return {k: v for k, v in record.items() if not k.endswith(timing) and "per_s" not in k}
+    return train_recipe(bin_dir, env, run_dir, *SMALL, *overrides)
 
 
 @pytest.mark.slow
@@ -74,7 +61,7 @@ def test_steps_after_the_first_of_a_round_clip_and_resume_mid_round_exactly(
     resumed = _train(bin_dir, subprocess_env, tmp_path / "resumed", *common,
                      f"trainer.resume={step2}")  # fmt: skip
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 1-2 carried over from the run
-    assert [_stable(r) for r in resumed] == [_stable(r) for r in ref]
+    assert [stable(r) for r in resumed] == [stable(r) for r in ref]
 
 
 def presets() -> dict[str, list[str]]:

@@ -1,0 +1,26 @@
+"""The default recipe run for real through rlbatch-train (no plot, TensorBoard, HF export or
+progress bar), for end-to-end tests that read its metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+
+def train_recipe(bin_dir, env, run_dir, *overrides, cwd=None):
+    """``rlbatch-train +recipe=grpo_qwen`` into ``run_dir``; its metrics.jsonl records."""
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"hydra.run.dir={run_dir}",
+         "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false",
+         "logging.progress=false", *overrides],
+        capture_output=True, text=True, env=env, cwd=cwd or run_dir.parent, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def stable(record):
+    """A metrics record without its timings (what equal runs share exactly)."""
+    timing = ("_s", "_seconds", "seconds")
+    return {k: v for k, v in record.items() if not k.endswith(timing) and "per_s" not in k}
