@@ -145,6 +145,28 @@ def pipeline_stage() -> tuple[int, int, Optional[Any]]:
     )
 
 
+def model_parallel_group() -> tuple[int, int, Optional[Any]]:
+    """(rank in, size of, group) of this rank's model-parallel group: the tp x pp ranks that
+    hold one replica of the model; (0, 1, None) without model parallelism."""
+    if not _megatron_ready():
+        return 0, 1, None
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group()
+    return dist.get_rank(group), dist.get_world_size(group), group
+
+
+def broadcast_object_in_model_parallel_group(obj: Any) -> Any:
+    """A picklable object from the first rank of this rank's model-parallel group to every rank
+    of it (the others pass anything, e.g. None)."""
+    _, size, group = model_parallel_group()
+    if size == 1 or group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
 def is_last_stage() -> bool:
     if not _megatron_ready():
         return True

@@ -75,3 +75,72 @@ def test_a_vllm_run_samples_with_the_trainers_logprobs_at_tp2_pp2(
         assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
         assert r["clip_fraction"] == 0.0
     assert records[-1]["kl"] > 0  # the policy moved away from the reference: versions changed
+
+
+# ------------------------------------------------------------------ multi-turn environments
+COUNTED_ENV = '''
+import os
+
+from rlbatch.env.guess_number import GuessNumber
+
+
+class Counted(GuessNumber):
+    """The built-in game, recording which process steps it (one file per process)."""
+
+    def step(self, state, text):
+        with open(f"steps.{os.getpid()}", "a") as f:
+            f.write("s")
+        return super().step(state, text)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.optional_extra
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
+def test_multi_turn_episodes_run_on_vllm_at_tp2_and_pp2(layout, bin_dir, subprocess_env, tmp_path):
+    """The guess-the-number recipe on vLLM over a model-parallel group of two ranks, each with
+    its own full engine: each turn continues the row's exact ids (prompt, sampled tokens with
+    their EOS, the observation's ids) as a new request; the environment is stepped on the
+    group's first rank only and its answers broadcast, so the ranks train one transcript. The
+    samples file's observation ids are the tokenized wrapped observations, they carry no loss,
+    and vLLM's behaviour logprobs of the assistant tokens are the trainer's from the first step
+    (importance weights 1, mismatch KL ~0)."""
+    pytest.importorskip("vllm")
+    from rlbatch.engine.tokenizer import ByteTokenizer
+
+    (tmp_path / "counted.py").write_text(COUNTED_ENV)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", "rollout.backend=vllm",
+         f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
+         "trainer.checkpoint.export_hf=false", *HEADS_OF_32, layout, "env.path=counted.py:Counted",
+         "trainer.max_steps=2", "grpo.global_batch_size=32", "rollout.max_new_tokens=64",
+         "rollout.vllm.kv_cache_space_gb=0.25", "rollout.vllm.block_size=32",
+         "logging.samples=true"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 1.0 <= r["turns_mean"] <= r["turns_max"] <= 4
+        assert abs(r["mismatch_kl_k1"]) < 1e-6
+        assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+        assert r["env_errors"] == 0
+    assert len(list(tmp_path.glob("steps.*"))) == 1  # one process stepped the environment
+    tok, observed = ByteTokenizer(), 0
+    for step in (1, 2):
+        lines = (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
+        for s in map(json.loads, lines):
+            pos = 0
+            for turn in s["turns"]:
+                ids = s["response_ids"][pos : pos + turn["tokens"]]
+                mask = s["loss_mask"][pos : pos + turn["tokens"]]
+                if turn["role"] == "observation":
+                    assert ids == tok.encode(turn["text"]) and mask == [0] * len(ids)
+                    observed += 1
+                else:
+                    assert mask == [1] * len(ids)
+                pos += turn["tokens"]
+            assert pos == len(s["response_ids"])
+    assert observed > 0

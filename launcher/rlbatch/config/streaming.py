@@ -61,20 +61,27 @@ def check_partial_rollouts(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def _check_engine(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """The stream decodes on the built-in engine's per-row KV cache, single-turn, unfiltered."""
+    """The stream decodes on the built-in engine's per-row KV cache, or on vLLM in segments
+    (rlbatch.rollout.segments); single-turn, unfiltered, tp = pp = cp = 1."""
     p, r = cfg.parallel, cfg.rollout
+    vllm = r.backend == RolloutBackend.vllm
     layout = {"parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp}
     for key, value in layout.items():
         if value != 1:
+            why = (
+                "runs one stream per data-parallel rank in this release"
+                if vllm
+                else "decodes on the built-in per-row KV-cache engine, which needs"
+            )
             errors.append(
                 ConfigError(
                     key,
                     value,
-                    "grpo.partial_rollouts decodes on the built-in per-row KV-cache engine, which "
-                    f"needs tp = pp = cp = 1: set {key}=1 or grpo.partial_rollouts=false",
+                    f"grpo.partial_rollouts {why} tp = pp = cp = 1: set {key}=1 or "
+                    "grpo.partial_rollouts=false",
                 )
             )
-    if r.backend != RolloutBackend.megatron or not r.kv_cache:
+    if not vllm and (r.backend != RolloutBackend.megatron or not r.kv_cache):
         key, value = (
             ("rollout.backend", r.backend.value)
             if r.backend != RolloutBackend.megatron
@@ -84,8 +91,8 @@ def _check_engine(cfg: RunConfig, errors: list[ConfigError]) -> None:
             ConfigError(
                 key,
                 value,
-                "grpo.partial_rollouts needs the built-in engine with its KV cache: "
-                "rollout.backend=megatron rollout.kv_cache=true",
+                "grpo.partial_rollouts needs the built-in engine with its KV cache "
+                "(rollout.backend=megatron rollout.kv_cache=true) or rollout.backend=vllm",
             )
         )
     if cfg.env.path:

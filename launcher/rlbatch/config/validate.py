@@ -20,6 +20,7 @@ from rlbatch.config.schema import (
     DataSource,
     OversizePolicy,
     ParallelConfig,
+    RolloutBackend,
     RunConfig,
 )
 from rlbatch.config.streaming import check_partial_rollouts
@@ -446,6 +447,8 @@ def _check_env(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
         )
     p, r = cfg.parallel, cfg.rollout
+    if RolloutBackend(r.backend) == RolloutBackend.vllm:
+        return  # every rank holds a full engine and takes each turn as a new request
     needs: dict[str, tuple[object, object]] = {
         "parallel.tp": (p.tp, 1),
         "parallel.pp": (p.pp, 1),
@@ -460,7 +463,8 @@ def _check_env(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     key,
                     got,
                     f"multi-turn rollouts (env.path set) run on the built-in engine's per-row KV"
-                    f" cache, which needs {key}={str(wanted).lower()}: set it, or env.path=null",
+                    f" cache, which needs {key}={str(wanted).lower()}: set it, or"
+                    " rollout.backend=vllm (any layout), or env.path=null",
                 )
             )
 

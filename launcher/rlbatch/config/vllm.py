@@ -39,3 +39,9 @@ class VllmConfig:
     block_size: Optional[int] = None
     """Tokens per KV-cache block; null = vLLM's default (CPU: 128). Only whole blocks are reused
     by the prefix cache."""
+    segment_tokens: int = 32
+    """Partial rollouts (grpo.partial_rollouts): tokens a row decodes per request before the
+    stream checks whether its round can end and refills free slots. A row that goes on is sent
+    again as prompt + its tokens so far (the prefix cache keeps its whole KV blocks; after a
+    weight sync they are recomputed under the new weights). Smaller: a round ends closer to the
+    token at which it could, and free slots refill sooner; larger: fewer requests."""

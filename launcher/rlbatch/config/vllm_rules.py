@@ -98,6 +98,7 @@ def _check_settings(cfg: RunConfig, errors: list[ConfigError]) -> None:
             0 < v.gpu_memory_utilization <= 1,
         ),
         "rollout.vllm.max_num_seqs": (v.max_num_seqs, v.max_num_seqs > 0),
+        "rollout.vllm.segment_tokens": (v.segment_tokens, v.segment_tokens > 0),
         "rollout.vllm.block_size": (v.block_size, v.block_size is None or v.block_size > 0),
     }
     for key, (value, ok) in ranges.items():

@@ -38,13 +38,16 @@ def check_response_lengths(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
     if median <= 0:
         return
-    if RolloutBackend(r.backend) != RolloutBackend.megatron:
+    backend = RolloutBackend(r.backend)
+    streamed = backend == RolloutBackend.vllm and cfg.grpo.partial_rollouts
+    if backend != RolloutBackend.megatron and not streamed:
         errors.append(
             ConfigError(
                 "rollout.backend",
                 r.backend,
-                "debug.response_length_median caps rows in the built-in engine only: set"
-                " rollout.backend=megatron, or debug.response_length_median=0",
+                "debug.response_length_median caps rows in the built-in engine, and in the"
+                " vLLM backend's partial-rollout stream only: set rollout.backend=megatron (or"
+                " grpo.partial_rollouts=true with vllm), or debug.response_length_median=0",
             )
         )
     if cfg.env.path:

@@ -45,6 +45,7 @@ import torch
 
 from rlbatch.grpo.rollout import DecodeStats
 from rlbatch.grpo.sampling import SamplingParams, length_caps, row_keys, sample_tokens
+from rlbatch.rollout.protocol import segment_seed
 
 _KEY_TAG = 0x9A27_1A1
 
@@ -68,6 +69,8 @@ class StreamRow:
     versions: list[int] = field(default_factory=list)
     ended: bool = False
     truncated: bool = False
+    segments: int = 0
+    """Decode calls it took part in (a segment-decoding engine seeds each from its index)."""
 
 
 @dataclass
@@ -100,6 +103,17 @@ class RoundResult:
 
 DecoderFactory = Callable[[int, int], Any]
 """(num_slots, max_len) -> a per-slot decoder (rlbatch.engine.generation.LeanDecoder)."""
+
+
+@dataclass(frozen=True)
+class Segments:
+    """An engine that decodes whole stretches of rows (vLLM; rlbatch.rollout.segments):
+    ``decode(sequences, seeds, max_tokens)`` -> one row per sequence with ``tokens`` and
+    ``logps``, at most max_tokens[i] tokens each, stopping at EOS; the stream checks for the end
+    of its round and refills free slots every ``length`` tokens."""
+
+    decode: Callable[[list[list[int]], list[int], list[int]], list[Any]]
+    length: int
 
 
 class PartialRolloutStream:
@@ -173,14 +187,18 @@ class PartialRolloutStream:
         )
 
     # -------------------------------------------------------------------------- a round
-    def run_round(self, version: int, new_decoder: DecoderFactory) -> RoundResult:
+    def run_round(self, version: int, decode: DecoderFactory | Segments) -> RoundResult:
         """Decode with policy ``version`` until this round can deliver; returns its groups."""
         r = self.round_index
         while len(self.draws) <= r:  # the round's own draw exists (its stream position)
             self._draw()
         stats = DecodeStats()
-        if not self._ready():
-            self._decode(version, new_decoder, stats)
+        if self._ready():
+            pass
+        elif isinstance(decode, Segments):
+            self._decode_segments(version, decode, stats)
+        else:
+            self._decode(version, decode, stats)
         delivered = self._select()
         for g in delivered:
             del self.groups[g.index]
@@ -251,6 +269,54 @@ class PartialRolloutStream:
             logits = self._feed(decoder, going)
             logits.update(self._admit(decoder, slots))
         raise RuntimeError(f"round {self.round_index}: the stream ran dry before it could deliver")
+
+    def _decode_segments(self, version: int, engine: Segments, stats: DecodeStats) -> None:
+        """The round's decode loop on a segment engine: every row in a slot decodes up to
+        ``engine.length`` more tokens as a new request (prompt + its tokens so far, so rows
+        carried over are recomputed under this round's weights), seeded by (row key, segment
+        index); then the round may end, and free slots take the next rows of the stream. The
+        round's end falls on a segment boundary, a pure function of the data."""
+        slots: list[Optional[StreamRow]] = [None] * self.num_slots
+        for slot, row in enumerate(self.running):
+            slots[slot] = row
+        step = 0
+        while True:
+            self._admit_rows(slots)
+            taken = [(slot, row) for slot, row in enumerate(slots) if row is not None]
+            if not taken:
+                raise RuntimeError(
+                    f"round {self.round_index}: the stream ran dry before it could deliver"
+                )
+            decoded = engine.decode(
+                [[*self.prompt_ids(self.groups[r.group].prompt_index), *r.ids] for _, r in taken],
+                [segment_seed(row.key, row.segments) for _, row in taken],
+                [min(engine.length, row.cap - len(row.ids)) for _, row in taken],
+            )
+            for (slot, row), d in zip(taken, decoded, strict=True):
+                row.segments += 1
+                row.ids += d.tokens
+                row.logps += d.logps
+                row.versions += [version] * len(d.tokens)
+                if d.tokens and self._row_ends(row, d.tokens[-1]):
+                    slots[slot] = None
+                    self._finish(row, step + len(d.tokens) - 1)
+            longest = max(len(d.tokens) for d in decoded)
+            for t in range(longest):
+                stats.add(sum(len(d.tokens) > t for d in decoded), self.num_slots)
+            step += longest
+            self.running = [row for row in slots if row is not None]
+            if self._ready():
+                return
+
+    def _admit_rows(self, slots: list[Optional[StreamRow]]) -> None:
+        """Start the next rows of the stream in free slots, as far as the lead allows."""
+        for slot in [s for s, row in enumerate(slots) if row is None]:
+            if not self._admissible():
+                return
+            row = self.pending.popleft()
+            slots[slot] = row
+            self.started_rows += 1
+            self.running.append(row)
 
     def started_in_stream(self) -> int:
         """Rows started and not yet delivered (decoding, or finished in a waiting group)."""

@@ -421,7 +421,7 @@ def _vllm_engine(
 ) -> Any:
     from rlbatch.rollout.protocol import build_synced_engine
 
-    return build_synced_engine(cfg, model, eos_id=eos_id)
+    return build_synced_engine(cfg, model, eos_id=eos_id, driver=driver)
 
 
 _ENGINES = {

@@ -51,10 +51,16 @@ class TokenBackend(Protocol):
         ...
 
     def decode(
-        self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: TokenSampling
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        sampling: TokenSampling,
+        max_tokens: Optional[Sequence[int]] = None,
     ) -> list[DecodedRow]:
         """One completion per prompt, row i sampled from seeds[i] alone: the same seed gives
-        the same row whatever else is in the batch."""
+        the same row whatever else is in the batch. Row i samples at most max_tokens[i] tokens
+        (None: sampling.max_new_tokens each); ``truncated``: it stopped at that limit without
+        EOS."""
         ...
 
 
@@ -70,6 +76,17 @@ def row_seeds(seed: int, num_rows: int) -> list[int]:
     ]
 
 
+_SEGMENT_SEED_TAG = 0x5E6_0F_20
+
+
+def segment_seed(row_seed: int, segment: int) -> int:
+    """The 31-bit seed of a row's ``segment``-th decode call (an assistant turn, or a stretch of
+    a partial rollout): a row continued by a new request samples fresh noise, from (row seed,
+    segment index) only."""
+    state = np.random.SeedSequence([_SEGMENT_SEED_TAG, row_seed, segment]).generate_state(1)
+    return int(state[0] & 0x7FFFFFFF)
+
+
 @dataclass
 class SyncFigures:
     """Weight syncs since the last round's figures were taken."""
@@ -83,10 +100,21 @@ class SyncedRolloutEngine:
     backend has not seen, the backend takes the weights (the first call included, so a backend
     starts from the model config alone); then each row is decoded from its own seed."""
 
-    def __init__(self, backend: TokenBackend, sampling: TokenSampling) -> None:
+    def __init__(
+        self,
+        backend: TokenBackend,
+        sampling: TokenSampling,
+        *,
+        driver: Any = None,
+        max_total_tokens: int = 0,
+    ) -> None:
         self.backend = backend
         self.sampling = sampling
         self.figures = SyncFigures()
+        self.driver = driver
+        """Multi-turn rollouts: the turn driver (rlbatch.rollout.turns.build_turn_driver; None =
+        single turn) and the longest trajectory, prompt included (env.max_total_tokens)."""
+        self.max_total_tokens = max_total_tokens
 
     def generate(
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
@@ -95,6 +123,8 @@ class SyncedRolloutEngine:
         if not rows:
             return []
         self.ensure_version(policy_version)
+        if self.driver is not None:
+            return self._generate_turns(rows, row_seeds(seed, len(rows)), policy_version)
         decoded = self.backend.decode(
             [p.prompt_ids for _, p in rows], row_seeds(seed, len(rows)), self.sampling
         )
@@ -108,6 +138,30 @@ class SyncedRolloutEngine:
                 policy_version=policy_version,
             )
             for (g, p), d in zip(rows, decoded, strict=True)
+        ]
+
+    def _generate_turns(
+        self, rows: list[tuple[int, Prompt]], seeds: list[int], version: int
+    ) -> list[Sample]:
+        """Multi-turn rollouts through the turn driver (rlbatch.rollout.turns)."""
+        from rlbatch.rollout.turns import decode_turns_on
+
+        prompt_ids = [p.prompt_ids for _, p in rows]
+        budget = [self.max_total_tokens - len(p) for p in prompt_ids]
+        self.driver.begin([p for _, p in rows])
+        trajs = decode_turns_on(self.backend, prompt_ids, seeds, self.sampling, self.driver, budget)
+        return [
+            Sample(
+                prompt=p,
+                group_id=g,
+                response_ids=t.ids,
+                behaviour_logps=t.logps,
+                truncated=t.truncated or ep["truncated"],
+                policy_version=version,
+                loss_mask=t.mask,
+                episode=ep,
+            )
+            for (g, p), t, ep in zip(rows, trajs, self.driver.records(), strict=True)
         ]
 
     def ensure_version(self, version: int) -> None:
@@ -134,13 +188,18 @@ SYNCED_BACKENDS = {"vllm": "rlbatch.rollout.vllm_engine:build_vllm_engine"}
 weights; the module is imported only when its backend is chosen (vLLM's import is heavy)."""
 
 
-def build_synced_engine(cfg: Any, model: Any, *, eos_id: int) -> SyncedRolloutEngine:
+def build_synced_engine(
+    cfg: Any, model: Any, *, eos_id: int, driver: Any = None
+) -> SyncedRolloutEngine:
     """The RolloutEngine of ``cfg.rollout.backend`` (one of :data:`SYNCED_BACKENDS`): the loop
-    reaches every such backend through this call and the protocol, never by its module."""
+    reaches every such backend through this call and the protocol, never by its module.
+    ``driver``: multi-turn rollouts through this turn driver (env.path)."""
     import importlib
 
     backend = getattr(cfg.rollout.backend, "value", cfg.rollout.backend)
     module, name = SYNCED_BACKENDS[backend].split(":")
     factory = getattr(importlib.import_module(module), name)
     engine: SyncedRolloutEngine = factory(cfg, model, eos_id=eos_id)
+    if driver is not None:
+        engine.driver, engine.max_total_tokens = driver, cfg.env.max_total_tokens
     return engine

@@ -167,23 +167,28 @@ class VllmBackend:
         llm.reset_prefix_cache()
 
     def decode(
-        self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: TokenSampling
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        sampling: TokenSampling,
+        max_tokens: Optional[Sequence[int]] = None,
     ) -> list[DecodedRow]:
         from vllm import SamplingParams, TokensPrompt
 
+        limits = [sampling.max_new_tokens] * len(seeds) if max_tokens is None else max_tokens
         params = [
             SamplingParams(
                 n=1,
                 temperature=sampling.temperature,
                 top_p=1.0,
                 top_k=0,
-                max_tokens=sampling.max_new_tokens,
+                max_tokens=limit,
                 logprobs=0,
                 seed=seed,
                 stop_token_ids=[sampling.eos_id],
                 detokenize=False,
             )
-            for seed in seeds
+            for seed, limit in zip(seeds, limits, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.running.llm.generate(prompts, params, use_tqdm=False)

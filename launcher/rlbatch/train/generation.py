@@ -190,10 +190,9 @@ def build_engine(
 
     driver = None
     if cfg.env.path:
-        from rlbatch.env.driver import EnvDriver
-        from rlbatch.env.loader import build_environment
+        from rlbatch.rollout.turns import build_turn_driver
 
-        driver = EnvDriver(build_environment(cfg.env.path, cfg.env.kwargs), cfg, tokenizer)
+        driver = build_turn_driver(cfg, tokenizer)
     return build_rollout_engine(
         cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=chunked, driver=driver
     )

@@ -86,6 +86,7 @@ class StreamingGeneration:
     ) -> None:
         from rlbatch.grpo.partial import PartialRolloutStream
         from rlbatch.grpo.sampling import SamplingParams
+        from rlbatch.rollout.segments import segment_engine
         from rlbatch.train.generation import make_generate_fn
 
         schedule = schedule_from_config(cfg.grpo, cfg.parallel.dp)
@@ -109,6 +110,7 @@ class StreamingGeneration:
             seed=cfg.trainer.seed,
             max_len=max(len(p.prompt_ids) for p in prompts) + params.max_new_tokens,
         )
+        self.synced = segment_engine(cfg, model, tokenizer.eos_id)
         self.rows = DecodedRows()
         self.inner = make_generate_fn(
             prompts,
@@ -132,10 +134,17 @@ class StreamingGeneration:
                 f"{self.stream.round_index}"
             )
         chunk = self.model[0]
-        with generation.inference_mode(self.model):
-            result = self.stream.run_round(
-                snapshot.version, lambda slots, length: generation.LeanDecoder(chunk, slots, length)
-            )
+        figures: dict[str, float] = {}
+        if self.synced is not None:  # an engine with its own weights (vLLM), in segments
+            self.synced.ensure_version(snapshot.version)
+            result = self.stream.run_round(snapshot.version, self.synced.segments)
+            figures = self.synced.engine.take_figures()
+        else:
+            with generation.inference_mode(self.model):
+                result = self.stream.run_round(
+                    snapshot.version,
+                    lambda slots, length: generation.LeanDecoder(chunk, slots, length),
+                )
         if result.stream_start != request.stream_start:
             raise RuntimeError("partial rollouts: the stream's draws left the prompt sampler's")
         served = GenerationRequest(
@@ -170,7 +179,7 @@ class StreamingGeneration:
                 ),
             }
         )
-        return RoundOutput(served, samples, metrics)
+        return RoundOutput(served, samples, metrics | figures)
 
     def state_dict(self) -> dict[str, Any]:
         return {

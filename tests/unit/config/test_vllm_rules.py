@@ -36,13 +36,14 @@ def test_every_bad_setting_is_reported_at_once():
     cfg.rollout.vllm.dtype = "fp8"
     cfg.rollout.vllm.gpu_memory_utilization = 1.5
     cfg.rollout.vllm.max_num_seqs = 0
+    cfg.rollout.vllm.segment_tokens = 0
     cfg.rollout.vllm.max_model_len = 40  # below max_prompt_len 32 + max_new_tokens 24
     cfg.eval.every_steps = 10
     errors = errors_by_key(cfg)
     assert set(errors) == {
         "rollout.top_p", "rollout.top_k", "rollout.kv_cache", "rollout.vllm.tensor_parallel_size",
         "rollout.vllm.dtype", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.max_num_seqs",
-        "rollout.vllm.max_model_len", "eval.every_steps",
+        "rollout.vllm.segment_tokens", "rollout.vllm.max_model_len", "eval.every_steps",
     }  # fmt: skip
     assert "rollout.top_p=0.9" in errors["rollout.top_p"]
     assert "rollout.top_p=1.0" in errors["rollout.top_p"]  # the fix
@@ -86,3 +87,28 @@ def test_head_dim_16_is_refused_on_the_cpu_build():
     message = errors_by_key(cfg)["model.num_attention_heads"]
     assert "head dimension of 16" in message
     assert "model.num_attention_heads=2 model.num_query_groups=2" in message  # 64 / 2 = 32
+
+
+def test_environments_and_partial_rollouts_run_on_vllm_where_the_builtin_engine_cannot():
+    """Multi-turn environments at any tp / pp (every rank holds a full engine) and partial
+    rollouts with the long-tail workload are valid on vLLM; the built-in engine still refuses
+    environments at tp 2, naming vLLM as a fix."""
+    env = vllm_config()
+    env.env.path = "rlbatch.env.guess_number:GuessNumber"
+    env.env.max_total_tokens = 96
+    env.parallel.tp = env.parallel.pp = 2
+    env.parallel.nproc_per_node = 4
+    assert validate(env) == []
+    env.rollout.backend = RolloutBackend.megatron
+    assert "rollout.backend=vllm" in errors_by_key(env)["parallel.tp"]
+
+    partial = vllm_config()
+    g = partial.grpo
+    g.partial_rollouts, g.num_steps_async, g.max_staleness = True, 1, 3
+    partial.debug.response_length_median = 5
+    assert validate(partial) == []
+    partial.parallel.tp, partial.parallel.nproc_per_node = 2, 2
+    assert "one stream per data-parallel rank" in errors_by_key(partial)["parallel.tp"]
+    single = vllm_config()
+    single.debug.response_length_median = 5  # single-turn vLLM rollouts are not capped
+    assert "partial-rollout stream" in errors_by_key(single)["rollout.backend"]

@@ -1,0 +1,149 @@
+"""Multi-turn rollouts on a ``TokenBackend`` (vLLM): one decode call per assistant turn.
+
+The environment side is the same turn driver the built-in engine calls (rlbatch.env.driver
+through the ``TurnDriver`` protocol of rlbatch.grpo.multiturn): ``submit`` when a turn ends with
+EOS, ``collect`` for the observations, ``end`` when a limit cuts the episode. What differs is
+the decoding: the backend keeps no per-row cache between calls, so every turn is a new request
+whose prompt is the row's exact ids so far (prompt, every sampled token with its EOS, every
+observation's ids as the driver returned them: nothing is re-tokenized); vLLM's prefix cache
+reuses the KV blocks of the earlier turns (the cache is reset at every weight sync, so a hit is
+always the current weights' own).
+
+All rows still in an episode decode a turn together, then the environment answers them all:
+turns are a pure function of (seed, data), never of how long an environment took. Turn k of a
+row samples from ``segment_seed(row seed, k)``. Limits are the built-in engine's:
+``max_new_tokens`` per assistant turn and ``max_response[row]`` tokens per trajectory; a turn
+cut by either, or an observation that leaves no room for another assistant token, ends the
+episode as truncated.
+
+In a model-parallel group (tp x pp ranks) every rank runs its own full engine on the same rows
+and seeds, so the sampled tokens agree; the environment is stepped once, on the group's first
+rank, and its answers and episode records are broadcast (:class:`SharedTurns`), so no rank can
+see another turn than its peers, whatever the environment does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from rlbatch.grpo.multiturn import Trajectory, TurnDriver
+from rlbatch.rollout.protocol import TokenBackend, TokenSampling, segment_seed
+
+
+def decode_turns_on(
+    backend: TokenBackend,
+    prompt_ids: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    sampling: TokenSampling,
+    driver: TurnDriver,
+    max_response: Sequence[int],
+) -> list[Trajectory]:
+    """Every row's trajectory (see the module docstring); the driver's episodes have begun."""
+    trajs = [Trajectory() for _ in prompt_ids]
+    live = list(range(len(prompt_ids)))
+    turn = 0
+    while live:
+        limits = [min(sampling.max_new_tokens, max_response[r] - len(trajs[r].ids)) for r in live]
+        decoded = backend.decode(
+            [[*prompt_ids[r], *trajs[r].ids] for r in live],
+            [segment_seed(seeds[r], turn) for r in live],
+            sampling,
+            limits,
+        )
+        waiting = []
+        for r, d in zip(live, decoded, strict=True):
+            traj = trajs[r]
+            for token, logp in zip(d.tokens, d.logps, strict=True):
+                traj.add_sampled(token, logp)
+            if d.tokens and d.tokens[-1] == sampling.eos_id:
+                driver.submit(r, traj.ids[traj.turn_start :])
+                waiting.append(r)
+                continue
+            traj.truncated = True
+            why = "max_total_tokens" if len(traj.ids) >= max_response[r] else "max_new_tokens"
+            driver.end(r, why, traj.ids[traj.turn_start :])
+        live = _observe(trajs, waiting, driver, max_response) if waiting else []
+        turn += 1
+    return trajs
+
+
+def _observe(
+    trajs: list[Trajectory], waiting: list[int], driver: TurnDriver, max_response: Sequence[int]
+) -> list[int]:
+    """Append each waiting row's observation; the rows whose episode goes on."""
+    answers = driver.collect()
+    going = []
+    for r in waiting:
+        observation, traj = answers[r], trajs[r]
+        if observation is not None and len(traj.ids) + len(observation) >= max_response[r]:
+            traj.truncated = True  # no room left for another assistant token
+            driver.end(r, "max_total_tokens", [])
+            observation = None
+        if observation is not None:
+            traj.add_observation(observation)
+            going.append(r)
+    return going
+
+
+class SharedTurns:
+    """The turn driver of every rank of one model-parallel group: the group's first rank (the
+    one given ``driver``) steps the environment; ``collect`` and ``records`` hand its answers to
+    every rank through ``share`` (a broadcast from that rank), and an environment error raised
+    there is raised on every rank."""
+
+    def __init__(self, driver: Optional[Any], share: Callable[[Any], Any]) -> None:
+        self.driver = driver
+        self.share = share
+
+    def _shared(self, call: Callable[[], Any]) -> Any:
+        outcome: Any = None
+        if self.driver is not None:
+            try:
+                outcome = ("ok", call())
+            except Exception as err:  # noqa: BLE001 - raised on every rank below
+                outcome = ("error", err)
+        kind, value = self.share(outcome)
+        if kind == "error":
+            raise value
+        return value
+
+    def begin(self, prompts: Sequence[Any]) -> None:
+        self._shared(lambda: self.driver.begin(prompts))  # type: ignore[union-attr]
+
+    def submit(self, row: int, turn_ids: list[int]) -> None:
+        if self.driver is not None:
+            self.driver.submit(row, turn_ids)
+
+    def end(self, row: int, reason: str, turn_ids: list[int]) -> None:
+        if self.driver is not None:
+            self.driver.end(row, reason, turn_ids)
+
+    def collect(self) -> dict[int, Optional[list[int]]]:
+        answers: dict[int, Optional[list[int]]] = self._shared(lambda: self.driver.collect())  # type: ignore[union-attr]
+        return answers
+
+    def records(self) -> list[dict[str, Any]]:
+        records: list[dict[str, Any]] = self._shared(lambda: self.driver.records())  # type: ignore[union-attr]
+        return records
+
+    def close(self) -> None:
+        if self.driver is not None:
+            self.driver.close()
+
+
+def build_turn_driver(cfg: Any, tokenizer: Any) -> Any:
+    """This rank's turn driver for env.path: the environment's EnvDriver, shared over the
+    model-parallel group (:class:`SharedTurns`, the environment built on its first rank only)
+    when the group has more than one rank."""
+    from rlbatch import distributed
+    from rlbatch.env.driver import EnvDriver
+    from rlbatch.env.loader import build_environment
+
+    rank, size, _ = distributed.model_parallel_group()
+    if size == 1:
+        return EnvDriver(build_environment(cfg.env.path, cfg.env.kwargs), cfg, tokenizer)
+    driver = None
+    if rank == 0:
+        driver = EnvDriver(build_environment(cfg.env.path, cfg.env.kwargs), cfg, tokenizer)
+    return SharedTurns(driver, distributed.broadcast_object_in_model_parallel_group)
