@@ -70,8 +70,9 @@ def test_the_cycle_finder_finds_one():
 
 def test_megatron_is_imported_only_by_the_engine():
     """megatron-core's names stay behind rlbatch.engine (and the one module that reduces across
-    ranks, which reads megatron's process groups): the rest speaks rlbatch's own terms."""
-    allowed = ("rlbatch/engine/", "rlbatch/distributed.py")
+    ranks, which reads megatron's process groups, and the rollout backend that is megatron's own
+    inference engine): the rest speaks rlbatch's own terms."""
+    allowed = ("rlbatch/engine/", "rlbatch/distributed.py", "rlbatch/rollout/megatron_dynamic.py")
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE.parent).as_posix()
@@ -99,8 +100,12 @@ def _imports_of(path):
 @pytest.mark.parametrize(
     "layer, forbidden",
     [
-        # the engine knows token ids, not samples, loops, environments or evaluations
-        ("engine", ("rlbatch.grpo", "rlbatch.train", "rlbatch.env", "rlbatch.eval")),
+        # the engine runs the model's forwards: it knows token ids, not samples, rollouts,
+        # loops, environments or evaluations
+        (
+            "engine",
+            ("rlbatch.grpo", "rlbatch.rollout", "rlbatch.train", "rlbatch.env", "rlbatch.eval"),
+        ),
         # config is the ground floor: it never reaches up into the engine
         ("config", ("rlbatch.engine",)),
     ],
@@ -112,3 +117,35 @@ def test_layers_import_only_downwards(layer, forbidden):
             if any(n == f or n.startswith(f + ".") for n in names for f in forbidden):
                 offenders.append(f"{path.relative_to(PACKAGE.parent).as_posix()}:{lineno}")
     assert offenders == []
+
+
+def test_the_layer_rule_catches_an_upward_import(tmp_path):
+    """The rule reads imports inside function bodies too (where the engine's lazy imports live)."""
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from rlbatch.rollout.sampling import sample_tokens\n")
+    assert list(_imports_of(module)) == [(2, ["rlbatch.rollout.sampling"])]
+
+
+def test_generation_code_lives_in_the_rollout_package():
+    """Rollout backends, sampling and the decode loops are one package; the engine keeps the
+    model's forwards (the KV-cache decoder included) and nothing that makes samples."""
+    rollout = {p.stem for p in (PACKAGE / "rollout").glob("*.py")}
+    assert {
+        "builtin",
+        "megatron_dynamic",
+        "vllm_engine",
+        "protocol",
+        "sampling",
+        "weights",
+    } <= rollout
+    assert {"multiturn", "partial", "streaming", "generation", "generation_worker"} <= rollout
+    for old in (
+        "grpo/rollout",
+        "grpo/sampling",
+        "grpo/partial",
+        "grpo/multiturn",
+        "train/generation",
+        "train/streaming",
+        "engine/dynamic_rollout",
+    ):
+        assert not (PACKAGE / f"{old}.py").exists(), old

@@ -1,6 +1,6 @@
 """The cross-field rules of the long-tailed response-length workload
 (debug.response_length_median / response_length_sigma; rlbatch.config.validate runs
-:func:`check_response_lengths`); what the caps do is :func:`rlbatch.grpo.sampling.length_caps`.
+:func:`check_response_lengths`); what the caps do is :func:`rlbatch.rollout.sampling.length_caps`.
 Pure: no torch.
 """
 

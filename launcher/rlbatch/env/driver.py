@@ -1,6 +1,6 @@
 """The multi-turn driver: runs an environment's episodes for the rollout engine.
 
-The decoding loop (rlbatch.grpo.multiturn) speaks token ids only; this driver turns them into
+The decoding loop (rlbatch.rollout.multiturn) speaks token ids only; this driver turns them into
 the environment's calls and back: ``begin`` resets one episode per row, ``submit`` decodes an
 assistant turn and starts its ``step`` call, ``collect`` waits for those calls and answers each
 row with its observation's token ids (rendered by the chat template; one over
@@ -162,7 +162,7 @@ async def _awaited(value: Any) -> Any:
 
 
 class EnvDriver:
-    """The TurnDriver of rlbatch.grpo.multiturn over one environment instance (this rank's)."""
+    """The TurnDriver of rlbatch.rollout.multiturn over one environment instance (this rank's)."""
 
     def __init__(self, env: Any, cfg: RunConfig, tokenizer: Any) -> None:
         self.env = env

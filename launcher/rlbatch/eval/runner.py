@@ -75,7 +75,7 @@ class Evaluator:
         gather: Callable[[Any], list[Any]],
     ) -> None:
         from rlbatch.grpo.rewards import build_rewards
-        from rlbatch.train.generation import rank_seed
+        from rlbatch.rollout.generation import rank_seed
 
         data = eval_data(cfg)
         self.cfg = cfg
@@ -94,7 +94,7 @@ class Evaluator:
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[PromptResult]]:
         """Sample and score this rank's prompts, gather every rank's, compute the metrics."""
-        from rlbatch.train.generation import rank_seed
+        from rlbatch.rollout.generation import rank_seed
 
         started = time.perf_counter()
         n = self.cfg.eval.num_samples
@@ -111,7 +111,7 @@ class Evaluator:
         self, prompts: Sequence[Prompt], samples: list[Sample], n: int
     ) -> list[PromptResult]:
         from rlbatch.grpo.rewards import reward_input
-        from rlbatch.train.generation import add_episode_rewards
+        from rlbatch.rollout.generation import add_episode_rewards
 
         inputs = [reward_input(s, self.tokenizer) for s in samples]
         totals, _ = self.rewards.score(inputs) if inputs else ([], {})
@@ -140,7 +140,7 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> Any:
     training's rollouts); multi-turn through the run's environment when env.path is set.
     Evaluation measures the policy: the long-tailed length workload of training's rollouts
     (debug.response_length_median) stays off here."""
-    from rlbatch.train.generation import SequenceParallelOffEngine, build_engine
+    from rlbatch.rollout.generation import SequenceParallelOffEngine, build_engine
 
     debug = dataclasses.replace(cfg.debug, response_length_median=0)
     sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg), data=eval_data(cfg), debug=debug)

@@ -2,7 +2,7 @@
 
 A ``TokenBackend`` decodes token ids only (no text, no GRPO types) and is told when the policy
 changed; ``SyncedRolloutEngine`` turns it into the loop's ``RolloutEngine``
-(rlbatch.grpo.rollout): rows of a prompt contiguous, one seed per row, ``Sample``s with the
+(rlbatch.rollout.builtin): rows of a prompt contiguous, one seed per row, ``Sample``s with the
 version of the weights that produced them. A server-based backend (an engine on other GPUs,
 weights broadcast over NCCL) implements the same two methods.
 """

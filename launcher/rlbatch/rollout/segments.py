@@ -1,6 +1,6 @@
 """Partial rollouts (grpo.partial_rollouts) on an engine with its own copy of the weights (vLLM).
 
-The partial-rollout stream (rlbatch.grpo.partial) decides which rows decode, when a round ends
+The partial-rollout stream (rlbatch.rollout.partial) decides which rows decode, when a round ends
 and which groups it delivers; this module gives it a ``Segments`` engine on a ``TokenBackend``:
 every row in a slot decodes up to ``rollout.vllm.segment_tokens`` more tokens as one request
 (prompt + its tokens so far, seeded by (row key, segment index)), after which the stream may end
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rlbatch.grpo.partial import Segments
+from rlbatch.rollout.partial import Segments
 from rlbatch.rollout.protocol import SYNCED_BACKENDS, SyncedRolloutEngine, build_synced_engine
 
 

@@ -1,7 +1,7 @@
 """Multi-turn rollouts on a ``TokenBackend`` (vLLM): one decode call per assistant turn.
 
 The environment side is the same turn driver the built-in engine calls (rlbatch.env.driver
-through the ``TurnDriver`` protocol of rlbatch.grpo.multiturn): ``submit`` when a turn ends with
+through the ``TurnDriver`` protocol of rlbatch.rollout.multiturn): ``submit`` when a turn ends with
 EOS, ``collect`` for the observations, ``end`` when a limit cuts the episode. What differs is
 the decoding: the backend keeps no per-row cache between calls, so every turn is a new request
 whose prompt is the row's exact ids so far (prompt, every sampled token with its EOS, every
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from rlbatch.grpo.multiturn import Trajectory, TurnDriver
+from rlbatch.rollout.multiturn import Trajectory, TurnDriver
 from rlbatch.rollout.protocol import TokenBackend, TokenSampling, segment_seed
 
 

@@ -1,6 +1,6 @@
 """Assemble the real components of the loop (Megatron engine, GRPO parts) from a RunConfig.
 
-The generation side (aggregator, rewards, generate_fn) is :mod:`rlbatch.train.generation`;
+The generation side (aggregator, rewards, generate_fn) is :mod:`rlbatch.rollout.generation`;
 :func:`build_components` wires it, the engine (rlbatch.engine.*), rlbatch.distributed and the
 GRPO train step per docs/interfaces.md.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from rlbatch.config.schema import AdvantageEstimator, FilterGroups, RunConfig, ScaleRewards
 from rlbatch.grpo.types import Sample
-from rlbatch.train.generation import (
+from rlbatch.rollout.generation import (
     build_aggregator,
     build_reference,
     make_logps_fn,
@@ -24,7 +24,7 @@ from rlbatch.train.loop import Components, train
 
 def overlaps_generation(cfg: RunConfig) -> bool:
     """Generation of the next round runs in a worker process while training runs
-    (grpo.num_steps_async > 0; rlbatch.train.generation_worker), when generation issues no
+    (grpo.num_steps_async > 0; rlbatch.rollout.generation_worker), when generation issues no
     collective: tp = pp = cp = 1, and without dynamic sampling (grpo.filter_groups: its draws
     gather keep flags over the DP ranks in the training thread). Other layouts generate the due rounds inline (the same
     samples and versions, no overlap). docs/training_loop.md, "Async run-ahead"."""
@@ -202,7 +202,7 @@ def build_generation(
     if overlaps_generation(cfg):
         import torch
 
-        from rlbatch.train.generation_worker import GenerationWorker
+        from rlbatch.rollout.generation_worker import GenerationWorker
 
         threads = max(1, torch.get_num_threads() // 2)
         torch.set_num_threads(threads)
@@ -213,7 +213,7 @@ def build_generation(
             ref_weights=weights_snapshot(ref) if ref is not None else None,
         )
         return worker, worker  # its state_dict is the worker aggregator's
-    from rlbatch.train.streaming import local_generation
+    from rlbatch.rollout.streaming import local_generation
 
     aggregator = build_aggregator(cfg, tokenizer, ref, dp_rank)
     return local_generation(cfg, model, tokenizer, prompts, aggregator, dp_rank)

@@ -26,7 +26,7 @@ Two fillers, same samples and versions (tested):
   snapshot of version gen_version(r) (``snapshot_fn()`` taken at that version, stored per needed
   version under a lock: the hand-over is atomic and a round never sees a newer policy than the
   schedule says). Only for a ``generate_fn`` without collectives on the training groups: the
-  real one is a generation worker process (rlbatch.train.generation_worker) whose call blocks
+  real one is a generation worker process (rlbatch.rollout.generation_worker) whose call blocks
   on a pipe, so generation and training run on different cores. :class:`VersionedSlot` is the
   single-slot form for external servers.
 """
@@ -220,7 +220,7 @@ class RunAheadProducer:
     def _generate(self, snapshot: PolicySnapshot) -> GeneratedRound:
         """Generate the sampler's next round with ``snapshot`` (refilled by further draws under
         dynamic sampling). A generate_fn may answer with the request it actually served and the
-        round's figures (rlbatch.train.streaming.RoundOutput: a partial-rollout round delivers
+        round's figures (rlbatch.rollout.streaming.RoundOutput: a partial-rollout round delivers
         the groups that finished); the figures of a round's draws add up."""
         request = self.sampler.next_round()
         figures: dict[str, float] = {}

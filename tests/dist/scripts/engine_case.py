@@ -173,8 +173,8 @@ def generate(chunks: list[Any]) -> list[tuple[list[int], list[float]]]:
     """Sampled completions (seeded) of three prompts, with sequence parallelism switched off
     for generation as the trainer does."""
     from rlbatch.engine.model import sequence_parallel_off
-    from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
     from rlbatch.grpo.types import Prompt
+    from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
 
     prompts = [Prompt(index=i, prompt_ids=tuple(seq[:5]), answer="") for i, seq in
                enumerate(sequences()[:3])]  # fmt: skip

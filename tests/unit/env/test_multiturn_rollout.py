@@ -16,8 +16,8 @@ from rlbatch.config.schema import RunConfig
 from rlbatch.engine.tokenizer import ByteTokenizer
 from rlbatch.env.driver import EnvDriver
 from rlbatch.env.protocol import EnvCallError
-from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
 from rlbatch.grpo.types import Prompt
+from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
 
 TOK = ByteTokenizer()
 

@@ -64,7 +64,7 @@ def test_longtail_lengths_are_the_documented_distribution():
     """Median 12, mean ~19, ~1% of rows at the 128 cap, as the docs say (the caps the
     training engine gets from the composed config)."""
     from rlbatch.cli.common import compose
-    from rlbatch.grpo.sampling import SamplingParams, length_caps, row_keys
+    from rlbatch.rollout.sampling import SamplingParams, length_caps, row_keys
 
     cfg = compose(grpo_async.variant_overrides("longtail", "sync", 3, 1), "t")
     params = SamplingParams.from_config(cfg.rollout, eos_id=258, pad_id=256, debug=cfg.debug)

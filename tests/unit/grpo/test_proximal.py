@@ -28,7 +28,7 @@ from rlbatch.grpo.lcm import (
 )
 from rlbatch.grpo.proximal import compute_old_logps, scale_by_batch_std
 from rlbatch.grpo.types import Prompt, Sample
-from rlbatch.train.generation import make_generate_fn
+from rlbatch.rollout.generation import make_generate_fn
 from rlbatch.train.producer import PolicySnapshot
 from rlbatch.train.sampler import GenerationRequest
 

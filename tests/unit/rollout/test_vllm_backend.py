@@ -29,7 +29,7 @@ def setup():
     from rlbatch.config.schema import RolloutBackend, RunConfig
     from rlbatch.engine import parallel
     from rlbatch.engine.model import build_model
-    from rlbatch.grpo.rollout import build_rollout_engine
+    from rlbatch.rollout.builtin import build_rollout_engine
 
     cfg = RunConfig()
     cfg.model.num_attention_heads = 2

@@ -2,7 +2,7 @@
 reference / old-logprob passes, and the producer's generate_fn on top of a rollout engine.
 
 Built in the trainer's processes (``rlbatch.train.build``) and, for async overlap, in each
-generation worker process (``rlbatch.train.generation_worker``), so neither imports the other.
+generation worker process (``rlbatch.rollout.generation_worker``), so neither imports the other.
 :func:`make_generate_fn` is pure orchestration and unit-tested with fakes.
 """
 
@@ -21,8 +21,8 @@ from rlbatch.grpo.rewards import (
     RewardSet,
     reward_input,
 )
-from rlbatch.grpo.rollout import RolloutEngine, as_rollout_fn
 from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.rollout.builtin import RolloutEngine, as_rollout_fn
 from rlbatch.train.producer import GenerateFn, PolicySnapshot
 from rlbatch.train.sampler import GenerationRequest
 
@@ -186,7 +186,7 @@ def build_engine(
     """The rollout engine of a run (a training run's LCM aggregator chunks, so by default no
     chunk size; evaluation chunks by rollout.micro_batch_size), multi-turn through the
     environment env.path names when it is set."""
-    from rlbatch.grpo.rollout import build_rollout_engine
+    from rlbatch.rollout.builtin import build_rollout_engine
 
     driver = None
     if cfg.env.path:

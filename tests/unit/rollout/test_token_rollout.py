@@ -3,8 +3,8 @@ which needs CUDA) becomes a RolloutEngine: contiguous groups, every per-token fi
 
 from __future__ import annotations
 
-from rlbatch.grpo.rollout import TokenRolloutEngine
 from rlbatch.grpo.types import Prompt
+from rlbatch.rollout.builtin import TokenRolloutEngine
 
 
 class _Reverse:

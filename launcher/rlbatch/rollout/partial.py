@@ -43,9 +43,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from rlbatch.grpo.rollout import DecodeStats
-from rlbatch.grpo.sampling import SamplingParams, length_caps, row_keys, sample_tokens
+from rlbatch.rollout.builtin import DecodeStats
 from rlbatch.rollout.protocol import segment_seed
+from rlbatch.rollout.sampling import SamplingParams, length_caps, row_keys, sample_tokens
 
 _KEY_TAG = 0x9A27_1A1
 

@@ -30,7 +30,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from rlbatch.grpo.sampling import SamplingParams, sample_tokens
+from rlbatch.rollout.sampling import SamplingParams, sample_tokens
 
 
 class TurnDriver(Protocol):

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
-from rlbatch.grpo.sampling import length_caps, row_keys
 from rlbatch.grpo.types import Prompt
+from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
+from rlbatch.rollout.sampling import length_caps, row_keys
 
 LENGTHS = [5, 9, 3, 7, 4]
 GROUP = 2
@@ -168,7 +168,7 @@ def test_training_rollouts_take_the_caps_and_evaluation_does_not(model):
     from rlbatch.config.schema import RunConfig
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.eval.runner import _engine
-    from rlbatch.train.generation import build_engine
+    from rlbatch.rollout.generation import build_engine
 
     cfg = RunConfig()
     cfg.debug.response_length_median, cfg.debug.response_length_sigma = 5, 0.5

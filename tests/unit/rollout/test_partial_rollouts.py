@@ -18,8 +18,8 @@ from model_reference import full_logps
 from rlbatch.config.schema import RunConfig
 from rlbatch.engine.generation import LeanDecoder, inference_mode
 from rlbatch.engine.tokenizer import ByteTokenizer
-from rlbatch.grpo.partial import PartialRolloutStream
-from rlbatch.grpo.sampling import SamplingParams
+from rlbatch.rollout.partial import PartialRolloutStream
+from rlbatch.rollout.sampling import SamplingParams
 
 EOS = ByteTokenizer.EOS
 G, N = 3, 2  # rows per group, groups per round

@@ -10,13 +10,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from rlbatch.grpo.rollout import (  # noqa: E402
+from rlbatch.grpo.types import Prompt  # noqa: E402
+from rlbatch.rollout.builtin import (  # noqa: E402
     MegatronRolloutEngine,
     SamplingParams,
     row_keys,
     sample_tokens,
 )
-from rlbatch.grpo.types import Prompt  # noqa: E402
 
 VOCAB = 96
 LENGTHS = [7, 16, 3, 12, 5]
@@ -175,7 +175,7 @@ def test_sampler_draws_from_the_tempered_filtered_softmax():
 def test_sampler_is_the_inverse_cdf_of_each_rows_keyed_uniform():
     """Each row's token is the first index where a float64 running sum of its tempered,
     filtered softmax exceeds the row's keyed uniform, whatever other rows share the batch."""
-    from rlbatch.grpo.sampling import keyed_uniform
+    from rlbatch.rollout.sampling import keyed_uniform
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(32, 50, generator=gen) * 2

@@ -27,7 +27,8 @@ import torch
 
 from rlbatch import distributed
 from rlbatch.config.schema import RolloutBackend, RunConfig
-from rlbatch.grpo.sampling import (  # noqa: F401  (re-exported: the rollout's vocabulary)
+from rlbatch.grpo.types import Prompt, Sample, group_rows
+from rlbatch.rollout.sampling import (  # noqa: F401  (re-exported: the rollout's vocabulary)
     SamplingParams,
     filter_logits,
     keyed_uniform,
@@ -35,7 +36,6 @@ from rlbatch.grpo.sampling import (  # noqa: F401  (re-exported: the rollout's v
     row_keys,
     sample_tokens,
 )
-from rlbatch.grpo.types import Prompt, Sample, group_rows
 
 
 class RolloutEngine(Protocol):
@@ -263,7 +263,7 @@ class MegatronRolloutEngine:
         turn) and the longest trajectory, prompt included (env.max_total_tokens)."""
         self.max_total_tokens = max_total_tokens
         self.slot_stats: Any = None
-        """Multi-turn: decode-slot occupancy of the last generate (rlbatch.grpo.multiturn)."""
+        """Multi-turn: decode-slot occupancy of the last generate (rlbatch.rollout.multiturn)."""
         self.decode_stats = DecodeStats()
         """Single-turn decode-slot occupancy, accumulated over generate() calls (a caller
         that wants it per round assigns a fresh DecodeStats())."""
@@ -322,9 +322,9 @@ class MegatronRolloutEngine:
     def _generate_turns(
         self, rows: list[tuple[int, Prompt]], size: int, keys: torch.Tensor, version: int
     ) -> list[Sample]:
-        """Multi-turn rollouts (rlbatch.grpo.multiturn) on the continuous-batching decoder."""
+        """Multi-turn rollouts (rlbatch.rollout.multiturn) on the continuous-batching decoder."""
         from rlbatch.engine import generation
-        from rlbatch.grpo.multiturn import SlotStats, decode_turns
+        from rlbatch.rollout.multiturn import SlotStats, decode_turns
 
         if not (self.kv_cache and generation.lean_decoding_supported(self.chunks)):
             raise ValueError(
@@ -384,7 +384,7 @@ def _megatron_engine(
 def _dynamic_engine(
     cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
 ) -> Any:
-    from rlbatch.engine.dynamic_rollout import DynamicRolloutEngine
+    from rlbatch.rollout.megatron_dynamic import DynamicRolloutEngine
 
     params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id)
     return TokenRolloutEngine(DynamicRolloutEngine(model, params))

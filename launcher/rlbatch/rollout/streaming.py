@@ -1,5 +1,5 @@
 """The generation side of ``grpo.partial_rollouts``: the rank's partial-rollout stream
-(rlbatch.grpo.partial) behind the producer's generate_fn, and the round figures of both
+(rlbatch.rollout.partial) behind the producer's generate_fn, and the round figures of both
 generation modes.
 
 Built where generation runs: in the trainer's process (inline) or in the generation worker
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlbatch.config.schema import ConsumptionGranularity, RunConfig
-from rlbatch.grpo.rollout import DecodeStats
 from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.rollout.builtin import DecodeStats
 from rlbatch.train.producer import GenerateFn, PolicySnapshot
 from rlbatch.train.sampler import GenerationRequest, PromptSampler, schedule_from_config
 
@@ -35,7 +35,7 @@ class RoundOutput:
 
 
 def stream_shape(cfg: RunConfig) -> tuple[int, int]:
-    """(lead, slack) of the stream (rlbatch.grpo.partial): rounds a row may start ahead of its
+    """(lead, slack) of the stream (rlbatch.rollout.partial): rounds a row may start ahead of its
     own, and rounds a finished group may wait, within grpo.max_staleness."""
     g = cfg.grpo
     per_round = schedule_from_config(g, cfg.parallel.dp).steps_per_round
@@ -84,10 +84,10 @@ class StreamingGeneration:
         aggregator: Any,
         dp_rank: int,
     ) -> None:
-        from rlbatch.grpo.partial import PartialRolloutStream
-        from rlbatch.grpo.sampling import SamplingParams
+        from rlbatch.rollout.generation import make_generate_fn
+        from rlbatch.rollout.partial import PartialRolloutStream
+        from rlbatch.rollout.sampling import SamplingParams
         from rlbatch.rollout.segments import segment_engine
-        from rlbatch.train.generation import make_generate_fn
 
         schedule = schedule_from_config(cfg.grpo, cfg.parallel.dp)
         self.model, self.prompts, self.aggregator = model, prompts, aggregator
@@ -227,7 +227,7 @@ def local_generation(
     """(generate_fn, checkpointed state) of generation in this process (the trainer's, or a
     generation worker's): the partial-rollout stream (grpo.partial_rollouts; its state holds the
     aggregator's) or the round engine driven by the LCM aggregator."""
-    from rlbatch.train.generation import (
+    from rlbatch.rollout.generation import (
         SequenceParallelOffEngine,
         build_engine,
         make_generate_fn,
