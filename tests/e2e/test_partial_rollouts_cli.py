@@ -151,7 +151,7 @@ def test_vllm_stream_continues_rows_across_swaps_and_resumes_exactly(
     expected = _metrics(ref_dir)
     continued = 0
     for r in expected:
-        assert r["samples"] == 64 and r["rollout/weight_sync_s"] > 0
+        assert r["samples"] == 64
         trained = r["step"] - 1
         for s in _samples(ref_dir, r["step"]):
             versions = s["token_versions"]
@@ -159,6 +159,7 @@ def test_vllm_stream_continues_rows_across_swaps_and_resumes_exactly(
             assert versions == sorted(versions) and trained - 3 <= versions[0] <= trained
             continued += len(set(versions)) > 1
     assert continued > 0, "no row outlived a round"
+    assert sum("rollout/weight_sync_s" in r for r in expected) >= 2  # a round per new version
 
     killed_dir = tmp_path / "killed"
     killed = _train(bin_dir, subprocess_env, killed_dir, *VLLM, "debug.fail_at_step=3",

@@ -77,6 +77,43 @@ def test_a_vllm_run_samples_with_the_trainers_logprobs_at_tp2_pp2(
     assert records[-1]["kl"] > 0  # the policy moved away from the reference: versions changed
 
 
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(records):
+    return [{k: v for k, v in r.items() if not k.endswith(("_s", "seconds")) and "per_s" not in k}
+            for r in records]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.optional_extra
+def test_a_killed_dp2_vllm_run_resumes_with_identical_metrics(bin_dir, subprocess_env, tmp_path):
+    """Two data-parallel replicas, each with its own engine on its own prompts, three steps
+    with a checkpoint after each: the run SIGKILLed during step 3 and resumed with
+    trainer.resume=auto (a fresh engine, started from the config and synced from the
+    checkpoint's weights) gives the uninterrupted run's metrics exactly, and on-policy the
+    trainer's logprobs are vLLM's at every step."""
+    pytest.importorskip("vllm")
+    common = (
+        *HEADS_OF_32, "parallel.dp=2", "trainer.max_steps=3", "trainer.checkpoint.every_steps=1",
+        "rollout.vllm.kv_cache_space_gb=0.25",
+    )  # fmt: skip
+    ref = _train(bin_dir, subprocess_env, tmp_path / "ref", *common)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    expected = _records(tmp_path / "ref")
+    assert [r["step"] for r in expected] == [1, 2, 3]
+    for r in expected:
+        assert abs(r["mismatch_kl_k1"]) < 1e-6 and r["rollout/weight_sync_s"] > 0
+    run_dir = tmp_path / "killed"
+    killed = _train(bin_dir, subprocess_env, run_dir, *common, "debug.fail_at_step=3",
+                    "debug.fail_kind=kill")  # fmt: skip
+    assert killed.returncode != 0 and len(_records(run_dir)) == 2
+    resumed = _train(bin_dir, subprocess_env, run_dir, *common, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert _untimed(_records(run_dir)) == _untimed(expected)
+
+
 # ------------------------------------------------------------------ multi-turn environments
 COUNTED_ENV = '''
 import os

@@ -151,3 +151,44 @@ def test_eos_ends_a_row_and_is_kept(setup):
     (ended,) = SyncedRolloutEngine(engine.backend, sampling).generate(prompts, 1, 5, seed=8)
     assert ended.response_ids == free.response_ids[: stop_at + 1]
     assert ended.response_ids[-1] == eos and not ended.truncated
+
+
+def test_partial_rollout_segments_give_each_token_its_own_versions_logprob(setup):
+    """The partial-rollout stream on vLLM in segments of 3 tokens over three policy versions
+    (real optimizer steps between rounds): rows still decoding at a swap go on as new requests
+    (prompt + their tokens so far) under the new weights, so some rows carry two versions, and
+    every token's behaviour logprob is the policy's own forward under the weights of the
+    version it records (a row continued on a stale cache would be off)."""
+    from rlbatch.rollout.partial import PartialRolloutStream
+    from rlbatch.rollout.sampling import SamplingParams
+    from rlbatch.rollout.segments import SegmentEngine
+
+    cfg, chunk, engine = setup
+    prompts = [p.prompt_ids for p in prompts_of(8, seed=7)]
+
+    def draw():  # the stream's q-th draw: two prompts, two groups
+        q = len(stream.draws)
+        return ((2 * q) % 8, (2 * q + 1) % 8), (2 * q, 2 * q + 1), 2 * q
+
+    stream = PartialRolloutStream(
+        draw, lambda index: prompts[index],
+        SamplingParams(12, temperature=TEMPERATURE, eos_id=1, length_median=6, length_sigma=1.0),
+        num_generations=2, groups_per_round=2, num_slots=4, lead=1, slack=0, seed=3, max_len=82,
+    )  # fmt: skip
+    segments = SegmentEngine(engine, 3)
+    checked = mixed = 0
+    for version in (10, 11, 12):
+        segments.ensure_version(version)
+        result = stream.run_round(version, segments.segments)
+        groups = [*result.groups, *stream.groups.values()]
+        rows = [(g.prompt_index, row) for g in groups for row in g.rows]
+        for prompt_index, row in rows:
+            prompt = prompts[prompt_index]
+            ref = full_logps_at(chunk, [*prompt, *row.ids])
+            for j, (tok, lp, v) in enumerate(zip(row.ids, row.logps, row.versions, strict=True)):
+                if v == version:
+                    assert abs(float(ref[len(prompt) - 1 + j, tok]) - lp) < ATOL
+                    checked += 1
+        mixed += sum(len(set(row.versions)) > 1 for _, row in rows)
+        train_steps(chunk, 2)
+    assert checked > 50 and mixed > 0
