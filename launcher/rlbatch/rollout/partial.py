@@ -31,6 +31,11 @@ tokens so far), so each new token is sampled from exactly the policy of its vers
 behaviour log-prob is that policy's. Sampling noise is keyed by (row key, token index): the
 stream's state between rounds (plain data, no caches) is all a checkpoint needs to continue
 bit-exactly.
+
+An engine with its own copy of the weights (vLLM) decodes the same stream in ``Segments``: each
+row in a slot decodes up to a fixed number of tokens as one request (prompt + its tokens so
+far, seeded by (row key, segment index)), and the round may end, and free slots refill, only
+between segments (rlbatch.rollout.segments says why).
 """
 
 from __future__ import annotations
@@ -193,12 +198,11 @@ class PartialRolloutStream:
         while len(self.draws) <= r:  # the round's own draw exists (its stream position)
             self._draw()
         stats = DecodeStats()
-        if self._ready():
-            pass
-        elif isinstance(decode, Segments):
-            self._decode_segments(version, decode, stats)
-        else:
-            self._decode(version, decode, stats)
+        if not self._ready():
+            if isinstance(decode, Segments):
+                self._decode_segments(version, decode, stats)
+            else:
+                self._decode(version, decode, stats)
         delivered = self._select()
         for g in delivered:
             del self.groups[g.index]
