@@ -69,7 +69,7 @@ def _check_engine(cfg: RunConfig, errors: list[ConfigError]) -> None:
     for key, value in layout.items():
         if value != 1:
             why = (
-                "runs one stream per data-parallel rank in this release"
+                "on vLLM runs one stream per data-parallel rank in this release, which needs"
                 if vllm
                 else "decodes on the built-in per-row KV-cache engine, which needs"
             )
