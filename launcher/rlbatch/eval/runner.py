@@ -111,7 +111,7 @@ class Evaluator:
         self, prompts: Sequence[Prompt], samples: list[Sample], n: int
     ) -> list[PromptResult]:
         from rlbatch.grpo.rewards import reward_input
-        from rlbatch.rollout.generation import add_episode_rewards
+        from rlbatch.grpo.stages import add_episode_rewards
 
         inputs = [reward_input(s, self.tokenizer) for s in samples]
         totals, _ = self.rewards.score(inputs) if inputs else ([], {})
