@@ -21,11 +21,28 @@ from rlbatch.grpo.types import Prompt, Sample, group_rows
 
 @dataclass(frozen=True)
 class TokenSampling:
-    """What a backend samples with (the rollout.* settings it needs)."""
+    """What a backend samples with (the rollout.* settings it needs), per request: one engine
+    serves training's rollouts and evaluation's own settings."""
 
     max_new_tokens: int
     temperature: float
     eos_id: int
+    top_k: int = 0
+    """0 = off; 1 = greedy (evaluation's temperature 0). Training keeps it 0 (vllm_rules)."""
+    top_p: float = 1.0
+    """1 = off. Training keeps it 1: the behaviour logprobs are the full vocabulary's."""
+
+
+def token_sampling(rollout: Any, eos_id: int) -> TokenSampling:
+    """The TokenSampling of a rollout config (rollout.*, or evaluation's from
+    rlbatch.eval.settings.eval_rollout)."""
+    return TokenSampling(
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        eos_id=eos_id,
+        top_k=rollout.top_k,
+        top_p=rollout.top_p,
+    )
 
 
 @dataclass
@@ -109,6 +126,10 @@ class SyncedRolloutEngine:
             )
             for (g, p), d in zip(rows, decoded, strict=True)
         ]
+
+    def with_sampling(self, sampling: TokenSampling) -> SyncedRolloutEngine:
+        """The same backend (and weights) sampling with other settings: evaluation's."""
+        return SyncedRolloutEngine(self.backend, sampling)
 
     def ensure_version(self, version: int) -> None:
         """Sync the backend's weights unless it already holds ``version``."""
