@@ -2,7 +2,8 @@
 before launch, all at once; a run on vLLM (the ``vllm`` extra, installed by CI) at tp 2 x pp 2
 takes the policy's weights at every step and its behaviour logprobs are the trainer's own:
 on-policy, the importance weights pi_old / pi_rollout stay 1 and nothing clips, step after
-step. (tp 1: tests/unit/rollout/test_vllm_backend.py.)"""
+step; its evaluation (eval.*) runs on the same engines, and rlbatch-eval on the run directory
+reproduces it. (tp 1: tests/unit/rollout/test_vllm_backend.py.)"""
 
 from __future__ import annotations
 
@@ -45,29 +46,41 @@ def test_settings_vllm_cannot_honour_are_refused_before_launch(bin_dir, subproce
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+STEPS = 3
+EVAL = (
+    "eval.every_steps=3", "eval.at_start=false", "eval.max_prompts=4", "eval.num_samples=2",
+    "eval.temperature=1.0", "eval.max_new_tokens=6",
+)  # fmt: skip
+"""Evaluation at the last step with its own sampling (training samples at 0.7, up to 24+)."""
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2_run(bin_dir, subprocess_env, tmp_path_factory):
+    """Three steps at temperature 0.7 on four ranks (tp 2 x pp 2), each with its own full vLLM
+    engine, evaluating after the last step on the same engines."""
+    pytest.importorskip("vllm")
+    run_dir = tmp_path_factory.mktemp("vllm") / "run"
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, *HEADS_OF_32, f"trainer.max_steps={STEPS}",
+        "parallel.tp=2", "parallel.pp=2", "rollout.vllm.kv_cache_space_gb=0.25",
+        "rollout.temperature=0.7", "grpo.epsilon_low=0.01", "grpo.epsilon_high=0.01", *EVAL,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.optional_extra
-def test_a_vllm_run_samples_with_the_trainers_logprobs_at_tp2_pp2(
-    bin_dir, subprocess_env, tmp_path
-):
-    """Three steps at temperature 0.7 on four ranks (tp 2 x pp 2), each with its own full vLLM
-    engine: before every step's generation the weights are streamed from megatron's shards
+def test_a_vllm_run_samples_with_the_trainers_logprobs_at_tp2_pp2(tp2_pp2_run):
+    """Before every step's generation the weights are streamed from megatron's shards
     (gathered over tp, broadcast stage by stage over pp; rollout/weight_sync_s), and vLLM's
     behaviour logprobs equal the training forward's to float32 rounding after every optimizer
     step: on-policy, the importance weights pi_old / pi_rollout stay 1 and nothing clips (a
     missed sync, a stale tied output layer or a stale prefix cache would show as weights far
     from 1)."""
-    pytest.importorskip("vllm")
-    steps = 3
-    proc = _train(
-        bin_dir, subprocess_env, tmp_path / "run", *HEADS_OF_32, f"trainer.max_steps={steps}",
-        "parallel.tp=2", "parallel.pp=2", "rollout.vllm.kv_cache_space_gb=0.25",
-        "rollout.temperature=0.7", "grpo.epsilon_low=0.01", "grpo.epsilon_high=0.01",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    lines = (tp2_pp2_run / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
         assert r["rollout/weight_sync_s"] > 0
         assert abs(r["mismatch_kl_k1"]) < 1e-6
@@ -181,3 +194,36 @@ def test_multi_turn_episodes_run_on_vllm_at_tp2_and_pp2(layout, bin_dir, subproc
                 pos += turn["tokens"]
             assert pos == len(s["response_ids"])
     assert observed > 0
+
+
+@pytest.mark.slow
+@pytest.mark.optional_extra
+def test_evaluation_runs_on_vllm_and_rlbatch_eval_reproduces_it(
+    tp2_pp2_run, bin_dir, subprocess_env
+):
+    """eval.* during a vLLM run samples on the run's engines with the evaluation's own settings
+    (eval.max_new_tokens=6 caps every sample, where training's rows run longer), and
+    rlbatch-eval on the run directory, on one rank (tp 1, pp 1: one engine fed the whole
+    model), samples the step's weights again with the same seeds: the same samples and
+    metrics. vLLM's noise is not the built-in engine's, so equal samples say both ran on vLLM."""
+    last = json.loads((tp2_pp2_run / "metrics.jsonl").read_text().splitlines()[-1])
+    evaluated = {k: v for k, v in last.items() if k.startswith("eval/") and "seconds" not in k}
+    assert "eval/reward_mean" in evaluated and "eval/pass@1" in evaluated
+    samples_file = tp2_pp2_run / f"eval/step_{STEPS:05d}.jsonl"
+    rows = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    tokens = [s["num_tokens"] for r in rows for s in r["samples"]]
+    assert len(rows) == 4 and len(tokens) == 8 and max(tokens) <= 6 and 6 in tokens
+    cmd = [
+        str(bin_dir / "rlbatch-eval"), str(tp2_pp2_run), "--step", str(STEPS), "--json",
+        "parallel.tp=1", "parallel.pp=1",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=subprocess_env, cwd=tp2_pp2_run.parent,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    again = {k: v for k, v in result["metrics"].items() if k in evaluated}
+    assert again == evaluated
+    with open(result["samples"]) as fh:
+        assert fh.read() == samples_file.read_text()

@@ -183,7 +183,7 @@ def build_world(cfg: RunConfig) -> World:
     from rlbatch.engine.model import build_model, build_optimizer
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.rollout.generation import build_reference
+    from rlbatch.grpo.stages import build_reference
 
     if not parallel.is_initialized():
         parallel.initialize(cfg)
@@ -204,8 +204,8 @@ def produce_samples(
     rounds of several steps: rlbatch.grpo.lcm.old_pass_runs)."""
     from rlbatch.grpo.lcm import LCMAggregator, Stages, plan_aggregation
     from rlbatch.grpo.rewards import build_reward_fn
+    from rlbatch.grpo.stages import make_logps_fn, make_reward_batch_fn
     from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams, as_rollout_fn
-    from rlbatch.rollout.generation import make_logps_fn, make_reward_batch_fn
 
     cfg = world.cfg
     use_lcm(cfg, args, aggregated)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.evaluation_rules import check_eval
+from rlbatch.config.lengths import longest_sequence, longest_sequence_text
 from rlbatch.config.objectives import objective_errors
 from rlbatch.config.schema import (
     BatchingMode,
@@ -62,21 +63,6 @@ def world_size(cfg: RunConfig) -> int:
     """Workers the run needs: tp * pp * cp * dp."""
     p = cfg.parallel
     return p.tp * p.pp * p.cp * p.dp
-
-
-def longest_sequence(cfg: RunConfig) -> int:
-    """The longest possible sample: max prompt + max new tokens (single turn), or
-    env.max_total_tokens (a multi-turn trajectory)."""
-    if cfg.env.path:
-        return cfg.env.max_total_tokens
-    return cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-
-
-def longest_sequence_text(cfg: RunConfig) -> str:
-    """Where :func:`longest_sequence` comes from, for error messages."""
-    if cfg.env.path:
-        return "env.max_total_tokens"
-    return "data.max_prompt_len + rollout.max_new_tokens"
 
 
 def generation_batch_size(cfg: RunConfig) -> int:

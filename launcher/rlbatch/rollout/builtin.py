@@ -420,8 +420,10 @@ def _vllm_engine(
     cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
 ) -> Any:
     from rlbatch.rollout.protocol import build_synced_engine
+    from rlbatch.rollout.turns import TurnSamples
 
-    return build_synced_engine(cfg, model, eos_id=eos_id, driver=driver)
+    turns = None if driver is None else TurnSamples(driver, cfg.env.max_total_tokens)
+    return build_synced_engine(cfg, model, eos_id=eos_id, turns=turns)
 
 
 _ENGINES = {

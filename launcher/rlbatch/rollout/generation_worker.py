@@ -222,7 +222,7 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     from rlbatch.engine.model import build_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.rollout.generation import build_aggregator
+    from rlbatch.grpo.stages import build_aggregator
     from rlbatch.rollout.streaming import local_generation
 
     for key in _TORCHRUN_ENV:  # a world of one, apart from the trainer's

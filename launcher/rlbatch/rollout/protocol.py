@@ -21,11 +21,28 @@ from rlbatch.grpo.types import Prompt, Sample, group_rows
 
 @dataclass(frozen=True)
 class TokenSampling:
-    """What a backend samples with (the rollout.* settings it needs)."""
+    """What a backend samples with (the rollout.* settings it needs), per request: one engine
+    serves training's rollouts and evaluation's own settings."""
 
     max_new_tokens: int
     temperature: float
     eos_id: int
+    top_k: int = 0
+    """0 = off; 1 = greedy (evaluation's temperature 0). Training keeps it 0 (vllm_rules)."""
+    top_p: float = 1.0
+    """1 = off. Training keeps it 1: the behaviour logprobs are the full vocabulary's."""
+
+
+def token_sampling(rollout: Any, eos_id: int) -> TokenSampling:
+    """The TokenSampling of a rollout config (rollout.*, or evaluation's from
+    rlbatch.eval.settings.eval_rollout)."""
+    return TokenSampling(
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        eos_id=eos_id,
+        top_k=rollout.top_k,
+        top_p=rollout.top_p,
+    )
 
 
 @dataclass
@@ -87,6 +104,20 @@ def segment_seed(row_seed: int, segment: int) -> int:
     return int(state[0] & 0x7FFFFFFF)
 
 
+class TurnDecoder(Protocol):
+    """Multi-turn rollouts on a TokenBackend: the rows' episodes, a turn per request, as
+    ``Sample``s of ``version`` (rlbatch.rollout.turns.TurnSamples)."""
+
+    def __call__(
+        self,
+        backend: TokenBackend,
+        sampling: TokenSampling,
+        rows: list[tuple[int, Prompt]],
+        seeds: list[int],
+        version: int,
+    ) -> list[Sample]: ...
+
+
 @dataclass
 class SyncFigures:
     """Weight syncs since the last round's figures were taken."""
@@ -105,16 +136,13 @@ class SyncedRolloutEngine:
         backend: TokenBackend,
         sampling: TokenSampling,
         *,
-        driver: Any = None,
-        max_total_tokens: int = 0,
+        turns: Optional[TurnDecoder] = None,
     ) -> None:
         self.backend = backend
         self.sampling = sampling
         self.figures = SyncFigures()
-        self.driver = driver
-        """Multi-turn rollouts: the turn driver (rlbatch.rollout.turns.build_turn_driver; None =
-        single turn) and the longest trajectory, prompt included (env.max_total_tokens)."""
-        self.max_total_tokens = max_total_tokens
+        self.turns = turns
+        """Multi-turn rollouts (rlbatch.rollout.turns.TurnSamples; None = single turn)."""
 
     def generate(
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
@@ -123,8 +151,9 @@ class SyncedRolloutEngine:
         if not rows:
             return []
         self.ensure_version(policy_version)
-        if self.driver is not None:
-            return self._generate_turns(rows, row_seeds(seed, len(rows)), policy_version)
+        if self.turns is not None:
+            seeds = row_seeds(seed, len(rows))
+            return self.turns(self.backend, self.sampling, rows, seeds, policy_version)
         decoded = self.backend.decode(
             [p.prompt_ids for _, p in rows], row_seeds(seed, len(rows)), self.sampling
         )
@@ -140,29 +169,9 @@ class SyncedRolloutEngine:
             for (g, p), d in zip(rows, decoded, strict=True)
         ]
 
-    def _generate_turns(
-        self, rows: list[tuple[int, Prompt]], seeds: list[int], version: int
-    ) -> list[Sample]:
-        """Multi-turn rollouts through the turn driver (rlbatch.rollout.turns)."""
-        from rlbatch.rollout.turns import decode_turns_on
-
-        prompt_ids = [p.prompt_ids for _, p in rows]
-        budget = [self.max_total_tokens - len(p) for p in prompt_ids]
-        self.driver.begin([p for _, p in rows])
-        trajs = decode_turns_on(self.backend, prompt_ids, seeds, self.sampling, self.driver, budget)
-        return [
-            Sample(
-                prompt=p,
-                group_id=g,
-                response_ids=t.ids,
-                behaviour_logps=t.logps,
-                truncated=t.truncated or ep["truncated"],
-                policy_version=version,
-                loss_mask=t.mask,
-                episode=ep,
-            )
-            for (g, p), t, ep in zip(rows, trajs, self.driver.records(), strict=True)
-        ]
+    def with_sampling(self, sampling: TokenSampling) -> SyncedRolloutEngine:
+        """The same backend (and weights) sampling with other settings: evaluation's."""
+        return SyncedRolloutEngine(self.backend, sampling)
 
     def ensure_version(self, version: int) -> None:
         """Sync the backend's weights unless it already holds ``version``."""
@@ -189,17 +198,16 @@ weights; the module is imported only when its backend is chosen (vLLM's import i
 
 
 def build_synced_engine(
-    cfg: Any, model: Any, *, eos_id: int, driver: Any = None
+    cfg: Any, model: Any, *, eos_id: int, turns: Optional[TurnDecoder] = None
 ) -> SyncedRolloutEngine:
     """The RolloutEngine of ``cfg.rollout.backend`` (one of :data:`SYNCED_BACKENDS`): the loop
     reaches every such backend through this call and the protocol, never by its module.
-    ``driver``: multi-turn rollouts through this turn driver (env.path)."""
+    ``turns``: multi-turn rollouts through this turn decoder (env.path)."""
     import importlib
 
     backend = getattr(cfg.rollout.backend, "value", cfg.rollout.backend)
     module, name = SYNCED_BACKENDS[backend].split(":")
     factory = getattr(importlib.import_module(module), name)
     engine: SyncedRolloutEngine = factory(cfg, model, eos_id=eos_id)
-    if driver is not None:
-        engine.driver, engine.max_total_tokens = driver, cfg.env.max_total_tokens
+    engine.turns = turns
     return engine

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.multiturn import Trajectory, TurnDriver
 from rlbatch.rollout.protocol import TokenBackend, TokenSampling, segment_seed
 
@@ -130,6 +131,42 @@ class SharedTurns:
     def close(self) -> None:
         if self.driver is not None:
             self.driver.close()
+
+
+class TurnSamples:
+    """The multi-turn rollouts of a SyncedRolloutEngine (its ``turns``): each row's episode
+    through ``driver`` (build_turn_driver's), a turn per request, within ``max_total_tokens`` (env.max_total_tokens,
+    prompt included); model tokens train, observation tokens do not."""
+
+    def __init__(self, driver: Any, max_total_tokens: int) -> None:
+        self.driver = driver
+        self.max_total_tokens = max_total_tokens
+
+    def __call__(
+        self,
+        backend: TokenBackend,
+        sampling: TokenSampling,
+        rows: list[tuple[int, Prompt]],
+        seeds: list[int],
+        version: int,
+    ) -> list[Sample]:
+        prompt_ids = [p.prompt_ids for _, p in rows]
+        budget = [self.max_total_tokens - len(p) for p in prompt_ids]
+        self.driver.begin([p for _, p in rows])
+        trajs = decode_turns_on(backend, prompt_ids, seeds, sampling, self.driver, budget)
+        return [
+            Sample(
+                prompt=p,
+                group_id=g,
+                response_ids=t.ids,
+                behaviour_logps=t.logps,
+                truncated=t.truncated or ep["truncated"],
+                policy_version=version,
+                loss_mask=t.mask,
+                episode=ep,
+            )
+            for (g, p), t, ep in zip(rows, trajs, self.driver.records(), strict=True)
+        ]
 
 
 def build_turn_driver(cfg: Any, tokenizer: Any) -> Any:

