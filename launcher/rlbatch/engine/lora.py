@@ -3,7 +3,9 @@
     attach_adapters(chunks, cfg.model, seed)     # before DDP: adapters in, every base weight frozen
     with adapters_disabled(chunks): ...          # the base model (the reference policy)
     merged_weight(linear)                        # this rank's shard of W + scale * B @ A
-    peft_name(layer_number, projection, "A")     # the adapter's Hugging Face PEFT tensor name
+    peft_name(layer_index, projection, "A")      # the adapter's Hugging Face PEFT tensor name
+    full_adapters(chunks)                        # {PEFT name: full tensor} (gathered over tp)
+    load_full_adapters(chunks, tensors)          # the inverse: full tensors into the tp shards
 
 Each adapted megatron linear holds a child module ``lora`` (:class:`LoraBranch`) with one
 (A, B) pair per Hugging Face projection it fuses, and a forward hook that adds the branch's
@@ -403,3 +405,62 @@ def merged_weight(linear: Any) -> torch.Tensor:
 def adapter_parameters(chunks: Sequence[Any]) -> list[torch.nn.Parameter]:
     """Every adapter factor of this rank (the trainable parameters of a LoRA run)."""
     return [p for _, _, linear in branches(chunks) for p in linear.lora.parameters()]
+
+
+def _tp_dim(site: Site, factor: str) -> Optional[int]:
+    """The dimension a factor is split along over tp (None: whole on every rank)."""
+    if site.column:
+        return 0 if factor == "B" else None
+    return 1 if factor == "A" else None
+
+
+def _value(param: torch.nn.Parameter, grads: bool) -> torch.Tensor:
+    if not grads:
+        return param.detach().clone()
+    grad = getattr(param, "main_grad", None)
+    grad = param.grad if grad is None else grad
+    return torch.zeros_like(param) if grad is None else grad.detach().to(param.dtype, copy=True)
+
+
+def full_adapters(chunks: Sequence[Any], grads: bool = False) -> dict[str, torch.Tensor]:
+    """{PEFT tensor name (:func:`peft_name`): full tensor} of this rank's layers, or their
+    gradients (``grads``: main_grad / grad). The tp shards are gathered (a collective over the
+    tensor-parallel group: every tp rank calls); each pipeline stage returns its own layers."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group() if size > 1 else None
+    out: dict[str, torch.Tensor] = {}
+    for number, site, linear in branches(chunks):
+        for p in linear.lora.lora_A:
+            for factor in ("A", "B"):
+                t = _value(getattr(linear.lora, f"lora_{factor}")[p], grads)
+                dim = _tp_dim(site, factor)
+                if dim is not None and size > 1:
+                    parts = [torch.empty_like(t) for _ in range(size)]
+                    dist.all_gather(parts, t.contiguous(), group=group)
+                    t = torch.cat(parts, dim=dim)
+                out[peft_name(number - 1, p, factor)] = t
+    return out
+
+
+def load_full_adapters(chunks: Sequence[Any], tensors: dict[str, torch.Tensor]) -> int:
+    """Copy full adapters ({PEFT name: tensor}, e.g. a PEFT adapter_model.safetensors) into
+    this rank's shards; returns the number of tensors copied. Every adapter of the model must
+    be in ``tensors``."""
+    from megatron.core import parallel_state as ps
+
+    rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    copied = 0
+    with torch.no_grad():
+        for number, site, linear in branches(chunks):
+            for p in linear.lora.lora_A:
+                for factor in ("A", "B"):
+                    param = getattr(linear.lora, f"lora_{factor}")[p]
+                    full = tensors[peft_name(number - 1, p, factor)]
+                    dim = _tp_dim(site, factor)
+                    shard = full if dim is None else full.chunk(size, dim=dim)[rank]
+                    param.copy_(shard.to(param.dtype))
+                    copied += 1
+    return copied
