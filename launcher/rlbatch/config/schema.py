@@ -48,6 +48,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
 )
 from rlbatch.config.env import EnvConfig
 from rlbatch.config.evaluation import EvalConfig, EvalDataConfig  # noqa: F401
+from rlbatch.config.lora import LoraConfig, LoraInit  # noqa: F401
 from rlbatch.config.objectives import ObjectiveConfig
 from rlbatch.config.rewards import CodeExecConfig, JudgeConfig, RewardModelConfig, ServedConfig
 from rlbatch.config.vllm import VllmConfig
@@ -123,6 +124,8 @@ class ModelConfig:
     merges.txt / tokenizer.model through transformers), else the byte tokenizer when there is
     no hf_path; a hf_path without a loadable tokenizer stops the run before launch. bytes: the
     built-in byte tokenizer, deliberately (docs/data_and_rewards.md, "Tokenizers")."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (rank 0 = off: every weight trains); docs/lora.md."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.evaluation_rules import check_eval
 from rlbatch.config.lengths import longest_sequence, longest_sequence_text
+from rlbatch.config.lora_rules import check_lora
 from rlbatch.config.objectives import objective_errors
 from rlbatch.config.schema import (
     BatchingMode,
@@ -552,6 +553,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(frozenset({"data"}), _check_data),
     Rule(frozenset({"model"}), _check_model_paths),
+    Rule(frozenset({"model", "rollout"}), check_lora),
     Rule(frozenset({"trainer"}), _check_resume),
     Rule(frozenset({"logging"}), _check_tracking),
     Rule(frozenset({"eval"}), check_eval),

@@ -257,6 +257,18 @@ def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
     return torch.zeros_like(param) if grad is None else grad.detach().to(param.dtype, copy=True)
 
 
+def _weight_of(chunk: Any, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's value for export: a LoRA-adapted linear's weight with its adapters merged
+    in (rlbatch.engine.lora.merged_weight), any other parameter as it is."""
+    from rlbatch.engine import lora
+
+    owner, _, leaf = name.rpartition(".")
+    module = chunk.get_submodule(owner) if owner else chunk
+    if leaf == "weight" and isinstance(getattr(module, "lora", None), lora.LoraBranch):
+        return lora.merged_weight(module)
+    return param.detach().clone()
+
+
 def iter_full_tensors(
     chunk: Any, cfg: ModelConfig, grads: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -267,7 +279,7 @@ def iter_full_tensors(
     params = dict(chunk.named_parameters())
     head_dim = head_dim_of(cfg)
     for name, kind, src in _targets(chunk, cfg):
-        p = _grad_of(params[name]) if grads else params[name].detach().clone()
+        p = _grad_of(params[name]) if grads else _weight_of(chunk, name, params[name])
         if kind == "rep":
             yield src, p.clone()
         elif kind in ("row", "qkv_w", "qkv_b"):

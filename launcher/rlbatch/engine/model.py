@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from rlbatch.config.schema import ModelConfig, RopeScaling, RunConfig
-from rlbatch.engine import adapter, lm_head
+from rlbatch.engine import adapter, lm_head, lora
 
 
 def have_transformer_engine() -> bool:
@@ -29,14 +29,16 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
-    """TE spec on GPU with transformer_engine, else megatron's local spec (RMSNorm) with
+def layer_spec(config: Any, vp_stage: Optional[int] = None, *, allow_te: bool = True) -> Any:
+    """TE spec on GPU with transformer_engine (and ``allow_te``: LoRA adapters hook megatron's
+    own parallel linears, so an adapted model takes the local spec), else megatron's local spec
+    (RMSNorm) with
     rlbatch.engine.attention's THD-capable core attention and the CPU layer's RMSNorm (which,
     unlike megatron's torch norm, supports sequence parallelism) for every norm, the final one
     included: a whole block spec for this (virtual) pipeline stage."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if have_transformer_engine():
+    if allow_te and have_transformer_engine():
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -122,7 +124,7 @@ def build_chunk(
 
     chunk = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, vp_stage),
+        transformer_layer_spec=layer_spec(config, vp_stage, allow_te=not lora.targeted(model.lora)),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
@@ -194,6 +196,8 @@ def build_model(
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
+    # before DDP: frozen base weights get no gradient buffer and no optimizer state
+    lora.attach_adapters(chunks, cfg.model, cfg.trainer.seed)
     if wrap_ddp:
         chunks = wrap_in_ddp(chunks, cfg)
     return chunks
@@ -240,3 +244,29 @@ def unwrap(chunk: Any) -> Any:
 def num_parameters(model: list[Any]) -> int:
     """Parameters on this rank (a tied embedding counted once per stage that holds it)."""
     return sum(p.numel() for chunk in model for p in chunk.parameters())
+
+
+def num_trainable_parameters(model: list[Any]) -> int:
+    """Parameters on this rank that train (all of them, or the LoRA adapters)."""
+    return sum(p.numel() for chunk in model for p in chunk.parameters() if p.requires_grad)
+
+
+def count_parameters(model: list[Any]) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole model: every tensor-parallel shard and
+    pipeline stage once (a tensor replicated over tp counted on tp rank 0, the last stage's copy
+    of a tied embedding not at all). Collective over the world: every rank calls."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    from rlbatch.distributed import all_gather_object
+
+    trainable = total = 0
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        for chunk in model:
+            for p in unwrap(chunk).parameters():
+                if getattr(p, "shared", False) or not param_is_not_tensor_parallel_duplicate(p):
+                    continue
+                total += p.numel()
+                trainable += p.numel() if p.requires_grad else 0
+    counts = all_gather_object((trainable, total))
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)

@@ -1,0 +1,50 @@
+"""Checks of ``model.lora`` before launch (torch-free): each with its key, value and fix."""
+
+from __future__ import annotations
+
+import math
+
+from rlbatch.config.errors import ConfigError
+from rlbatch.config.lora import ALL_LINEAR, PROJECTIONS
+from rlbatch.config.schema import RunConfig
+
+
+def check_lora(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Every error of ``model.lora`` (its values are checked even with rank 0, so a typo in a
+    recipe that turns adapters off later is still caught)."""
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        errors.append(
+            ConfigError(
+                "model.lora.rank", lora.rank, "must be >= 0 (0 = no adapters; 16-64 for RL)"
+            )
+        )
+    if lora.alpha is not None and not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        errors.append(
+            ConfigError(
+                "model.lora.alpha",
+                lora.alpha,
+                "must be a finite number > 0, or null (= model.lora.rank, scale 1)",
+            )
+        )
+    if not (math.isfinite(lora.dropout) and 0 <= lora.dropout < 1):
+        errors.append(ConfigError("model.lora.dropout", lora.dropout, "must be in [0, 1)"))
+    unknown = [m for m in lora.target_modules if m not in PROJECTIONS and m != ALL_LINEAR]
+    if unknown:
+        errors.append(
+            ConfigError(
+                "model.lora.target_modules",
+                list(lora.target_modules),
+                f"unknown module(s) {unknown}: use Hugging Face projection names"
+                f" ({', '.join(PROJECTIONS)}) or {ALL_LINEAR}",
+            )
+        )
+    elif lora.rank > 0 and not lora.target_modules:
+        errors.append(
+            ConfigError(
+                "model.lora.target_modules",
+                [],
+                f"is empty while model.lora.rank={lora.rank}: name the projections to adapt"
+                f" (e.g. [{ALL_LINEAR}]), or set model.lora.rank=0",
+            )
+        )
