@@ -205,9 +205,10 @@ def produce_samples(
     from rlbatch.grpo.lcm import LCMAggregator, Stages, plan_aggregation
     from rlbatch.grpo.rewards import build_reward_fn
     from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams, as_rollout_fn
-    from rlbatch.train.generation import make_logps_fn, make_reward_batch_fn
+    from rlbatch.train.generation import make_logps_fn, make_reward_batch_fn, reference_logps_fn
 
     cfg = world.cfg
+    ref_fn = reference_logps_fn(cfg, world.ref, world.model)
     use_lcm(cfg, args, aggregated)
     tok = world.tokenizer
     engine = MegatronRolloutEngine(
@@ -223,8 +224,8 @@ def produce_samples(
         ),
         ref_logps_fn=(
             None
-            if world.ref is None  # grpo.beta == 0: no reference pass
-            else clock.wrap("ref", make_logps_fn(world.ref, cfg), all_tokens)
+            if ref_fn is None  # grpo.beta == 0: no reference pass
+            else clock.wrap("ref", ref_fn, all_tokens)
         ),
     )
     g = cfg.grpo

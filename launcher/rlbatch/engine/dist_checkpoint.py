@@ -3,7 +3,9 @@
     save_sharded(directory, model, optimizer)    # collective: every rank of the world
     load_sharded(directory, model, optimizer)    # collective; any (tp, pp, vpp, dp) layout
 
-Every rank contributes its shards of the model chunks (``sharded_state_dict()``: tensors keyed
+A LoRA model whose frozen base was loaded from model.hf_path saves and loads its adapters
+only (rlbatch.engine.lora.saves_adapters_only); the caller loads the base first. Every rank
+contributes its shards of the model chunks (``sharded_state_dict()``: tensors keyed
 by their global name and offset, so a layer is the same tensor whatever pipeline stage or
 tensor-parallel rank holds it) and of the optimizer (Adam moments keyed by the parameter they
 belong to; the distributed optimizer's sharded parameter state included, in the
@@ -35,11 +37,16 @@ def is_sharded_model(model: list[Any]) -> bool:
 
 def sharded_state_dict(model: list[Any], optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
     """``{"model0": ..., "model1": ..., "optimizer": ...}`` of this rank."""
+    from rlbatch.engine import lora
     from rlbatch.engine.model import unwrap
 
+    adapters_only = lora.saves_adapters_only(model)
     state: dict[str, Any] = {}
     for i, chunk in enumerate(model):
-        state[f"model{i}"] = unwrap(chunk).sharded_state_dict()
+        chunk_state = unwrap(chunk).sharded_state_dict()
+        if adapters_only:  # LoRA: the frozen base is reloaded from model.hf_path
+            chunk_state = {k: v for k, v in chunk_state.items() if lora.is_adapter_key(k)}
+        state[f"model{i}"] = chunk_state
     if optimizer is not None:
         # the nested dict: chunks share module paths, megatron finds each parameter in it
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -80,10 +87,19 @@ def load_sharded(directory: str | Path, model: list[Any], optimizer: Any) -> Non
         _init_torch_adam_state(optimizer)
     state = sharded_state_dict(model, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(state, str(directory))
+    from rlbatch.engine import lora
     from rlbatch.engine.model import unwrap
 
+    adapters_only = lora.saves_adapters_only(model)
     for i, chunk in enumerate(model):
-        unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+        result = unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=not adapters_only)
+        if adapters_only:
+            missing = [k for k in result.missing_keys if lora.is_adapter_key(k)]
+            if missing or result.unexpected_keys:
+                raise ValueError(
+                    f"{directory}: the LoRA checkpoint does not match the model (adapters "
+                    f"missing: {missing[:4]}, unexpected: {result.unexpected_keys[:4]})"
+                )
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
 

@@ -151,15 +151,20 @@ class LeanDecoder:
 
     @staticmethod
     def _layer(layer: Any) -> _Layer:
+        """The layer's weights; a LoRA-adapted linear's with its enabled adapters merged in
+        (W + scale * B @ A, computed once per decoder), so decoding samples the trained policy
+        (or the base model inside rlbatch.engine.lora.adapters_disabled)."""
+        from rlbatch.engine.lora import active_weight
+
         attn, mlp = layer.self_attention, layer.mlp
         return _Layer(
             norm1=_norm_weight(attn.linear_qkv, layer.input_layernorm),
-            qkv_w=attn.linear_qkv.weight,
+            qkv_w=active_weight(attn.linear_qkv),
             qkv_b=attn.linear_qkv.bias,
-            proj_w=attn.linear_proj.weight,
+            proj_w=active_weight(attn.linear_proj),
             norm2=_norm_weight(mlp.linear_fc1, layer.pre_mlp_layernorm),
-            fc1_w=mlp.linear_fc1.weight,
-            fc2_w=mlp.linear_fc2.weight,
+            fc1_w=active_weight(mlp.linear_fc1),
+            fc2_w=active_weight(mlp.linear_fc2),
         )
 
     def _qkv(

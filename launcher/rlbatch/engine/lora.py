@@ -402,6 +402,16 @@ def merged_weight(linear: Any) -> torch.Tensor:
     return (weight.double() + branch.delta_weight()).to(weight.dtype)
 
 
+def active_weight(linear: Any) -> torch.Tensor:
+    """The weight a forward of ``linear`` effectively applies: its merged weight while its
+    adapters are enabled, the base weight itself otherwise (for code that reads weights instead
+    of calling the module, e.g. the KV-cached decoder)."""
+    branch: Optional[LoraBranch] = getattr(linear, "lora", None)
+    if branch is None or not branch.enabled:
+        return linear.weight
+    return merged_weight(linear)
+
+
 def adapter_parameters(chunks: Sequence[Any]) -> list[torch.nn.Parameter]:
     """Every adapter factor of this rank (the trainable parameters of a LoRA run)."""
     return [p for _, _, linear in branches(chunks) for p in linear.lora.parameters()]
@@ -464,3 +474,29 @@ def load_full_adapters(chunks: Sequence[Any], tensors: dict[str, torch.Tensor]) 
                     param.copy_(shard.to(param.dtype))
                     copied += 1
     return copied
+
+
+# --------------------------------------------------------------------------- checkpoints
+def is_adapter_key(name: str) -> bool:
+    """Whether a state-dict key names an adapter factor."""
+    return ".lora.lora_A." in name or ".lora.lora_B." in name
+
+
+def mark_base_loaded(chunks: Sequence[Any], source: str) -> None:
+    """Record that the frozen base weights of ``chunks`` came from ``source`` (model.hf_path):
+    checkpoints then hold the adapters only, and a resume rebuilds the base from there."""
+    from rlbatch.engine.model import unwrap
+
+    for chunk in chunks:
+        unwrap(chunk).lora_base_source = source
+
+
+def saves_adapters_only(chunks: Sequence[Any]) -> bool:
+    """A LoRA model whose base weights were loaded from a file: its checkpoint holds the
+    adapters only (a randomly initialised base is saved whole: nothing else could restore it
+    under another parallel layout)."""
+    from rlbatch.engine.model import unwrap
+
+    return has_adapters(chunks) and all(
+        getattr(unwrap(c), "lora_base_source", None) for c in chunks
+    )

@@ -249,3 +249,24 @@ def num_parameters(model: list[Any]) -> int:
 def num_trainable_parameters(model: list[Any]) -> int:
     """Parameters on this rank that train (all of them, or the LoRA adapters)."""
     return sum(p.numel() for chunk in model for p in chunk.parameters() if p.requires_grad)
+
+
+def count_parameters(model: list[Any]) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole model: every tensor-parallel shard and
+    pipeline stage once (a tensor replicated over tp counted on tp rank 0, the last stage's copy
+    of a tied embedding not at all). Collective over the world: every rank calls."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    from rlbatch.distributed import all_gather_object
+
+    trainable = total = 0
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        for chunk in model:
+            for p in unwrap(chunk).parameters():
+                if getattr(p, "shared", False) or not param_is_not_tensor_parallel_duplicate(p):
+                    continue
+                total += p.numel()
+                trainable += p.numel() if p.requires_grad else 0
+    counts = all_gather_object((trainable, total))
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)

@@ -30,8 +30,10 @@ class ModelSetup:
 def set_up_model(cfg: RunConfig, *, wrap_ddp: bool, load_weights: bool = True) -> ModelSetup:
     """Initialise torch.distributed + Megatron's parallel state, take the architecture of
     ``model.hf_path`` (a warning per preset field it replaces), build this rank's chunks and
-    load the HF weights (``load_weights``; random init without hf_path)."""
-    from rlbatch.engine import hf, parallel
+    load the HF weights (``load_weights``; random init without hf_path). A LoRA model loads its
+    frozen base from hf_path whatever ``load_weights`` says: its checkpoints hold only the
+    adapters."""
+    from rlbatch.engine import hf, lora, parallel
     from rlbatch.engine.model import build_model
 
     state = parallel.initialize(cfg)
@@ -41,6 +43,8 @@ def set_up_model(cfg: RunConfig, *, wrap_ddp: bool, load_weights: bool = True) -
             log.warning("from %s: %s", model_cfg.hf_path, note)
     resolved = replace(cfg, model=model_cfg)
     model = build_model(resolved, wrap_ddp=wrap_ddp)
-    if load_weights and model_cfg.hf_path:
+    if (load_weights or model_cfg.lora.rank > 0) and model_cfg.hf_path:
+        # LoRA: the frozen base always comes from hf_path (checkpoints hold the adapters)
         hf.load_hf_into(model, model_cfg.hf_path)
+        lora.mark_base_loaded(model, model_cfg.hf_path)
     return ModelSetup(cfg=resolved, model=model, state=state)

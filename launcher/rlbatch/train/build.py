@@ -7,6 +7,7 @@ GRPO train step per docs/interfaces.md.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -20,6 +21,8 @@ from rlbatch.train.generation import (
     weights_snapshot,
 )
 from rlbatch.train.loop import Components, train
+
+log = logging.getLogger("rlbatch.train")
 
 
 def overlaps_generation(cfg: RunConfig) -> bool:
@@ -111,9 +114,17 @@ def make_plan_writer(cfg: RunConfig) -> Callable[[int, list[int], Any], None]:
     return write
 
 
-def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler: Any, ps: Any):
+def make_train_step(
+    cfg: RunConfig,
+    model: list[Any],
+    optimizer: Any,
+    scheduler: Any,
+    ps: Any,
+    constants: dict[str, Any] | None = None,
+):
     """The loop's TrainStepFn: the round's first step prepares the round
-    (:func:`make_round_start`), then rlbatch.grpo.step.run_train_step."""
+    (:func:`make_round_start`), then rlbatch.grpo.step.run_train_step. ``constants``: fields
+    added to every step's metrics (trainable_params)."""
     from rlbatch import distributed
     from rlbatch.distributed import WorldDist
     from rlbatch.grpo.rewards import brought_kinds, run_component_names
@@ -139,8 +150,12 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
         assert cfg.run_dir is not None
         write_samples = make_sample_writer(cfg.run_dir, distributed.dp_gather_object, ps.rank)
 
+    guard = adapter_guard(cfg, model)
+
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
         prepared = round_start(batch.round_samples) if batch.new_round else {}
+        if guard is not None:
+            guard.before()
         metrics = run_train_step(
             cfg,
             model,
@@ -153,6 +168,8 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             inject_nan=inject_nan,
             plan_sink=None if write_plan is None else partial(write_plan, step),
         )
+        if guard is not None:
+            guard.after(metrics, step)
         if write_samples is not None:
             write_samples(step, batch.samples)
         episodes = episode_metrics(batch.samples, world) if cfg.env.path else {}
@@ -166,9 +183,24 @@ def make_train_step(cfg: RunConfig, model: list[Any], optimizer: Any, scheduler:
             **metrics,
             **prepared,
             "batch_seconds": batch.batch_seconds,
+            **(constants or {}),
         }
 
     return train_step
+
+
+def adapter_guard(cfg: RunConfig, model: list[Any]) -> Any:
+    """The check that the first optimizer steps move the LoRA adapters (None without LoRA)."""
+    if cfg.model.lora.rank <= 0:
+        return None
+    from rlbatch import distributed
+    from rlbatch.engine.lora import adapter_parameters
+    from rlbatch.train.adapter_guard import AdapterGuard
+
+    def any_rank(flag: bool) -> bool:
+        return any(distributed.all_gather_object(flag))
+
+    return AdapterGuard(adapter_parameters(model), any_rank)
 
 
 def _warn_env(warnings: list[str], rank: int, warned: set[str]) -> None:
@@ -215,7 +247,7 @@ def build_generation(
         return worker, worker  # its state_dict is the worker aggregator's
     from rlbatch.train.streaming import local_generation
 
-    aggregator = build_aggregator(cfg, tokenizer, ref, dp_rank)
+    aggregator = build_aggregator(cfg, tokenizer, ref, dp_rank, policy=model)
     return local_generation(cfg, model, tokenizer, prompts, aggregator, dp_rank)
 
 
@@ -223,7 +255,7 @@ def build_components(cfg: RunConfig) -> Components:
     """The loop's Components for a real run: engine, data, GRPO stages, producer."""
     from rlbatch.distributed import WorldDist
     from rlbatch.engine import hf
-    from rlbatch.engine.model import build_optimizer
+    from rlbatch.engine.model import build_optimizer, count_parameters
     from rlbatch.engine.setup import set_up_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
@@ -254,16 +286,33 @@ def build_components(cfg: RunConfig) -> Components:
         group_filter=build_group_filter(cfg, schedule, ps.dp_rank),
     )
     layout = ps.sizes()
+    trainable, total = count_parameters(model)
+    if ps.rank == 0:
+        log.info(
+            "trainable parameters: %s of %s (%.2f%%)%s",
+            f"{trainable:,}",
+            f"{total:,}",
+            100.0 * trainable / max(total, 1),
+            f", LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.rank > 0 else "",
+        )
     return Components(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         producer=producer,
-        train_step=make_train_step(cfg, model, optimizer, scheduler, ps),
+        train_step=make_train_step(
+            cfg, model, optimizer, scheduler, ps, {"trainable_params": trainable}
+        ),
         dist=WorldDist(),
         aggregator=aggregator,
         export_hf=lambda path: hf.export_hf(model, cfg.model, path),
-        meta={"parallel": layout, "rank_coords": _rank_coords(ps), "config": _config_of(cfg)},
+        meta={
+            "parallel": layout,
+            "rank_coords": _rank_coords(ps),
+            "config": _config_of(cfg),
+            "trainable_parameters": trainable,
+            "total_parameters": total,
+        },
         evaluate=_evaluate_fn(cfg, model, tokenizer, ps),
     )
 

@@ -252,8 +252,10 @@ def any_masked(samples: Sequence[Sample]) -> bool:
 
 
 def build_reference(cfg: RunConfig, policy: list[Any]) -> list[Any] | None:
-    """A frozen copy of the initial policy (grpo.beta > 0), rebuilt identically on resume."""
-    if cfg.grpo.beta <= 0:
+    """A frozen copy of the initial policy (grpo.beta > 0), rebuilt identically on resume.
+    None with LoRA adapters (model.lora.rank > 0): the reference is then the policy itself with
+    its adapters switched off (:func:`reference_logps_fn`), no second copy of the weights."""
+    if cfg.grpo.beta <= 0 or cfg.model.lora.rank > 0:
         return None
     from rlbatch.engine.model import build_model, unwrap
 
@@ -266,8 +268,38 @@ def build_reference(cfg: RunConfig, policy: list[Any]) -> list[Any] | None:
     return ref
 
 
-def build_aggregator(cfg: RunConfig, tokenizer: Any, ref: list[Any] | None, dp_rank: int):
-    """The LCM aggregator of this rank (rollout_fn is set per round by make_generate_fn)."""
+def reference_logps_fn(
+    cfg: RunConfig, ref: list[Any] | None, policy: list[Any] | None
+) -> Callable[[list[Sample]], list] | None:
+    """The reference pass (grpo.beta > 0; None otherwise): the frozen copy ``ref``, or with
+    LoRA the ``policy`` with its adapters disabled, which is the initial policy exactly (the
+    base weights never train and B starts at zero)."""
+    if cfg.grpo.beta <= 0:
+        return None
+    if ref is not None:
+        return make_logps_fn(ref, cfg)
+    if policy is None:
+        raise ValueError("grpo.beta > 0 with LoRA: the reference pass needs the policy model")
+    from rlbatch.engine.lora import adapters_disabled
+
+    policy_logps = make_logps_fn(policy, cfg)
+
+    def base_logps(samples: list[Sample]) -> list[list[float]]:
+        with adapters_disabled(policy):
+            return policy_logps(samples)
+
+    return base_logps
+
+
+def build_aggregator(
+    cfg: RunConfig,
+    tokenizer: Any,
+    ref: list[Any] | None,
+    dp_rank: int,
+    policy: list[Any] | None = None,
+):
+    """The LCM aggregator of this rank (rollout_fn is set per round by make_generate_fn);
+    ``policy``: the chunks whose adapters-off forward is the reference with LoRA."""
     from rlbatch.grpo.lcm import Stages, plan_aggregation
     from rlbatch.grpo.rewards import build_run_rewards
 
@@ -278,7 +310,7 @@ def build_aggregator(cfg: RunConfig, tokenizer: Any, ref: list[Any] | None, dp_r
         rollout_fn=no_rollout,
         reward_fn=make_reward_batch_fn(build_run_rewards(cfg), tokenizer),
         old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
-        ref_logps_fn=make_logps_fn(ref, cfg) if ref is not None else None,
+        ref_logps_fn=reference_logps_fn(cfg, ref, policy),
     )
     # scale_rewards=batch: the aggregator only centres; the round's first step divides by the
     # std of the whole generation batch over every DP rank (make_round_start)

@@ -254,7 +254,7 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
 
     tokenizer = build_tokenizer(local.model)
     prompts = load_prompts(local.data, tokenizer, local.trainer.seed)
-    aggregator = build_aggregator(local, tokenizer, ref, dp_rank)
+    aggregator = build_aggregator(local, tokenizer, ref, dp_rank, policy=model)
     # the trainer's sharding (its dp): this worker generates DP rank dp_rank's share
     generate, state = local_generation(cfg, model, tokenizer, prompts, aggregator, dp_rank)
     return generate, state, load

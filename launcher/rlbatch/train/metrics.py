@@ -67,6 +67,7 @@ SUMMARY_KEYS = (
     "env_errors",
     "episodes_truncated",
     "env_episodes",
+    "trainable_params",
 )
 """The summary's rows (a metric a run does not record, such as the episode metrics of a run
 without an environment, has no row)."""

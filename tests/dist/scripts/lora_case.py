@@ -10,7 +10,7 @@ model: a train pass (losses, adapter gradients), the same pass with the output p
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from engine_case import ROUND, infer_plan, make_cfg, plan_of, sequences
@@ -36,14 +36,20 @@ def _gathered(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def run_lora_case(
-    cfg: RunConfig, micro_batches: list[MicroBatch], adapters: dict[str, torch.Tensor]
+    cfg: RunConfig,
+    micro_batches: list[MicroBatch],
+    adapters: dict[str, torch.Tensor],
+    save_dir: Optional[str] = None,
 ) -> dict[str, Any]:
+    """The case on this layout; ``save_dir``: the distributed checkpoint after the step
+    (adapters and their Adam moments only: the base comes from model.hf_path)."""
     from rlbatch.engine import hf, lm_head, logprobs, lora, schedule
     from rlbatch.engine import model as engine_model
 
     seqs = sequences()
     chunks = engine_model.build_model(cfg)
     hf.load_hf_into(chunks, cfg.model.hf_path)
+    lora.mark_base_loaded(chunks, cfg.model.hf_path)
     lora.load_full_adapters(chunks, adapters)
     plan = plan_of([micro_batches], cfg.parallel.pp)
 
@@ -61,6 +67,10 @@ def run_lora_case(
     ok, grad_norm, _ = optimizer.step()
     result["grad_norm"] = float(grad_norm)
     result["after_step"] = _gathered(lora.full_adapters(chunks))
+    if save_dir is not None:
+        from rlbatch.engine.dist_checkpoint import save_sharded
+
+        save_sharded(save_dir, chunks, optimizer)
     result["logprobs"] = logprobs.compute_logprobs(chunks, seqs, infer_plan(cfg), round_to=ROUND)
     with lora.adapters_disabled(chunks):
         result["base_logprobs"] = logprobs.compute_logprobs(

@@ -3,7 +3,8 @@ pp 2, one after the other in the same 2-process world (megatron's parallel state
 for each).
 
 Usage: lora_worker.py HF_DIR ADAPTERS_FILE OUT_DIR
-Writes OUT_DIR/{layout}_rank{r}.pt.
+Writes OUT_DIR/{layout}_rank{r}.pt and each layout's checkpoint after its step,
+OUT_DIR/ckpt_{layout}.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def main() -> None:
     for name, layout in LAYOUTS.items():
         cfg = lora_cfg(hf_path=hf_dir, **layout)
         state = parallel.initialize(cfg)
-        result = run_lora_case(cfg, MICRO_BATCHES[:3], adapters)
+        save = out_dir / f"ckpt_{name}"
+        if state.rank == 0:
+            save.mkdir()
+        torch.distributed.barrier()
+        result = run_lora_case(cfg, MICRO_BATCHES[:3], adapters, save_dir=str(save))
         torch.save(result, out_dir / f"{name}_rank{state.rank}.pt")
     parallel.destroy()
 

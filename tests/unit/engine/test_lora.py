@@ -230,3 +230,54 @@ def test_dropout_only_in_training_passes(tiny_cfg):
     with lora.adapters_disabled(chunks):
         base = linear(x)[0]
     torch.testing.assert_close(base, x @ linear.weight.t())
+
+
+def _train_steps(cfg, chunks, optimizer, num_steps: int) -> None:
+    """Real next-token passes and optimizer steps (the adapters move)."""
+    g = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(0, cfg.model.vocab_size, (n,), generator=g).tolist() for n in (9, 6, 12)]
+    plan = make_plan([[padded_mb([0, 1], [9, 6]), padded_mb([2], [12])]])
+    for _ in range(num_steps):
+        optimizer.zero_grad()
+        for c in chunks:
+            c.zero_grad_buffer()
+        schedule.run_pass(
+            chunks, plan.ranks[0], plan,
+            lambda mb: schedule.make_inputs([seqs[i] for i in mb.samples], mb, round_to=4),
+            schedule.next_token_loss,
+        )  # fmt: skip
+        assert optimizer.step()[0]
+
+
+def test_rollout_engine_samples_the_adapted_policy(tiny_cfg):
+    """After LoRA steps the built-in engine's behaviour log-probs are the trainer's forward with
+    the adapters on (the policy it trains), not the base model's: the "rollouts keep sampling
+    the base model" bug cannot happen with rollout.backend=megatron."""
+    from rlbatch.grpo.rollout import MegatronRolloutEngine, SamplingParams
+    from rlbatch.grpo.types import Prompt
+    from rlbatch.train.generation import make_logps_fn
+
+    cfg = _lora_cfg(tiny_cfg)
+    cfg.trainer.optim.lr = 5e-2
+    chunks = engine_model.build_model(cfg)
+    optimizer, _ = engine_model.build_optimizer(cfg, chunks)
+    _train_steps(cfg, chunks, optimizer, 3)
+    assert all(torch.count_nonzero(b) > 0 for n, b in _named_adapters(chunks) if "lora_B" in n)
+
+    prompts = [Prompt(index=i, prompt_ids=(5 + i, 17, 33), answer="") for i in range(2)]
+    engine = MegatronRolloutEngine(chunks, SamplingParams(max_new_tokens=8, eos_id=-1))
+    samples = engine.generate(prompts, 2, 3, seed=4)
+    cfg.grpo.num_generations = 2
+    trainer = make_logps_fn(chunks, cfg)(samples)
+    with lora.adapters_disabled(chunks):
+        base = make_logps_fn(chunks, cfg)(samples)
+    gap = 0.0
+    for s, want, off in zip(samples, trainer, base, strict=True):
+        assert s.behaviour_logps == pytest.approx(want, abs=1e-5)
+        gap = max(gap, max(abs(a - b) for a, b in zip(want, off, strict=True)))
+    assert gap > 1e-2  # the adapters changed the policy the engine samples
+
+
+def _named_adapters(chunks):
+    model = engine_model.unwrap(chunks[0])
+    return [(n, p) for n, p in model.named_parameters() if lora.is_adapter_key(n)]
