@@ -35,7 +35,8 @@ def _train(bin_dir, env, run, *overrides):
         [
             str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"hydra.run.dir={run}",
             "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false",
-            "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3", *overrides,
+            "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3",
+            "grpo.global_batch_size=32", "grpo.beta=0", "trainer.optim.lr=0.03", *overrides,
         ],
         run.parent, env,
     )  # fmt: skip
@@ -78,8 +79,8 @@ def _peft_matches_merged(out: Path, base_dir: Path) -> tuple[torch.Tensor, torch
 
 
 def test_peft_loads_the_exported_adapters_of_a_tp2_lora_run(tmp_path, bin_dir, subprocess_env):
-    """A rank-4 LoRA run (alpha 8, q/v inside the fused QKV, up inside the fused gate/up,
-    down_proj) at tp 2 from a transformers-made Qwen2 checkpoint: rlbatch-export writes the
+    """One step of a rank-4 LoRA run (alpha 8; q/v inside the fused QKV, up inside the fused
+    gate/up, down_proj) at tp 2 from a transformers-made Qwen2 checkpoint: rlbatch-export writes the
     merged model (config.json free of adapter keys) and adapter/ with PEFT's names and config;
     PeftModel.from_pretrained(the source checkpoint, adapter/) gives the merged model's logits,
     and those differ from the source's (the adapters trained)."""
@@ -89,11 +90,11 @@ def test_peft_loads_the_exported_adapters_of_a_tp2_lora_run(tmp_path, bin_dir, s
     targets = ["q_proj", "v_proj", "up_proj", "down_proj"]
     _train(
         bin_dir, subprocess_env, run, f"model.hf_path={src}", "model.tokenizer=bytes",
-        "parallel.tp=2", "trainer.max_steps=2", "trainer.optim.lr=0.03", "grpo.beta=0",
-        "model.lora.rank=4", "model.lora.alpha=8", "model.lora.dropout=0.05",
+        "parallel.tp=2", "trainer.max_steps=1", "model.lora.rank=4", "model.lora.alpha=8",
+        "model.lora.dropout=0.05",
         f"model.lora.target_modules=[{','.join(targets)}]",
     )  # fmt: skip
-    _export(bin_dir, subprocess_env, run, out, step=2)
+    _export(bin_dir, subprocess_env, run, out, step=1)
 
     config = json.loads((out / "config.json").read_text())
     assert not [k for k in config if "lora" in k.lower() or "adapter" in k.lower()]
@@ -134,13 +135,12 @@ def test_vllm_samples_the_adapted_policy(tmp_path, bin_dir, subprocess_env):
     export of a run without a source model also writes base/, on which PEFT loads adapter/."""
     pytest.importorskip("vllm")
     run, out = tmp_path / "run", tmp_path / "out"
-    steps = 3
+    steps = 2
     _train(
         bin_dir, subprocess_env, run, "rollout.backend=vllm", "model.num_attention_heads=2",
         "model.num_query_groups=2", "rollout.vllm.kv_cache_space_gb=0.25",
-        f"trainer.max_steps={steps}", "trainer.optim.lr=0.03", "grpo.beta=0",
-        "rollout.temperature=0.7", "grpo.epsilon_low=0.01", "grpo.epsilon_high=0.01",
-        "model.lora.rank=8",
+        f"trainer.max_steps={steps}", "rollout.temperature=0.7", "grpo.epsilon_low=0.01",
+        "grpo.epsilon_high=0.01", "model.lora.rank=8",
     )  # fmt: skip
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
