@@ -156,4 +156,4 @@ def test_vllm_samples_the_adapted_policy(tmp_path, bin_dir, subprocess_env):
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     base_logits, merged = _peft_matches_merged(out, out / "base")
-    assert _kl(base_logits / 0.7, merged / 0.7) > 1e-3  # 1000x the mismatch bound above
+    assert _kl(base_logits / 0.7, merged / 0.7) > 5e-4  # 500x the mismatch bound above
