@@ -3,6 +3,8 @@ output projection in chunks (model.logits_chunk_tokens) and without (full logits
 
     rlbatch-bench memory [--tokens 4096,16384] [--prompt 1024] [--chunks 0,1024]
                          [--passes train,logprobs] [--rounds 1] [--json] [--quick]
+    rlbatch-bench memory --lora 0,16 [--layers 2] [--quick]   # a whole step, LoRA vs full
+                                                               # (rlbatch.bench.memory_lora)
 
 Model: Qwen2.5-0.5B's width (vocabulary 151,936, hidden 896, 14 heads in 2 groups, SwiGLU
 4864, tied embeddings) with 2 layers, random weights, fp32 on CPU (the params' dtype on GPU:
@@ -279,6 +281,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed passes per measurement")
     p.add_argument("--json", action="store_true", help="print one JSON document only")
     p.add_argument("--quick", action="store_true", help="512-token micro-batches, 128 prompt")
+    p.add_argument(
+        "--lora",
+        default=None,
+        help="LoRA ranks (comma list, 0 = full fine-tuning): measure a whole GRPO step instead",
+    )
+    p.add_argument("--layers", type=int, default=2, help="layers of the model (--lora)")
     p.add_argument("--child", nargs=3, metavar=("PASS", "TOKENS", "CHUNK"), help=argparse.SUPPRESS)
     args = p.parse_args(list(argv))
     if args.quick:
@@ -295,6 +303,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] = ()) -> int:
     args = parse(argv)
+    if args.lora is not None:
+        from rlbatch.bench import memory_lora
+
+        ranks = [int(r) for r in str(args.lora).split(",") if r]
+        return memory_lora.run(ranks, args.layers, args.tokens[0], args.prompt, args.json)
     if args.child:
         pass_name, tokens, chunk = args.child[0], int(args.child[1]), int(args.child[2])
         print(json.dumps(measure(pass_name, tokens, args.prompt, chunk, args.repeats)))
