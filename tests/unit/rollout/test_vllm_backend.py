@@ -151,3 +151,24 @@ def test_eos_ends_a_row_and_is_kept(setup):
     (ended,) = SyncedRolloutEngine(engine.backend, sampling).generate(prompts, 1, 5, seed=8)
     assert ended.response_ids == free.response_ids[: stop_at + 1]
     assert ended.response_ids[-1] == eos and not ended.truncated
+
+
+def test_lora_adapters_reach_the_engine_merged(setup):
+    """LoRA (last in the module: it adapts the shared policy chunk): adapters of rank 8 on every
+    projection, trained a few steps (Adam over the chunk's parameters: only the adapters
+    train), reach vLLM as merged weights with the next policy version; its behaviour logprobs
+    equal the adapted policy's own forward, and are far from the base model's (the adapters
+    switched off), so rollouts cannot keep sampling the base model unnoticed."""
+    from dataclasses import replace
+
+    from rlbatch.engine import lora
+
+    cfg, chunk, engine = setup
+    model_cfg = replace(cfg.model, lora=replace(cfg.model.lora, rank=8))
+    assert lora.attach_adapters([chunk], model_cfg, seed=3) > 0
+    train_steps(chunk, 3)
+    prompts = prompts_of(2, seed=6)
+    adapted = engine.generate(prompts, 2, policy_version=7, seed=12)
+    assert max_logp_error(chunk, adapted) < ATOL
+    with lora.adapters_disabled([chunk]):
+        assert max_logp_error(chunk, adapted) > 100 * ATOL
