@@ -47,7 +47,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 __all__ = [
     "ARCH_FIELDS", "HF_CONFIG", "INDEX", "SINGLE", "HFWeights", "config_from_hf", "export_hf",
-    "gather_full", "hf_config_dict", "load_hf_into", "read_hf_config", "resolve_model_config",
+    "gather_full", "gather_to_root", "hf_config_dict", "load_hf_into", "read_hf_config",
+    "resolve_model_config",
 ]  # fmt: skip
 
 
@@ -259,12 +260,14 @@ def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
 
 def _weight_of(chunk: Any, name: str, param: torch.nn.Parameter) -> torch.Tensor:
     """A parameter's value for export: a LoRA-adapted linear's weight with its adapters merged
-    in (rlbatch.engine.lora.merged_weight), any other parameter as it is."""
+    in (rlbatch.engine.lora.merged_weight; the base weight while they are disabled), any other
+    parameter as it is."""
     from rlbatch.engine import lora
 
     owner, _, leaf = name.rpartition(".")
     module = chunk.get_submodule(owner) if owner else chunk
-    if leaf == "weight" and isinstance(getattr(module, "lora", None), lora.LoraBranch):
+    branch = getattr(module, "lora", None)
+    if leaf == "weight" and isinstance(branch, lora.LoraBranch) and branch.enabled:
         return lora.merged_weight(module)
     return param.detach().clone()
 
@@ -323,13 +326,20 @@ def full_model_config(model: Any, model_cfg: ModelConfig) -> ModelConfig:
 def gather_full(model: Any, model_cfg: ModelConfig, grads: bool = False) -> dict[str, torch.Tensor]:
     """Every HF-named full tensor (or its gradient: main_grad / grad) of the model on global
     rank 0 ({} elsewhere). Every rank calls (collectives over tp and the world)."""
-    from megatron.core import parallel_state as ps
-
     chunks = _chunks(model)
     cfg = full_model_config(chunks, model_cfg)
     mine: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         mine.update(_full_tensors(chunk, cfg, grads))
+    return gather_to_root(mine)
+
+
+def gather_to_root(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Named tensors that every model-parallel rank holds for its own part of the model (full
+    over tp: ``mine`` of a tp group's ranks are equal) merged on global rank 0 ({} elsewhere):
+    the first tp / dp copy of each pipeline stage sends its share. Every rank calls."""
+    from megatron.core import parallel_state as ps
+
     first_copy = not ps.model_parallel_is_initialized() or (
         ps.get_data_parallel_rank(with_context_parallel=True) == 0
         and ps.get_tensor_model_parallel_rank() == 0
