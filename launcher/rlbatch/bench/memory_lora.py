@@ -28,36 +28,36 @@ def measure_step(rank: int, layers: int, tokens: int, prompt: int) -> dict[str, 
 
     import torch
 
-    from rlbatch.bench import memory
+    from rlbatch.bench import memory_probe
     from rlbatch.config.schema import Dtype, RunConfig
     from rlbatch.engine import parallel
     from rlbatch.engine.model import build_model, build_optimizer, num_trainable_parameters
     from rlbatch.grpo.stages import build_reference, reference_logps_fn
 
     cfg = RunConfig()
-    cfg.model = replace(cfg.model, **{**memory.MODEL, "num_layers": layers})  # type: ignore[arg-type]
+    cfg.model = replace(cfg.model, **{**memory_probe.MODEL, "num_layers": layers})  # type: ignore[arg-type]
     cfg.model.lora = replace(cfg.model.lora, rank=rank)
-    if memory._cuda():
+    if memory_probe.cuda():
         cfg.model = replace(cfg.model, params_dtype=Dtype.bf16)
     cfg.grpo.beta = 0.04
     cfg.grpo.num_generations = 1
     parallel.initialize(cfg)
     parallel.seed(0)
-    cuda = memory._cuda()
-    start = memory._rss_gb()
+    cuda = memory_probe.cuda()
+    start = memory_probe.rss_gb()
     cuda_start = torch.cuda.memory_allocated() if cuda else 0
-    memory._reset_hwm()
+    memory_probe.reset_hwm()
     model = build_model(cfg)
     optimizer, _ = build_optimizer(cfg, model)
     ref = build_reference(cfg, model)
     ref_fn = reference_logps_fn(cfg, ref, model)
     assert ref_fn is not None
-    mb, seqs = memory._micro_batch(tokens, prompt, cfg.model.vocab_size)
+    mb, seqs = memory_probe.micro_batch(tokens, prompt, cfg.model.vocab_size)
     begin = time.perf_counter()
     ref_pass = ref if ref is not None else model
     with _maybe_adapters_off(ref is None, model):
-        memory._logprob_pass(ref_pass, mb, seqs, prompt, True)
-    memory._train_pass(model, mb, seqs, prompt, True)
+        memory_probe.logprob_pass(ref_pass, mb, seqs, prompt, True)
+    memory_probe.train_pass(model, mb, seqs, prompt, True)
     optimizer.step()
     row: dict[str, Any] = {
         "lora_rank": rank,
@@ -65,8 +65,8 @@ def measure_step(rank: int, layers: int, tokens: int, prompt: int) -> dict[str, 
         "tokens": tokens,
         "trainable": num_trainable_parameters(model),
         "reference_copy": ref is not None,
-        "state_gb": memory._rss_gb() - start,
-        "peak_gb": memory._hwm_gb() - start,
+        "state_gb": memory_probe.rss_gb() - start,
+        "peak_gb": memory_probe.hwm_gb() - start,
         "step_seconds": time.perf_counter() - begin,
     }
     if cuda:

@@ -245,3 +245,10 @@ def lr_scheduler(optimizer: Any, optim: OptimConfig, max_steps: int) -> Any:
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )
+
+
+def unwrap(chunk: Any) -> Any:
+    """The GPTModel inside a DDP (or other) wrapper."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

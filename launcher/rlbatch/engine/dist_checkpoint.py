@@ -38,7 +38,7 @@ def is_sharded_model(model: list[Any]) -> bool:
 def sharded_state_dict(model: list[Any], optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
     """``{"model0": ..., "model1": ..., "optimizer": ...}`` of this rank."""
     from rlbatch.engine import lora
-    from rlbatch.engine.model import unwrap
+    from rlbatch.engine.adapter import unwrap
 
     adapters_only = lora.saves_adapters_only(model)
     state: dict[str, Any] = {}
@@ -88,7 +88,7 @@ def load_sharded(directory: str | Path, model: list[Any], optimizer: Any) -> Non
     state = sharded_state_dict(model, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(state, str(directory))
     from rlbatch.engine import lora
-    from rlbatch.engine.model import unwrap
+    from rlbatch.engine.adapter import unwrap
 
     adapters_only = lora.saves_adapters_only(model)
     for i, chunk in enumerate(model):

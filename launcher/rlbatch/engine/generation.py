@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from rlbatch import distributed
 from rlbatch.engine import lm_head
-from rlbatch.engine.model import unwrap
+from rlbatch.engine.adapter import unwrap
 
 
 @contextmanager

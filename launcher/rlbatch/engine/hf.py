@@ -126,7 +126,7 @@ def split_qkv(fused: torch.Tensor, heads: int, groups: int, head_dim: int):
 
 # ------------------------------------------------------------------------ name mapping
 def _chunks(model: Any) -> list[Any]:
-    from rlbatch.engine.model import unwrap
+    from rlbatch.engine.adapter import unwrap
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return [unwrap(c) for c in chunks]

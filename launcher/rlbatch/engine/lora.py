@@ -362,7 +362,7 @@ def _attach(
 
 def branches(chunks: Sequence[Any]) -> Iterator[tuple[int, Site, Any]]:
     """(megatron layer_number (1-based, global), site, linear) of every adapted linear."""
-    from rlbatch.engine.model import unwrap
+    from rlbatch.engine.adapter import unwrap
 
     for chunk in chunks:
         for layer in unwrap(chunk).decoder.layers:
@@ -485,7 +485,7 @@ def is_adapter_key(name: str) -> bool:
 def mark_base_loaded(chunks: Sequence[Any], source: str) -> None:
     """Record that the frozen base weights of ``chunks`` came from ``source`` (model.hf_path):
     checkpoints then hold the adapters only, and a resume rebuilds the base from there."""
-    from rlbatch.engine.model import unwrap
+    from rlbatch.engine.adapter import unwrap
 
     for chunk in chunks:
         unwrap(chunk).lora_base_source = source
@@ -495,7 +495,7 @@ def saves_adapters_only(chunks: Sequence[Any]) -> bool:
     """A LoRA model whose base weights were loaded from a file: its checkpoint holds the
     adapters only (a randomly initialised base is saved whole: nothing else could restore it
     under another parallel layout)."""
-    from rlbatch.engine.model import unwrap
+    from rlbatch.engine.adapter import unwrap
 
     return has_adapters(chunks) and all(
         getattr(unwrap(c), "lora_base_source", None) for c in chunks

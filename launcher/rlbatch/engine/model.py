@@ -234,13 +234,6 @@ def build_optimizer(cfg: RunConfig, model: list[Any]) -> tuple[Any, Any]:
     return optimizer, scheduler
 
 
-def unwrap(chunk: Any) -> Any:
-    """The GPTModel inside a DDP (or other) wrapper."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def num_parameters(model: list[Any]) -> int:
     """Parameters on this rank (a tied embedding counted once per stage that holds it)."""
     return sum(p.numel() for chunk in model for p in chunk.parameters())
@@ -263,7 +256,7 @@ def count_parameters(model: list[Any]) -> tuple[int, int]:
     trainable = total = 0
     if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         for chunk in model:
-            for p in unwrap(chunk).parameters():
+            for p in adapter.unwrap(chunk).parameters():
                 if getattr(p, "shared", False) or not param_is_not_tensor_parallel_duplicate(p):
                     continue
                 total += p.numel()

@@ -128,7 +128,8 @@ def build_reference(cfg: RunConfig, policy: list[Any]) -> list[Any] | None:
     its adapters switched off (:func:`reference_logps_fn`), no second copy of the weights."""
     if cfg.grpo.beta <= 0 or cfg.model.lora.rank > 0:
         return None
-    from rlbatch.engine.model import build_model, unwrap
+    from rlbatch.engine.adapter import unwrap
+    from rlbatch.engine.model import build_model
 
     ref = build_model(cfg, wrap_ddp=False)
     for dst, src in zip(ref, policy, strict=True):

@@ -116,7 +116,7 @@ def weights_snapshot(model: list[Any]) -> list[dict[str, Any]]:
     taken by the training thread between two optimizer steps)."""
     import torch
 
-    from rlbatch.engine.model import unwrap
+    from rlbatch.engine.adapter import unwrap
 
     return [
         {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in sd.items()}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlbatch.engine.model import unwrap
+from rlbatch.engine.adapter import unwrap
 
 
 def check_available() -> None:

@@ -16,6 +16,7 @@ from engine_helpers import make_plan, megatron_world, padded_mb, tiny_cfg  # noq
 from rlbatch.config.schema import ModelConfig
 from rlbatch.engine import hf, lora, schedule
 from rlbatch.engine import model as engine_model
+from rlbatch.engine.adapter import unwrap
 
 RANK, ALPHA = 4, 8.0
 SCALE = ALPHA / RANK
@@ -170,7 +171,7 @@ def test_only_adapters_train(tiny_cfg):
     cfg = _lora_cfg(tiny_cfg)
     chunks = engine_model.build_model(cfg)
     optimizer, _ = engine_model.build_optimizer(cfg, chunks)
-    model = engine_model.unwrap(chunks[0])
+    model = unwrap(chunks[0])
     adapters = {id(p) for p in lora.adapter_parameters(chunks)}
     trainable = engine_model.num_trainable_parameters(chunks)
     # 2 layers x (qkv: 3 A [4, 64] + B [64|32|32, 4]; o: A [4, 64] + B [64, 4];
@@ -279,5 +280,5 @@ def test_rollout_engine_samples_the_adapted_policy(tiny_cfg):
 
 
 def _named_adapters(chunks):
-    model = engine_model.unwrap(chunks[0])
+    model = unwrap(chunks[0])
     return [(n, p) for n, p in model.named_parameters() if lora.is_adapter_key(n)]

@@ -78,7 +78,7 @@ def reference_grad_norm(model, samples, cfg) -> tuple[float, float, list[float]]
     """token-mean decoupled objective written directly on the unwrapped GPTModel, float64
     math: logprobs of logits / rollout.temperature, the surrogate clipped around old, times the
     truncated weight pi_old / pi_behaviour. Returns (grad norm, loss, raw weights)."""
-    from rlbatch.engine.model import unwrap
+    from rlbatch.engine.adapter import unwrap
 
     gpt, terms, weights = unwrap(model[0]), [], []
     lo, hi = 1 - cfg.grpo.epsilon_low, 1 + cfg.grpo.epsilon_high
@@ -160,7 +160,7 @@ def test_nan_loss_skips_the_update_and_names_the_micro_batch(world):
 
 def policy_logps(model, samples, temperature) -> list[list[float]]:
     """float64 logps of each response token under the model as it is now (pi_old)."""
-    from rlbatch.engine.model import unwrap
+    from rlbatch.engine.adapter import unwrap
 
     gpt, out = unwrap(model[0]), []
     with torch.no_grad():
