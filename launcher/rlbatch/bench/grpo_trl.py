@@ -122,9 +122,11 @@ def rlbatch_world(path: Path, gens: int, max_new: int, prompts: list[list[int]])
     cfg.grpo.beta = 0.04
     cfg.rollout.max_new_tokens = max_new
     cfg.data.max_prompt_len = max(400, *(len(p) for p in prompts))
-    longest = cfg.data.max_prompt_len + max_new
-    cfg.batching.train.max_tokens = max(2048, longest)
-    cfg.batching.infer.max_tokens = max(4096, longest)
+    # the token budgets a user gets (batching.train / batching.infer defaults), raised only
+    # where the workload's longest sequence would not fit them
+    longest = max(len(p) for p in prompts) + max_new
+    cfg.batching.train.max_tokens = max(cfg.batching.train.max_tokens, longest)
+    cfg.batching.infer.max_tokens = max(cfg.batching.infer.max_tokens, longest)
     cfg.logging.progress = False
     world = build_world(cfg)
     hf.load_hf_into(world.model, str(path))

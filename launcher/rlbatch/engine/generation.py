@@ -230,9 +230,10 @@ class LeanDecoder:
             slots = torch.arange(len(tokens), device=self.device)
         pos = self.lens[slots]
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [S, 1, 1, hn]
-        parts = attention_parts((pos + 1).tolist())
+        lens = (pos + 1).tolist()
+        parts = attention_parts(lens)
         width = max(w for _, _, w in parts)
-        mask = (torch.arange(width, device=self.device)[None] <= pos[:, None])[:, None, None]
+        masks = self._decode_masks(pos, lens, parts, width)
         x = self.embed[tokens.to(self.device)]  # [S, H]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)
@@ -245,16 +246,29 @@ class LeanDecoder:
                     q[a:b, :, None],  # [s, nh, 1, hn]
                     keys[a:b, :, :w],
                     values[a:b, :, :w],
-                    attn_mask=mask[a:b, ..., :w],
+                    attn_mask=part_mask,
                     enable_gqa=True,
                 )
-                for a, b, w in parts
+                for (a, b, w), part_mask in zip(parts, masks, strict=True)
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = x + F.linear(out.reshape(len(tokens), -1), layer.proj_w)
             x = self._mlp(x, layer)
         self.lens[slots] = pos + 1
         return self._logits(x)
+
+    def _decode_masks(
+        self, pos: torch.Tensor, lens: list[int], parts: list[tuple[int, int, int]], width: int
+    ) -> list[Optional[torch.Tensor]]:
+        """Per attention part, the additive mask [s, 1, 1, w] (0 where a slot's cache holds a
+        position, -inf past its length: what SDPA makes of a boolean mask at every call, made
+        once for all layers), or None where every slot of the part fills the width."""
+        if all(n == w for a, b, w in parts for n in lens[a:b]):
+            return [None] * len(parts)
+        past = torch.arange(width, device=self.device)[None] > pos[:, None]  # [S, width]
+        mask = torch.zeros(past.shape, dtype=self.embed.dtype, device=self.device)
+        mask = mask.masked_fill_(past, float("-inf"))[:, None, None]
+        return [None if all(n == w for n in lens[a:b]) else mask[a:b, ..., :w] for a, b, w in parts]
 
     def extend(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append several tokens to each of ``slots`` on top of its cache (a row that comes back

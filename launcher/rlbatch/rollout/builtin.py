@@ -35,6 +35,7 @@ from rlbatch.rollout.sampling import (  # noqa: F401  (re-exported: the rollout'
     length_caps,
     row_keys,
     sample_tokens,
+    uniform_table,
 )
 
 
@@ -135,12 +136,14 @@ def decode_continuous(
     queue = deque(sorted(range(len(prompt_ids)), key=lambda r: -len(prompt_ids[r])))
     keys = keys.to(decoder.device)
     out = _Outputs(params, keys, decoder.device)
+    uniform = uniform_table(keys, params.max_new_tokens)  # [rows, max_new]: the keyed draws
     first = [queue.popleft() for _ in range(num_slots)]
     rows = torch.tensor(first, device=decoder.device)  # [S] row held by each slot
     logits = decoder.prefill(range(num_slots), [prompt_ids[r] for r in first])
     calls.append(num_slots)
     while len(rows):
-        tok, lp = sample_tokens(logits, params, keys[rows], out.count[rows])
+        steps = out.count[rows]
+        tok, lp = sample_tokens(logits, params, keys[rows], steps, uniform[rows, steps])
         finished = out.add(rows, tok, lp, params)
         if stats is not None:
             stats.add(len(rows), num_slots)
@@ -289,10 +292,14 @@ class MegatronRolloutEngine:
                 and self.kv_cache
                 and generation.lean_decoding_supported(self.chunks)
             ):
-                decoder = generation.LeanDecoder(self.chunks[0], size, max_len)
-                out = decode_continuous(
-                    decoder, prompt_ids, self.params, keys, size, self.calls, self.decode_stats
-                )
+                # the lean decoder reads the weights and keeps its own tensors (nothing of it
+                # reaches autograd or megatron's modules): inference mode skips autograd's
+                # per-op bookkeeping on its ~100 small ops per token
+                with torch.inference_mode():
+                    decoder = generation.LeanDecoder(self.chunks[0], size, max_len)
+                    out = decode_continuous(
+                        decoder, prompt_ids, self.params, keys, size, self.calls, self.decode_stats
+                    )
             else:
                 out = Decoded([], [], [])
                 for start in range(0, len(rows), size):

@@ -125,6 +125,19 @@ def keyed_uniform(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return (high * 2.0**26 + low).double() / 2.0**53
 
 
+def uniform_table(keys: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """[R, num_steps] float64: ``keyed_uniform`` of every row at token indices 0..num_steps-1,
+    computed at once (the same values, elementwise), so a decoding loop draws its step's
+    uniforms with one gather instead of a few dozen small hash ops per token."""
+    steps = torch.arange(num_steps, dtype=torch.long, device=keys.device)
+    out = torch.empty(len(keys), num_steps, dtype=torch.float64, device=keys.device)
+    per_chunk = max(1, (1 << 20) // max(1, num_steps))  # bounds the hash's int64 temporaries
+    for start in range(0, len(keys), per_chunk):
+        rows = keys[start : start + per_chunk, None].expand(-1, num_steps)
+        out[start : start + per_chunk] = keyed_uniform(rows, steps.expand_as(rows))
+    return out
+
+
 _LENGTH_TAG = 0x1E57A11
 
 
@@ -149,7 +162,11 @@ def length_caps(keys: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, steps: torch.Tensor
+    logits: torch.Tensor,
+    params: SamplingParams,
+    keys: torch.Tensor,
+    steps: torch.Tensor,
+    uniform: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of logits [n, V]: (tokens [n], behaviour logprobs [n]).
 
@@ -159,14 +176,19 @@ def sample_tokens(
     exp(x - max) in float64, so u is scaled by its total rather than every entry divided;
     filtered-out entries add 0 and are never chosen. The logprob is the tempered
     full-vocabulary one of the chosen token: logit / T - logsumexp(logits / T).
+    ``uniform``: the rows' keyed uniforms [n] when already drawn (:func:`uniform_table`).
     """
-    scaled = logits.float() / params.temperature
+    scaled = logits.float()
+    if params.temperature != 1.0:  # x / 1.0 == x: no pass over [n, V] for nothing
+        scaled = scaled / params.temperature
     filtered = filter_logits(scaled, params.top_k, params.top_p)
     top = scaled.amax(dim=-1, keepdim=True)  # the filters always keep the row's maximum
     weights = torch.exp(filtered - top)  # [n, V]: 0 where filtered out, 1 at the maximum
     cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)  # [n, V], nondecreasing
     total = cdf[:, -1:]
-    target = keyed_uniform(keys, steps)[:, None].to(cdf.device) * total
+    if uniform is None:
+        uniform = keyed_uniform(keys, steps)
+    target = uniform[:, None].to(cdf.device) * total
     # u * total < total unless it rounds up: keep the target inside the last kept token's step
     target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, target, right=True)[:, 0]  # first index with cdf > target

@@ -175,7 +175,7 @@ def test_sampler_draws_from_the_tempered_filtered_softmax():
 def test_sampler_is_the_inverse_cdf_of_each_rows_keyed_uniform():
     """Each row's token is the first index where a float64 running sum of its tempered,
     filtered softmax exceeds the row's keyed uniform, whatever other rows share the batch."""
-    from rlbatch.rollout.sampling import keyed_uniform
+    from rlbatch.rollout.sampling import keyed_uniform, uniform_table
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(32, 50, generator=gen) * 2
@@ -206,3 +206,9 @@ def test_sampler_is_the_inverse_cdf_of_each_rows_keyed_uniform():
         perm = torch.randperm(32, generator=gen)[:9]
         alone, _ = sample_tokens(logits[perm], params, keys[perm], steps[perm])
         assert torch.equal(alone, tokens[perm])
+        # the decoding loop's precomputed draws: the same uniforms, so the same tokens
+        table = uniform_table(keys, 5)
+        assert table.shape == (32, 5)
+        drawn = table[torch.arange(32), steps]
+        assert torch.equal(drawn, u)
+        assert torch.equal(sample_tokens(logits, params, keys, steps, drawn)[0], tokens)
