@@ -122,7 +122,7 @@ def keyed_uniform(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     state = _mix(keys ^ _mix(steps.to(keys.device) & _M32))  # [n]
     high = _mix(state ^ _HIGH_TAG) >> 5  # 27 bits
     low = _mix(state ^ _LOW_TAG) >> 6  # 26 bits
-    return (high * 2.0**26 + low).double() / 2.0**53
+    return ((high << 26) | low).double() / 2.0**53  # int64 -> float64: all 53 bits exact
 
 
 def uniform_table(keys: torch.Tensor, num_steps: int) -> torch.Tensor:

@@ -172,6 +172,21 @@ def test_sampler_draws_from_the_tempered_filtered_softmax():
     assert torch.allclose(logps.double(), full[tokens], atol=1e-5)
 
 
+def test_keyed_uniforms_carry_53_random_bits():
+    """Each uniform is an integer of 53 bits over 2**53: none falls on a coarser grid (a float32
+    product would keep 24 bits and repeat values), and 200k draws do not repeat."""
+    from rlbatch.rollout.sampling import keyed_uniform
+
+    keys = torch.arange(2000, dtype=torch.long).repeat_interleave(100)
+    steps = torch.arange(100, dtype=torch.long).repeat(2000)
+    u = keyed_uniform(keys * 7919 + 11, steps)
+    assert u.dtype == torch.float64 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    scaled = u * 2.0**53
+    assert torch.equal(scaled, scaled.floor())  # on the 2**-53 grid
+    assert len(torch.unique(u)) == len(u)
+    assert float((scaled % 2**29 != 0).double().mean()) > 0.99  # low bits are used
+
+
 def test_sampler_is_the_inverse_cdf_of_each_rows_keyed_uniform():
     """Each row's token is the first index where a float64 running sum of its tempered,
     filtered softmax exceeds the row's keyed uniform, whatever other rows share the batch."""
