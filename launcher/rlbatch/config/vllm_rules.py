@@ -76,16 +76,6 @@ def eval_longest(cfg: RunConfig) -> tuple[int, str]:
     return length, "eval.data.max_prompt_len + eval.max_new_tokens"
 
 
-def longest_served(cfg: RunConfig) -> int:
-    """The longest sequence one engine serves (rollout.vllm.max_model_len when null):
-    training's and evaluation's (evaluation during training, or rlbatch-eval), within the
-    model's positions (an evaluation beyond them is refused by the eval rules)."""
-    from rlbatch.config.validate import longest_sequence
-
-    longest = max(longest_sequence(cfg), eval_longest(cfg)[0])
-    return min(longest, cfg.model.max_position_embeddings)
-
-
 def _check_settings(cfg: RunConfig, errors: list[ConfigError]) -> None:
     v = cfg.rollout.vllm
     if v.tensor_parallel_size != 1:
