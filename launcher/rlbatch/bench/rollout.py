@@ -5,6 +5,8 @@
     rlbatch-bench rollout --env calculator    # multi-turn rollouts (rlbatch.bench.rollout_env)
     rlbatch-bench rollout --occupancy         # decode-slot occupancy on a long tail
                                               # (rlbatch.bench.rollout_occupancy)
+    rlbatch-bench rollout --backend vllm,megatron  # the rollout backends side by side
+                                              # (rlbatch.bench.rollout_backends)
 
 Both generate from the same Hugging Face Qwen2 checkpoint (written by transformers with random
 weights: ``tiny`` = vocab 512, hidden 128, 4 layers, 4 heads / 2 KV heads, tied; ``small`` =
@@ -243,6 +245,10 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if any(a == "--backend" or a.startswith("--backend=") for a in argv):  # backends compared
+        from rlbatch.bench import rollout_backends
+
+        return rollout_backends.main(argv)
     if any(a == "--env" or a.startswith("--env=") for a in argv):  # multi-turn: its own bench
         from rlbatch.bench import rollout_env
 

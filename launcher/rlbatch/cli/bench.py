@@ -4,7 +4,8 @@ rlbatch-bench batching   planner quality and speed on synthetic long-tailed work
 rlbatch-bench engine     forward+backward tokens/s: fixed vs dynamic vs packed batching
 rlbatch-bench grpo       one GRPO step timed by stage, batching and aggregation compared
 rlbatch-bench memory     peak memory and time of a micro-batch: chunked vs full logits
-rlbatch-bench rollout    generation tokens/s: rlbatch against transformers' generate
+rlbatch-bench rollout    generation tokens/s: rlbatch against transformers' generate, or the
+                         rollout backends side by side (--backend vllm,megatron)
 rlbatch-bench rewards    sandboxed code executions/s and judge requests/s
 """
 

@@ -24,7 +24,6 @@ import importlib.metadata
 import math
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.lengths import longest_sequence
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
 from rlbatch.eval.settings import eval_data, eval_enabled, eval_rollout
 
@@ -75,14 +74,6 @@ def eval_longest(cfg: RunConfig) -> tuple[int, str]:
     """The longest evaluation sequence and where it comes from."""
     length = eval_data(cfg).max_prompt_len + eval_rollout(cfg).max_new_tokens
     return length, "eval.data.max_prompt_len + eval.max_new_tokens"
-
-
-def longest_served(cfg: RunConfig) -> int:
-    """The longest sequence one engine serves (rollout.vllm.max_model_len when null):
-    training's and evaluation's (evaluation during training, or rlbatch-eval), within the
-    model's positions (an evaluation beyond them is refused by the eval rules)."""
-    longest = max(longest_sequence(cfg), eval_longest(cfg)[0])
-    return min(longest, cfg.model.max_position_embeddings)
 
 
 def _check_settings(cfg: RunConfig, errors: list[ConfigError]) -> None:

