@@ -129,7 +129,7 @@ def test_batch_granularity_trains_each_round_its_own_prompts(bin_dir, subprocess
 
 VLLM = (
     "rollout.backend=vllm", "model.num_attention_heads=2", "model.num_query_groups=2",
-    "rollout.vllm.kv_cache_space_gb=0.25", "rollout.vllm.segment_tokens=3", "trainer.max_steps=4",
+    "rollout.vllm.kv_cache_space_gb=0.25", "rollout.vllm.segment_tokens=3", "trainer.max_steps=3",
 )  # fmt: skip
 """The stream on vLLM (heads of width 32, the CPU build's smallest), in segments of 3 tokens."""
 
@@ -167,5 +167,4 @@ def test_vllm_stream_continues_rows_across_swaps_and_resumes_exactly(
     assert killed.returncode != 0 and len(_metrics(killed_dir)) == 2
     _train(bin_dir, subprocess_env, killed_dir, *VLLM, "trainer.resume=auto")
     assert _untimed(_metrics(killed_dir)) == _untimed(expected)
-    for step in (3, 4):
-        assert _samples(killed_dir, step) == _samples(ref_dir, step)
+    assert _samples(killed_dir, 3) == _samples(ref_dir, 3)

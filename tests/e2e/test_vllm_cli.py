@@ -46,9 +46,9 @@ def test_settings_vllm_cannot_honour_are_refused_before_launch(bin_dir, subproce
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-STEPS = 3
+STEPS = 2
 EVAL = (
-    "eval.every_steps=3", "eval.at_start=false", "eval.max_prompts=4", "eval.num_samples=2",
+    "eval.every_steps=2", "eval.at_start=false", "eval.max_prompts=4", "eval.num_samples=2",
     "eval.temperature=1.0", "eval.max_new_tokens=6",
 )  # fmt: skip
 """Evaluation at the last step with its own sampling (training samples at 0.7, up to 24+)."""
@@ -56,7 +56,7 @@ EVAL = (
 
 @pytest.fixture(scope="module")
 def tp2_pp2_run(bin_dir, subprocess_env, tmp_path_factory):
-    """Three steps at temperature 0.7 on four ranks (tp 2 x pp 2), each with its own full vLLM
+    """Two steps at temperature 0.7 on four ranks (tp 2 x pp 2), each with its own full vLLM
     engine, evaluating after the last step on the same engines."""
     pytest.importorskip("vllm")
     run_dir = tmp_path_factory.mktemp("vllm") / "run"
@@ -102,26 +102,26 @@ def _untimed(records):
 @pytest.mark.slow
 @pytest.mark.optional_extra
 def test_a_killed_dp2_vllm_run_resumes_with_identical_metrics(bin_dir, subprocess_env, tmp_path):
-    """Two data-parallel replicas, each with its own engine on its own prompts, three steps
-    with a checkpoint after each: the run SIGKILLed during step 3 and resumed with
+    """Two data-parallel replicas, each with its own engine on its own prompts, two steps
+    with a checkpoint after each: the run SIGKILLed during step 2 and resumed with
     trainer.resume=auto (a fresh engine, started from the config and synced from the
     checkpoint's weights) gives the uninterrupted run's metrics exactly, and on-policy the
     trainer's logprobs are vLLM's at every step."""
     pytest.importorskip("vllm")
     common = (
-        *HEADS_OF_32, "parallel.dp=2", "trainer.max_steps=3", "trainer.checkpoint.every_steps=1",
+        *HEADS_OF_32, "parallel.dp=2", "trainer.max_steps=2", "trainer.checkpoint.every_steps=1",
         "rollout.vllm.kv_cache_space_gb=0.25",
     )  # fmt: skip
     ref = _train(bin_dir, subprocess_env, tmp_path / "ref", *common)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     expected = _records(tmp_path / "ref")
-    assert [r["step"] for r in expected] == [1, 2, 3]
+    assert [r["step"] for r in expected] == [1, 2]
     for r in expected:
         assert abs(r["mismatch_kl_k1"]) < 1e-6 and r["rollout/weight_sync_s"] > 0
     run_dir = tmp_path / "killed"
-    killed = _train(bin_dir, subprocess_env, run_dir, *common, "debug.fail_at_step=3",
+    killed = _train(bin_dir, subprocess_env, run_dir, *common, "debug.fail_at_step=2",
                     "debug.fail_kind=kill")  # fmt: skip
-    assert killed.returncode != 0 and len(_records(run_dir)) == 2
+    assert killed.returncode != 0 and len(_records(run_dir)) == 1
     resumed = _train(bin_dir, subprocess_env, run_dir, *common, "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert _untimed(_records(run_dir)) == _untimed(expected)
@@ -146,15 +146,15 @@ class Counted(GuessNumber):
 
 @pytest.mark.slow
 @pytest.mark.optional_extra
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
-def test_multi_turn_episodes_run_on_vllm_at_tp2_and_pp2(layout, bin_dir, subprocess_env, tmp_path):
-    """The guess-the-number recipe on vLLM over a model-parallel group of two ranks, each with
-    its own full engine: each turn continues the row's exact ids (prompt, sampled tokens with
-    their EOS, the observation's ids) as a new request; the environment is stepped on the
-    group's first rank only and its answers broadcast, so the ranks train one transcript. The
-    samples file's observation ids are the tokenized wrapped observations, they carry no loss,
-    and vLLM's behaviour logprobs of the assistant tokens are the trainer's from the first step
-    (importance weights 1, mismatch KL ~0)."""
+def test_multi_turn_episodes_run_on_vllm_at_tp2_pp2(bin_dir, subprocess_env, tmp_path):
+    """The guess-the-number recipe on vLLM over a model-parallel group of four ranks (tp 2 x
+    pp 2: tensor and pipeline groups in one run), each with its own full engine: each turn
+    continues the row's exact ids (prompt, sampled tokens with their EOS, the observation's
+    ids) as a new request; the environment is stepped on the group's first rank only and its
+    answers broadcast, so the ranks train one transcript. The samples file's observation ids
+    are the tokenized wrapped observations, they carry no loss, and vLLM's behaviour logprobs
+    of the assistant tokens are the trainer's from the first step (importance weights 1,
+    mismatch KL ~0)."""
     pytest.importorskip("vllm")
     from rlbatch.engine.tokenizer import ByteTokenizer
 
@@ -163,8 +163,9 @@ def test_multi_turn_episodes_run_on_vllm_at_tp2_and_pp2(layout, bin_dir, subproc
     proc = subprocess.run(
         [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", "rollout.backend=vllm",
          f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
-         "trainer.checkpoint.export_hf=false", *HEADS_OF_32, layout, "env.path=counted.py:Counted",
-         "trainer.max_steps=2", "grpo.global_batch_size=32", "rollout.max_new_tokens=64",
+         "trainer.checkpoint.export_hf=false", *HEADS_OF_32, "parallel.tp=2", "parallel.pp=2",
+         "env.path=counted.py:Counted", "trainer.max_steps=2", "grpo.global_batch_size=32",
+         "rollout.max_new_tokens=64",
          "rollout.vllm.kv_cache_space_gb=0.25", "rollout.vllm.block_size=32",
          "logging.samples=true"],
         capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=600,

@@ -63,6 +63,7 @@ def turn_ending_policy(cfg: Any) -> Any:
 
     if not parallel.is_initialized():
         parallel.initialize(cfg)
+    parallel.seed(cfg.trainer.seed)  # the same weights whatever ran before in this process
     (chunk,) = build_model(cfg, wrap_ddp=False)
     seen: list[Any] = []
     hook = chunk.decoder.final_layernorm.register_forward_hook(

@@ -1,7 +1,7 @@
 """SharedTurns: in a model-parallel group only the first rank steps the environment; the other
 ranks get its answers, its episode records and its errors. The leader's side is a real
 EnvDriver over the built-in guess-the-number game; the follower's broadcast hands it what the
-leader sent, in order (the real broadcast runs in tests/e2e/test_vllm_cli.py at tp 2 and pp 2)."""
+leader sent, in order (the real broadcast runs in tests/e2e/test_vllm_cli.py at tp 2 x pp 2)."""
 
 from __future__ import annotations
 
