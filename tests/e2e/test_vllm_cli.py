@@ -127,6 +127,25 @@ def test_a_killed_dp2_vllm_run_resumes_with_identical_metrics(bin_dir, subproces
     assert _untimed(_records(run_dir)) == _untimed(expected)
 
 
+@pytest.mark.slow
+@pytest.mark.optional_extra
+def test_the_default_recipe_learns_on_vllm(bin_dir, subprocess_env, tmp_path):
+    """The default recipe's task, every rollout sampled by vLLM with the weights of the step
+    before: the mean reward of the last 10% of the 60 steps is well above the first 10%'s (the
+    built-in engine's bar in test_train_cli.py), and the run stays on-policy throughout."""
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "run"
+    proc = _train(bin_dir, subprocess_env, run_dir, *HEADS_OF_32, "logging.progress=false",
+                  "rollout.vllm.kv_cache_space_gb=0.25")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 61))
+    rewards = [r["reward_mean"] for r in records]
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    assert last > first + 0.1, f"reward did not rise on vLLM: {first:.3f} -> {last:.3f}"
+    assert max(abs(r["mismatch_kl_k1"]) for r in records) < 1e-6
+
+
 # ------------------------------------------------------------------ multi-turn environments
 COUNTED_ENV = '''
 import os

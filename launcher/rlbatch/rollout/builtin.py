@@ -331,7 +331,7 @@ class MegatronRolloutEngine:
     ) -> list[Sample]:
         """Multi-turn rollouts (rlbatch.rollout.multiturn) on the continuous-batching decoder."""
         from rlbatch.engine import generation
-        from rlbatch.rollout.multiturn import SlotStats, decode_turns
+        from rlbatch.rollout.multiturn import SlotStats, decode_turns, episode_samples
 
         if not (self.kv_cache and generation.lean_decoding_supported(self.chunks)):
             raise ValueError(
@@ -347,20 +347,7 @@ class MegatronRolloutEngine:
             trajs = decode_turns(
                 decoder, prompt_ids, self.params, keys, size, self.driver, budget, self.slot_stats
             )
-        episodes = self.driver.records()
-        return [
-            Sample(
-                prompt=p,
-                group_id=g,
-                response_ids=t.ids,
-                behaviour_logps=t.logps,
-                truncated=t.truncated or ep["truncated"],
-                policy_version=version,
-                loss_mask=t.mask,
-                episode=ep,
-            )
-            for (g, p), t, ep in zip(rows, trajs, episodes, strict=True)
-        ]
+        return episode_samples(rows, trajs, self.driver.records(), version)
 
 
 def as_rollout_fn(engine: RolloutEngine, policy_version: int) -> Any:

@@ -30,6 +30,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.sampling import SamplingParams, sample_tokens
 
 
@@ -224,3 +225,27 @@ def _refill(
         batch.row_of[slot] = row
     logits = decoder.prefill(slots, [prompt_ids[r] for r in rows])
     return dict(zip(slots, logits, strict=True))
+
+
+def episode_samples(
+    rows: Sequence[tuple[int, Prompt]],
+    trajs: Sequence[Trajectory],
+    episodes: Sequence[dict[str, Any]],
+    version: int,
+) -> list[Sample]:
+    """The ``Sample`` of each row's episode (either engine's turn loop): its model and observation
+    tokens with their loss mask, behaviour logprobs of the model tokens, and the episode record;
+    truncated when the model's last turn or the episode was cut."""
+    return [
+        Sample(
+            prompt=p,
+            group_id=g,
+            response_ids=t.ids,
+            behaviour_logps=t.logps,
+            truncated=t.truncated or ep["truncated"],
+            policy_version=version,
+            loss_mask=t.mask,
+            episode=ep,
+        )
+        for (g, p), t, ep in zip(rows, trajs, episodes, strict=True)
+    ]

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from rlbatch.grpo.types import Prompt, Sample
-from rlbatch.rollout.multiturn import Trajectory, TurnDriver
+from rlbatch.rollout.multiturn import Trajectory, TurnDriver, episode_samples
 from rlbatch.rollout.protocol import TokenBackend, TokenSampling, segment_seed
 
 
@@ -154,19 +154,7 @@ class TurnSamples:
         budget = [self.max_total_tokens - len(p) for p in prompt_ids]
         self.driver.begin([p for _, p in rows])
         trajs = decode_turns_on(backend, prompt_ids, seeds, sampling, self.driver, budget)
-        return [
-            Sample(
-                prompt=p,
-                group_id=g,
-                response_ids=t.ids,
-                behaviour_logps=t.logps,
-                truncated=t.truncated or ep["truncated"],
-                policy_version=version,
-                loss_mask=t.mask,
-                episode=ep,
-            )
-            for (g, p), t, ep in zip(rows, trajs, self.driver.records(), strict=True)
-        ]
+        return episode_samples(rows, trajs, self.driver.records(), version)
 
 
 def build_turn_driver(cfg: Any, tokenizer: Any) -> Any:
