@@ -6,7 +6,7 @@ Nothing is imported here: ``import rlbatch.rollout`` stays free of torch.
   built-in engine (``rollout.backend=megatron``: continuous batching or lockstep decoding on the
   policy's own weights) and ``build_rollout_engine``, the table of backends.
 - :mod:`rlbatch.rollout.megatron_dynamic`: ``rollout.backend=megatron_dynamic``, megatron-core's
-  own inference engine (CUDA only).
+  own inference engine (rlbatch.engine.dynamic_inference; CUDA only) as a ``RolloutEngine``.
 - :mod:`rlbatch.rollout.protocol`: ``TokenBackend`` (an engine that decodes token ids from its
   own copy of the weights and takes the policy's weights on demand) and ``SyncedRolloutEngine``,
   the ``RolloutEngine`` on top of one: it syncs the weights whenever the policy version changes,

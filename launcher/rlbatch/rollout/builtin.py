@@ -378,36 +378,9 @@ def _megatron_engine(
 def _dynamic_engine(
     cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
 ) -> Any:
-    from rlbatch.rollout.megatron_dynamic import DynamicRolloutEngine
+    from rlbatch.rollout.megatron_dynamic import build_megatron_dynamic
 
-    params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id)
-    return TokenRolloutEngine(DynamicRolloutEngine(model, params))
-
-
-class TokenRolloutEngine:
-    """A RolloutEngine over an engine that decodes token ids only (``decode(prompt_ids, seed)
-    -> [(tokens, behaviour logprobs, truncated)]``, e.g. megatron_dynamic's): the samples are
-    made here, so the engine package never imports the GRPO types."""
-
-    def __init__(self, decoder: Any) -> None:
-        self.decoder = decoder
-
-    def generate(
-        self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
-    ) -> list[Sample]:
-        rows = group_rows(prompts, num_generations)
-        decoded = self.decoder.decode([p.prompt_ids for _, p in rows], seed)
-        return [
-            Sample(
-                prompt=p,
-                group_id=g,
-                response_ids=tokens,
-                behaviour_logps=logps,
-                truncated=truncated,
-                policy_version=policy_version,
-            )
-            for (g, p), (tokens, logps, truncated) in zip(rows, decoded, strict=True)
-        ]
+    return build_megatron_dynamic(cfg, model, eos_id=eos_id, pad_id=pad_id)
 
 
 def _vllm_engine(
