@@ -136,7 +136,7 @@ def _trl_trainer(model, loss_type: str, level: str, out: Path):
         sapo_temperature_neg=TAU_NEG,
         beta=0.0,
         report_to="none",
-        activation_checkpointing=False,
+        gradient_checkpointing=False,
         bf16=False,
         save_strategy="no",
     )
