@@ -23,4 +23,8 @@ def train_recipe(bin_dir, env, run_dir, *overrides, cwd=None):
 def stable(record):
     """A metrics record without its timings (what equal runs share exactly)."""
     timing = ("_s", "_seconds", "seconds")
-    return {k: v for k, v in record.items() if not k.endswith(timing) and "per_s" not in k}
+    return {
+        k: v
+        for k, v in record.items()
+        if not k.endswith(timing) and "per_s" not in k and k != "peak_memory_gb"
+    }

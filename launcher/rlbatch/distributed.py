@@ -327,6 +327,24 @@ def broadcast_object_from_last_stage(obj: Any) -> Any:
     return box[0]
 
 
+# ----------------------------------------------------------------------------- peak memory
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window (on a GPU; a CPU process has one mark for its life)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def local_peak_memory_gb() -> float:
+    """This process's peak memory in GiB: on a GPU what torch allocated on the device since
+    :func:`reset_peak_memory`; on a CPU the process's peak resident set so far (the kernel keeps
+    no per-step mark that other processes cannot disturb)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 # ---------------------------------------------------------------------------- loop facade
 class WorldDist:
     """The training loop's DistOps on a torch.distributed world (DP sums, world gathers)."""
@@ -343,3 +361,9 @@ class WorldDist:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return all_gather_object(obj)
+
+    def reset_peak_memory(self) -> None:
+        reset_peak_memory()
+
+    def peak_memory_gb(self) -> float:
+        return reduce_max(local_peak_memory_gb())

@@ -55,7 +55,7 @@ def _metrics(run_dir):
 
 
 def _timing(key):
-    return key.endswith(("_s", "seconds")) or "per_s" in key
+    return key.endswith(("_s", "seconds", "memory_gb")) or "per_s" in key
 
 
 def _training(records):

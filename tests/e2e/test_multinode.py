@@ -22,7 +22,7 @@ COMMON = ["+recipe=grpo_qwen", "trainer.max_steps=3", "parallel.dp=2", "trainer.
 
 
 def _is_timing(key):
-    return key.endswith(("_s", "_seconds", "seconds")) or "per_s" in key
+    return key.endswith(("_s", "_seconds", "seconds", "memory_gb")) or "per_s" in key
 
 
 def _stable_metrics(run_dir):

@@ -25,7 +25,7 @@ COMMON = ["+recipe=grpo_qwen", f"trainer.max_steps={STEPS}", "trainer.checkpoint
 
 
 def _is_timing(key):
-    return key.endswith(("_s", "_seconds", "seconds")) or "per_s" in key
+    return key.endswith(("_s", "_seconds", "seconds", "memory_gb")) or "per_s" in key
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _is_timing(key):
-    return key.endswith(("_s", "_seconds", "seconds")) or "per_s" in key
+    return key.endswith(("_s", "_seconds", "seconds", "memory_gb")) or "per_s" in key
 
 
 def _train(bin_dir, env, cwd, *overrides, flags=(), check=True, timeout=400):

@@ -9,6 +9,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dynamic_engine_greedy_equals_builtin():
+    from rlbatch.engine.dynamic_inference import flash_attention_problem
+
+    if (problem := flash_attention_problem()) is not None:
+        pytest.skip(f"rollout.backend=megatron_dynamic needs flash-attention: {problem}")
     from rlbatch.config.schema import RunConfig
     from rlbatch.engine import parallel
     from rlbatch.engine.model import build_model

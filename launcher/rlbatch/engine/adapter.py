@@ -34,6 +34,13 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def have_fused_softmax() -> bool:
+    """Whether megatron's fused masked-softmax CUDA kernel is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+
+
 def transformer_config(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -119,7 +126,9 @@ def _device_kwargs(model: ModelConfig) -> dict[str, Any]:
         use_cpu_initialization=not gpu,
         perform_initialization=True,
         bias_activation_fusion=gpu,
-        masked_softmax_fusion=gpu,
+        # megatron's fused softmax is a compiled extension (apex / Megatron-LM's kernels) that a
+        # plain megatron-core install lacks: with it missing, megatron would import it mid-forward
+        masked_softmax_fusion=gpu and have_fused_softmax(),
         persist_layer_norm=gpu,
         bias_dropout_fusion=gpu,
         apply_rope_fusion=False,

@@ -18,13 +18,41 @@ import torch
 
 from rlbatch.engine.adapter import unwrap
 
+FLASH_ATTN_MIN = "2.7.3"
+"""megatron-core's dynamic batching attends with flash-attention: 2.7.3 or newer, or FA3."""
+
+
+def flash_attention_problem() -> str | None:
+    """Why megatron's dynamic batching cannot attend here (None when it can): it asserts
+    flash-attention mid-decode, so this is asked before the engine is built."""
+    import importlib.metadata
+    import importlib.util
+
+    from packaging.version import Version
+
+    if importlib.util.find_spec("flash_attn_interface") is not None:  # FA3
+        return None
+    try:
+        version = importlib.metadata.version("flash-attn")
+    except importlib.metadata.PackageNotFoundError:
+        return f"flash-attn is not installed (pip install 'flash-attn>={FLASH_ATTN_MIN}')"
+    if Version(version) < Version(FLASH_ATTN_MIN):
+        return f"flash-attn {version} is older than {FLASH_ATTN_MIN} (pip install -U flash-attn)"
+    return None
+
 
 def check_available() -> None:
-    """A config error before any compute when CUDA is missing."""
+    """An error before the engine is built when CUDA or flash-attention is missing."""
     if not torch.cuda.is_available():
         raise ValueError(
             "rollout.backend=megatron_dynamic needs CUDA (megatron-core's DynamicInferenceEngine"
             " runs on GPUs only) and none is available: set rollout.backend=megatron"
+        )
+    problem = flash_attention_problem()
+    if problem is not None:
+        raise ValueError(
+            f"rollout.backend=megatron_dynamic needs flash-attention (megatron-core's dynamic "
+            f"batching attends with it): {problem}; or set rollout.backend=megatron"
         )
 
 

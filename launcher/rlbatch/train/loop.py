@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlbatch.config.schema import RunConfig
-from rlbatch.distributed import as_collective_timeout
+from rlbatch.distributed import as_collective_timeout, local_peak_memory_gb, reset_peak_memory
 from rlbatch.eval.settings import eval_due
 from rlbatch.runtime import preempt
 from rlbatch.train import integrity
@@ -77,6 +77,12 @@ class DistOps(Protocol):
         """One object per global rank."""
         ...
 
+    def reset_peak_memory(self) -> None: ...
+
+    def peak_memory_gb(self) -> float:
+        """The largest peak memory of any rank since the last reset (GiB)."""
+        ...
+
 
 @dataclass
 class LocalDist:
@@ -93,6 +99,12 @@ class LocalDist:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def reset_peak_memory(self) -> None:
+        reset_peak_memory()
+
+    def peak_memory_gb(self) -> float:
+        return local_peak_memory_gb()
 
 
 @dataclass
@@ -299,6 +311,7 @@ def _guarded(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int,
 def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int):
     rank = comps.dist.rank
     start_time = time.perf_counter()
+    comps.dist.reset_peak_memory()
     heartbeat.beat(step, "batch")
     batch = comps.producer.batch_for_step(step)
     inject_nan = inject_fault(cfg.debug, step, rank)  # mid-step: generation done, no update yet
@@ -379,6 +392,7 @@ def _record(
         "staleness_mean": stale_sum / n,
         "step_time_s": step_time,
         "tokens_per_s": tokens / step_time if step_time > 0 else None,
+        "peak_memory_gb": comps.dist.peak_memory_gb(),
         "round": batch.round_index,
         "iteration": batch.iteration,
         "samples": int(n),

@@ -47,6 +47,7 @@ REQUIRED_KEYS = (
     "staleness_mean",
     "step_time_s",
     "tokens_per_s",
+    "peak_memory_gb",
 )
 """Keys every metrics.jsonl record has (issue 6)."""
 
@@ -63,6 +64,7 @@ SUMMARY_KEYS = (
     "staleness_mean",
     "tokens_per_s",
     "step_time_s",
+    "peak_memory_gb",
     "turns_mean",
     "env_errors",
     "episodes_truncated",

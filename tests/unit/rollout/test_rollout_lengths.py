@@ -31,6 +31,10 @@ def model():
     cfg.model.init_method_std = 0.3
     if not parallel.is_initialized():
         parallel.initialize(cfg)
+    # the same weights whatever ran before in this process: the test's cases (a row ending at an
+    # EOS before its cap, truncated and untruncated rows) come from what this model samples, and
+    # this seed's model has them all (seeds 0, 2 and 4 lack one)
+    parallel.seed(1)
     (chunk,) = build_model(cfg, wrap_ddp=False)
     return chunk
 

@@ -23,7 +23,7 @@ from rlbatch.train.metrics import read_jsonl
 from rlbatch.train.producer import RunAheadProducer
 from rlbatch.train.sampler import PromptSampler, derive_schedule
 
-TIMING = ("step_time_s", "tokens_per_s")
+TIMING = ("step_time_s", "tokens_per_s", "peak_memory_gb")
 
 
 class Counter:

@@ -17,6 +17,7 @@ TIMING = (
     "train_tokens_per_s",
     "old_logps_seconds",
     "batch_seconds",
+    "peak_memory_gb",
 )
 
 

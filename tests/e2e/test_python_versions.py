@@ -1,0 +1,95 @@
+"""Where rlbatch installs: Python 3.11 to 3.13, and the GPU check's offline install path.
+
+- every extra resolves to wheels for Python 3.12 and 3.13 on Linux (pip's resolver against the
+  package index, nothing installed; Hydra's parser runtime, which has no wheel on the index, is
+  built first by tests/gpu/wheels.sh, exactly as for a GPU machine);
+- the GPU machine's wheel folder (tests/gpu/wheels.sh, Python 3.12) builds and fits what such a
+  machine can be handed (64 MiB);
+- the same script's complete folder for this machine's Python installs rlbatch with --no-index
+  in a fresh virtual environment through tests/gpu/check.sh's own install step, and the default
+  recipe trains from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+WHEELS_SH = REPO / "tests" / "gpu" / "wheels.sh"
+CHECK_SH = REPO / "tests" / "gpu" / "check.sh"
+CARRY_LIMIT_MIB = 64
+EXTRAS = {
+    # the gpu extra is Transformer Engine, whose PyTorch part is built from source on the GPU
+    # machine (no wheel on the index for any Python): resolved with its sources allowed
+    "all-wheels": "dev,tensorboard,slurm,parquet,math,datasets,wandb,mlflow,hf,bench",
+    "vllm": "vllm",
+}
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 900, cwd=REPO):
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def gpu_wheels(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheels312")
+    _run(["bash", str(WHEELS_SH), str(out), "--python", "3.12"])
+    return out
+
+
+def test_gpu_wheel_folder_builds_and_fits_the_carry(gpu_wheels):
+    names = sorted(p.name for p in gpu_wheels.iterdir())
+    size_mib = sum(p.stat().st_size for p in gpu_wheels.iterdir()) / 2**20
+    assert size_mib < CARRY_LIMIT_MIB, (size_mib, names)
+    expected = ("megatron_core-0.16.1-cp312-cp312-", "antlr4_python3_runtime-4.9.3-py3-none-any",
+                "hydra_core-1.3.2-", "omegaconf-2.3.0-", "setuptools-", "wheel-", "packaging-")  # fmt: skip
+    for prefix in expected:
+        assert any(n.startswith(prefix) and n.endswith(".whl") for n in names), (prefix, names)
+    # the GPU machine has its own CUDA torch: none is shipped
+    assert not any(n.startswith(("torch-", "nvidia")) for n in names), names
+
+
+@pytest.mark.parametrize("python", ["3.12", "3.13"])
+@pytest.mark.parametrize("extras", sorted(EXTRAS))
+def test_every_extra_resolves_to_wheels(gpu_wheels, tmp_path, python, extras):
+    report = tmp_path / "report.json"
+    _run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+          "--only-binary=:all:", "--find-links", str(gpu_wheels), "--python-version", python,
+          "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+          "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
+          "--target", str(tmp_path / "target"), "--report", str(report),
+          f".[{EXTRAS[extras]}]"])  # fmt: skip
+    installed = {i["metadata"]["name"]: i for i in json.loads(report.read_text())["install"]}
+    assert "megatron-core" in installed and "torch" in installed
+    tag = f"cp{python.replace('.', '')}"
+    assert tag in installed["megatron-core"]["download_info"]["url"]
+
+
+def test_complete_folder_installs_offline_and_trains(tmp_path):
+    folder, venv, out = tmp_path / "wheels", tmp_path / "venv", tmp_path / "check"
+    host = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    _run(["bash", str(WHEELS_SH), str(folder), "--python", host, "--complete"], timeout=1200)
+    _run([sys.executable, "-m", "venv", str(venv)])
+    env = dict(os.environ, PATH=f"{venv / 'bin'}:{os.environ['PATH']}", VIRTUAL_ENV=str(venv))
+    env.pop("PYTHONPATH", None)
+    # no index at all: pip may look only in the folder
+    env.update(PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull)
+    _run(["bash", str(CHECK_SH), str(out), "--wheels", str(folder), "--install-only"], env=env)
+    assert "install: ok" in (out / "summary.txt").read_text()
+    run_dir = tmp_path / "run"
+    _run([str(venv / "bin" / "rlbatch-train"), "+recipe=grpo_qwen", "trainer.max_steps=2",
+          f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.progress=false",
+          "trainer.checkpoint.export_hf=false"], env=dict(env, OMP_NUM_THREADS="1"),
+         cwd=tmp_path)  # fmt: skip
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
