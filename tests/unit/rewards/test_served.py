@@ -229,7 +229,9 @@ def test_a_trickling_server_is_cut_at_the_deadline_and_not_asked_again():
     with Misbehaving("trickle") as server:
         seconds, detail = _timed(server.url, ServedConfig(timeout_s=3, retries=1))
         assert 2.9 <= seconds < 4.5, seconds  # was > 240 s: each byte restarted the timeout
-        assert "timed out: no full answer within data.served.timeout_s=3 (the whole request)" in detail
+        assert (
+            "timed out: no full answer within data.served.timeout_s=3 (the whole request)" in detail
+        )
         assert "data.served.retry_timeouts=true" in detail
         assert server.requests == 1
 
@@ -253,7 +255,9 @@ def test_a_huge_body_is_refused_at_the_size_limit_without_a_retry(mode):
 def test_a_slow_then_fast_server_is_retried_only_when_asked():
     with Misbehaving("slow_then_fast", slow_s=3) as server:
         seconds, detail = _timed(server.url, ServedConfig(timeout_s=1, retries=2))
-        assert seconds < 2.5 and "timed out: no full answer within" in detail and server.requests == 1
+        assert (
+            seconds < 2.5 and "timed out: no full answer within" in detail and server.requests == 1
+        )
     with Misbehaving("slow_then_fast", slow_s=3) as server:
         cfg = ServedConfig(timeout_s=1, retries=2, retry_timeouts=True, backoff_s=0.05)
         out = HttpReward(server.url, cfg).score(_payloads()[:1], LABELS[:1])
