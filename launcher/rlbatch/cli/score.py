@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ USAGE = (
     "score completions with the configured reward. rlbatch-score score.input=ROWS.jsonl "
     "score.output=OUT.jsonl [+recipe=NAME] [data.reward=...] [KEY=VALUE ...]"
 )
-SCORE_SCOPE = frozenset({"data"})
+SCORE_SCOPE = frozenset({"data.reward"})
+"""The data keys of the rewards (data.reward*, served, judge, ...): the dataset (data.path,
+data.source) is not read."""
 BATCH = 64
 """Rows scored together (one pool of sandboxes / requests)."""
 
@@ -41,17 +44,33 @@ def split_args(args: list[str]) -> tuple[dict[str, str], list[str]]:
     return own, [a for a in args if not a.startswith("score.")]
 
 
-def _checks(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
-    from rlbatch.grpo.preflight import check_brought_rewards, check_reward_specs
+def _checks(source: str | None) -> Callable[[RunConfig], tuple[list[ConfigError], list[str]]]:
+    """rlbatch-score's checks before scoring: the reward specs and the brought kinds' checks
+    over the rows it scores (``score.input``), never the training dataset (data.path), which
+    it does not read."""
 
-    errors: list[ConfigError] = []
-    check_reward_specs(cfg.data, errors)
-    check_brought_rewards(cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer)
-    return errors, []
+    def checks(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
+        from rlbatch.grpo.preflight import check_brought_rewards, check_reward_specs
+        from rlbatch.rewards.kinds import DatasetRows
+
+        errors: list[ConfigError] = []
+        check_reward_specs(cfg.data, errors)
+        rows = None
+        if source and Path(source).is_file():
+            found, _ = read_rows(source)
+            where = [f"line {n}" for n, _ in found]
+            rows = DatasetRows("score.input", source, [r for _, r in found], where)
+        check_brought_rewards(
+            cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer, rows=rows
+        )
+        return errors, []
+
+    return checks
 
 
-def read_rows(path: str, cfg: RunConfig) -> tuple[list[dict[str, Any]], list[str]]:
-    """The input rows and every bad line (not JSON, not an object, no string completion)."""
+def read_rows(path: str) -> tuple[list[tuple[int, dict[str, Any]]], list[str]]:
+    """The input rows with their line numbers, and every bad line (not JSON, not an object, no
+    string completion)."""
     rows, bad = [], []
     for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -64,7 +83,7 @@ def read_rows(path: str, cfg: RunConfig) -> tuple[list[dict[str, Any]], list[str
         if not isinstance(row, dict) or not isinstance(row.get("completion"), str):
             bad.append(f"line {n}: needs a JSON object with a string 'completion'")
             continue
-        rows.append(row)
+        rows.append((n, row))
     return rows, bad
 
 
@@ -91,6 +110,7 @@ def _inputs(rows: list[dict[str, Any]], cfg: RunConfig, start: int) -> list[Any]
                 response_ids=tuple(ids),
                 fields=fields,
                 prompt_index=start + i,
+                raw_prompt=prompt,
             )
         )
     return out
@@ -120,20 +140,34 @@ def score_rows(cfg: RunConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any
     return records
 
 
+def _score_or_exit(cfg: RunConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """score_rows, or the reason a reward stopped it as one message (exit 1, no traceback): a
+    served request that failed with data.served.on_error=raise_error, a reward function that
+    raised or returned something unusable."""
+    from rlbatch.grpo.user_rewards import RewardCallError
+    from rlbatch.rewards.served import ServedError
+
+    try:
+        return score_rows(cfg, rows)
+    except (ServedError, RewardCallError) as err:
+        print(f"rlbatch-score: error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help") for arg in args):
         print(help_text("rlbatch-score", USAGE))
         return
     own, overrides = split_args(args)
-    cfg = compose(overrides, "rlbatch-score", SCORE_SCOPE, extra=_checks)
+    source = own.get("input")
+    cfg = compose(overrides, "rlbatch-score", SCORE_SCOPE, extra=_checks(source))
     errors = []
     unknown = sorted(set(own) - {"input", "output"})
     errors += [
         ConfigError(f"score.{k}", own[k], "unknown key; valid: score.input, score.output")
         for k in unknown
     ]
-    source = own.get("input")
     if not source or not Path(source).is_file():
         errors.append(
             ConfigError("score.input", source, "set an existing JSONL of rows with a 'completion'")
@@ -142,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         errors.append(ConfigError("score.output", None, "set the output JSONL path"))
     rows: list[dict[str, Any]] = []
     if source and Path(source).is_file():
-        rows, bad = read_rows(source, cfg)
+        found, bad = read_rows(source)
+        rows = [r for _, r in found]
         if bad:
             errors.append(
                 ConfigError(
@@ -151,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     if errors:
         fail_config(ConfigErrors(errors), "rlbatch-score")
-    records = score_rows(cfg, rows)
+    records = _score_or_exit(cfg, rows)
     Path(own["output"]).write_text("".join(json.dumps(r) + "\n" for r in records))
     reasons = Counter(f["reason"] for r in records for f in r["failures"])
     mean = sum(r["reward"] for r in records) / max(len(records), 1)

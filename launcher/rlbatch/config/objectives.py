@@ -60,6 +60,9 @@ class ObjectiveConfig:
     max_generation_rounds: int = 8
     """With filter_groups: the most extra generation rounds a step may draw before the run
     stops with an error (the data gives too few groups with a reward spread)."""
+    max_zero_advantage_steps: int = 20
+    """Stop the run with an error after this many optimizer steps in a row whose every
+    advantage is 0 (rewards equal within every group: nothing is learnt); 0 = never."""
 
 
 def objective_errors(cfg: Any) -> list[ConfigError]:

@@ -52,6 +52,25 @@ class SandboxLimits:
     """Standard output compared with the expected output (the rest is not read)."""
 
 
+class RewardModelTemplate(str, Enum):
+    """What text the reward model reads: ``policy``, the prompt as the policy saw it (its chat
+    template) followed by the completion; ``model``, the prompt and the completion as one user
+    and one assistant turn in the reward model's own chat template (what a discriminative RM
+    was trained on)."""
+
+    policy = "policy"
+    model = "model"
+
+
+class RewardModelDtype(str, Enum):
+    """Weights and activations of the reward model: ``auto`` (bfloat16 on a GPU, float32 on
+    the CPU), ``float32`` or ``bfloat16``."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 @dataclass
 class CodeExecConfig:
     code: CodeSource = CodeSource.last_block
@@ -71,11 +90,19 @@ class ServedConfig:
     """Requests to a reward server (data.reward=http) or judge (data.reward=judge)."""
 
     timeout_s: float = 30.0
-    """Longest one request may take."""
+    """Longest one request may take, all of it (connect, send, the whole answer): a deadline,
+    not a limit on each read."""
     retries: int = 3
-    """Retries of a request that failed with a 5xx status, a connection error or a timeout."""
+    """Retries of a request that failed with a 5xx status or a connection error (a timeout
+    too with retry_timeouts)."""
+    retry_timeouts: bool = False
+    """Retry a request that ran out of time too (off: a judge slowed by load is not asked
+    again, which would only add to its load)."""
     backoff_s: float = 0.5
-    """Wait before the first retry; doubled before each next one."""
+    """Wait before the first retry; doubled before each next one (each wait drawn between half
+    and all of it)."""
+    max_response_bytes: int = 1_000_000
+    """Largest answer read; a bigger one is a failed request (not retried)."""
     max_concurrency: int = 8
     """Requests in flight at once (per trainer process)."""
     batch_size: int = 1
@@ -95,9 +122,15 @@ class JudgeConfig:
     model: str = "judge"
     """The ``model`` field of the chat request."""
     template: Optional[str] = None
-    """Prompt of the judge with {prompt}, {completion} and {answer}; null = the built-in one."""
+    """Prompt of the judge with {prompt}, {completion}, {answer} and {max_score}; null = the
+    built-in one (which asks for a last line ``Score: N``)."""
+    score_pattern: Optional[str] = None
+    """Regular expression that finds the score in a reply, with a group named ``score`` (and
+    optionally one named ``max``, the scale the judge wrote, which must be max_score); null =
+    ``Score: N`` or ``Score: N/M``."""
     max_score: float = 10.0
-    """The judge's scale: its score is divided by this (and clamped to [0, 1])."""
+    """The judge's scale: a score in [0, max_score] is divided by this; one outside it is a
+    failed request."""
     max_tokens: int = 64
     """Longest judge reply."""
     temperature: float = 0.0

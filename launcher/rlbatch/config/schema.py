@@ -50,7 +50,14 @@ from rlbatch.config.env import EnvConfig
 from rlbatch.config.evaluation import EvalConfig, EvalDataConfig  # noqa: F401
 from rlbatch.config.lora import LoraConfig, LoraInit  # noqa: F401
 from rlbatch.config.objectives import ObjectiveConfig
-from rlbatch.config.rewards import CodeExecConfig, JudgeConfig, RewardModelConfig, ServedConfig
+from rlbatch.config.rewards import (
+    CodeExecConfig,
+    JudgeConfig,
+    RewardModelConfig,
+    RewardModelDtype,
+    RewardModelTemplate,
+    ServedConfig,
+)
 from rlbatch.config.vllm import VllmConfig
 
 # --------------------------------------------------------------------------------------------
@@ -158,12 +165,19 @@ class DataConfig:
     """Longest one call of a data.reward_fn function may take before the run fails naming
     it; null = trainer.timeout_s."""
     reward_abs_max: float = 1e6
-    """A user reward of larger magnitude is an error naming the function and the sample."""
+    """Largest reward magnitude: a user function's larger (or non-finite) value is an error
+    naming it and the sample; a served, judge, reward-model or environment one scores 0 with
+    reason out_of_range (served: data.served.on_error decides)."""
     reward_url: Optional[str] = None
     """Endpoint of data.reward=http (the URL posted to) or judge (an OpenAI-compatible server:
     its base URL or its /v1/chat/completions URL)."""
     reward_model: Optional[str] = None
     """Hugging Face directory of a sequence-classification reward model (data.reward=reward_model)."""
+    reward_model_template: RewardModelTemplate = RewardModelTemplate.policy
+    """policy: the reward model reads the prompt as the policy saw it plus the completion;
+    model: a user and an assistant turn in the reward model's own chat template."""
+    reward_model_dtype: RewardModelDtype = RewardModelDtype.auto
+    """auto (bfloat16 on a GPU, float32 on the CPU), float32 or bfloat16."""
     code_exec: CodeExecConfig = field(default_factory=CodeExecConfig)
     """Sandboxed execution of data.reward=code_exec."""
     served: ServedConfig = field(default_factory=ServedConfig)

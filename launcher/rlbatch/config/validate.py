@@ -55,6 +55,12 @@ EVAL_SCOPE = frozenset({"model", "rollout", "parallel", "eval"})
 """rlbatch-eval builds the model and samples the eval set (eval.* fills its nulls from data.*)."""
 
 
+def _section(key: str) -> str:
+    """The scope section of a dotted key: ``data.reward`` for the reward keys (what
+    rlbatch-score reads of data), else the key's group."""
+    return "data.reward" if key.startswith("data.reward") else key.split(".", 1)[0]
+
+
 def _in_scope(section: str, scope: frozenset[str]) -> bool:
     """``batching.train`` is in a scope that holds ``batching`` or ``batching.train``."""
     return section in scope or section.split(".", 1)[0] in scope
@@ -130,7 +136,7 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[
         "parallel.microbatch_group_size_per_vp_stage": p.microbatch_group_size_per_vp_stage,
     }
     for key, value in checks.items():
-        if not _in_scope(key.split(".", 1)[0], scope):
+        if not _in_scope(_section(key), scope):
             continue
         if isinstance(value, float) and not math.isfinite(value):
             errors.append(ConfigError(key, value, "must be a finite number"))
@@ -143,13 +149,14 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[
         "grpo.epsilon_high": g.epsilon_high,
         "grpo.num_steps_async": g.num_steps_async,
         "grpo.max_staleness": g.max_staleness,
+        "grpo.max_zero_advantage_steps": g.max_zero_advantage_steps,
         "trainer.optim.warmup_steps": t.optim.warmup_steps,
         "trainer.checkpoint.every_steps": t.checkpoint.every_steps,
         "trainer.checkpoint.every_minutes": t.checkpoint.every_minutes,
         "trainer.optim.clip_grad": t.optim.clip_grad,
     }
     for key, value in non_negative.items():
-        if value < 0 and _in_scope(key.split(".", 1)[0], scope):
+        if value < 0 and _in_scope(_section(key), scope):
             errors.append(ConfigError(key, value, "must be >= 0"))
     if "rollout" in scope and r.top_p > 1:
         errors.append(ConfigError("rollout.top_p", r.top_p, "must be in (0, 1]"))

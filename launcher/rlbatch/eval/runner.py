@@ -115,7 +115,8 @@ class Evaluator:
 
         inputs = [reward_input(s, self.tokenizer) for s in samples]
         totals, _ = self.rewards.score(inputs) if inputs else ([], {})
-        totals = add_episode_rewards(samples, totals)  # multi-turn: the environment's rewards
+        # multi-turn: the environment's rewards, bounded as in training
+        totals = add_episode_rewards(samples, totals, self.cfg.data.reward_abs_max)
         threshold = self.cfg.eval.correct_threshold
         scored = [
             ScoredSample(

@@ -25,6 +25,7 @@ from typing import Any
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.objectives import objective_warnings
 from rlbatch.config.schema import BatchingPassConfig, DataConfig, DataSource, RewardKind, RunConfig
+from rlbatch.rewards.kinds import DatasetRows
 
 
 def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
@@ -295,13 +296,15 @@ def check_brought_rewards(
     errors: list[ConfigError],
     key: str = "data.path",
     infer: BatchingPassConfig | None = None,
+    rows: DatasetRows | None = None,
 ) -> None:
     """The brought kinds among the rewards (code_exec, http, judge, reward_model): each one's
     check (rlbatch.rewards.kinds.CHECKS) over the rows of ``data``'s dataset, whose file is
-    config key ``key`` (data.path, or eval.data.path for the held-out set); with ``infer``
+    config key ``key`` (data.path, or eval.data.path for the held-out set), or over ``rows``
+    when given (rlbatch-score's input: the dataset is not read then); with ``infer``
     (batching.infer), the reward model's longest text against that budget."""
     from rlbatch.grpo.rewards import brought_kinds
-    from rlbatch.rewards.kinds import CHECKS, DatasetRows
+    from rlbatch.rewards.kinds import CHECKS
 
     kinds = brought_kinds(data)
     if not kinds:
@@ -310,8 +313,7 @@ def check_brought_rewards(
         from rlbatch.rewards.reward_model import budget_errors
 
         errors += budget_errors(data.reward_model_batching, infer)
-    rows: DatasetRows | None = None
-    if data.source == DataSource.builtin or _path_exists(data):
+    if rows is None and (data.source == DataSource.builtin or _path_exists(data)):
         from rlbatch.grpo.data import read_examples
 
         try:

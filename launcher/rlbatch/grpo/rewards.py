@@ -50,6 +50,9 @@ class RewardInput:
     """The dataset row's other fields (not the prompt, not the answer)."""
     prompt_index: int = -1
     """Index of the prompt in the dataset (names the sample in errors)."""
+    raw_prompt: Any = field(default=None, hash=False, compare=False)
+    """The prompt as the dataset row holds it (text or chat messages, before any chat
+    template): what data.reward_model_template=model renders."""
 
 
 RewardFn = Callable[[RewardInput], float]
@@ -418,6 +421,7 @@ def reward_input(sample: Sample, tokenizer: TextDecoder) -> RewardInput:
         response_ids=tuple(ids),
         fields=sample.prompt.fields,
         prompt_index=sample.prompt.index,
+        raw_prompt=sample.prompt.raw,
     )
 
 

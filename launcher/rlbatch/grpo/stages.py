@@ -4,6 +4,7 @@ passes. The rollout stage is set per round by ``rlbatch.rollout.generation.make_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,16 +17,18 @@ from rlbatch.grpo.rewards import (
     reward_input,
 )
 from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.rewards.base import Scored
 from rlbatch.rollout.generation import rank_seed
 
 
 def make_reward_batch_fn(
-    fn: RewardFn | RewardSet, tokenizer: Any
+    fn: RewardFn | RewardSet, tokenizer: Any, abs_max: float = math.inf
 ) -> Callable[[list[Sample]], list[float]]:
     """The aggregator's reward_fn: decode responses (EOS excluded) and score them; each
     component's value goes to the sample's metrics as ``reward/<name>``. A multi-turn sample
     adds the sum of its environment's step rewards (``reward/env``); an episode ended by an
-    environment error (env.on_error=zero_reward) gets a total of 0, and every part 0."""
+    environment error (env.on_error=zero_reward) gets a total of 0, and every part 0; an
+    environment reward out of ``abs_max`` (data.reward_abs_max) counts as 0 (out_of_range)."""
     rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
 
     def reward_batch(samples: list[Sample]) -> list[float]:
@@ -36,7 +39,7 @@ def make_reward_batch_fn(
                 s.metrics[f"reward/{name}"] = v
         for s, found in zip(samples, failures, strict=True):
             record_failures(s, found)
-        return add_episode_rewards(samples, totals)
+        return add_episode_rewards(samples, totals, abs_max)
 
     return reward_batch
 
@@ -50,23 +53,34 @@ def record_failures(sample: Sample, failures: Sequence[tuple[str, Any]]) -> None
         sample.metrics[key] = sample.metrics.get(key, 0.0) + 1.0
 
 
-def add_episode_rewards(samples: Sequence[Sample], totals: list[float]) -> list[float]:
+def add_episode_rewards(
+    samples: Sequence[Sample], totals: list[float], abs_max: float = math.inf
+) -> list[float]:
     """Each multi-turn sample's total plus the sum of its environment's step rewards
     (``reward/env`` in its metrics); an episode ended by an environment error
     (env.on_error=zero_reward) totals 0 and so does each of its parts (``reward/<name>``, what
-    ``reward/<name>_mean`` and the samples' ``reward_parts`` show: what was trained).
-    Single-turn samples keep their total."""
+    ``reward/<name>_mean`` and the samples' ``reward_parts`` show: what was trained). An
+    episode reward that is not finite or is over ``abs_max`` in size counts as 0 with an
+    ``env: out_of_range`` failure (``reward_fail/out_of_range``). Single-turn samples keep
+    their total."""
+    from rlbatch.rewards.kinds import bounded
+
     out = list(totals)
     for i, s in enumerate(samples):
         if s.episode is None:
             continue
-        s.metrics["reward/env"] = s.episode["reward"]
+        env = bounded(Scored(float(s.episode["reward"])), abs_max, "the environment's reward")
+        for f in env.failures:
+            key = f"reward_fail/{f.reason}"
+            s.reward_failures = [*s.reward_failures, f"env: {f}"]
+            s.metrics[key] = s.metrics.get(key, 0.0) + 1.0
+        s.metrics["reward/env"] = env.value
         if s.episode["end"] == "error":
             for key in [k for k in s.metrics if k.startswith("reward/")]:
                 s.metrics[key] = 0.0
             out[i] = 0.0
         else:
-            out[i] += s.episode["reward"]
+            out[i] += env.value
     return out
 
 
@@ -180,7 +194,7 @@ def build_aggregator(
 
     stages = Stages(
         rollout_fn=no_rollout,
-        reward_fn=make_reward_batch_fn(build_run_rewards(cfg), tokenizer),
+        reward_fn=make_reward_batch_fn(build_run_rewards(cfg), tokenizer, cfg.data.reward_abs_max),
         old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
         ref_logps_fn=reference_logps_fn(cfg, ref, policy),
     )

@@ -15,6 +15,9 @@ FAILURE_REASONS = (
     "crash",
     "syntax",
     "served_error",
+    "no_score",
+    "out_of_range",
+    "truncated",
 )
 """Every failure reason (metrics ``reward_fail/<reason>``: failures of the step's samples)."""
 

@@ -2,10 +2,16 @@
 
 Each sample is one ``POST {base}/v1/chat/completions`` with one user message: the judge
 template (``data.judge.template``, or :data:`DEFAULT_TEMPLATE`) with ``{prompt}``,
-``{completion}`` and ``{answer}`` filled in. The score is read from the reply by one rule: the
-last number in it (``7``, ``7.5``, ``-1``, the ``8`` of ``8/10``: a number right after a
-slash is the scale, not the score), divided by ``data.judge.max_score`` and clamped to [0, 1].
-A reply without a number is a failure of that request (data.served.on_error decides).
+``{completion}``, ``{answer}`` and ``{max_score}`` filled in.
+
+The score is read, not guessed: reasoning blocks (``<think>...</think>``; an unclosed one runs
+to the end of the reply) are removed, then ``data.judge.score_pattern`` (default
+:data:`DEFAULT_SCORE_PATTERN`: ``Score: N`` or ``Score: N/M``) must find one score, the same
+wherever it occurs, in [0, ``data.judge.max_score``], on that scale when the judge wrote one
+(``Score: 85/100`` on a 10 scale is refused, not clamped). The reward is the score over
+``max_score``. Any other reply (no score, two different ones, a number out of range, a
+restated scale taken for a score, a degenerate ``8888...``) is a failed request with reason
+``no_score`` (data.served.on_error decides), never a guess.
 """
 
 from __future__ import annotations
@@ -21,10 +27,22 @@ from rlbatch.rewards.served import ServedError, post_json, score_requests
 DEFAULT_TEMPLATE = (
     "You grade answers. Question:\n{prompt}\n\nReference answer:\n{answer}\n\n"
     "Answer to grade:\n{completion}\n\n"
-    "Reply with one integer from 0 (wrong) to 10 (fully correct), and nothing else."
+    "Grade the answer from 0 (wrong) to {max_score} (fully correct). End your reply with one"
+    " line of the form 'Score: N', N an integer from 0 to {max_score}, and write no other line"
+    " that starts with 'Score:'."
 )
+DEFAULT_SCORE_PATTERN = (
+    r"(?i)\bscore\**\s*[:=]\s*\**\s*(?P<score>[+-]?\d+(?:\.\d+)?)(?!\d|\.\d)"
+    r"(?:\s*/\s*(?P<max>\d+(?:\.\d+)?))?(?!\s*(?:-|to)\s*\d)"
+)
+"""``Score: 7``, ``**Score:** 7``, ``score = 7.5``, ``Score: 7/10`` (a range such as
+``Score: 6-8`` is not a score)."""
 CHAT_PATH = "/v1/chat/completions"
-_NUMBER = re.compile(r"(?<![\d/.])-?\d+(?:\.\d+)?")
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+
+
+class NoScore(ValueError):
+    """A judge reply without one unambiguous score in range (says why)."""
 
 
 def chat_url(url: str) -> str:
@@ -35,19 +53,63 @@ def chat_url(url: str) -> str:
     return url[: -len("/v1")] + CHAT_PATH if url.endswith("/v1") else url + CHAT_PATH
 
 
-def parse_score(reply: str, max_score: float) -> float | None:
-    """The judge's score in [0, 1]: the last number of the reply that does not follow a slash,
-    over ``max_score``, clamped; None when the reply has no number."""
-    numbers = _NUMBER.findall(reply)
-    if not numbers:
-        return None
-    return min(1.0, max(0.0, float(numbers[-1]) / max_score))
+def strip_reasoning(reply: str) -> str:
+    """The reply without its reasoning: closed ``<think>`` blocks removed, everything up to a
+    lone ``</think>`` (the template opened the block) and from an unclosed ``<think>`` on."""
+    text = _THINK.sub(" ", reply)
+    lower = text.lower()
+    if "</think>" in lower:
+        text = text[lower.rindex("</think>") + len("</think>") :]
+        lower = text.lower()
+    if "<think>" in lower:
+        text = text[: lower.index("<think>")]
+    return text
 
 
-def render(template: str, prompt: str, completion: str, answer: str) -> str:
-    """The judge's message: the three placeholders replaced (other braces left alone)."""
+def pattern_problem(pattern: str) -> str:
+    """ "" when ``pattern`` compiles and has a group named ``score``, else why not."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as err:
+        return f"is not a regular expression ({err})"
+    if "score" not in compiled.groupindex:
+        return "has no group named 'score': write it as (?P<score>...)"
+    return ""
+
+
+def read_score(reply: str, pattern: str, max_score: float) -> float:
+    """The judge's score over ``max_score``, in [0, 1]; NoScore saying why there is none."""
+    text = strip_reasoning(reply)
+    found = set()
+    for m in re.finditer(pattern, text):
+        groups = m.groupdict()
+        scale = groups.get("max")
+        try:
+            value = float(groups["score"])
+            found.add((value, None if scale is None else float(scale)))
+        except (TypeError, ValueError):
+            raise NoScore(f"{m.group(0)!r} matched, but its score is not a number") from None
+    if not found:
+        raise NoScore("no score in the form data.judge.score_pattern asks for")
+    if len({v for v, _ in found}) > 1:
+        raise NoScore(f"several different scores {sorted(v for v, _ in found)}")
+    scales = {s for _, s in found if s is not None}
+    if scales and scales != {float(max_score)}:
+        raise NoScore(
+            f"a score on a scale of {sorted(scales)}, not data.judge.max_score={max_score:g}"
+        )
+    value = found.pop()[0]
+    if not 0.0 <= value <= max_score:
+        raise NoScore(f"score {value:g} is outside [0, data.judge.max_score={max_score:g}]")
+    return value / max_score
+
+
+def render(template: str, prompt: str, completion: str, answer: str, max_score: float) -> str:
+    """The judge's message: the four placeholders replaced (other braces left alone); the
+    completion last, so text in it that looks like a placeholder stays as written."""
     return (
-        template.replace("{prompt}", prompt)
+        template.replace("{max_score}", f"{max_score:g}")
+        .replace("{prompt}", prompt)
         .replace("{answer}", answer)
         .replace("{completion}", completion)
     )
@@ -71,6 +133,7 @@ class JudgeReward:
         self.url = chat_url(url)
         self.judge = judge
         self.served = served
+        self.pattern = judge.score_pattern or DEFAULT_SCORE_PATTERN
 
     def _request(self, message: str) -> dict[str, Any]:
         return {
@@ -80,28 +143,31 @@ class JudgeReward:
             "temperature": self.judge.temperature,
         }
 
-    def _call(self, message: str) -> Callable[[], list[float]]:
-        def call() -> list[float]:
-            reply = reply_text(post_json(self.url, self._request(message), self.served), self.url)
-            score = parse_score(reply, self.judge.max_score)
-            if score is None:
-                raise ServedError(f"{self.url} replied {reply[:200]!r}: no score (a number) in it")
-            return [score]
+    def ask(self, message: str) -> float:
+        """The judge's score of one message, in [0, 1]; ServedError when the request fails or
+        the reply has no usable score (reason ``no_score``)."""
+        reply = reply_text(post_json(self.url, self._request(message), self.served), self.url)
+        try:
+            return read_score(reply, self.pattern, self.judge.max_score)
+        except NoScore as why:
+            raise ServedError(f"{self.url} replied {reply[:200]!r}: {why}", "no_score") from None
 
-        return call
+    def _call(self, message: str) -> Callable[[], list[float]]:
+        return lambda: [self.ask(message)]
 
     def score(self, messages: Sequence[str], labels: Sequence[str]) -> list[Scored]:
         calls = [self._call(m) for m in messages]
         return score_requests(calls, labels, [1] * len(messages), self.url, self.served)
 
     def message(self, prompt: str, completion: str, answer: str) -> str:
-        return render(self.judge.template or DEFAULT_TEMPLATE, prompt, completion, answer)
+        template = self.judge.template or DEFAULT_TEMPLATE
+        return render(template, prompt, completion, answer, self.judge.max_score)
 
-    def check(self) -> str:
-        """ "" when the endpoint answers a chat completion, else what came back."""
-        probe = ServedConfig(timeout_s=self.served.timeout_s, retries=0)
+    def check(self, prompt: str, answer: str) -> str:
+        """ "" when the endpoint grades one sample (the reference answer as the completion)
+        with a score it can read, with the run's timeout and retries; else what came back."""
         try:
-            reply_text(post_json(self.url, self._request("Reply with 0."), probe), self.url)
+            self.ask(self.message(prompt, answer, answer))
         except ServedError as err:
             return str(err)
         return ""

@@ -4,13 +4,15 @@ and each kind's check before launch."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlbatch.config.enums import RewardKind
 from rlbatch.config.errors import ConfigError
-from rlbatch.rewards.base import Scored
+from rlbatch.config.rewards import RewardModelTemplate
+from rlbatch.rewards.base import Failure, Scored
 
 if TYPE_CHECKING:
     from rlbatch.config.schema import BatchingPassConfig, DataConfig
@@ -29,6 +31,8 @@ class RewardInput(Protocol):
     def fields(self) -> Mapping[str, Any]: ...
     @property
     def prompt_index(self) -> int: ...
+    @property
+    def raw_prompt(self) -> Any: ...
 
 
 BatchReward = Callable[[Sequence[RewardInput]], list[Scored]]
@@ -53,7 +57,7 @@ def _http(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.served import HttpReward, sample_payload
 
     assert cfg.reward_url is not None
-    reward = HttpReward(cfg.reward_url, cfg.served)
+    reward = HttpReward(cfg.reward_url, cfg.served, cfg.reward_abs_max)
 
     def score(inputs: Sequence[RewardInput]) -> list[Scored]:
         payloads = [sample_payload(x.prompt, x.response, x.answer, x.fields) for x in inputs]
@@ -80,8 +84,29 @@ def _reward_model(cfg: DataConfig, infer: BatchingPassConfig) -> BatchReward:
     from rlbatch.rewards.reward_model import RewardModel
 
     assert cfg.reward_model is not None
-    model = RewardModel(cfg.reward_model, cfg.reward_model_batching, infer)
-    return lambda inputs: model.score([x.prompt + x.response for x in inputs])
+    model = RewardModel(
+        cfg.reward_model,
+        cfg.reward_model_batching,
+        infer,
+        cfg.reward_model_dtype,
+        cfg.reward_model_template,
+    )
+
+    def score(inputs: Sequence[RewardInput]) -> list[Scored]:
+        out = model.score([model.text(x.raw_prompt, x.prompt, x.response) for x in inputs])
+        return [bounded(s, cfg.reward_abs_max, "the reward model's score") for s in out]
+
+    return score
+
+
+def bounded(scored: Scored, abs_max: float, what: str) -> Scored:
+    """``scored``, or 0 with an ``out_of_range`` failure when its value is not finite or is
+    over ``abs_max`` (data.reward_abs_max) in size."""
+    value = scored.value
+    if math.isfinite(value) and abs(value) <= abs_max:
+        return scored
+    why = f"{what} is {value!r}: rewards must be finite and at most {abs_max:g} in size"
+    return Scored(0.0, (*scored.failures, Failure("out_of_range", f"{why} (data.reward_abs_max)")))
 
 
 BROUGHT: dict[RewardKind, Callable[[DataConfig, BatchingPassConfig], BatchReward]] = {
@@ -130,10 +155,8 @@ def _check_code_exec(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigEr
         )
     if rows is not None:
         errors += _row_tests(rows)
-    errors += _positive(
-        "data.code_exec",
-        {"num_workers": cfg.code_exec.num_workers, **vars(cfg.code_exec.limits)},
-    )
+    limits = {f"data.code_exec.limits.{k}": v for k, v in vars(cfg.code_exec.limits).items()}
+    errors += _positive({"data.code_exec.num_workers": cfg.code_exec.num_workers, **limits})
     return errors
 
 
@@ -162,12 +185,9 @@ def _row_tests(rows: DatasetRows) -> list[ConfigError]:
     ]
 
 
-def _positive(prefix: str, values: dict[str, float]) -> list[ConfigError]:
-    return [
-        ConfigError(f"{prefix}.{'limits.' if k != 'num_workers' else ''}{k}", v, "must be > 0")
-        for k, v in values.items()
-        if v <= 0
-    ]
+def _positive(values: dict[str, float]) -> list[ConfigError]:
+    """An error for each dotted key whose value is not > 0."""
+    return [ConfigError(k, v, "must be > 0") for k, v in values.items() if v <= 0]
 
 
 def _first_sample(rows: DatasetRows | None, cfg: DataConfig) -> dict[str, Any]:
@@ -185,14 +205,9 @@ def _check_url(cfg: DataConfig, kind: RewardKind, key: str, url: str | None) -> 
         return [ConfigError(key, None, need)]
     if not url.startswith(("http://", "https://")):
         return [ConfigError(key, url, "must start with http:// or https://")]
-    return _positive(
-        "data.served",
-        {
-            "max_concurrency": cfg.served.max_concurrency,
-            "batch_size": cfg.served.batch_size,
-            "timeout_s": cfg.served.timeout_s,
-        },
-    )
+    served = cfg.served
+    keys = ("max_concurrency", "batch_size", "timeout_s", "max_response_bytes")
+    return _positive({f"data.served.{k}": getattr(served, k) for k in keys})
 
 
 def _check_http(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
@@ -211,13 +226,19 @@ def _check_judge(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]
 
     key = "data.judge.url" if cfg.judge.url else "data.reward_url"
     url = cfg.judge.url or cfg.reward_url
+    from rlbatch.rewards.judge import pattern_problem
+
     errors = _check_url(cfg, RewardKind.judge, key, url)
     if cfg.judge.max_score <= 0:
         errors.append(ConfigError("data.judge.max_score", cfg.judge.max_score, "must be > 0"))
+    pattern = cfg.judge.score_pattern
+    if pattern is not None and pattern_problem(pattern):
+        errors.append(ConfigError("data.judge.score_pattern", pattern, pattern_problem(pattern)))
     if errors or not cfg.served.check:
         return errors
     assert url is not None
-    why = JudgeReward(url, cfg.judge, cfg.served).check()
+    sample = _first_sample(rows, cfg)
+    why = JudgeReward(url, cfg.judge, cfg.served).check(sample["prompt"], sample["answer"])
     return [_unanswered(key, url, why)] if why else []
 
 
@@ -242,7 +263,15 @@ def _check_reward_model(cfg: DataConfig, rows: DatasetRows | None) -> list[Confi
             )
         ]
     why = check_reward_model(cfg.reward_model)
-    return [ConfigError("data.reward_model", cfg.reward_model, why)] if why else []
+    if why:
+        return [ConfigError("data.reward_model", cfg.reward_model, why)]
+    if RewardModelTemplate(cfg.reward_model_template) == RewardModelTemplate.model:
+        from rlbatch.rewards.reward_model import template_problem
+
+        why = template_problem(cfg.reward_model)
+        if why:
+            return [ConfigError("data.reward_model_template", "model", why)]
+    return []
 
 
 CHECKS: dict[RewardKind, Callable[[DataConfig, DatasetRows | None], list[ConfigError]]] = {

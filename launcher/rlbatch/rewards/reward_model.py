@@ -2,8 +2,14 @@
 
 ``data.reward_model`` is a Hugging Face directory with a ``*ForSequenceClassification`` model
 of one label and its tokenizer (a discriminative reward model such as Skywork-Reward or a
-Qwen2.5-RM). The text scored is the prompt as the policy saw it (chat template included)
-followed by the completion; the reward is the model's logit at the text's last token.
+Qwen2.5-RM). The text scored (``data.reward_model_template``) is the prompt as the policy saw
+it (its chat template included) followed by the completion (``policy``), or the prompt and
+the completion as a user and an assistant turn in the reward model's own chat template
+(``model``: what such models are trained on); the reward is the model's logit at the text's
+last token. A text over ``data.reward_model_batching.max_length`` tokens (or cut by
+``batching.infer.oversize=truncate``) is scored on its last tokens and says so: a failure of
+reason ``truncated`` beside its score. The model runs in ``data.reward_model_dtype`` (auto:
+bfloat16 on a GPU, float32 on the CPU).
 
 Samples are scored in the trainer process, in micro-batches planned by rlbatch's batching
 planner under ``batching.infer`` (the slot of the reference and old-logprob passes): its mode,
@@ -21,9 +27,33 @@ from typing import Any
 
 from rlbatch.config.enums import OversizePolicy
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.rewards import RewardModelConfig
+from rlbatch.config.rewards import RewardModelConfig, RewardModelDtype, RewardModelTemplate
 from rlbatch.config.schema import BatchingPassConfig
-from rlbatch.rewards.base import Scored
+from rlbatch.rewards.base import Failure, Scored
+
+
+def resolve_dtype(dtype: RewardModelDtype, cuda: bool) -> str:
+    """The torch dtype name of ``data.reward_model_dtype`` (auto: bfloat16 on a GPU)."""
+    if RewardModelDtype(dtype) == RewardModelDtype.auto:
+        return "bfloat16" if cuda else "float32"
+    return RewardModelDtype(dtype).value
+
+
+def template_problem(path: str) -> str:
+    """ "" when the tokenizer at ``path`` has a chat template, else why
+    data.reward_model_template=model cannot be used."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - any unreadable tokenizer
+        return f"its tokenizer does not load ({type(err).__name__}: {err})"
+    if not getattr(tokenizer, "chat_template", None):
+        return (
+            "its tokenizer has no chat template, which data.reward_model_template=model reads:"
+            " set data.reward_model_template=policy"
+        )
+    return ""
 
 
 def check_reward_model(path: str) -> str:
@@ -70,20 +100,27 @@ def budget_errors(cfg: RewardModelConfig, infer: BatchingPassConfig) -> list[Con
 
 
 class RewardModel:
-    """The loaded model and tokenizer (float32, eval mode, on the CPU or this rank's GPU),
-    scoring under the ``infer`` pass config (``batching.infer``)."""
+    """The loaded model and tokenizer (eval mode, on the CPU or this rank's GPU, in ``dtype``:
+    data.reward_model_dtype), scoring under the ``infer`` pass config (``batching.infer``)."""
 
-    def __init__(self, path: str, cfg: RewardModelConfig, infer: BatchingPassConfig) -> None:
+    def __init__(
+        self,
+        path: str,
+        cfg: RewardModelConfig,
+        infer: BatchingPassConfig,
+        dtype: RewardModelDtype = RewardModelDtype.auto,
+        template: RewardModelTemplate = RewardModelTemplate.policy,
+    ) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.cfg = cfg
         self.infer = infer
+        self.template = RewardModelTemplate(template)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model: Any = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=torch.float32
-        )
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, resolve_dtype(dtype, self.device.type == "cuda"))
+        self.model: Any = AutoModelForSequenceClassification.from_pretrained(path, dtype=self.dtype)
         self.model.to(self.device).eval()
         pad = self.tokenizer.pad_token_id
         if pad is None:
@@ -96,13 +133,29 @@ class RewardModel:
         head = getattr(self.model, "score", None)
         self.head = head if isinstance(head, torch.nn.Linear) else None
 
+    def text(self, raw_prompt: Any, prompt: str, completion: str) -> str:
+        """What the model reads of one sample (data.reward_model_template): ``prompt`` (as the
+        policy saw it) + ``completion``, or ``raw_prompt`` (the row's text or chat messages)
+        and the completion in the model's own chat template."""
+        if self.template == RewardModelTemplate.policy:
+            return prompt + completion
+        messages = (
+            list(raw_prompt)
+            if isinstance(raw_prompt, list)
+            else [
+                {"role": "user", "content": str(raw_prompt if raw_prompt is not None else prompt)}
+            ]
+        )
+        messages.append({"role": "assistant", "content": completion})
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False))
+
     def score(self, texts: Sequence[str]) -> list[Scored]:
+        """Each text's score; a text scored on its last tokens only carries a ``truncated``
+        failure saying how many it had."""
         from rlbatch.batching.planner import plan_pass
 
-        ids = [
-            self.tokenizer(t, add_special_tokens=False)["input_ids"][-self.cfg.max_length :]
-            for t in texts
-        ]
+        full = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        ids = [x[-self.cfg.max_length :] for x in full]
         try:
             plan = plan_pass([len(x) for x in ids], self.infer, dp=1, pass_name="infer")
         except ValueError as err:
@@ -111,6 +164,7 @@ class RewardModel:
                 " lower data.reward_model_batching.max_length or raise batching.infer.max_tokens)"
             ) from err
         out = [0.0] * len(texts)
+        read = [len(x) for x in ids]
         for mb in plan.for_rank(0).micro_batches:
             if mb.filler:
                 continue
@@ -124,7 +178,18 @@ class RewardModel:
                 values = self._padded(rows, mb.padded_len)
             for i, v in zip(mb.samples, values, strict=True):
                 out[i] = v
-        return [Scored(v) for v in out]
+            for i, n in zip(mb.samples, mb.lengths, strict=True):
+                read[i] = n
+        return [self._scored(v, len(f), n) for v, f, n in zip(out, full, read, strict=True)]
+
+    def _scored(self, value: float, length: int, read: int) -> Scored:
+        if read >= length:
+            return Scored(value)
+        why = (
+            f"{length} tokens, scored on the last {read} (data.reward_model_batching.max_length"
+            f"={self.cfg.max_length}, batching.infer.max_tokens={self.infer.max_tokens})"
+        )
+        return Scored(value, (Failure("truncated", why),))
 
     def _padded(self, rows: list[list[int]], width: int) -> list[float]:
         """One right-padded row per sample (``width`` >= the longest), each read at its last
@@ -141,12 +206,12 @@ class RewardModel:
             hidden = self._hidden(tokens, mask, None)  # [B, T, H]
             ends = torch.tensor([len(r) - 1 for r in rows])
             with torch.no_grad():
-                return self.head(hidden[torch.arange(len(rows)), ends])[:, 0].tolist()
+                return self.head(hidden[torch.arange(len(rows)), ends])[:, 0].float().tolist()
         with torch.no_grad():
             logits = self.model(
                 input_ids=tokens.to(self.device), attention_mask=mask.to(self.device)
             ).logits  # [B, 1]
-        return logits[:, 0].tolist()
+        return logits[:, 0].float().tolist()
 
     def _packed(self, rows: list[list[int]]) -> list[float]:
         """The samples back to back in one row, each attending to itself alone."""
@@ -157,13 +222,14 @@ class RewardModel:
         positions = torch.cat([torch.arange(len(r)) for r in rows]).unsqueeze(0)  # [1, T]
         causal = torch.ones(len(seg), len(seg), dtype=torch.bool).tril()
         allowed = causal & (seg[:, None] == seg[None, :])  # [T, T]
-        blocked = torch.finfo(torch.float32).min
-        mask = torch.zeros(allowed.shape).masked_fill(~allowed, blocked)[None, None]
+        blocked = torch.finfo(self.dtype).min
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, blocked)
+        mask = mask[None, None]
         hidden = self._hidden(tokens, mask, positions)  # [1, T, H]
         ends = torch.tensor([len(r) for r in rows]).cumsum(0) - 1
         assert self.head is not None
         with torch.no_grad():
-            return self.head(hidden[0, ends])[:, 0].tolist()
+            return self.head(hidden[0, ends])[:, 0].float().tolist()
 
     def _hidden(self, tokens: Any, mask: Any, positions: Any) -> Any:
         import torch

@@ -1,20 +1,34 @@
 """Rewards served over HTTP: ``data.reward=http`` (a scorer that answers ``{"reward": x}``) and
-the request machinery ``judge`` shares (timeout, retries with backoff, concurrency cap).
+the request machinery ``judge`` shares (a deadline, a size limit, retries with backoff and
+jitter, a concurrency cap).
 
-A request that fails with a 5xx status, a connection error or a timeout is retried
-``data.served.retries`` times, waiting ``backoff_s``, then twice as long each time. A 4xx status
-or an answer that is not the expected JSON is not retried (the server will say the same again).
-What a failure after that does is ``data.served.on_error``: stop the run naming the URL and the
-sample (raise_error), or score the sample 0 and count it in ``reward_fail/served_error``.
+One request (connect, send, the answer's headers and body) must finish within
+``data.served.timeout_s``: a timer closes the connection at that deadline, so a server that
+trickles its answer a byte at a time or stops after the headers cannot hold the run (a timeout
+on each socket read alone would not: every byte restarts it). An answer over
+``data.served.max_response_bytes`` is refused as soon as it is known to be (its
+Content-Length, or the bytes read so far). A 5xx status or a refused / reset connection is
+retried ``data.served.retries`` times, waiting ``backoff_s`` then twice as long each time, each
+wait drawn between half and all of that (jitter: clients that failed together do not all come
+back together). A request that ran out of time is retried only with
+``data.served.retry_timeouts=true``: a judge that is slow because it is overloaded gets slower
+when every client asks twice. A 4xx status, an answer that is not the expected JSON or is too
+large is not retried (the server will say the same again). What a failure after that does is
+``data.served.on_error``: stop the run naming the URL and the sample (raise_error), or score
+the sample 0 and count it under the failure's reason (``reward_fail/served_error``, or
+``no_score`` / ``out_of_range`` for an answer that was read but is unusable).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import random
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,28 +39,104 @@ from rlbatch.runtime import progress
 
 
 class ServedError(RuntimeError):
-    """A request that failed for good (after its retries), naming the URL and what came back."""
+    """A request that failed for good (after its retries), naming the URL and what came back;
+    ``reason`` is the failure reason its samples are counted under (rlbatch.rewards.base)."""
+
+    def __init__(self, message: str, reason: str = "served_error") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class _Retryable(Exception):
-    pass
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
-def _post_once(url: str, payload: Any, timeout_s: float) -> Any:
+class _Deadline:
+    """Closes ``conn``'s socket when ``seconds`` have passed (whatever it is blocked in)."""
+
+    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
+        self.conn, self.expired = conn, False
+        self.timer = threading.Timer(seconds, self._expire)
+        self.timer.daemon = True
+
+    def _expire(self) -> None:
+        self.expired = True
+        sock = self.conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
+    def check(self) -> None:
+        if self.expired:
+            raise TimeoutError("the request's deadline passed")
+
+
+def _connection(url: str, timeout_s: float) -> tuple[http.client.HTTPConnection, str]:
+    parts = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return kind(parts.hostname or "", parts.port, timeout=timeout_s), target
+
+
+def _read_body(
+    response: http.client.HTTPResponse, limit: int, deadline: _Deadline, url: str
+) -> bytes:
+    """The answer's body, chunk by chunk (each read returns what arrived), refused past
+    ``limit`` bytes."""
+    declared = response.getheader("Content-Length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ServedError(
+            f"{url} answered a body of {int(declared)} bytes, over data.served."
+            f"max_response_bytes={limit}"
+        )
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        deadline.check()
+        chunk = response.read1(65536)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise ServedError(
+                f"{url} answered more than data.served.max_response_bytes={limit} bytes"
+            )
+        chunks.append(chunk)
+
+
+def _post_once(url: str, payload: Any, cfg: ServedConfig) -> Any:
     body = json.dumps(payload).encode()
-    request = urllib.request.Request(
-        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
+    conn, target = _connection(url, cfg.timeout_s)
+    deadline = _Deadline(conn, cfg.timeout_s)
+    deadline.timer.start()
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            raw = response.read()
-    except urllib.error.HTTPError as err:
-        text = err.read()[:200].decode("utf-8", errors="replace")
-        if err.code >= 500:
-            raise _Retryable(f"HTTP {err.code} {text!r}") from err
-        raise ServedError(f"{url} answered HTTP {err.code} {text!r}") from err
-    except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
-        raise _Retryable(f"{type(err).__name__}: {getattr(err, 'reason', err)}") from err
+        conn.connect()
+        deadline.check()
+        conn.request("POST", target, body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status >= 400:
+            text = _read_body(response, 200, deadline, url)[:200].decode("utf-8", "replace")
+            if response.status >= 500:
+                raise _Retryable(f"HTTP {response.status} {text!r}")
+            raise ServedError(f"{url} answered HTTP {response.status} {text!r}")
+        raw = _read_body(response, cfg.max_response_bytes, deadline, url)
+    except ServedError as err:
+        if deadline.expired:  # the deadline cut a small error body
+            raise _Retryable("timed out", timed_out=True) from err
+        raise
+    except TimeoutError as err:
+        raise _Retryable("timed out", timed_out=True) from err
+    except (OSError, http.client.HTTPException) as err:  # refused, reset, closed mid-answer
+        if deadline.expired:
+            raise _Retryable("timed out", timed_out=True) from err
+        raise _Retryable(f"{type(err).__name__}: {err}") from err
+    finally:
+        deadline.timer.cancel()
+        conn.close()
     try:
         return json.loads(raw)
     except ValueError as err:
@@ -58,23 +148,35 @@ def post_json(url: str, payload: Any, cfg: ServedConfig) -> Any:
     wait = cfg.backoff_s
     for attempt in range(cfg.retries + 1):
         try:
-            return _post_once(url, payload, cfg.timeout_s)
+            return _post_once(url, payload, cfg)
         except _Retryable as err:
+            within = f"within data.served.timeout_s={cfg.timeout_s:g} (the whole request)"
+            if err.timed_out and not cfg.retry_timeouts:
+                raise ServedError(
+                    f"{url} timed out: no full answer {within}; not retried (a slow server only gets"
+                    " slower when asked twice: data.served.retry_timeouts=true retries it)"
+                ) from err
             if attempt == cfg.retries:
                 raise ServedError(
-                    f"{url} failed {attempt + 1} time(s) (last: {err}) within"
-                    f" data.served.timeout_s={cfg.timeout_s:g} each"
+                    f"{url} failed {attempt + 1} time(s) (last: {err}) {within} each"
                 ) from err
-            time.sleep(wait)
+            time.sleep(wait * random.uniform(0.5, 1.0))
             wait *= 2
     raise AssertionError("unreachable")
 
 
-def as_reward(value: Any, url: str, key: str = "reward") -> float:
-    """A finite number (not a bool or a string), else ServedError naming what came back."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    raise ServedError(f"{url} answered {key}={value!r}: expected a finite number")
+def as_reward(value: Any, url: str, abs_max: float, key: str = "reward") -> float:
+    """A finite number (not a bool or a string) of magnitude <= ``abs_max``, else ServedError
+    naming what came back (reason ``out_of_range`` for a number out of bounds)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ServedError(f"{url} answered {key}={value!r}: expected a finite number")
+    if not math.isfinite(value) or abs(value) > abs_max:
+        raise ServedError(
+            f"{url} answered {key}={value!r}: rewards must be finite and at most {abs_max:g} in"
+            " size (data.reward_abs_max)",
+            "out_of_range",
+        )
+    return float(value)
 
 
 def score_requests(
@@ -94,9 +196,10 @@ def score_requests(
             if EnvOnError(cfg.on_error) == EnvOnError.raise_error:
                 raise ServedError(
                     f"reward request for {labels[i]} failed: {err} (data.served.on_error="
-                    "zero_reward scores such samples 0 instead)"
+                    "zero_reward scores such samples 0 instead)",
+                    err.reason,
                 ) from err
-            return [Scored(0.0, (Failure("served_error", str(err)[:300]),))] * sizes[i]
+            return [Scored(0.0, (Failure(err.reason, str(err)[:300]),))] * sizes[i]
 
     waves = -(-len(requests) // max(1, cfg.max_concurrency))
     wait = cfg.backoff_s * (2**cfg.retries - 1)  # every backoff of one request
@@ -115,9 +218,10 @@ def sample_payload(prompt: str, completion: str, answer: str, fields: Any) -> di
 class HttpReward:
     """data.reward=http: posts each sample (or batches of data.served.batch_size)."""
 
-    def __init__(self, url: str, cfg: ServedConfig) -> None:
+    def __init__(self, url: str, cfg: ServedConfig, abs_max: float = math.inf) -> None:
         self.url = url
         self.cfg = cfg
+        self.abs_max = abs_max
 
     def _one(self, payload: dict[str, Any]) -> Callable[[], list[float]]:
         def call() -> list[float]:
@@ -126,7 +230,7 @@ class HttpReward:
                 raise ServedError(
                     f"{self.url} answered {str(answer)[:200]!r}: expected {{'reward': x}}"
                 )
-            return [as_reward(answer["reward"], self.url)]
+            return [as_reward(answer["reward"], self.url, self.abs_max)]
 
         return call
 
@@ -139,7 +243,7 @@ class HttpReward:
                     f"{self.url} answered {str(answer)[:200]!r}: expected"
                     f" {{'rewards': [...]}} with {len(payloads)} numbers"
                 )
-            return [as_reward(r, self.url, "rewards[]") for r in rewards]
+            return [as_reward(r, self.url, self.abs_max, "rewards[]") for r in rewards]
 
         return call
 

@@ -128,7 +128,7 @@ def make_train_step(
     from rlbatch.train.episodes import check_env_errors, episode_metrics, make_sample_writer
 
     names = run_component_names(cfg)
-    count_failures = bool(brought_kinds(cfg.data))
+    count_failures = bool(brought_kinds(cfg.data)) or bool(cfg.env.path)
     world = WorldDist()
 
     layout = ps

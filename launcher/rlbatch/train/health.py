@@ -81,6 +81,55 @@ def check_finite(metrics: Mapping[str, Any], *, step: int, rank: int) -> None:
     )
 
 
+class ZeroAdvantageError(RuntimeError):
+    """Every advantage was 0 for grpo.max_zero_advantage_steps steps in a row."""
+
+
+class ZeroAdvantageGuard:
+    """Counts the optimizer steps in a row whose every advantage is 0 (the record's
+    ``advantage_zero_frac`` is 1: the same on every rank, it is reduced over all of them) and
+    stops the run at ``limit`` of them (0: never). A resumed run counts on from its history."""
+
+    def __init__(self, limit: int, history: list[dict[str, Any]] | None = None) -> None:
+        self.limit = limit
+        self.run: list[dict[str, Any]] = []
+        for record in history or []:
+            self._count(record)
+
+    def _count(self, record: Mapping[str, Any]) -> None:
+        if record.get("advantage_zero_frac") == 1.0:
+            self.run.append(dict(record))
+        elif "advantage_zero_frac" in record:
+            self.run = []
+
+    def observe(self, record: Mapping[str, Any]) -> None:
+        self._count(record)
+        if self.limit <= 0 or len(self.run) < self.limit:
+            return
+        raise ZeroAdvantageError(zero_advantage_message(self.run[-self.limit :], self.limit))
+
+
+def zero_advantage_message(records: list[dict[str, Any]], limit: int) -> str:
+    """Why the run stopped and what to change, from the steps that learnt nothing."""
+    first, last = records[0]["step"], records[-1]["step"]
+    means = sorted({round(float(r.get("reward_mean") or 0.0), 6) for r in records})
+    fails: dict[str, float] = {}
+    for r in records:
+        for k, v in r.items():
+            if k.startswith("reward_fail/") and v:
+                fails[k] = fails.get(k, 0.0) + float(v)
+    failed = f"; reward failures over these steps: {dict(sorted(fails.items()))}" if fails else ""
+    return (
+        f"every advantage was 0 at steps {first}..{last} ({limit} steps in a row): within every"
+        f" group all rewards were equal (reward_mean per step in {means}), so the policy"
+        f" learnt nothing from them{failed}. Check the reward: score some completions with"
+        " rlbatch-score, read reward/<part>_mean and reward_fail/<reason> in metrics.jsonl."
+        " If equal rewards are expected for now (a hard task whose rewards all start at 0),"
+        f" raise grpo.max_zero_advantage_steps (now {limit}), set it to 0 to never stop, or"
+        " set grpo.filter_groups=zero_variance to train only on groups with a reward spread"
+    )
+
+
 class Heartbeat:
     """Per-rank liveness file, rewritten atomically at each phase of each step (and around
     each user call: rlbatch.runtime.progress)."""

@@ -43,7 +43,14 @@ from rlbatch.train.checkpoint import (
     save_checkpoint,
     verify_share,
 )
-from rlbatch.train.health import Heartbeat, Watchdog, check_finite, inject_fault, laggards
+from rlbatch.train.health import (
+    Heartbeat,
+    Watchdog,
+    ZeroAdvantageGuard,
+    check_finite,
+    inject_fault,
+    laggards,
+)
 from rlbatch.train.metrics import MetricsLogger
 from rlbatch.train.plot import plot_metrics
 from rlbatch.train.producer import RunAheadProducer, StepBatch, oldest_version
@@ -171,6 +178,9 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     heartbeat = Heartbeat(run_dir(cfg), rank)
     heartbeat.beat(resumed_step + 1, "start")
     watchdog = Watchdog(run_dir(cfg), rank, comps.dist.world_size, cfg.trainer.timeout_s).start()
+    learning = ZeroAdvantageGuard(
+        cfg.grpo.max_zero_advantage_steps, state.metrics_history if state is not None else None
+    )
     last_saved = resumed_step if state is not None else -1
     saved_at = time.monotonic()
     try:
@@ -185,6 +195,7 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
                 record.update(_evaluate(cfg, comps, heartbeat, step))
                 best = _new_best(cfg, comps, logger, record)
             logger.log(record)
+            learning.observe(record)
             due, stop = _guarded(
                 cfg, comps, heartbeat, step, lambda s=step, t=saved_at: _decide(cfg, comps, s, t)
             )
@@ -351,7 +362,7 @@ def _check_agreement(comps: Components, step: int, batch: StepBatch) -> None:
 def _record(
     comps: Components, step: int, batch: StepBatch, metrics: dict[str, Any], step_time: float
 ) -> dict[str, Any]:
-    local = [0.0] * 6
+    local = [0.0] * 7
     for s in batch.samples:
         local[0] += 1
         local[1] += s.reward
@@ -359,15 +370,16 @@ def _record(
         local[3] += len(s.response_ids)
         local[4] += batch.round_start_version - oldest_version(s)
         local[5] += s.length
+        local[6] += float(s.advantage == 0.0)
     figures = dict(batch.filter_metrics)
     reported = [float(k in figures) for k in ROLLOUT_COUNTERS]  # present, even when 0
     rollout = [float(figures.pop(k, 0.0)) for k in ROLLOUT_COUNTERS]
     staleness = staleness_sums(batch)
     reduced = comps.dist.all_reduce_sum(local + staleness + rollout + reported + [1.0])
-    n, r_sum, r_sq, len_sum, stale_sum, tokens = reduced[:6]
-    figures.update(staleness_metrics(reduced[6 : 6 + len(staleness)]))
-    counters = reduced[6 + len(staleness) : 6 + len(staleness) + len(rollout)]
-    ranks = reduced[6 + len(staleness) + len(rollout) : -1]
+    n, r_sum, r_sq, len_sum, stale_sum, tokens, zero_adv = reduced[:7]
+    figures.update(staleness_metrics(reduced[7 : 7 + len(staleness)]))
+    counters = reduced[7 + len(staleness) : 7 + len(staleness) + len(rollout)]
+    ranks = reduced[7 + len(staleness) + len(rollout) : -1]
     # a counter counts when every rank of the reduction reported it (a round that decoded
     # nothing reports zeros, not nothing)
     present = {
@@ -390,6 +402,7 @@ def _record(
         "padding_efficiency": metrics.get("padding_efficiency"),
         "dp_imbalance": metrics.get("dp_imbalance"),
         "staleness_mean": stale_sum / n,
+        "advantage_zero_frac": zero_adv / n,
         "step_time_s": step_time,
         "tokens_per_s": tokens / step_time if step_time > 0 else None,
         "peak_memory_gb": comps.dist.peak_memory_gb(),

@@ -1,7 +1,8 @@
 """data.reward=reward_model: a tiny Qwen2ForSequenceClassification saved by transformers scores
 micro-batches planned under batching.infer exactly like transformers scoring each text alone in
-float64, whatever the infer mode (padded or packed) and token budget; the checkpoint check
-names what is wrong."""
+float64, whatever the infer mode (padded or packed) and token budget; a text scored on its
+last tokens says so (reason truncated); the model reads its own chat template on request and
+runs in bfloat16; the checkpoint check names what is wrong."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import json
 import pytest
 
 from reward_servers import save_tiny_reward_model
-from rlbatch.config.rewards import RewardModelConfig
+from rlbatch.config.rewards import RewardModelConfig, RewardModelDtype, RewardModelTemplate
 from rlbatch.config.schema import BatchingMode, BatchingPassConfig, OversizePolicy
-from rlbatch.rewards.reward_model import RewardModel, check_reward_model
+from rlbatch.rewards.reward_model import (
+    RewardModel,
+    check_reward_model,
+    resolve_dtype,
+    template_problem,
+)
 
 TEXTS = [
     "Q: 2+2?\nA: 4",
@@ -93,8 +99,63 @@ def test_truncate_policy_keeps_the_last_tokens(tmp_path):
     text = "eighteen_characters"  # one token per character, 19 > 16
     want = _want(save_tiny_reward_model(path), path, [text[-16:]])
     infer = BatchingPassConfig(max_tokens=16, oversize=OversizePolicy.truncate)
-    out = RewardModel(str(path), RewardModelConfig(), infer).score([text])
+    out = RewardModel(str(path), RewardModelConfig(), infer).score([text, text[-16:]])
     assert out[0].value == pytest.approx(want[0], abs=1e-5)
+    assert [f.reason for f in out[0].failures] == ["truncated"]
+    assert "19 tokens, scored on the last 16" in out[0].failures[0].detail
+    assert out[1].failures == ()  # exactly at the budget: read whole
+
+
+def test_a_text_over_max_length_is_scored_on_its_last_tokens_and_says_so(tmp_path):
+    path = tmp_path / "rm"
+    texts = ["0123456789abcdef", "0123456789", "0123456789a"]
+    want = _want(save_tiny_reward_model(path), path, ["6789abcdef", "0123456789", "123456789a"])
+    out = RewardModel(str(path), RewardModelConfig(max_length=10), BatchingPassConfig()).score(
+        texts
+    )
+    assert [s.value for s in out] == pytest.approx(want, abs=1e-5)
+    assert [[f.reason for f in s.failures] for s in out] == [["truncated"], [], ["truncated"]]
+    assert "16 tokens, scored on the last 10 (data.reward_model_batching.max_length=10" in (
+        out[0].failures[0].detail
+    )
+
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+
+
+def test_the_model_template_renders_turns_in_the_reward_models_own_chat_template(tmp_path):
+    path = tmp_path / "rm"
+    save_tiny_reward_model(path, chat_template=TEMPLATE)
+    cfg, infer = RewardModelConfig(), BatchingPassConfig()
+    own = RewardModel(str(path), cfg, infer, template=RewardModelTemplate.model)
+    policy = RewardModel(str(path), cfg, infer, template=RewardModelTemplate.policy)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    assert own.text("2+2?", "Q: 2+2? A:", "4") == "<user>2+2?\n<assistant>4\n"
+    assert own.text(chat, "ignored", "4") == "<system>be brief\n<user>2+2?\n<assistant>4\n"
+    assert policy.text("2+2?", "Q: 2+2? A:", " 4") == "Q: 2+2? A: 4"
+    assert template_problem(str(path)) == ""
+    bare = tmp_path / "bare"
+    save_tiny_reward_model(bare)
+    assert "no chat template" in template_problem(str(bare))
+    assert "data.reward_model_template=policy" in template_problem(str(bare))
+
+
+def test_bfloat16_scores_are_close_to_float32_and_auto_is_float32_on_the_cpu(tmp_path):
+    import torch
+
+    path = tmp_path / "rm"
+    want = _want(save_tiny_reward_model(path), path, TEXTS)
+    for mode in (BatchingMode.dynamic, BatchingMode.packed):
+        infer = BatchingPassConfig(mode=mode, max_tokens=1024)
+        model = RewardModel(str(path), RewardModelConfig(), infer, RewardModelDtype.bfloat16)
+        assert next(model.model.parameters()).dtype == torch.bfloat16
+        got = [s.value for s in model.score(TEXTS)]
+        assert got == pytest.approx(want, abs=0.05)
+    assert resolve_dtype(RewardModelDtype.auto, cuda=False) == "float32"
+    assert resolve_dtype(RewardModelDtype.auto, cuda=True) == "bfloat16"
+    assert resolve_dtype(RewardModelDtype.float32, cuda=True) == "float32"
+    auto = RewardModel(str(path), RewardModelConfig(), BatchingPassConfig())
+    assert next(auto.model.parameters()).dtype == torch.float32
 
 
 def test_checkpoint_check(tmp_path):

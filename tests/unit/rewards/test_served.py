@@ -1,6 +1,8 @@
 """Served rewards against real servers on 127.0.0.1: the HTTP scorer (one sample or batches
 per request), a server that fails twice then answers, one that hangs, one that answers
-garbage; the judge's score rule and its requests to an OpenAI-compatible server."""
+garbage; servers that trickle, hang after their headers, send a huge body, or answer slowly
+once (none may hold a request past its deadline); rewards out of bounds; the judge's score
+rule over replies that restate their scale, and its requests to an OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -8,10 +10,19 @@ import time
 
 import pytest
 
-from reward_servers import Judge, Scorer, judge_rule, scorer_rule
+from reward_servers import Judge, Misbehaving, Scorer, judge_rule, scorer_rule
 from rlbatch.config.enums import EnvOnError
 from rlbatch.config.rewards import JudgeConfig, ServedConfig
-from rlbatch.rewards.judge import JudgeReward, chat_url, parse_score, render
+from rlbatch.rewards.judge import (
+    DEFAULT_SCORE_PATTERN,
+    DEFAULT_TEMPLATE,
+    JudgeReward,
+    NoScore,
+    chat_url,
+    pattern_problem,
+    read_score,
+    render,
+)
 from rlbatch.rewards.served import HttpReward, ServedError, sample_payload
 
 TEXTS = ["a", "bb", "ccc", "dddd", "eeeee", "ffffff", ""]
@@ -41,7 +52,8 @@ def test_failing_twice_then_answering_is_retried_with_backoff():
         out = HttpReward(server.url, cfg).score(_payloads()[:1], LABELS[:1])
         assert out[0].value == scorer_rule(TEXTS[0]) and out[0].failures == ()
         assert server.failures_sent == 2 and server.requests == 3
-        assert time.monotonic() - started >= 0.05 + 0.1  # waited 0.05 then 0.1
+        # waited 0.05 then 0.1, each drawn between half and all of it (jitter)
+        assert time.monotonic() - started >= (0.05 + 0.1) / 2
 
 
 def test_failure_after_retries_stops_naming_the_url_and_sample_or_scores_zero():
@@ -82,21 +94,109 @@ def test_unreachable_endpoint_check_says_what_happened():
     assert "http://127.0.0.1:9/score failed 1 time(s)" in why and "refused" in why
 
 
+LONG = "8" * 400
+
+
 @pytest.mark.parametrize(
     ("reply", "score"),
-    [("7", 0.7), ("Score: 8/10", 0.8), ("I'd say 3.5 out of 10... final: 9", 0.9),
-     ("12", 1.0), ("-2", 0.0), ("no idea", None), ("10/10", 1.0)],
+    [
+        # the replies that used to score 1.0 (the last number, clamped)
+        ("7 out of 10", None), ("Score: 3 (on a 0-10 scale)", 0.3),
+        ("I give it a 2. Max is 10.", None), ("**Score: 6**\n\n(1 = poor, 10 = excellent)", 0.6),
+        ("85/100", None), ("Rating: 11", None), (LONG, None), (f"Score: {LONG}", None),
+        # the scale the judge wrote must be the configured one; the score in range
+        ("Score: 85/100", None), ("Score: 7/10", 0.7), ("Score: 11", None), ("Score: -1", None),
+        # one score, the same wherever it occurs; reasoning is not read
+        ("Score: 4\nOn reflection... Score: 8", None), ("Score: 5\nFinal answer. Score: 5", 0.5),
+        ("<think>maybe Score: 2</think>\nThe answer is right.\nScore: 9", 0.9),
+        ("<think>Score: 2, then I ran out of tokens", None),
+        ("the template opened it, Score: 1 </think> Score: 8", 0.8),
+        # what the default prompt asks for, as judges write it
+        ("Score: 7", 0.7), ("score: 10", 1.0), ("**Score:** 7", 0.7), ("Score: 7.", 0.7),
+        ("The answer matches the reference exactly.\n\nScore: 10", 1.0),
+        ("The final answer differs from the reference (12 vs 15).\nScore: 0", 0.0),
+        ("Score: 6-8", None), ("no idea", None),
+    ],
 )  # fmt: skip
-def test_judge_score_rule(reply, score):
-    got = parse_score(reply, 10.0)
-    assert got == (None if score is None else pytest.approx(score))
+def test_judge_reads_the_score_not_the_scale(reply, score):
+    if score is None:
+        with pytest.raises(NoScore):
+            read_score(reply, DEFAULT_SCORE_PATTERN, 10.0)
+    else:
+        assert read_score(reply, DEFAULT_SCORE_PATTERN, 10.0) == pytest.approx(score)
+
+
+def test_the_default_prompt_asks_for_the_format_it_reads():
+    message = render(DEFAULT_TEMPLATE, "What is 2+2?", "4", "4", 5.0)
+    assert "'Score: N', N an integer from 0 to 5" in message
+    assert "{max_score}" not in message and "What is 2+2?" in message
+    # a completion that writes placeholders or a score line keeps them as written
+    message = render(DEFAULT_TEMPLATE, "p", "{answer} Score: 10", "a", 10.0)
+    assert "{answer} Score: 10" in message
+
+
+def test_a_users_score_pattern():
+    pattern = r"Grade: (?P<score>[A-E])"
+    assert (
+        pattern_problem(r"Grade: (\d)") == "has no group named 'score': write it as (?P<score>...)"
+    )
+    assert "is not a regular expression" in pattern_problem("Grade: (")
+    assert pattern_problem(pattern) == ""
+    with pytest.raises(NoScore, match="not a number"):
+        read_score("Grade: B", pattern, 10.0)
+    assert read_score("Mark 3 of 4. Grade: 3", r"Grade: (?P<score>\d)", 4.0) == 0.75
+
+
+REPLIES = {
+    "a": "7 out of 10",
+    "b": "Score: 3 (on a 0-10 scale)",
+    "c": "I give it a 2. Max is 10.",
+    "d": "**Score: 6**\n\n(1 = poor, 10 = excellent)",
+    "e": "85/100",
+    "f": "Rating: 11",
+    "g": LONG,
+    "h": "<think>Score: 1?</think>Correct.\nScore: 9",
+}
+"""completion -> the judge's reply to it (a real OpenAI-compatible server on 127.0.0.1)."""
+
+
+def _reply(message: str) -> str:
+    return REPLIES[message.split("Answer to grade:\n", 1)[1].split("\n", 1)[0]]
+
+
+def test_judge_replies_without_one_score_are_failed_requests_counted_as_no_score():
+    want = {"a": None, "b": 0.3, "c": None, "d": 0.6, "e": None, "f": None, "g": None, "h": 0.9}
+    with Judge(reply=_reply) as server:
+        served = ServedConfig(on_error=EnvOnError.zero_reward)
+        judge = JudgeReward(server.url, JudgeConfig(), served)
+        out = judge.score([judge.message("q", c, "ref") for c in REPLIES], list(REPLIES))
+        assert server.requests == len(REPLIES)  # a reply without a score is not asked again
+        for (c, expected), s in zip(want.items(), out, strict=True):
+            if expected is None:
+                assert s.value == 0.0 and [f.reason for f in s.failures] == ["no_score"], c
+                assert REPLIES[c][:20] in s.failures[0].detail
+            else:
+                assert s.value == pytest.approx(expected) and s.failures == (), c
+        served.on_error = EnvOnError.raise_error
+        with pytest.raises(ServedError, match=r"for a failed: .* replied '7 out of 10': no score"):
+            judge.score([judge.message("q", "a", "ref")], ["a"])
+
+
+def test_judge_check_before_launch_retries_and_reads_a_score():
+    with Judge(fail_first=2) as server:  # loading its model: 503 twice
+        judge = JudgeReward(server.url, JudgeConfig(), ServedConfig(backoff_s=0.01))
+        assert judge.check("q", "4") == ""
+        assert server.requests == 3
+    with Judge(reply=lambda m: "Looks right to me!") as server:
+        why = JudgeReward(server.url, JudgeConfig(), ServedConfig()).check("q", "4")
+        assert "'Looks right to me!': no score in the form data.judge.score_pattern" in why
 
 
 def test_judge_url_and_template():
     assert chat_url("http://h:1") == "http://h:1/v1/chat/completions"
     assert chat_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
     assert chat_url("http://h:1/v1/chat/completions") == "http://h:1/v1/chat/completions"
-    assert render("{prompt}|{completion}|{answer}|{other}", "p", "c", "a") == "p|c|a|{other}"
+    assert render("{prompt}|{completion}|{answer}|{other}", "p", "c", "a", 10) == "p|c|a|{other}"
 
 
 def test_judge_asks_an_openai_compatible_server():
@@ -104,8 +204,74 @@ def test_judge_asks_an_openai_compatible_server():
         judge = JudgeReward(
             server.url, JudgeConfig(template="Q={prompt} A={completion}"), ServedConfig()
         )
-        assert judge.check() == ""
+        assert judge.check("q", "a") == ""
         messages = [judge.message("q", t, "a") for t in TEXTS]
         out = judge.score(messages, LABELS)
         assert [s.value for s in out] == [pytest.approx(judge_rule(m) / 10) for m in messages]
         assert server.messages[-1].startswith("Q=q A=")
+
+
+# ------------------------------------------------------------------------------------------
+# Servers that would hold the run, and rewards out of bounds
+# ------------------------------------------------------------------------------------------
+
+
+def _timed(server_url: str, cfg: ServedConfig) -> tuple[float, str]:
+    """(seconds to the answer, the failure's detail) of one sample, scored 0 on failure."""
+    cfg.on_error = EnvOnError.zero_reward
+    started = time.monotonic()
+    out = HttpReward(server_url, cfg).score(_payloads()[:1], LABELS[:1])
+    assert out[0].value == 0.0 and [f.reason for f in out[0].failures] == ["served_error"]
+    return time.monotonic() - started, out[0].failures[0].detail
+
+
+def test_a_trickling_server_is_cut_at_the_deadline_and_not_asked_again():
+    with Misbehaving("trickle") as server:
+        seconds, detail = _timed(server.url, ServedConfig(timeout_s=3, retries=1))
+        assert 2.9 <= seconds < 4.5, seconds  # was > 240 s: each byte restarted the timeout
+        assert (
+            "timed out: no full answer within data.served.timeout_s=3 (the whole request)" in detail
+        )
+        assert "data.served.retry_timeouts=true" in detail
+        assert server.requests == 1
+
+
+def test_a_server_hanging_after_its_headers_is_cut_at_the_deadline():
+    with Misbehaving("hang_after_headers") as server:
+        seconds, detail = _timed(server.url, ServedConfig(timeout_s=1, retries=2))
+        assert 0.9 <= seconds < 2.5 and "timed out: no full answer within" in detail
+        assert server.requests == 1
+
+
+@pytest.mark.parametrize("mode", ["huge", "huge_undeclared"])
+def test_a_huge_body_is_refused_at_the_size_limit_without_a_retry(mode):
+    with Misbehaving(mode) as server:
+        cfg = ServedConfig(timeout_s=20, retries=2, max_response_bytes=100_000)
+        seconds, detail = _timed(server.url, cfg)
+        assert seconds < 5 and "data.served.max_response_bytes=100000" in detail
+        assert server.requests == 1
+
+
+def test_a_slow_then_fast_server_is_retried_only_when_asked():
+    with Misbehaving("slow_then_fast", slow_s=3) as server:
+        seconds, detail = _timed(server.url, ServedConfig(timeout_s=1, retries=2))
+        assert (
+            seconds < 2.5 and "timed out: no full answer within" in detail and server.requests == 1
+        )
+    with Misbehaving("slow_then_fast", slow_s=3) as server:
+        cfg = ServedConfig(timeout_s=1, retries=2, retry_timeouts=True, backoff_s=0.05)
+        out = HttpReward(server.url, cfg).score(_payloads()[:1], LABELS[:1])
+        assert out[0].value == 0.5 and out[0].failures == () and server.requests == 2
+
+
+@pytest.mark.parametrize("value", [1e300, float("inf"), float("nan"), -2e6])
+def test_a_served_reward_out_of_bounds_is_a_failure_of_its_own(value):
+    with Scorer(reward=value) as server:
+        cfg = ServedConfig(on_error=EnvOnError.zero_reward)
+        out = HttpReward(server.url, cfg, abs_max=1e6).score(_payloads()[:2], LABELS[:2])
+        assert [s.value for s in out] == [0.0, 0.0]
+        assert [f.reason for s in out for f in s.failures] == ["out_of_range"] * 2
+        assert "data.reward_abs_max" in out[0].failures[0].detail
+        cfg.on_error = EnvOnError.raise_error
+        with pytest.raises(ServedError, match="rewards must be finite and at most 1e"):
+            HttpReward(server.url, cfg, abs_max=1e6).score(_payloads()[:1], LABELS[:1])

@@ -1,0 +1,194 @@
+"""Rewards that cannot be gamed or hang a run, through the real commands and real servers on
+127.0.0.1 (tests/reward_servers.py).
+
+- rlbatch-score reads a judge's reply for its score, not its scale: replies that restate the
+  scale, a degenerate one, one over the range are failed requests counted as ``no_score``, or,
+  under data.served.on_error=raise_error, one message (exit 1, no traceback).
+- A scorer that trickles its answer a byte a second is cut at data.served.timeout_s, before
+  launch and while scoring; one answering 1e300 is a failure of its own (``out_of_range``).
+- rlbatch-score checks the rows it scores, not the training data (data.path, a recipe's
+  built-in task), and needs no data.path at all.
+- The reward model's truncated texts are counted, and its own chat template checked.
+- rlbatch-train stops a run whose every advantage is 0 for grpo.max_zero_advantage_steps steps
+  (a scorer answering 1e300 scored 0 everywhere: before, the run trained nothing and exited 0).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from reward_servers import Judge, Misbehaving, Scorer, save_tiny_reward_model
+
+pytestmark = pytest.mark.e2e
+
+REPLIES = {
+    "a": "7 out of 10",
+    "b": "Score: 3 (on a 0-10 scale)",
+    "c": "I give it a 2. Max is 10.",
+    "d": "**Score: 6**\n\n(1 = poor, 10 = excellent)",
+    "e": "85/100",
+    "f": "Rating: 11",
+    "g": "8" * 300,
+    "h": "<think>Score: 1?</think>The answer matches the reference.\nScore: 9",
+    "i": "Score: 10",
+}
+"""completion -> the judge's reply; what the default prompt asks for is the last two."""
+WANT = {"b": 0.3, "d": 0.6, "h": 0.9, "i": 1.0}
+"""The replies with one score in range; every other one is a failed request."""
+
+
+def _reply(message: str) -> str:
+    completion = message.split("Answer to grade:\n", 1)[1].split("\n", 1)[0]
+    return REPLIES.get(completion, "Score: 5")  # the check before launch grades the answer
+
+
+def _run(bin_dir, env, cwd, *args, timeout=300):
+    return subprocess.run(
+        [str(bin_dir / args[0]), *args[1:]],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def _rows(path: Path, completions, **fields) -> Path:
+    rows = [{"prompt": "Grade me", "answer": "ref", "completion": c, **fields} for c in completions]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _out(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_score_reads_a_judges_score_not_its_scale(bin_dir, subprocess_env, tmp_path):
+    rows = _rows(tmp_path / "rows.jsonl", REPLIES)
+    with Judge(reply=_reply) as judge:
+        base = ["rlbatch-score", "data=jsonl", "data.reward=judge", f"data.judge.url={judge.url}",
+                f"score.input={rows}", "score.output=out.jsonl"]  # fmt: skip
+        proc = _run(bin_dir, subprocess_env, tmp_path, *base, "data.served.on_error=zero_reward")
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        out = _out(tmp_path / "out.jsonl")
+        for r, c in zip(out, REPLIES, strict=True):
+            if c in WANT:
+                assert r["reward"] == pytest.approx(WANT[c]) and r["failures"] == [], c
+            else:
+                assert r["reward"] == 0.0 and [f["reason"] for f in r["failures"]] == ["no_score"]
+        assert "'no_score': 5" in proc.stdout
+        # the default on_error stops at the first such reply: one message, no traceback
+        proc = _run(bin_dir, subprocess_env, tmp_path, *base)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "rlbatch-score: error: reward request for sample 0 (prompt index 0) failed:" in (
+        proc.stderr
+    )
+    assert "replied '7 out of 10': no score in the form data.judge.score_pattern" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_trickling_scorer_is_cut_at_the_deadline_before_launch_and_while_scoring(
+    bin_dir, subprocess_env, tmp_path
+):
+    """The documented command against a server that answers one byte a second: it held
+    rlbatch-score past 240 s (each byte restarted urlopen's timeout)."""
+    rows = _rows(tmp_path / "rows.jsonl", ["x", "y"])
+    with Misbehaving("trickle") as server:
+        base = ["rlbatch-score", "data=jsonl", "data.reward=http", f"data.reward_url={server.url}",
+                "data.served.timeout_s=3", "data.served.retries=1",
+                f"score.input={rows}", "score.output=out.jsonl"]  # fmt: skip
+        started = time.monotonic()
+        proc = _run(bin_dir, subprocess_env, tmp_path, *base, timeout=120)
+        checked = time.monotonic() - started
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert f"data.reward_url={server.url}: the check before launch failed:" in proc.stderr
+        assert "timed out: no full answer within data.served.timeout_s=3" in proc.stderr
+        started = time.monotonic()
+        proc = _run(bin_dir, subprocess_env, tmp_path, *base, "data.served.check=false")
+        scored = time.monotonic() - started
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "timed out: no full answer within data.served.timeout_s=3" in proc.stderr
+    # the deadline (3 s) plus the command's own start-up; far below the old 240 s and more
+    print(f"trickling scorer: time to error {checked:.1f} s (check), {scored:.1f} s (scoring)")
+    assert checked < 60 and scored < 60
+
+
+def test_a_scorer_answering_1e300_is_out_of_range(bin_dir, subprocess_env, tmp_path):
+    rows = _rows(tmp_path / "rows.jsonl", ["x", "y"])
+    with Scorer(reward=1e300) as server:
+        proc = _run(
+            bin_dir, subprocess_env, tmp_path, "rlbatch-score", "data=jsonl", "data.reward=http",
+            f"data.reward_url={server.url}", "data.served.on_error=zero_reward",
+            "data.served.check=false", f"score.input={rows}", "score.output=out.jsonl",
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = _out(tmp_path / "out.jsonl")
+    assert [r["reward"] for r in out] == [0.0, 0.0]
+    assert [f["reason"] for r in out for f in r["failures"]] == ["out_of_range"] * 2
+    assert "data.reward_abs_max" in out[0]["failures"][0]["detail"]
+
+
+def test_score_checks_the_rows_it_scores_not_the_training_data(bin_dir, subprocess_env, tmp_path):
+    """grpo_qwen trains on a built-in task without tests: rlbatch-score must not refuse for it."""
+    good = {"tests": [{"input": "", "output": "3\n"}]}
+    rows = _rows(tmp_path / "rows.jsonl", ["print(3)", "print(4)"], **good)
+    base = ["rlbatch-score", "+recipe=grpo_qwen", "data.reward=code_exec",
+            "score.output=out.jsonl"]  # fmt: skip
+    proc = _run(bin_dir, subprocess_env, tmp_path, *base, f"score.input={rows}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert [r["reward"] for r in _out(tmp_path / "out.jsonl")] == [1.0, 0.0]
+    bad = _rows(tmp_path / "bad.jsonl", ["print(3)"])
+    proc = _run(bin_dir, subprocess_env, tmp_path, *base, f"score.input={bad}")
+    assert proc.returncode == 2
+    assert f"score.input={bad}: 1 row(s) without usable tests" in proc.stderr
+    assert "line 1: no field 'tests' or 'test_code'" in proc.stderr
+    assert "data.path" not in proc.stderr
+
+
+def test_reward_model_truncation_is_counted_and_its_template_checked(
+    bin_dir, subprocess_env, tmp_path
+):
+    save_tiny_reward_model(tmp_path / "rm")
+    rows = _rows(tmp_path / "rows.jsonl", ["short", "a completion far longer than the limit"])
+    base = ["rlbatch-score", "data=jsonl", "data.reward=reward_model",
+            f"data.reward_model={tmp_path / 'rm'}", f"score.input={rows}",
+            "score.output=out.jsonl"]  # fmt: skip
+    proc = _run(
+        bin_dir, subprocess_env, tmp_path, *base, "data.reward_model_batching.max_length=20"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = _out(tmp_path / "out.jsonl")
+    assert [[f["reason"] for f in r["failures"]] for r in out] == [[], ["truncated"]]
+    assert "scored on the last 20" in out[1]["failures"][0]["detail"]
+    assert "'truncated': 1" in proc.stdout
+    proc = _run(bin_dir, subprocess_env, tmp_path, *base, "data.reward_model_template=model")
+    assert proc.returncode == 2
+    assert "data.reward_model_template=model: its tokenizer has no chat template" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_run_whose_advantages_are_all_zero_stops_saying_why(bin_dir, subprocess_env, tmp_path):
+    """A scorer answering 1e300: every sample out of range, scored 0, every advantage 0."""
+    with Scorer(reward=1e300) as server:
+        proc = _run(
+            bin_dir, subprocess_env, tmp_path, "rlbatch-train", "+recipe=grpo_qwen",
+            "data.reward=http", f"data.reward_url={server.url}",
+            "data.served.on_error=zero_reward", "data.served.check=false",
+            "grpo.num_generations=4", "grpo.global_batch_size=16", "grpo.max_zero_advantage_steps=2",
+            "trainer.max_steps=4", "hydra.run.dir=run", "logging.plot=false",
+            "logging.tensorboard=false", "trainer.checkpoint.export_hf=false",
+        )  # fmt: skip
+    assert proc.returncode not in (0, 2), proc.stderr[-3000:]
+    err = " ".join(proc.stderr.split())
+    assert "every advantage was 0 at steps 1..2 (2 steps in a row)" in err, err[-3000:]
+    assert "'reward_fail/out_of_range': 32.0" in err
+    assert "raise grpo.max_zero_advantage_steps (now 2), set it to 0 to never stop" in err
+    records = _out(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["advantage_zero_frac"] == 1.0 and r["grad_norm"] == 0.0 for r in records)
+    assert all(r["reward_fail/out_of_range"] == 16 for r in records)
