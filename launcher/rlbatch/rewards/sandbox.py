@@ -215,6 +215,8 @@ def classify(report: dict, cpu_limit_s: float, asserts: bool = False) -> tuple[O
     verdict = report.get("verdict") or {}
     if asserts and verdict.get("passed") is True:
         return Outcome.ok, ""
+    if report.get("oom_kills", 0) > 0:  # the execution's memory cgroup killed a process
+        return Outcome.memory, "over memory_mb + scratch_mb, all its processes together"
     if report.get("wall_timeout"):
         return Outcome.timeout, ""
     if asserts and verdict.get("kind") == "assert":
@@ -222,7 +224,7 @@ def classify(report: dict, cpu_limit_s: float, asserts: bool = False) -> tuple[O
     detail = str(verdict.get("detail", ""))
     if asserts and detail.startswith("MemoryError"):
         return Outcome.memory, detail
-    status = _status_outcome(report, cpu_limit_s)
+    status = _status_outcome({**report, "stderr": report.get("stderr", "") + detail}, cpu_limit_s)
     if asserts and status == Outcome.ok:
         code = report.get("exit_code")
         ended = f"the program ended (exit {code}) before the tests finished"
@@ -238,7 +240,8 @@ def _status_outcome(report: dict, cpu_limit_s: float) -> Outcome:
         return Outcome.timeout
     if report.get("oom_kills", 0) > 0:  # the execution's memory cgroup killed it
         return Outcome.memory
-    if sig == signal.SIGXFSZ or "File too large" in stderr:  # Python ignores SIGXFSZ: EFBIG
+    full = report.get("output_full") and report.get("exit_code") != 0
+    if sig == signal.SIGXFSZ or full or "File too large" in stderr:  # Python ignores SIGXFSZ
         return Outcome.output_limit
     if report.get("exit_code") == 0:
         return Outcome.ok

@@ -207,8 +207,11 @@ def serve(program_path, fd):
     except SystemExit:
         pass  # sys.exit() at the end of a script: its functions are still there to test
     except BaseException as err:  # noqa: BLE001 - reported to the asserts, then exit
-        traceback.print_exc()
         channel.send({"error": f"{type(err).__name__}: {str(err)[:300]}"})
+        try:
+            traceback.print_exc()
+        except OSError:
+            pass  # its stderr may be what it filled
         return 1
     try:
         channel.send(_manifest(module.__dict__, server))

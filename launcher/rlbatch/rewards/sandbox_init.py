@@ -266,6 +266,8 @@ def main(mount_point):
         "wall_s": time.monotonic() - started,
         "wall_timeout": timed_out,
         "oom_kills": _oom_kills(ctx["oom_fd"]),
+        "output_full": max(os.fstat(ctx[n]).st_size for n in ("stdout", "stderr"))
+        >= job["file_size_mb"] << 20,
         "stdout": _read(ctx["stdout"], job["max_output_bytes"]),
         "stderr": _read(ctx["stderr"], 2000, tail=True),
         "verdict": _verdict(verdict_r, job["token"]),

@@ -143,21 +143,20 @@ def _last_cap():
 
 
 def drop_privileges(uid, last_cap):
-    """No capabilities, now or after exec: as root, become ``uid`` (a fresh uid with no groups);
-    in a user namespace (``uid`` None) stay its uid 0 but drop every capability, empty the
-    bounding set and lock the securebits so that exec grants none back. Then no new privileges
+    """No capabilities, now or after exec: lock the securebits so that exec grants none back to
+    uid 0, empty the bounding set, then as root become ``uid`` (a fresh uid with no groups), in
+    a user namespace (``uid`` None) stay its uid 0, and drop every capability left. Then no new privileges
     and not dumpable (nothing of the same uid may trace or read this process)."""
+    _check(_libc.prctl(PR_SET_SECUREBITS, SECBITS_LOCKED_NO_ROOT, 0, 0, 0), "securebits")
+    for cap in range(last_cap + 1):
+        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "capability bounding set")
     if uid is not None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-    else:
-        _check(_libc.prctl(PR_SET_SECUREBITS, SECBITS_LOCKED_NO_ROOT, 0, 0, 0), "securebits")
-        for cap in range(last_cap + 1):
-            _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "capability bounding set")
-        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
-        data = (ctypes.c_uint32 * 6)()
-        _check(_libc.capset(header, data), "capset")
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (ctypes.c_uint32 * 6)()
+    _check(_libc.capset(header, data), "capset")
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "dumpable")
 
