@@ -52,7 +52,7 @@ class Hack:
 
 WALK_FOR_DATA = """import json, os, sys
 want = sys.stdin.read()
-for top in ('/', '/tmp', '/work', '/data', '/root', '/home'):
+for top in ('/tmp', '/work', '/data', '/home', '/root', '/'):
     for d, _, files in os.walk(top):
         for f in files:
             if f.endswith('.jsonl'):
@@ -148,12 +148,12 @@ for d in ('/tmp/scratch', '/dev/shm', '/tmp'):
 
 SPLIT_MEMORY = """import os
 kids = []
-for _ in range(4):
+for _ in range(3):
     pid = os.fork()
     if pid == 0:
-        block = b'x' * (100 << 20)
+        block = b'x' * (120 << 20)
         import time
-        time.sleep(0.5)
+        time.sleep(0.2)
         os._exit(0)
     kids.append(pid)
 for pid in kids:
