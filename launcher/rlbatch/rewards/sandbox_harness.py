@@ -2,10 +2,10 @@
 
 The program and the asserts never share an interpreter. The program runs in its own process
 (``python -I -S harness.py program.py``, :func:`serve`): it executes the program as
-``__main__`` and then answers requests on file descriptor 3 (call this function, read this
+``__main__`` and then answers requests on file descriptors 3 and 4 (call this function, read this
 attribute, iterate this object). The asserts run in another process (:func:`run_asserts`, a fork
 of the sandbox's PID 1, never exec'ing anything the program wrote) where every name the program
-defined is a stand-in: calling it sends the arguments over the socket and the answer comes back
+defined is a stand-in: calling it sends the arguments over a pipe and the answer comes back
 as **plain data** rebuilt by this process's own decoder (None, bool, int, float, complex, str,
 bytes, list, tuple, dict, set, frozenset). A value of the program that is not plain data comes
 back as a :class:`Remote` handle, equal only to itself and without a truth value, so an object
@@ -18,12 +18,11 @@ Arguments are passed by value: a test that relies on the program mutating an arg
 or that passes a function of its own to the program, cannot be run this way (documented).
 """
 
-import base64
 import builtins
 import json
 import math
+import os
 import sys
-import traceback
 
 MAX_MESSAGE = 16 * 1024 * 1024
 """Longest message either side reads (a larger one is a protocol error: the test fails)."""
@@ -59,7 +58,7 @@ def encode(value, handle_of=None):
     if kind is set or kind is frozenset:
         return {"s" if kind is set else "f": [encode(v, handle_of) for v in value]}
     if kind is bytes:
-        return {"b": base64.b64encode(value).decode("ascii")}
+        return {"b": value.hex()}
     if kind is complex:
         return {"c": [encode(value.real), encode(value.imag)]}
     if kind is Remote:
@@ -88,7 +87,7 @@ def decode(data, remote_of=None):
         pairs = [(decode(p[0], remote_of), decode(p[1], remote_of)) for p in body]
         return dict(pairs)
     if tag == "b" and type(body) is str:
-        return base64.b64decode(body.encode("ascii"), validate=True)
+        return bytes.fromhex(body)
     if tag == "c" and type(body) is list and len(body) == 2:
         return complex(float(decode(body[0])), float(decode(body[1])))
     if tag == "h" and type(body) is int and remote_of is not None:
@@ -97,20 +96,23 @@ def decode(data, remote_of=None):
 
 
 class Channel:
-    """Newline-delimited JSON messages over one socket file descriptor."""
+    """Newline-delimited JSON messages over a pair of pipe file descriptors."""
 
-    def __init__(self, sock):
-        self.sock = sock
+    def __init__(self, read_fd, write_fd):
+        self.read_fd = read_fd
+        self.write_fd = write_fd
         self.buffer = b""
 
     def send(self, message):
-        self.sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+        data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        while data:
+            data = data[os.write(self.write_fd, data) :]
 
     def receive(self):
         while b"\n" not in self.buffer:
             if len(self.buffer) > MAX_MESSAGE:
                 raise ProtocolError("a message longer than the limit")
-            chunk = self.sock.recv(1 << 16)
+            chunk = os.read(self.read_fd, 1 << 16)
             if not chunk:
                 raise EOFError("the program's process ended")
             self.buffer += chunk
@@ -189,12 +191,11 @@ def _manifest(namespace, server):
     return {"names": names, "modules": modules}
 
 
-def serve(program_path, fd):
-    """The program's process: run the program, then answer the asserts' requests on ``fd``."""
-    import socket
+def serve(program_path, read_fd, write_fd):
+    """The program's process: run the program, then answer the asserts' requests (pipes)."""
     import types
 
-    channel = Channel(socket.socket(fileno=fd))
+    channel = Channel(read_fd, write_fd)
     module = types.ModuleType("__main__")
     module.__file__ = program_path
     sys.modules["__main__"] = module
@@ -209,6 +210,8 @@ def serve(program_path, fd):
     except BaseException as err:  # noqa: BLE001 - reported to the asserts, then exit
         channel.send({"error": f"{type(err).__name__}: {str(err)[:300]}"})
         try:
+            import traceback
+
             traceback.print_exc()
         except OSError:
             pass  # its stderr may be what it filled
@@ -328,17 +331,16 @@ def _globals(client, manifest):
     return scope
 
 
-def run_asserts(sock, test_code, token):
-    """Run ``test_code`` against the program on ``sock``; the verdict (a dict with the token).
+def run_asserts(channel, test_code, token):
+    """Run ``test_code`` against the program over ``channel``; the verdict (a dict with the token).
     Kinds: ``assert`` (an assertion failed), ``program`` (the program's process ended or broke
     the protocol before the asserts finished), ``error`` (any other exception)."""
-    channel = Channel(sock)
     client = _Client(channel)
     try:
         scope = _globals(client, channel.receive())
         exec(compile(test_code, "test_code", "exec"), scope)
     except AssertionError as err:
-        return _verdict(token, "assert", f"AssertionError: {err}".rstrip(": "), traceback)
+        return _verdict(token, "assert", f"AssertionError: {err}".rstrip(": "), True)
     except (EOFError, ProtocolError, OSError) as err:
         return _verdict(token, "program", f"{type(err).__name__}: {err}", None)
     except BaseException as err:  # noqa: BLE001 - anything else fails the test, with its reason
@@ -352,11 +354,13 @@ def run_asserts(sock, test_code, token):
 
 def _verdict(token, kind, detail, tb):
     line = ""
-    if tb is not None:
-        frames = [f for f in tb.extract_tb(sys.exc_info()[2]) if f.filename == "test_code"]
+    if tb:
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(sys.exc_info()[2]) if f.filename == "test_code"]
         line = f" (test_code line {frames[-1].lineno})" if frames else ""
     return {"token": token, "passed": False, "kind": kind, "detail": (detail + line)[:500]}
 
 
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1], 3))
+    sys.exit(serve(sys.argv[1], 3, 4))

@@ -12,7 +12,7 @@ per-execution token. Steps:
 3. forks the program with no capabilities (a fresh uid as root; capability-less uid 0 of the
    user namespace otherwise), no new privileges, rlimits, an isolated interpreter;
    for ``test_code`` it also forks the asserts' process (:mod:`sandbox_harness`), which talks
-   to the program over a socket and alone holds the pipe that carries the verdict;
+   to the program over two pipes and alone holds the pipe that carries the verdict;
 4. waits until the program ends (the asserts' verdict for ``test_code``), or until the wall
    limit, counted on the time its processes ran or slept but not the time they waited for a
    CPU (a busy machine does not make a correct program time out), or the hard ceiling;
@@ -26,7 +26,6 @@ import os
 import resource
 import select
 import signal
-import socket
 import sys
 import time
 
@@ -60,10 +59,13 @@ def _program(job, ctx):
     for target, fd in enumerate(keep):
         os.dup2(fd, target)
     argv = [ctx["python"], "-I", "-S", "-B", "program.py"]
-    if ctx["rpc"] is not None:
-        os.dup2(ctx["rpc"], 3)
+    if ctx["rpc"] is not None:  # requests in on 3, answers out on 4
+        requests, answers = ctx["rpc"]
+        os.dup2(answers, 1000)  # out of the way of the two targets
+        os.dup2(requests, 3)
+        os.dup2(1000, 4)
         argv = [ctx["python"], "-I", "-S", "-B", ctx["harness"], "program.py"]
-    os.closerange(4 if ctx["rpc"] is not None else 3, 65536)
+    os.closerange(5 if ctx["rpc"] is not None else 3, 65536)
     os.chdir(ctx["scratch"])
     os.setsid()
     for sig in _RESET:
@@ -77,21 +79,21 @@ def _program(job, ctx):
     os.execve(ctx["python"], argv, env)
 
 
-def _asserts(job, ctx, sock, verdict_w):
+def _asserts(job, ctx, fds, verdict_w):
     """The asserts' process (a fork of this one: nothing the program wrote is executed)."""
     null = os.open("/dev/null", os.O_RDWR)
     for target in (0, 1, 2):
         os.dup2(null, target)
-    low, high = sorted((sock.fileno(), verdict_w))
-    os.closerange(3, low)
-    os.closerange(low + 1, high)
-    os.closerange(high + 1, 65536)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a closed socket is an error, not death
+    keep = sorted((*fds, verdict_w))
+    for low, high in zip([2, *keep], [*keep, 65536], strict=True):
+        os.closerange(low + 1, high)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a closed pipe is an error, not death
     if ctx["isolated"]:
         sandbox_root.drop_privileges(job["asserts_uid"], ctx["last_cap"])
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (4 * job["memory_mb"] * mb,) * 2)
-    verdict = sandbox_harness.run_asserts(sock, job["test_code"], job["token"])
+    channel = sandbox_harness.Channel(*fds)
+    verdict = sandbox_harness.run_asserts(channel, job["test_code"], job["token"])
     os.write(verdict_w, json.dumps(verdict).encode())
 
 
@@ -100,8 +102,9 @@ def _spawn(job, ctx):
     pids = {}
     verdict_r = None
     if job["test_code"] is not None:
-        program_sock, asserts_sock = socket.socketpair()
-        ctx["rpc"] = program_sock.fileno()
+        requests_r, requests_w = os.pipe()
+        answers_r, answers_w = os.pipe()
+        ctx["rpc"] = (requests_r, answers_w)
         verdict_r, verdict_w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -111,17 +114,18 @@ def _spawn(job, ctx):
             os._exit(126)
     pids["program"] = pid
     if verdict_r is not None:
-        program_sock.close()
+        os.close(requests_r)
+        os.close(answers_w)
         pid = os.fork()
         if pid == 0:
             try:
                 os.close(verdict_r)
-                _asserts(job, ctx, asserts_sock, verdict_w)
+                _asserts(job, ctx, (answers_r, requests_w), verdict_w)
             finally:
                 os._exit(0)
         pids["asserts"] = pid
-        asserts_sock.close()
-        os.close(verdict_w)
+        for fd in (answers_r, requests_w, verdict_w):
+            os.close(fd)
     return pids, verdict_r
 
 

@@ -12,7 +12,6 @@ with no capability in any namespace and no way to gain one.
 
 import ctypes
 import os
-import platform
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -102,9 +101,9 @@ def _proc(root):
 
 def pivot(root):
     """Make ``root`` the root of this mount namespace and detach the old one."""
-    number = _PIVOT_ROOT.get(platform.machine())
+    number = _PIVOT_ROOT.get(os.uname().machine)
     if number is None:
-        raise OSError(f"pivot_root: unknown system call number on {platform.machine()}")
+        raise OSError(f"pivot_root: unknown system call number on {os.uname().machine}")
     os.chdir(root)
     _check(_libc.syscall(number, b".", b"."), "pivot_root")
     _check(_libc.umount2(b".", MNT_DETACH), "umount old root")
