@@ -161,8 +161,9 @@ for pid in kids:
 """
 
 
-def battery(memory_cgroup: bool) -> list[Hack]:
-    """The hostile programs (``memory_cgroup``: whether executions get one on this machine)."""
+def battery(memory_cgroup: bool, as_root: bool = True) -> list[Hack]:
+    """The hostile programs (``memory_cgroup``: whether executions get one on this machine;
+    ``as_root``: whether rlbatch runs as root)."""
     return [
         Hack("sys.exit(0) before the asserts", WRONG + "import sys\nsys.exit(0)", "wrong_answer",
              "the asserts run in their own process after the program's script ends"),
@@ -184,8 +185,8 @@ def battery(memory_cgroup: bool) -> list[Hack]:
              "crash", "the program's process ending is not a verdict"),
         Hack("exhaust the output", WRONG + "import sys\nsys.stderr.write('OK\\n' * 10**6)\nprint('5\\n' * 10**7)",
              "output_limit", "RLIMIT_FSIZE on its output; the verdict travels on another pipe"),
-        Hack("forge the verdict through /proc", FORGE_VERDICT, "wrong_answer",
-             "PID 1 and the asserts' process are hidden and untraceable (no capability, not dumpable); the verdict needs a token the program never sees"),
+        Hack("forge the verdict through /proc", FORGE_VERDICT, "wrong_answer" if as_root else "crash",
+             "PID 1 and the asserts' process are hidden and untraceable (no capability, not dumpable); the verdict needs a token the program never sees; what it writes on its own answer pipe (writable only without root, the pipe being its uid's) breaks the protocol"),
         Hack("read the dataset from disk", WALK_FOR_DATA, "wrong_answer",
              "the empty root holds no dataset, no home, no /work", asserts=False),
         Hack("unmount the /tmp cover", UNMOUNT_AND_LOOK, "wrong_answer",

@@ -33,7 +33,8 @@ def test_reward_hacks_score_zero_through_rlbatch_score(user, bin_dir, subprocess
     work = Path(tempfile.mkdtemp(prefix="rlbatch-battery-", dir="/tmp"))
     try:
         os.chmod(work, 0o777)
-        hacks = battery(memory_cgroup=user == "root" and cgroup_kind()[0] != "none")
+        as_root = user == "root"
+        hacks = battery(memory_cgroup=as_root and cgroup_kind()[0] != "none", as_root=as_root)
         rows = [h.row() for h in hacks] + honest()
         data = work / "battery.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
