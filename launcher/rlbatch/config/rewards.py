@@ -36,9 +36,11 @@ class SandboxLimits:
     cpu_s: float = 5.0
     """CPU seconds (RLIMIT_CPU): a busy loop ends here with reason timeout."""
     wall_s: float = 10.0
-    """Wall seconds, sleeping included; beyond it every process of the sandbox is killed."""
+    """Wall seconds from the program's start, sleeping included but not time spent waiting for a
+    CPU; beyond it every process of the sandbox is killed (never later than 10 x wall_s)."""
     memory_mb: int = 512
-    """Address space (RLIMIT_AS) in MiB: a bigger allocation raises MemoryError (reason memory)."""
+    """Address space (RLIMIT_AS) in MiB of each process: a bigger allocation raises MemoryError
+    (reason memory); with a memory cgroup, memory_mb + scratch_mb for all its processes."""
     file_size_mb: int = 8
     """Largest file the program may write, its standard output included (RLIMIT_FSIZE)."""
     max_open_files: int = 64

@@ -1,8 +1,9 @@
 """``data.reward=code_exec``: the completion's program runs in a sandbox against the row's tests.
 
 A row carries ``tests`` (a list of ``{"input": str, "output": str}``: the program reads
-``input`` on stdin and must print ``output``) and/or ``test_code`` (Python with asserts, run
-after the program in the same interpreter). Every stdin/stdout case and the test_code are one
+``input`` on stdin and must print ``output``, compared here, outside the sandbox) and/or
+``test_code`` (Python with asserts, run in a process of their own against what the program
+defines: only the asserts' verdict passes it, never the program's exit status). Every stdin/stdout case and the test_code are one
 execution each, each in its own sandbox (rlbatch.rewards.sandbox), all of a batch through a
 pool of ``data.code_exec.num_workers``. The reward is the fraction of executions that passed
 (or 1/0 with ``data.code_exec.all_or_nothing``); every failure keeps its reason.
@@ -70,8 +71,9 @@ class _Job:
     program: str
     stdin: str
     expected: str | None
-    """Expected stdout (None: a test_code execution, judged by its exit status)."""
+    """Expected stdout (None: a test_code execution, judged by the asserts' verdict)."""
     label: str
+    test_code: str | None = None
 
 
 def _jobs(sample: int, program: str, fields: Mapping[str, Any]) -> list[_Job]:
@@ -80,7 +82,7 @@ def _jobs(sample: int, program: str, fields: Mapping[str, Any]) -> list[_Job]:
         for i, case in enumerate(fields.get("tests") or [])
     ]
     if fields.get("test_code"):
-        jobs.append(_Job(sample, f"{program}\n\n{fields['test_code']}\n", "", None, "test_code"))
+        jobs.append(_Job(sample, program, "", None, "test_code", fields["test_code"]))
     return jobs
 
 
@@ -100,9 +102,9 @@ def _last_line(text: str) -> str:
 def judge_execution(job: _Job, run: Execution) -> Failure | None:
     """None when the execution passed, else why it failed."""
     if run.outcome != Outcome.ok:
-        if run.outcome == Outcome.crash and job.expected is None and "AssertionError" in run.stderr:
-            return Failure("wrong_answer", f"{job.label}: {_last_line(run.stderr)}")
-        detail = _last_line(run.stderr) or f"exit {run.exit_code}, signal {run.signal}"
+        detail = (
+            run.detail or _last_line(run.stderr) or f"exit {run.exit_code}, signal {run.signal}"
+        )
         return Failure(run.outcome.value, f"{job.label}: {detail}")
     if job.expected is not None and _lines(run.stdout) != _lines(job.expected):
         return Failure(
@@ -120,9 +122,8 @@ class CodeExecReward:
         self.isolation = isolation
 
     def _run(self, job: _Job) -> Failure | None:
-        return judge_execution(
-            job, execute(job.program, job.stdin, self.cfg.limits, self.isolation)
-        )
+        run = execute(job.program, job.stdin, self.cfg.limits, self.isolation, job.test_code)
+        return judge_execution(job, run)
 
     def score(
         self, completions: Sequence[str], fields: Sequence[Mapping[str, Any]]

@@ -1,11 +1,13 @@
 """Run untrusted Python in a sandbox: one sandbox per execution, nothing kept afterwards.
 
 An execution is ``unshare`` (util-linux) starting :mod:`rlbatch.rewards.sandbox_init` as PID 1
-of fresh PID, mount, network, IPC and UTS namespaces; it runs the program as a fresh
-unprivileged uid with rlimits, from a scratch directory on a tmpfs that vanishes with the
-namespaces (docs/data_and_rewards.md, "The sandbox"). As a non-root user the namespaces are
-entered through a user namespace (``unshare --user --map-root-user``): the program then keeps
-the user's own file permissions and process count (documented as weaker).
+of fresh PID, mount, network, IPC and UTS namespaces (as a non-root user, inside a user
+namespace). PID 1 builds an empty root (only the interpreter and its standard library, read-only)
+and runs the program without any capability, under rlimits and, where this process may create
+one, a memory cgroup (docs/data_and_rewards.md, "The sandbox"). The job goes to PID 1 on its
+stdin and the report comes back on its stdout, with a random token of this execution: the
+program holds neither pipe. A ``test_code`` execution runs the asserts in a process of their
+own that talks to the program in plain data (:mod:`rlbatch.rewards.sandbox_harness`).
 
 :func:`probe_isolation` says which isolation works on this machine (the driver refuses a
 ``code_exec`` run without one unless ``data.code_exec.isolation=none``). ``none`` runs the same
@@ -17,29 +19,36 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 from rlbatch.config.rewards import Isolation, SandboxLimits
+from rlbatch.rewards.sandbox_plan import MemoryCgroup, base_python, root_plan
 
 INIT = Path(__file__).with_name("sandbox_init.py")
 NAMESPACES = ["--pid", "--fork", "--mount-proc", "--mount", "--net", "--ipc", "--uts"]
-_GRACE_S = 2.0
-"""Seconds the host waits beyond the wall limit before killing the sandbox's process group."""
+STARTUP_S = 60.0
+"""Seconds the host allows the sandbox to start (namespaces, root, PID 1's interpreter) on top
+of the execution's own ceiling: its limits start when the program does, so a slow start on a
+busy machine never counts against the program."""
+CEILING_FACTOR = 10.0
+"""The hard wall ceiling of an execution, in multiples of wall_s: the wall limit does not count
+the time the program waited for a CPU, and this bounds how long a starved one may hold a worker."""
 
 
 class Outcome(str, Enum):
     """How one execution ended."""
 
     ok = "ok"
+    wrong_answer = "wrong_answer"
+    """test_code: an assertion failed."""
     timeout = "timeout"
     memory = "memory"
     output_limit = "output_limit"
@@ -58,18 +67,12 @@ class Execution:
     stderr: str
     """The last 2,000 characters of its standard error."""
     wall_s: float
-
-
-def _base_python() -> tuple[str, str]:
-    """(installation prefix, interpreter path relative to it) of the base interpreter (a
-    virtualenv's python is a link into it; the sandbox sees the standard library only)."""
-    exe = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
-    prefix = Path(sys.base_prefix).resolve()
-    return str(prefix), str(exe.relative_to(prefix))
+    detail: str = ""
+    """test_code: why the asserts did not pass (the failed assertion, the program's end)."""
 
 
 def _command(isolation: Isolation) -> list[str]:
-    python = str(Path(_base_python()[0]) / _base_python()[1])
+    python = str(Path(base_python()[0]) / base_python()[1])
     tail = [python, "-I", "-S", "-B", str(INIT)]
     if isolation == Isolation.none:
         return tail
@@ -95,25 +98,35 @@ def probe_isolation(requested: Isolation) -> tuple[Optional[Isolation], str]:
     return Isolation.unshare, ""
 
 
-def _job(limits: SandboxLimits, isolation: Isolation) -> dict:
-    prefix, rel = _base_python()
+def _job(limits: SandboxLimits, isolation: Isolation, token: str) -> dict:
+    prefix, rel = base_python()
     uid: Optional[int] = None
+    asserts_uid: Optional[int] = None
     if os.geteuid() == 0 and isolation != Isolation.none:
-        uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000)
+        rng = random.SystemRandom()
+        uid, asserts_uid = (rng.randrange(1_000_000, 2_000_000_000) for _ in range(2))
     nproc = limits.max_processes
-    if os.geteuid() != 0:  # the count is the user's own: room for what it already runs
+    if os.geteuid() != 0 and isolation != Isolation.none:
+        # counted per user namespace: unshare, PID 1 and the asserts' process share uid 0
+        nproc += 3
+    elif os.geteuid() != 0:  # no namespace: the user's own count, room for what it runs
         nproc += _count_processes(os.getuid())
+    wall = limits.wall_s
     return {
-        "prefix": prefix,
-        "python_rel": rel,
+        "token": token,
+        "python": os.path.join(prefix, rel),
+        "plan": [list(op) for op in root_plan()] if isolation != Isolation.none else [],
         "uid": uid,
+        "asserts_uid": asserts_uid,
         "cpu_s": limits.cpu_s,
-        "wall_s": limits.wall_s,
+        "wall_s": wall,
+        "ceiling_s": CEILING_FACTOR * wall,
         "memory_mb": limits.memory_mb,
         "file_size_mb": limits.file_size_mb,
         "max_open_files": limits.max_open_files,
         "max_processes": nproc,
         "scratch_mb": limits.scratch_mb,
+        "max_output_bytes": limits.max_output_bytes,
         "isolation": isolation.value,
     }
 
@@ -129,81 +142,109 @@ def _count_processes(uid: int) -> int:
     return count
 
 
-def execute(program: str, stdin: str, limits: SandboxLimits, isolation: Isolation) -> Execution:
-    """Run ``program`` (Python source) with ``stdin`` under ``limits``; never raises for
-    anything the program does (RuntimeError only when the sandbox itself cannot start)."""
-    job_dir = Path(tempfile.mkdtemp(prefix="rlbatch-sandbox-"))
+def execute(
+    program: str,
+    stdin: str,
+    limits: SandboxLimits,
+    isolation: Isolation,
+    test_code: Optional[str] = None,
+) -> Execution:
+    """Run ``program`` (Python source) with ``stdin`` under ``limits`` (with ``test_code``: run
+    those asserts against it, in a process of their own); never raises for anything the program
+    does (RuntimeError only when the sandbox itself cannot start)."""
+    token = secrets.token_hex(16)
+    job = _job(limits, isolation, token)
+    job.update(program=program, stdin=stdin, test_code=test_code)
+    cgroup = MemoryCgroup((limits.memory_mb + limits.scratch_mb) << 20)
+    if isolation != Isolation.none:
+        job["cgroup"] = cgroup.job()
+    mount_point = tempfile.mkdtemp(prefix="rlbatch-sandbox-")
     try:
-        (job_dir / "job.json").write_text(json.dumps(_job(limits, isolation)))
-        (job_dir / "program.py").write_text(program)
-        (job_dir / "stdin.txt").write_text(stdin)
-        return _run(job_dir, limits, isolation)
+        return _run(job, mount_point, isolation)
     finally:
-        shutil.rmtree(job_dir, ignore_errors=True)
+        shutil.rmtree(mount_point, ignore_errors=True)
+        cgroup.close()
 
 
-def _run(job_dir: Path, limits: SandboxLimits, isolation: Isolation) -> Execution:
+def _run(job: dict, mount_point: str, isolation: Isolation) -> Execution:
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    started = time.monotonic()
-    with open(job_dir / "init.log", "wb") as log:
-        proc = subprocess.Popen(
-            [*_command(isolation), str(job_dir)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            proc.wait(timeout=limits.wall_s + _GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    wall = time.monotonic() - started
-    status_text = (
-        (job_dir / "status.json").read_text() if (job_dir / "status.json").exists() else ""
+    proc = subprocess.Popen(
+        [*_command(isolation), mount_point],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
     )
-    if not status_text:
-        if wall >= limits.wall_s:
-            return Execution(Outcome.timeout, None, signal.SIGKILL, "", "", wall)
+    try:
+        out, err = proc.communicate(
+            json.dumps(job).encode(), timeout=STARTUP_S + job["ceiling_s"] + 5.0
+        )
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return Execution(Outcome.timeout, None, signal.SIGKILL, "", "", job["ceiling_s"])
+    try:
+        report = json.loads(out) if out else None
+    except ValueError:
+        report = None
+    if type(report) is not dict or report.get("token") != job["token"]:
         raise RuntimeError(
             f"the sandbox did not start (exit {proc.returncode}):"
-            f" {(job_dir / 'init.log').read_text(errors='replace')[-500:]}"
+            f" {err.decode(errors='replace')[-500:]}"
         )
-    status = json.loads(status_text)
-    stdout = _read_head(job_dir / "stdout", limits.max_output_bytes)
-    stderr = _read_tail(job_dir / "stderr", 2000)
-    outcome = classify(status, stderr, limits.cpu_s)
-    return Execution(outcome, status["exit_code"], status["signal"], stdout, stderr, wall)
+    outcome, detail = classify(report, job["cpu_s"], job["test_code"] is not None)
+    return Execution(
+        outcome,
+        report["exit_code"],
+        report["signal"],
+        report["stdout"],
+        report["stderr"],
+        report["wall_s"],
+        detail,
+    )
 
 
-def classify(status: dict, stderr: str, cpu_limit_s: float) -> Outcome:
-    """The outcome of a run from its status (exit code or signal, CPU seconds, wall limit)
-    and stderr. RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard one; a
-    SIGKILL before the CPU limit is the program's own doing (a crash)."""
-    sig = status.get("signal")
-    over_cpu = sig == signal.SIGKILL and status.get("cpu_s", 0.0) >= cpu_limit_s - 0.05
-    if status.get("wall_timeout") or sig == signal.SIGXCPU or over_cpu:
+def classify(report: dict, cpu_limit_s: float, asserts: bool = False) -> tuple[Outcome, str]:
+    """The outcome of a run from PID 1's report, and a detail for test_code runs.
+
+    The program's own end: RLIMIT_CPU sends SIGXCPU at the soft limit and SIGKILL at the hard
+    one (a SIGKILL before the CPU limit is the program's own doing: a crash, unless the memory
+    cgroup killed it). With test_code only the asserts' verdict passes a run: an exit status,
+    whatever it is, never does."""
+    verdict = report.get("verdict") or {}
+    if asserts and verdict.get("passed") is True:
+        return Outcome.ok, ""
+    if report.get("oom_kills", 0) > 0:  # the execution's memory cgroup killed a process
+        return Outcome.memory, "over memory_mb + scratch_mb, all its processes together"
+    if report.get("wall_timeout"):
+        return Outcome.timeout, ""
+    if asserts and verdict.get("kind") == "assert":
+        return Outcome.wrong_answer, str(verdict.get("detail", ""))
+    detail = str(verdict.get("detail", ""))
+    if asserts and detail.startswith("MemoryError"):
+        return Outcome.memory, detail
+    status = _status_outcome({**report, "stderr": report.get("stderr", "") + detail}, cpu_limit_s)
+    if asserts and status == Outcome.ok:
+        code = report.get("exit_code")
+        ended = f"the program ended (exit {code}) before the tests finished"
+        return Outcome.crash, detail if verdict.get("kind") == "error" else ended
+    return status, detail
+
+
+def _status_outcome(report: dict, cpu_limit_s: float) -> Outcome:
+    sig = report.get("signal")
+    stderr = report.get("stderr", "")
+    over_cpu = sig == signal.SIGKILL and report.get("cpu_s", 0.0) >= cpu_limit_s - 0.05
+    if sig == signal.SIGXCPU or over_cpu:
         return Outcome.timeout
-    if sig == signal.SIGXFSZ or "File too large" in stderr:  # Python ignores SIGXFSZ: EFBIG
+    if report.get("oom_kills", 0) > 0:  # the execution's memory cgroup killed it
+        return Outcome.memory
+    full = report.get("output_full") and report.get("exit_code") != 0
+    if sig == signal.SIGXFSZ or full or "File too large" in stderr:  # Python ignores SIGXFSZ
         return Outcome.output_limit
-    if status.get("exit_code") == 0:
+    if report.get("exit_code") == 0:
         return Outcome.ok
     if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return Outcome.memory
     return Outcome.crash
-
-
-def _read_head(path: Path, limit: int) -> str:
-    if not path.exists():
-        return ""
-    with open(path, "rb") as f:
-        return f.read(limit).decode("utf-8", errors="replace")
-
-
-def _read_tail(path: Path, limit: int) -> str:
-    if not path.exists():
-        return ""
-    with open(path, "rb") as f:
-        f.seek(max(0, path.stat().st_size - limit))
-        return f.read().decode("utf-8", errors="replace")

@@ -1,0 +1,108 @@
+"""The sandbox itself, through rlbatch.rewards.sandbox.execute: what the program can see and do
+(no capability, no token, no dataset), and a wall limit that follows the CPU the program got
+rather than the machine's load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import types
+
+import pytest
+
+from rlbatch.config.rewards import Isolation, SandboxLimits
+from rlbatch.rewards import sandbox
+from rlbatch.rewards.sandbox import Outcome, execute
+
+LIMITS = SandboxLimits(cpu_s=2, wall_s=4)
+
+SNOOP = """import os, re
+hexes = set(re.findall('[0-9a-f]{32}', repr(dict(os.environ))))
+files = 0
+for d, _, names in os.walk('/'):
+    for f in names:
+        try:
+            with open(os.path.join(d, f), 'rb') as fh:
+                hexes.update(re.findall(rb'[0-9a-f]{32}', fh.read(1 << 22)))
+                files += 1
+        except OSError:
+            pass
+print(files, sorted(h if isinstance(h, str) else h.decode() for h in hexes))
+"""
+
+
+def test_the_program_never_sees_the_executions_token(monkeypatch):
+    """The verdict's token is in the host's and PID 1's memory only: a program that reads
+    every file it can (its /proc included) and its environment finds it nowhere."""
+    token = "feedfacecafebeef0123456789abcdef"
+    monkeypatch.setattr(sandbox, "secrets", types.SimpleNamespace(token_hex=lambda n: token))
+    run = execute(SNOOP, "", SandboxLimits(cpu_s=20, wall_s=40), Isolation.unshare, "assert True")
+    assert run.outcome == Outcome.ok, run  # the verdict needed the token: it was there
+    assert int(run.stdout.split()[0]) > 100  # it read the files it could see (its /proc too)
+    assert token not in run.stdout
+
+
+def test_the_program_has_no_capability_and_no_uid_0_as_root():
+    program = "import os\nprint(open('/proc/self/status').read())\nprint('uid', os.getuid())"
+    run = execute(program, "", LIMITS, Isolation.unshare)
+    status = dict(line.split(":\t") for line in run.stdout.splitlines() if ":\t" in line)
+    for key in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[key], 16) == 0, (key, status[key])
+    assert status["NoNewPrivs"].strip() == "1"
+    assert "uid 0" not in run.stdout  # as root: a fresh unprivileged uid
+
+
+def test_the_root_holds_only_the_interpreter_and_scratch():
+    program = "import os\nfor d, _, fs in os.walk('/'):\n    print(d)"
+    run = execute(program, "", LIMITS, Isolation.unshare)
+    tops = {line.split("/")[1] for line in run.stdout.splitlines() if line.count("/") >= 1}
+    base = sys.base_prefix.split("/")[1]
+    assert tops <= {"", ".rlbatch", "tmp", "proc", "dev", "etc", "usr", "lib", "lib64", base}
+    base_vars = {"base": sys.base_prefix, "platbase": sys.base_prefix}
+    installed = sysconfig.get_paths(vars=base_vars)["purelib"]  # the installation's packages
+    assert not [line for line in run.stdout.split() if line.startswith(installed + "/")]
+    assert not [line for line in run.stdout.split() if line.startswith(sys.prefix + "/")]
+    assert "/proc/1" not in run.stdout.splitlines()  # PID 1 is hidden from the program
+
+
+def _burners(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def test_a_correct_program_on_a_busy_machine_is_not_a_timeout():
+    """1.2 of its 2 CPU-seconds, wall_s=2, beside 3 busy processes per core: it waits for a
+    CPU far longer than 2 s, time the wall limit does not count."""
+    program = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.2:\n    pass\nprint(5)"
+    burners = _burners(3 * (os.cpu_count() or 1))
+    try:
+        run = execute(program, "", SandboxLimits(cpu_s=2, wall_s=2), Isolation.unshare)
+        sleeper = execute("import time\ntime.sleep(60)", "", SandboxLimits(cpu_s=2, wall_s=2),
+                          Isolation.unshare)  # fmt: skip
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    assert run.outcome == Outcome.ok and run.stdout == "5\n", run
+    assert run.wall_s > 2.0  # it did need more wall time than wall_s
+    assert sleeper.outcome == Outcome.timeout and sleeper.wall_s < 10  # sleeping still counts
+
+
+@pytest.mark.parametrize(
+    "program, asserts, passed",
+    [
+        ("def f(x):\n    return [x, (x,), {x: {x}}, b'x', 1.5, None]",
+         "assert f(1) == [1, (1,), {1: {1}}, b'x', 1.5, None]", True),
+        ("class S:\n    def twice(self, x):\n        return 2 * x\ndef gen(n):\n    yield from range(n)",
+         "assert S().twice(4) == 8\nassert list(gen(3)) == [0, 1, 2]", True),
+        ("def f(x):\n    raise ValueError(x)",
+         "try:\n    f(1)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError", True),
+        ("import math\ndef area(r):\n    return math.pi * r * r", "assert math.isclose(area(1), 3.14159, rel_tol=1e-4)", True),
+        ("class T(int):\n    def __eq__(self, o):\n        return True\ndef f():\n    return T(0)", "assert f() == 7", False),
+        ("def f():\n    return object()", "assert f()", False),
+    ],
+)  # fmt: skip
+def test_plain_data_crosses_and_nothing_else_does(program, asserts, passed):
+    run = execute(program, "", LIMITS, Isolation.unshare, asserts)
+    assert (run.outcome == Outcome.ok) == passed, run
