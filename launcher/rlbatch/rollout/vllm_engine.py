@@ -22,10 +22,12 @@ saved before the start and restored after it, so the trainer's random streams (d
 checkpointed RNG state) are the ones it seeded.
 
 A model-parallel group (tp x pp ranks, one replica of the model) decodes once: its first rank
-holds the engine and decodes every call, and the decoded rows (tokens, log-probs, finish) are
-broadcast to the group's other ranks, which start no engine and only take their part in the
-collective weight stream. So every rank of the group trains the same rows by construction,
-whatever the engine's kernels do (docs/rollout.md, "One engine per model-parallel group").
+takes the weights and decodes every call, and the decoded rows (tokens, log-probs, finish) are
+broadcast to the group's other ranks, which only take their part in the collective weight
+stream. So every rank of the group trains the same rows by construction, whatever the engine's
+kernels do (docs/rollout.md, "One decode per model-parallel group"). The other ranks still
+start an engine, left idle: vLLM, in the trainer's process, builds its own groups over the
+trainer's whole world, a collective every rank must join.
 """
 
 from __future__ import annotations
@@ -127,10 +129,9 @@ def write_model_dir(model_cfg: ModelConfig, dtype: str) -> Path:
 
 @dataclass
 class _Running:
-    """The process's engine, what it was started with, and whose weights it holds (``llm``
-    None: a rank that receives its group's decoded rows and starts no engine)."""
+    """The process's engine, what it was started with, and whose weights it holds."""
 
-    llm: Optional[Any]
+    llm: Any
     key: tuple[Any, ...]
     model_id: Optional[int] = None
     version: Optional[int] = None
@@ -139,12 +140,9 @@ class _Running:
 _RUNNING: list[_Running] = []
 
 
-def start_engine(
-    model_cfg: ModelConfig, settings: EngineSettings, *, hold: bool = True
-) -> _Running:
+def start_engine(model_cfg: ModelConfig, settings: EngineSettings) -> _Running:
     """The process's vLLM engine for (model_cfg, settings): started on the first call, shared
-    after; a different request in the same process is an error (vLLM's state is global).
-    ``hold=False``: the record without an engine (a rank that decodes nothing itself)."""
+    after; a different request in the same process is an error (vLLM's state is global)."""
     key = (tuple(sorted(asdict(model_cfg).items(), key=lambda kv: kv[0])), settings)
     if _RUNNING:
         if _RUNNING[0].key != key:
@@ -153,7 +151,7 @@ def start_engine(
                 " process-wide state, so one process hosts one engine"
             )
         return _RUNNING[0]
-    _RUNNING.append(_Running(_start_llm(model_cfg, settings) if hold else None, key))
+    _RUNNING.append(_Running(_start_llm(model_cfg, settings), key))
     return _RUNNING[0]
 
 
@@ -185,8 +183,8 @@ def trainer_rng_kept() -> Iterator[None]:
 
 class VllmBackend:
     """A TokenBackend on the process's vLLM engine, fed by this rank's policy chunks. In a
-    model-parallel group only the first rank holds an engine (``leader``); its decoded rows
-    are every rank's."""
+    model-parallel group only the first rank (``leader``) feeds and runs its engine; its
+    decoded rows are every rank's."""
 
     def __init__(self, model: Any, model_cfg: ModelConfig, settings: EngineSettings) -> None:
         from rlbatch.distributed import model_parallel_group
@@ -196,7 +194,7 @@ class VllmBackend:
         self.model_cfg = full_model_config(model, model_cfg)
         rank, self.group_size, _ = model_parallel_group()
         self.leader = rank == 0
-        self.running = start_engine(self.model_cfg, settings, hold=self.leader)
+        self.running = start_engine(self.model_cfg, settings)
 
     @property
     def version(self) -> Optional[int]:
@@ -214,7 +212,7 @@ class VllmBackend:
         llm = self.running.llm
         self.running.version = None  # half-updated weights belong to no version
         stream = stream_hf_weights(self.model, self.model_cfg)
-        if llm is None:  # no engine here: take part in the collective stream only
+        if not self.leader:  # this rank's engine decodes nothing: take part in the stream only
             for _ in stream:
                 pass
             return
@@ -269,7 +267,6 @@ class VllmBackend:
             for seed, limit in zip(seeds, limits, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        assert self.running.llm is not None, "only a group's first rank decodes"
         with trainer_rng_kept():
             outputs = self.running.llm.generate(prompts, params, use_tqdm=False)
         return [_row(out.outputs[0]) for out in outputs]
