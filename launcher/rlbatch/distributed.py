@@ -8,6 +8,9 @@ initialized (rlbatch.engine.parallel.initialize), else the world.
 - ``reduce_dp`` / ``reduce_step``: the GRPO step's ReduceFn's (1-D float64 vectors).
 - ``all_gather_object``, ``barrier``, ``check_same_across_ranks`` (plan-hash agreement).
 - ``broadcast_from_last_stage``: values computed on the last pipeline stage to every stage.
+- ``from_first_in_model_parallel_group``: a call made on one rank of a model-parallel group,
+  its result (or its error) on every rank of it.
+- ``comm_device``: where a group's backend moves tensors (cuda for nccl, cpu for gloo).
 - ``WorldDist``: the training loop's DistOps.
 - ``CollectiveTimeoutError`` / ``as_collective_timeout``: a backend's timeout as one type.
 """
@@ -18,14 +21,15 @@ import hashlib
 import importlib.util
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 
 Number = Union[int, float]
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------- timeouts
@@ -167,6 +171,23 @@ def broadcast_object_in_model_parallel_group(obj: Any) -> Any:
     return box[0]
 
 
+def from_first_in_model_parallel_group(call: Optional[Callable[[], T]]) -> T:
+    """``call()`` run on the first rank of this rank's model-parallel group (which passes it;
+    the others pass None) and its result on every rank of the group; an exception it raises
+    is raised on every rank (none is left waiting in the broadcast)."""
+    outcome: Any = None
+    if call is not None:
+        try:
+            outcome = ("ok", call())
+        except Exception as err:  # noqa: BLE001 - raised on every rank below
+            outcome = ("error", err)
+    kind, value = broadcast_object_in_model_parallel_group(outcome)
+    if kind == "error":
+        raise value
+    result: T = value
+    return result
+
+
 def is_last_stage() -> bool:
     if not _megatron_ready():
         return True
@@ -181,10 +202,25 @@ def _group_size(group: Optional[Any]) -> int:
     return dist.get_world_size(group)
 
 
-def _device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+def device_for_backend(backend: str) -> torch.device:
+    """The device whose tensors a torch.distributed backend moves: CUDA (the current device)
+    for nccl, including a mixed "cpu:gloo,cuda:nccl" group; the CPU for gloo."""
+    return torch.device("cuda") if "nccl" in str(backend) else torch.device("cpu")
+
+
+def comm_device(group: Optional[Any] = None) -> torch.device:
+    """Where tensors sent over ``group`` (None = the world) must live; the CPU without
+    torch.distributed."""
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    device = device_for_backend(dist.get_backend(group))
+    if device.type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return device
+
+
+def _device() -> torch.device:
+    return comm_device()
 
 
 # ------------------------------------------------------------------------------ reductions

@@ -15,8 +15,9 @@ from typing import Optional
 class VllmConfig:
     tensor_parallel_size: int = 1
     """vLLM's own tensor-parallel size, independent of parallel.tp: 1 = one full engine on every
-    training rank (a training layout of tp 2 generates with two identical full engines). Only 1
-    is supported in this release (the CPU build cannot shard)."""
+    training rank (a training layout of tp 2 holds two; the first rank of each model-parallel
+    group decodes and broadcasts its rows, the other's stays idle). Only 1 is supported in
+    this release (the CPU build cannot shard)."""
     dtype: Optional[str] = None
     """Engine dtype: float32, bfloat16 or float16; null = the training dtype
     (model.params_dtype)."""

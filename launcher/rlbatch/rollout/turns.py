@@ -16,10 +16,10 @@ row samples from ``segment_seed(row seed, k)``. Limits are the built-in engine's
 cut by either, or an observation that leaves no room for another assistant token, ends the
 episode as truncated.
 
-In a model-parallel group (tp x pp ranks) every rank runs its own full engine on the same rows
-and seeds, so the sampled tokens agree; the environment is stepped once, on the group's first
-rank, and its answers and episode records are broadcast (:class:`SharedTurns`), so no rank can
-see another turn than its peers, whatever the environment does.
+In a model-parallel group (tp x pp ranks) every turn is decoded once, on the group's first
+rank, and its rows broadcast (rlbatch.rollout.vllm_engine); the environment is stepped once, on
+that rank too, and its answers and episode records are broadcast (:class:`SharedTurns`), so no
+rank can see another turn than its peers, whatever the engine or the environment does.
 """
 
 from __future__ import annotations

@@ -16,17 +16,29 @@ trainer's convention when top_p = 1 and top_k = 0 (validation refuses the others
 training; evaluation samples with its own settings per request, greedy as top_k = 1).
 
 vLLM keeps process-wide state (its distributed groups, its thread settings), so one engine is
-started per process and shared by every user in it (training rollouts, evaluation).
+started per process and shared by every user in it (training rollouts, evaluation). Starting it
+seeds Python's, NumPy's and torch's process-wide generators (CUDA's too): their states are
+saved before the start and restored after it, so the trainer's random streams (dropout, the
+checkpointed RNG state) are the ones it seeded.
+
+A model-parallel group (tp x pp ranks, one replica of the model) decodes once: its first rank
+takes the weights and decodes every call, and the decoded rows (tokens, log-probs, finish) are
+broadcast to the group's other ranks, which only take their part in the collective weight
+stream. So every rank of the group trains the same rows by construction, whatever the engine's
+kernels do (docs/rollout.md, "One decode per model-parallel group"). The other ranks still
+start an engine, left idle: vLLM, in the trainer's process, builds its own groups over the
+trainer's whole world, a collective every rank must join.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -139,23 +151,49 @@ def start_engine(model_cfg: ModelConfig, settings: EngineSettings) -> _Running:
                 " process-wide state, so one process hosts one engine"
             )
         return _RUNNING[0]
-    for name, value in ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    from vllm import LLM
-
-    path = write_model_dir(model_cfg, settings.dtype)
-    _RUNNING.append(_Running(LLM(model=str(path), **settings.llm_kwargs()), key))
+    _RUNNING.append(_Running(_start_llm(model_cfg, settings), key))
     return _RUNNING[0]
 
 
+def _start_llm(model_cfg: ModelConfig, settings: EngineSettings) -> Any:
+    """A vLLM engine (started with the trainer's random streams kept)."""
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    path = write_model_dir(model_cfg, settings.dtype)
+    with trainer_rng_kept():
+        from vllm import LLM
+
+        return LLM(model=str(path), **settings.llm_kwargs())
+
+
+@contextlib.contextmanager
+def trainer_rng_kept() -> Iterator[None]:
+    """Leave the process-wide random generators (Python, NumPy, torch, CUDA) as they were
+    before the block: vLLM seeds them when it starts and draws from torch's in its weight
+    reload and decoding, which would move the trainer's streams (dropout, the RNG state a
+    checkpoint saves) by an amount that depends on the engine."""
+    from rlbatch.train.checkpoint import capture_rng_state, restore_rng_state
+
+    rng = capture_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(rng)
+
+
 class VllmBackend:
-    """A TokenBackend on the process's vLLM engine, fed by this rank's policy chunks."""
+    """A TokenBackend on the process's vLLM engine, fed by this rank's policy chunks. In a
+    model-parallel group only the first rank (``leader``) feeds and runs its engine; its
+    decoded rows are every rank's."""
 
     def __init__(self, model: Any, model_cfg: ModelConfig, settings: EngineSettings) -> None:
+        from rlbatch.distributed import model_parallel_group
         from rlbatch.engine.hf import full_model_config
 
         self.model = model
         self.model_cfg = full_model_config(model, model_cfg)
+        rank, self.group_size, _ = model_parallel_group()
+        self.leader = rank == 0
         self.running = start_engine(self.model_cfg, settings)
 
     @property
@@ -173,16 +211,38 @@ class VllmBackend:
 
         llm = self.running.llm
         self.running.version = None  # half-updated weights belong to no version
-        llm.collective_rpc(
-            "reload_weights",
-            kwargs={
-                "weights_iterator": stream_hf_weights(self.model, self.model_cfg),
-                "is_checkpoint_format": True,
-            },
-        )
-        llm.reset_prefix_cache()
+        stream = stream_hf_weights(self.model, self.model_cfg)
+        if not self.leader:  # this rank's engine decodes nothing: take part in the stream only
+            for _ in stream:
+                pass
+            return
+        with trainer_rng_kept():
+            llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": stream, "is_checkpoint_format": True},
+            )
+            llm.reset_prefix_cache()
 
     def decode(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        sampling: TokenSampling,
+        max_tokens: Optional[Sequence[int]] = None,
+    ) -> list[DecodedRow]:
+        """The group's first rank decodes; every rank of the group gets its rows (and an
+        error it raised)."""
+        if self.group_size == 1:
+            return self._generate(prompt_ids, seeds, sampling, max_tokens)
+        from rlbatch.distributed import from_first_in_model_parallel_group
+
+        call = None
+        if self.leader:
+            call = lambda: self._generate(prompt_ids, seeds, sampling, max_tokens)  # noqa: E731
+        rows: list[DecodedRow] = from_first_in_model_parallel_group(call)
+        return rows
+
+    def _generate(
         self,
         prompt_ids: Sequence[Sequence[int]],
         seeds: Sequence[int],
@@ -207,7 +267,8 @@ class VllmBackend:
             for seed, limit in zip(seeds, limits, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        outputs = self.running.llm.generate(prompts, params, use_tqdm=False)
+        with trainer_rng_kept():
+            outputs = self.running.llm.generate(prompts, params, use_tqdm=False)
         return [_row(out.outputs[0]) for out in outputs]
 
 

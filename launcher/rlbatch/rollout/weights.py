@@ -52,19 +52,37 @@ def _pipeline_stream(
     chunks: list[Any], cfg: ModelConfig, rank: int, size: int, group: Any
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stage 0's tensors, then stage 1's, ...: the owner sends each tensor's name, shape and
-    dtype, then the tensor, over the pipeline group."""
+    dtype, then the tensor, over the pipeline group, on that group's communication device
+    (CUDA for nccl, the CPU for gloo)."""
+    from rlbatch.distributed import comm_device
+
+    device = comm_device(group)
     for stage in range(size):
-        source = dist.get_global_rank(group, stage)
         local = _local_tensors(chunks, cfg) if stage == rank else None
-        while True:
-            item: Optional[tuple[str, torch.Tensor]] = next(local, None) if local else None
-            header: list[Any] = [None]
-            if local is not None and item is not None:
-                header = [(item[0], tuple(item[1].shape), item[1].dtype)]
-            dist.broadcast_object_list(header, src=source, group=group)
-            if header[0] is None:
-                break
-            name, shape, dtype = header[0]
-            tensor = item[1].contiguous() if item is not None else torch.empty(shape, dtype=dtype)
-            dist.broadcast(tensor, src=source, group=group)
-            yield name, tensor
+        yield from _stage_tensors(local, dist.get_global_rank(group, stage), group, device)
+
+
+def _stage_tensors(
+    local: Optional[Iterator[tuple[str, torch.Tensor]]],
+    source: int,
+    group: Any,
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stage's tensors from global rank ``source`` (which passes ``local``, its own
+    tensors; the others pass None) to every rank of ``group``: sent from and received into
+    tensors on ``device``, which the group's backend must be able to move."""
+    while True:
+        item = next(local, None) if local is not None else None
+        header: list[Any] = [None]
+        if item is not None:
+            header = [(item[0], tuple(item[1].shape), item[1].dtype)]
+        dist.broadcast_object_list(header, src=source, group=group)
+        if header[0] is None:
+            return
+        name, shape, dtype = header[0]
+        if item is not None:
+            tensor = item[1].to(device).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=source, group=group)
+        yield name, tensor

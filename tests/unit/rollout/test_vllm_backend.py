@@ -42,8 +42,57 @@ def setup():
     parallel.initialize(cfg)
     torch.manual_seed(0)
     (chunk,) = build_model(cfg, wrap_ddp=False)
+    seed_process_generators(1234)
+    before = process_rng_states()
     engine = build_rollout_engine(cfg, [chunk], eos_id=1, pad_id=0)
+    RNG_AROUND_START.extend([before, process_rng_states()])
     return cfg, chunk, engine
+
+
+RNG_AROUND_START: list[dict] = []
+"""The process-wide generators' states just before and just after the engine started."""
+
+
+def seed_process_generators(seed: int) -> None:
+    """The trainer's process-wide generators at a seed of its own (not vLLM's 0)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed + 1)
+    torch.manual_seed(seed + 2)
+
+
+def process_rng_states() -> dict:
+    """Python's, NumPy's and torch's process-wide generator states (and CUDA's when present)."""
+    import random
+
+    import numpy as np
+
+    state = {
+        "python": random.getstate(),
+        "numpy": [v.tolist() if hasattr(v, "tolist") else v for v in np.random.get_state()],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def test_starting_the_engine_leaves_the_trainers_random_streams_as_they_were(setup):
+    """vLLM seeds Python's, NumPy's and torch's process-wide generators (seed 0) while it
+    starts; the trainer's streams (dropout, the RNG state a checkpoint saves) must be the ones
+    it seeded: they are saved before the start and restored after it. A weight sync and a
+    generation leave them alone too."""
+    before, after = RNG_AROUND_START
+    assert after == before
+    _, _, engine = setup
+    seed_process_generators(99)
+    state = process_rng_states()
+    engine.generate(prompts_of(2, seed=5), 2, policy_version=40, seed=3)  # sync + decode
+    assert process_rng_states() == state
+    engine.take_figures()  # the next test counts its own syncs
 
 
 def prompts_of(num: int, seed: int = 0) -> list[Prompt]:
