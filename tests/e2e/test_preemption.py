@@ -116,3 +116,58 @@ def test_preemption_saves_then_resume_is_exact(
     if dp == 1:
         assert "taking over the stale lock" in resumed.stdout + resumed.stderr
     assert _metrics(run_dir) == reference[dp]
+
+
+LATE_SIGNALS = '''
+"""Imported by every Python process of the run (PYTHONPATH): torchrun and each rank worker get
+SIGUSR1, SIGTERM and SIGHUP while the interpreter shuts down, after Python dropped its own
+handlers: where a copy forwarded late by a loaded launcher or torchrun lands."""
+import os, signal, sys
+class _Late:
+    def __del__(self, kill=os.kill, pid=os.getpid(), open_=open, join=os.path.join,
+                marks=os.environ["LATE_SIGNAL_MARKS"],
+                sigs=(signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP)):
+        open_(join(marks, str(pid)), "w").close()
+        for sig in sigs:
+            kill(pid, sig)
+if {"rlbatch.runtime.worker", "rlbatch.runtime.torchrun"} & set(sys.orig_argv):
+    _late = _Late()
+'''
+
+
+@pytest.mark.parametrize("dp,preempted", [(2, True), (1, False)])
+def test_a_late_signal_while_the_run_exits_keeps_its_exit_code(
+    bin_dir, subprocess_env, tmp_path, dp, preempted
+):
+    """Every process of the run gets a preemption signal while it exits (deterministically: at
+    its interpreter's shutdown). A preempted run still exits 75 with its saved step, a finished
+    one 0: before, each worker died of the late signal (torchrun: 'exitcode: -10') and the run
+    read as failed."""
+    hook, marks, run_dir = tmp_path / "hook", tmp_path / "marks", tmp_path / "run"
+    hook.mkdir(), marks.mkdir()
+    (hook / "sitecustomize.py").write_text(LATE_SIGNALS)
+    path = os.pathsep.join(filter(None, [str(hook), subprocess_env.get("PYTHONPATH")]))
+    env = {**subprocess_env, "PYTHONPATH": path, "LATE_SIGNAL_MARKS": str(marks)}
+    steps = STEPS if preempted else 2
+    args = [*COMMON, f"trainer.max_steps={steps}", f"parallel.dp={dp}", f"hydra.run.dir={run_dir}"]
+    launcher = subprocess.Popen(
+        [str(bin_dir / "rlbatch-train"), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while preempted and _rows(run_dir) < 2 and launcher.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    if preempted:
+        launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=300)
+    assert len(list(marks.iterdir())) == 1 + dp  # torchrun and every rank got the late signals
+    assert "exitcode" not in err, err[-3000:]
+    if not preempted:
+        assert launcher.returncode == 0, err[-3000:]
+        assert _rows(run_dir) == steps
+        return
+    assert launcher.returncode == 75, err[-3000:]
+    saved = _rows(run_dir)
+    assert f"preempted (SIGTERM): saved step {saved} at " in err, err[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{saved:08d}"]

@@ -16,6 +16,10 @@ a run reacts the same way:
 The signal may reach one process of the run or all of them (SLURM signals every task of a step,
 ``kill -TERM -- -PGID`` a group): any one rank's request stops all ranks at the same step.
 
+A process of the run that is ending (its checkpoint saved, its run over, or failed) ignores these
+signals from then on (:func:`ignore`): a copy forwarded late, or a scheduler's second signal,
+must not turn a saved run's exit code 75 into a death by signal.
+
 A process that outlived its parent (rlbatch.runtime.lifeline.orphaned: nothing is left to
 coordinate a save with) dies of the signal instead, as an unhandled SIGTERM would end it; so
 does a child it forked, which inherits the handler.
@@ -62,6 +66,21 @@ def install() -> None:
     """Worker side: remember a preemption signal instead of dying of it."""
     for sig in SIGNALS:
         signal.signal(sig, _record)
+
+
+def ignore() -> None:
+    """This process is ending: ignore the preemption signals from now on.
+
+    Each worker gets the same request more than once (directly from the cluster, and forwarded
+    by the launcher and by torchrun, each a Python signal handler that may run late on a loaded
+    machine), so a copy can arrive after the worker saved and while it exits. Python drops its
+    own handlers early in interpreter shutdown (the default action is back, and for these
+    signals it ends the process), and shutting down torch and megatron takes a while: a copy
+    landing then would end the worker by that signal, torchrun would report exit -10 instead of
+    75, and a saved run would read as failed (and a scheduler would not requeue it). SIG_IGN is
+    left in place through the shutdown."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def requested() -> str | None:

@@ -92,6 +92,8 @@ def main() -> None:
         sys.exit(130)
     except SignalException as err:  # SIGINT / SIGQUIT: workers are stopped
         sys.exit(128 + int(err.sigval))
+    finally:  # the workers have ended: a late preemption signal must not end torchrun by it
+        preempt.ignore()
 
 
 if __name__ == "__main__":

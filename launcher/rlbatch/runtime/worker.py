@@ -8,7 +8,9 @@ or spawns (rlbatch.runtime.lifeline). A failure is written to <run_dir>/errors/r
 show, then the process exits non-zero so torchrun stops the other ranks. An entry that returns
 leaves <run_dir>/done/rank<N> (an exit with code 0 without it is a failure: user code called
 sys.exit). Preemption signals are recorded, not fatal (rlbatch.runtime.preempt): the loop
-saves and raises Preempted, and the worker exits with EXIT_PREEMPTED.
+saves and raises Preempted, and the worker exits with EXIT_PREEMPTED. Once the entry has ended
+(returned, preempted or failed), the worker ignores preemption signals while it shuts down
+(preempt.ignore).
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         _report(run_dir, rank, exc, debug=cfg.logging.level.upper() == "DEBUG")
         print(f"[rank {rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:  # ending, however: a late preemption signal must not end it by that signal
+        preempt.ignore()
 
 
 if __name__ == "__main__":
