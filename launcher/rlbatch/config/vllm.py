@@ -47,3 +47,9 @@ class VllmConfig:
     again as prompt + its tokens so far (the prefix cache keeps its whole KV blocks; after a
     weight sync they are recomputed under the new weights). Smaller: a round ends closer to the
     token at which it could, and free slots refill sooner; larger: fewer requests."""
+    sleep: bool = False
+    """Give the engine's GPU memory back while training: after each generation round (and
+    each evaluation) vLLM sleeps at level 1 (weights copied to CPU memory, KV cache freed) and
+    wakes before the next weight sync or decode. Needs generation not to overlap training
+    (grpo.num_steps_async=0). The CPU build has no sleep mode: there the calls are made and
+    recorded but free nothing."""

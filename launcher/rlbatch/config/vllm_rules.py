@@ -107,6 +107,16 @@ def _check_settings(cfg: RunConfig, errors: list[ConfigError]) -> None:
         if not ok:
             wanted = "in (0, 1]" if key.endswith("utilization") else "positive"
             errors.append(ConfigError(key, value, f"must be {wanted}"))
+    if v.sleep and cfg.grpo.num_steps_async > 0:
+        errors.append(
+            ConfigError(
+                "rollout.vllm.sleep",
+                True,
+                f"the engine generates the next rounds while training runs "
+                f"(grpo.num_steps_async={cfg.grpo.num_steps_async}), so it cannot sleep then: "
+                "set rollout.vllm.sleep=false, or grpo.num_steps_async=0",
+            )
+        )
     if not cfg.rollout.kv_cache:
         errors.append(
             ConfigError(

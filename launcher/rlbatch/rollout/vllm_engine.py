@@ -33,13 +33,14 @@ trainer's whole world, a collective every rank must join.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -76,6 +77,8 @@ class EngineSettings:
     gpu_memory_utilization: Optional[float]
     tensor_parallel_size: int = 1
     """vLLM's own tensor parallelism (validation keeps it 1: one full engine per rank)."""
+    enable_sleep_mode: bool = False
+    """GPU build with rollout.vllm.sleep: vLLM's allocator that can free and restore memory."""
 
     def llm_kwargs(self) -> dict[str, Any]:
         """LLM(...) keyword arguments besides the model directory."""
@@ -103,6 +106,7 @@ def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
         kv_cache_memory_bytes=int(v.kv_cache_space_gb * 2**30) if cpu else None,
         gpu_memory_utilization=None if cpu else v.gpu_memory_utilization,
         tensor_parallel_size=v.tensor_parallel_size,
+        enable_sleep_mode=v.sleep and not cpu,
     )
 
 
@@ -135,6 +139,32 @@ class _Running:
     key: tuple[Any, ...]
     model_id: Optional[int] = None
     version: Optional[int] = None
+    sleep: bool = False
+    """rollout.vllm.sleep: :func:`release_memory` puts the engine to sleep."""
+    asleep: bool = False
+    events: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=64))
+    """The last lifecycle calls (sleep, wake, sync, decode), in order: what a test can observe
+    on the CPU build, whose sleep frees nothing."""
+
+    def wake(self) -> None:
+        if self.asleep:
+            if self.key[1].enable_sleep_mode:
+                self.llm.wake_up()
+            self.asleep = False
+            self.events.append("wake")
+
+
+def release_memory() -> None:
+    """After a generation round: the process's engine sleeps (vLLM sleep level 1) when
+    rollout.vllm.sleep asks for it; it wakes before its next weight sync or decode."""
+    if not _RUNNING or not _RUNNING[0].sleep or _RUNNING[0].asleep:
+        return
+    running = _RUNNING[0]
+    if running.key[1].enable_sleep_mode:
+        running.llm.reset_prefix_cache()  # the freed KV cache holds no prefix after waking
+        running.llm.sleep(level=1)
+    running.asleep = True
+    running.events.append("sleep")
 
 
 _RUNNING: list[_Running] = []
@@ -186,7 +216,9 @@ class VllmBackend:
     model-parallel group only the first rank (``leader``) feeds and runs its engine; its
     decoded rows are every rank's."""
 
-    def __init__(self, model: Any, model_cfg: ModelConfig, settings: EngineSettings) -> None:
+    def __init__(
+        self, model: Any, model_cfg: ModelConfig, settings: EngineSettings, *, sleep: bool = False
+    ) -> None:
         from rlbatch.distributed import model_parallel_group
         from rlbatch.engine.hf import full_model_config
 
@@ -195,6 +227,7 @@ class VllmBackend:
         rank, self.group_size, _ = model_parallel_group()
         self.leader = rank == 0
         self.running = start_engine(self.model_cfg, settings)
+        self.running.sleep = sleep
 
     @property
     def version(self) -> Optional[int]:
@@ -216,6 +249,8 @@ class VllmBackend:
             for _ in stream:
                 pass
             return
+        self.running.wake()
+        self.running.events.append("sync")
         with trainer_rng_kept():
             llm.collective_rpc(
                 "reload_weights",
@@ -267,6 +302,8 @@ class VllmBackend:
             for seed, limit in zip(seeds, limits, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        self.running.wake()
+        self.running.events.append("decode")
         with trainer_rng_kept():
             outputs = self.running.llm.generate(prompts, params, use_tqdm=False)
         return [_row(out.outputs[0]) for out in outputs]
@@ -285,5 +322,5 @@ def build_vllm_engine(cfg: RunConfig, model: Any, *, eos_id: int) -> SyncedRollo
     from rlbatch.config.vllm_rules import cpu_build_installed
 
     settings = plan_engine(cfg, cpu=cpu_build_installed())
-    backend = VllmBackend(model, cfg.model, settings)
+    backend = VllmBackend(model, cfg.model, settings, sleep=cfg.rollout.vllm.sleep)
     return SyncedRolloutEngine(backend, token_sampling(cfg.rollout, eos_id))

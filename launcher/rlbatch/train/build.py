@@ -12,7 +12,13 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from rlbatch.config.schema import AdvantageEstimator, FilterGroups, RunConfig, ScaleRewards
+from rlbatch.config.schema import (
+    AdvantageEstimator,
+    FilterGroups,
+    RolloutBackend,
+    RunConfig,
+    ScaleRewards,
+)
 from rlbatch.grpo.stages import build_aggregator, build_reference, make_logps_fn
 from rlbatch.grpo.types import Sample
 from rlbatch.rollout.generation import weights_snapshot
@@ -310,7 +316,17 @@ def build_components(cfg: RunConfig) -> Components:
             "total_parameters": total,
         },
         evaluate=_evaluate_fn(cfg, model, tokenizer, ps),
+        release_rollout=_release_fn(cfg),
     )
+
+
+def _release_fn(cfg: RunConfig) -> Any:
+    """What gives the rollout engine's memory back between rounds (rollout.vllm.sleep)."""
+    if RolloutBackend(cfg.rollout.backend) != RolloutBackend.vllm or not cfg.rollout.vllm.sleep:
+        return None
+    from rlbatch.rollout.vllm_engine import release_memory
+
+    return release_memory
 
 
 def build_group_filter(cfg: RunConfig, schedule: Any, dp_rank: int) -> Any:

@@ -135,6 +135,9 @@ class Components:
     evaluate: Callable[[int], dict[str, Any]] | None = None
     """evaluate(step) -> eval/* metrics, the same on every rank (rlbatch.eval.runner); None
     when eval.every_steps is 0."""
+    release_rollout: Callable[[], None] | None = None
+    """Called when a generation round (or an evaluation) is done and training comes next: the
+    rollout engine gives its memory back (rollout.vllm.sleep); None = nothing to release."""
 
 
 class RankTimeoutError(RuntimeError):
@@ -242,6 +245,8 @@ def _evaluate(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int
         return _guarded(cfg, comps, heartbeat, step, lambda: evaluate(step))
     finally:
         restore_rng_state(rng)
+        if comps.release_rollout is not None:
+            comps.release_rollout()
 
 
 def _new_best(cfg: RunConfig, comps: Components, logger: MetricsLogger, record: dict) -> bool:
@@ -325,6 +330,8 @@ def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int
     comps.dist.reset_peak_memory()
     heartbeat.beat(step, "batch")
     batch = comps.producer.batch_for_step(step)
+    if comps.release_rollout is not None:
+        comps.release_rollout()
     inject_nan = inject_fault(cfg.debug, step, rank)  # mid-step: generation done, no update yet
     heartbeat.beat(step, "agree")
     if cfg.debug.check_plan_consistency:
