@@ -19,9 +19,7 @@ class VllmConfig:
     is supported in this release (the CPU build cannot shard)."""
     dtype: Optional[str] = None
     """Engine dtype: float32, bfloat16 or float16; null = the training dtype
-    (model.params_dtype), except float32 for a LoRA run (model.lora.rank > 0): it receives
-    merged weights W + scale * B A, and rounded to bf16 they lose the adapters' small updates
-    (docs/lora.md, Rollouts)."""
+    (model.params_dtype)."""
     kv_cache_space_gb: float = 1.0
     """CPU build: memory reserved for vLLM's paged KV cache, in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.3

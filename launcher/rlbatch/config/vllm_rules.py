@@ -44,14 +44,8 @@ def cpu_build_installed() -> bool:
 
 
 def engine_dtype(cfg: RunConfig) -> str:
-    """rollout.vllm.dtype, or when null the training dtype; float32 for a LoRA run that trains
-    in bf16 / fp16: the engine gets merged weights W + scale * B A, and a merge rounded to bf16
-    drops every adapter update under half a bf16 step of the weight (docs/lora.md)."""
-    if cfg.rollout.vllm.dtype:
-        return cfg.rollout.vllm.dtype
-    if cfg.model.lora.rank > 0:
-        return "float32"
-    return TRAINING_DTYPES[cfg.model.params_dtype.value]
+    """rollout.vllm.dtype, or the training dtype when null."""
+    return cfg.rollout.vllm.dtype or TRAINING_DTYPES[cfg.model.params_dtype.value]
 
 
 def vllm_head_dim(cfg: RunConfig) -> int:
