@@ -147,3 +147,17 @@ def test_bad_lora_values_are_refused_before_launch(bin_dir, subprocess_env, tmp_
     for key in ("model.lora.rank=-1", "model.lora.dropout=1.5", "model.lora.target_modules"):
         assert key in out
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_lora_dropout_is_refused_before_launch(bin_dir, subprocess_env, tmp_path):
+    """Adapter dropout would be on in the training forward and off in the log-prob passes (the
+    first on-policy ratio != 1): refused before any compute, with the key, the value and the
+    fix."""
+    proc = _train(
+        bin_dir, subprocess_env, tmp_path / "run", "model.lora.rank=8", "model.lora.dropout=0.05",
+        check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "1 configuration error(s)" in out
+    assert "model.lora.dropout=0.05: " in out and "set model.lora.dropout=0" in out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

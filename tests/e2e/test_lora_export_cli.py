@@ -91,7 +91,6 @@ def test_peft_loads_the_exported_adapters_of_a_tp2_lora_run(tmp_path, bin_dir, s
     _train(
         bin_dir, subprocess_env, run, f"model.hf_path={src}", "model.tokenizer=bytes",
         "parallel.tp=2", "trainer.max_steps=1", "model.lora.rank=4", "model.lora.alpha=8",
-        "model.lora.dropout=0.05",
         f"model.lora.target_modules=[{','.join(targets)}]",
     )  # fmt: skip
     _export(bin_dir, subprocess_env, run, out, step=1)
@@ -101,7 +100,7 @@ def test_peft_loads_the_exported_adapters_of_a_tp2_lora_run(tmp_path, bin_dir, s
     assert not (out / "base").exists()  # the run started from src: that is the base
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert adapter["peft_type"] == "LORA" and adapter["task_type"] == "CAUSAL_LM"
-    assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (4, 8, 0.05)
+    assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (4, 8, 0.0)
     assert sorted(adapter["target_modules"]) == sorted(targets)
     assert adapter["base_model_name_or_path"] == str(src.resolve())
 

@@ -35,8 +35,9 @@ class LoraConfig:
     """Scale numerator: the adapter's output is multiplied by alpha / rank; null = rank (scale 1).
     Keep alpha = rank when changing the rank, and tune the learning rate instead."""
     dropout: float = 0.0
-    """Dropout on the adapters' input (the frozen path sees the input unchanged); applied in
-    training passes only, never in log-prob or generation passes."""
+    """Dropout on the adapters' input; must stay 0 with adapters (rank > 0): it would be on in
+    the training forward and off in the log-prob passes, so the first on-policy importance
+    ratio would not be 1 (refused before launch; docs/lora.md)."""
     target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
     """Projections that get adapters, by Hugging Face name: q_proj, k_proj, v_proj, o_proj,
     gate_proj, up_proj, down_proj, or all-linear (all seven)."""

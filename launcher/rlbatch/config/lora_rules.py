@@ -8,6 +8,13 @@ from rlbatch.config.errors import ConfigError
 from rlbatch.config.lora import ALL_LINEAR, PROJECTIONS
 from rlbatch.config.schema import RunConfig
 
+DROPOUT_CHANGES_OBJECTIVE = (
+    "adapter dropout is on in the training forward but off when the behaviour and old"
+    " log-probs are computed, so the first on-policy importance ratio is not 1, clipping acts on"
+    " dropout noise and the gradient is that of a different policy; set model.lora.dropout=0"
+    " (the usual setting for RL: verl and NeMo-RL train LoRA without dropout)"
+)
+
 
 def check_lora(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """Every error of ``model.lora`` (its values are checked even with rank 0, so a typo in a
@@ -29,6 +36,8 @@ def check_lora(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
     if not (math.isfinite(lora.dropout) and 0 <= lora.dropout < 1):
         errors.append(ConfigError("model.lora.dropout", lora.dropout, "must be in [0, 1)"))
+    elif lora.rank > 0 and lora.dropout > 0:
+        errors.append(ConfigError("model.lora.dropout", lora.dropout, DROPOUT_CHANGES_OBJECTIVE))
     unknown = [m for m in lora.target_modules if m not in PROJECTIONS and m != ALL_LINEAR]
     if unknown:
         errors.append(

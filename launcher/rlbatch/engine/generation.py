@@ -48,14 +48,34 @@ def inference_mode(chunks: list[Any]) -> Iterator[None]:
 
 # ------------------------------------------------------------------------------ lean path
 @dataclass(frozen=True)
+class _Linear:
+    """One linear of a layer: its weight (and bias), and its LoRA adapters when they are on
+    (applied unmerged, as the training forward applies them)."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    lora: Any = None
+    """rlbatch.engine.lora.LoraBranch, or None."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> [N, out]: W x + b, plus scale * B A x in the activations' dtype (never
+        merged into W: a merge rounded to a bf16 weight would drop every adapter update smaller
+        than the weight's rounding step, so decoding would sample a policy behind the trained
+        one)."""
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora is None:
+            return out
+        return out + self.lora(x, False).to(out.dtype)
+
+
+@dataclass(frozen=True)
 class _Layer:
     norm1: torch.Tensor
-    qkv_w: torch.Tensor
-    qkv_b: Optional[torch.Tensor]
-    proj_w: torch.Tensor
+    qkv: _Linear
+    proj: _Linear
     norm2: torch.Tensor
-    fc1_w: torch.Tensor
-    fc2_w: torch.Tensor
+    fc1: _Linear
+    fc2: _Linear
 
 
 def lean_decoding_supported(chunks: list[Any]) -> bool:
@@ -151,20 +171,23 @@ class LeanDecoder:
 
     @staticmethod
     def _layer(layer: Any) -> _Layer:
-        """The layer's weights; a LoRA-adapted linear's with its enabled adapters merged in
-        (W + scale * B @ A, computed once per decoder), so decoding samples the trained policy
-        (or the base model inside rlbatch.engine.lora.adapters_disabled)."""
-        from rlbatch.engine.lora import active_weight
+        """The layer's weights and, for a LoRA-adapted linear, its adapters if they are on when
+        the decoder is built: decoding samples the trained policy exactly as the training
+        forward computes it (or the base model inside rlbatch.engine.lora.adapters_disabled)."""
+        from rlbatch.engine.lora import active_branch
 
         attn, mlp = layer.self_attention, layer.mlp
+
+        def linear(module: Any, bias: Optional[torch.Tensor] = None) -> _Linear:
+            return _Linear(module.weight, bias, active_branch(module))
+
         return _Layer(
             norm1=_norm_weight(attn.linear_qkv, layer.input_layernorm),
-            qkv_w=active_weight(attn.linear_qkv),
-            qkv_b=attn.linear_qkv.bias,
-            proj_w=active_weight(attn.linear_proj),
+            qkv=linear(attn.linear_qkv, attn.linear_qkv.bias),
+            proj=linear(attn.linear_proj),
             norm2=_norm_weight(mlp.linear_fc1, layer.pre_mlp_layernorm),
-            fc1_w=active_weight(mlp.linear_fc1),
-            fc2_w=active_weight(mlp.linear_fc2),
+            fc1=linear(mlp.linear_fc1),
+            fc2=linear(mlp.linear_fc2),
         )
 
     def _qkv(
@@ -173,7 +196,7 @@ class LeanDecoder:
         """h [N, H] -> q [N, nh, hn], k / v [N, ng, hn]: the fused projection (per query group:
         its query heads, then key, then value), the rotary embedding on queries and keys at once
         (cos / sin [N, 1, 1, hn])."""
-        qkv = F.linear(F.rms_norm(h, h.shape[-1:], layer.norm1, self.eps), layer.qkv_w, layer.qkv_b)
+        qkv = layer.qkv(F.rms_norm(h, h.shape[-1:], layer.norm1, self.eps))
         per_group = self.heads // self.groups
         qkv = qkv.view(-1, self.groups, per_group + 2, self.head_dim)
         qk = _rotate(qkv[:, :, : per_group + 1], cos, sin)  # [N, ng, per_group + 1, hn]
@@ -181,9 +204,9 @@ class LeanDecoder:
         return q, qk[:, :, per_group], qkv[:, :, per_group + 1]
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        h = F.linear(F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps), layer.fc1_w)
+        h = layer.fc1(F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps))
         gate, up = h.chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.fc2_w)
+        return x + layer.fc2(F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.out_w)
@@ -215,7 +238,7 @@ class LeanDecoder:
                     self.k[li][slot, :, :n] = ks
                     self.v[li][slot, :, :n] = vs
                 start += n
-            x = x + F.linear(torch.cat(outs), layer.proj_w)
+            x = x + layer.proj(torch.cat(outs))
             x = self._mlp(x, layer)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         self.lens[slot_t] = torch.tensor(lens, device=self.device)[src]
@@ -252,7 +275,7 @@ class LeanDecoder:
                 for (a, b, w), part_mask in zip(parts, masks, strict=True)
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = x + F.linear(out.reshape(len(tokens), -1), layer.proj_w)
+            x = x + layer.proj(out.reshape(len(tokens), -1))
             x = self._mlp(x, layer)
         self.lens[slots] = pos + 1
         return self._logits(x)
@@ -303,7 +326,7 @@ class LeanDecoder:
                     .reshape(n, -1)
                 )
                 offset += n
-            x = x + F.linear(torch.cat(outs), layer.proj_w)
+            x = x + layer.proj(torch.cat(outs))
             x = self._mlp(x, layer)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         for slot, start, n in zip(slots, starts, lens, strict=True):

@@ -2,7 +2,8 @@
 
     attach_adapters(chunks, cfg.model, seed)     # before DDP: adapters in, every base weight frozen
     with adapters_disabled(chunks): ...          # the base model (the reference policy)
-    merged_weight(linear)                        # this rank's shard of W + scale * B @ A
+    merged_weight(linear)                        # this rank's shard of W + scale * B @ A (fp32 at least)
+    active_branch(linear)                        # the adapters a forward applies (None: off / none)
     peft_name(layer_index, projection, "A")      # the adapter's Hugging Face PEFT tensor name
     full_adapters(chunks)                        # {PEFT name: full tensor} (gathered over tp)
     load_full_adapters(chunks, tensors)          # the inverse: full tensors into the tp shards
@@ -392,24 +393,29 @@ def adapters_disabled(chunks: Sequence[Any]) -> Iterator[None]:
 
 def merged_weight(linear: Any) -> torch.Tensor:
     """This rank's shard of the linear's weight with its adapters merged in: W + scale * B @ A
-    in megatron's local layout (fused q/k/v per query group, [gate_t; up_t]), in the weight's
-    dtype; the weight itself when the linear has no adapters. No communication: the merge of a
-    tp shard needs only that shard's factors."""
+    in megatron's local layout (fused q/k/v per query group, [gate_t; up_t]), the weight itself
+    when the linear has no adapters. No communication: the merge of a tp shard needs only that
+    shard's factors.
+
+    The sum is taken in float64 and rounded once, to float32 when the weight is bf16 / fp16:
+    rounded to bf16, every entry whose update is under half the weight's bf16 step (most of
+    them, for updates of 1e-5 on weights of 0.02) would keep its base value, and an engine fed
+    that merge would sample a policy behind the trained one. A bf16 consumer casts it (one
+    rounding, as before); an fp32 engine gets the adapted weight exactly."""
     weight = linear.weight.detach()
     branch: Optional[LoraBranch] = getattr(linear, "lora", None)
     if branch is None:
         return weight.clone()
-    return (weight.double() + branch.delta_weight()).to(weight.dtype)
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    return (weight.double() + branch.delta_weight()).to(dtype)
 
 
-def active_weight(linear: Any) -> torch.Tensor:
-    """The weight a forward of ``linear`` effectively applies: its merged weight while its
-    adapters are enabled, the base weight itself otherwise (for code that reads weights instead
-    of calling the module, e.g. the KV-cached decoder)."""
+def active_branch(linear: Any) -> Optional[LoraBranch]:
+    """The linear's adapters when a forward of it applies them (present and enabled), else
+    None: for code that reads weights instead of calling the module (the KV-cached decoder),
+    which then adds ``branch(x)`` to ``W x`` as the forward hook does, never a merged weight."""
     branch: Optional[LoraBranch] = getattr(linear, "lora", None)
-    if branch is None or not branch.enabled:
-        return linear.weight
-    return merged_weight(linear)
+    return branch if branch is not None and branch.enabled else None
 
 
 def adapter_parameters(chunks: Sequence[Any]) -> list[torch.nn.Parameter]:

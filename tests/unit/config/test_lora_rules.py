@@ -15,7 +15,18 @@ def _errors(**fields):
 
 def test_defaults_and_a_usual_setting_are_valid():
     assert _errors() == {}
-    assert _errors(rank=16, alpha=32.0, dropout=0.05, target_modules=["q_proj", "v_proj"]) == {}
+    assert _errors(rank=16, alpha=32.0, target_modules=["q_proj", "v_proj"]) == {}
+    assert _errors(rank=0, dropout=0.05) == {}  # no adapters: nothing drops out
+
+
+def test_dropout_is_refused_with_adapters():
+    """Dropout on in the training forward and off in the log-prob passes makes the first
+    on-policy ratio differ from 1: refused, with the fix."""
+    errors = _errors(rank=16, dropout=0.05)
+    assert set(errors) == {"model.lora.dropout"}
+    message = errors["model.lora.dropout"]
+    assert message.startswith("model.lora.dropout=0.05: ")
+    assert "ratio is not 1" in message and "set model.lora.dropout=0" in message
 
 
 def test_every_bad_value_is_reported_with_its_fix():

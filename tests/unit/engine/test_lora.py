@@ -282,3 +282,18 @@ def test_rollout_engine_samples_the_adapted_policy(tiny_cfg):
 def _named_adapters(chunks):
     model = unwrap(chunks[0])
     return [(n, p) for n, p in model.named_parameters() if lora.is_adapter_key(n)]
+
+
+@pytest.mark.slow  # a bf16 policy of hidden 512: ~50 s on 2 cores
+def test_bf16_engine_samples_adapter_updates_smaller_than_a_bf16_step():
+    """An adapter update of rms 1e-5 on bf16 weights whose bf16 step is larger than twice every
+    entry of it (tests/lora_bf16.py): merged into the weights and rounded to bf16 it vanishes;
+    the built-in engine applies the adapters unmerged, as training does, so its behaviour
+    log-probs equal the trainer's forward within bf16 noise instead of lagging by the
+    update's whole effect."""
+    import lora_bf16
+
+    gap = lora_bf16.builtin_gap()
+    assert gap.effect > 1e-3, gap  # the trainer's forward sees the update
+    assert abs(gap.mean_gap) < 0.35 * gap.effect, gap  # a merged engine: mean gap ~ -effect
+    assert gap.max_gap < 2 * gap.max_noise, gap  # per token: bf16 noise of two kernels
