@@ -131,3 +131,15 @@ def test_environments_and_partial_rollouts_run_on_vllm_where_the_builtin_engine_
     single = vllm_config()
     single.debug.response_length_median = 5  # single-turn vLLM rollouts are not capped
     assert "partial-rollout stream" in errors_by_key(single)["rollout.backend"]
+
+
+def test_sleep_is_refused_while_generation_runs_ahead_of_training():
+    cfg = vllm_config()
+    cfg.rollout.vllm.sleep = True
+    assert validate(cfg) == []  # on-policy: the engine is idle while training runs
+    cfg.grpo.num_steps_async = 1
+    cfg.grpo.max_staleness = 1
+    errors = errors_by_key(cfg)
+    assert set(errors) == {"rollout.vllm.sleep"}
+    assert "grpo.num_steps_async=1" in errors["rollout.vllm.sleep"]
+    assert "rollout.vllm.sleep=false" in errors["rollout.vllm.sleep"]

@@ -39,6 +39,7 @@ def setup():
     cfg.rollout.temperature = TEMPERATURE
     cfg.rollout.max_new_tokens = 12
     cfg.rollout.vllm.block_size = 32
+    cfg.rollout.vllm.sleep = True  # the CPU build has no sleep mode: recorded, frees nothing
     parallel.initialize(cfg)
     torch.manual_seed(0)
     (chunk,) = build_model(cfg, wrap_ddp=False)
@@ -154,6 +155,27 @@ def test_logps_equal_the_trainers_forward_before_and_after_training(setup):
     figures = engine.take_figures()
     assert figures["rollout/weight_syncs"] == 2.0 and figures["rollout/weight_sync_seconds"] > 0
     assert engine.take_figures() == {}  # counters restart every round
+
+
+def test_sleep_after_a_round_and_wake_before_the_next_sync_and_decode(setup):
+    """rollout.vllm.sleep: the loop's release after a round puts the engine to sleep (once);
+    the next round wakes it before it takes the weights and decodes. The CPU build cannot free
+    memory, so the order of the calls is what can be observed here; the samples are those of
+    an engine that never slept."""
+    from rlbatch.rollout.vllm_engine import release_memory
+
+    _, _, engine = setup
+    running = engine.backend.running
+    prompts = prompts_of(2, seed=6)
+    awake = engine.generate(prompts, 2, policy_version=40, seed=5)
+    running.events.clear()
+    release_memory()
+    release_memory()  # already asleep: nothing more
+    slept = engine.generate(prompts, 2, policy_version=41, seed=5)  # a new version: a sync
+    release_memory()
+    assert list(running.events) == ["sleep", "wake", "sync", "decode", "sleep"]
+    assert [s.response_ids for s in slept] == [s.response_ids for s in awake]
+    assert [s.behaviour_logps for s in slept] == [s.behaviour_logps for s in awake]
 
 
 def test_samples_are_groups_of_the_built_in_engines_shape(setup):
