@@ -181,10 +181,13 @@ class SyncedRolloutEngine:
         self, sampling: TokenSampling, turns: Optional[TurnDecoder] = None
     ) -> SyncedRolloutEngine:
         """The same backend (and weights) sampling with other settings (evaluation's), its
-        turns kept unless ``turns`` replaces them (evaluation's own environment driver)."""
-        return SyncedRolloutEngine(
+        turns kept unless ``turns`` replaces them (evaluation's own environment driver), and
+        its sync figures shared: a weight sync the derived engine makes is the run's."""
+        derived = SyncedRolloutEngine(
             self.backend, sampling, turns=self.turns if turns is None else turns
         )
+        derived.figures = self.figures
+        return derived
 
     def ensure_version(self, version: int) -> None:
         """Sync the backend's weights unless it already holds ``version``."""
@@ -199,7 +202,8 @@ class SyncedRolloutEngine:
     def take_figures(self) -> dict[str, float]:
         """This rank's ``rollout/*`` counters since the last call (the loop sums them over
         ranks: rollout/weight_sync_s is their ratio)."""
-        f, self.figures = self.figures, SyncFigures()
+        f = SyncFigures(self.figures.seconds, self.figures.count)
+        self.figures.seconds, self.figures.count = 0.0, 0  # in place: derived engines share it
         if not f.count:
             return {}
         return {"rollout/weight_sync_seconds": f.seconds, "rollout/weight_syncs": float(f.count)}

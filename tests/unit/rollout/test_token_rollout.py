@@ -70,3 +70,15 @@ def test_an_engine_derived_for_other_sampling_keeps_its_turns():
     assert calls == [(evaluation, 2)]
     engine.with_sampling(evaluation, turns=other).generate([Prompt(1, (1, 2), "a")], 1, 1, 3)
     assert calls[-1] == ("other", 1)
+
+
+def test_a_weight_sync_made_by_a_derived_engine_counts_in_the_runs_figures():
+    """Evaluation may be the first to generate with a new policy version: the sync it makes
+    is reported with the run's rollout/weight_syncs, not lost with the derived engine."""
+    from rlbatch.rollout.protocol import SyncedRolloutEngine, TokenSampling
+
+    engine = SyncedRolloutEngine(_Backend(), TokenSampling(16, 1.0, eos_id=0))
+    engine.with_sampling(TokenSampling(4, 0.5, eos_id=0)).generate([Prompt(1, (1,), "a")], 1, 5, 3)
+    engine.generate([Prompt(1, (1,), "a")], 1, 5, seed=3)  # version 5 is already there
+    assert engine.take_figures()["rollout/weight_syncs"] == 1.0
+    assert engine.take_figures() == {}
