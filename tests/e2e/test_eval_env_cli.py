@@ -43,12 +43,14 @@ def test_evaluation_steps_the_environment_in_training_and_in_rlbatch_eval(
     if backend == "vllm":
         pytest.importorskip("vllm")
     (tmp_path / "pays_one.py").write_text(PAYS_ONE)
+    rows = [{"prompt": f"guess {i}:", "answer": str(i % 10)} for i in range(16)]
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", f"rollout.backend={backend}",
-         "env.path=pays_one.py:PaysOne", "model.num_attention_heads=2",
-         "model.num_query_groups=2", "trainer.max_steps=1", "grpo.global_batch_size=16",
-         "eval.every_steps=1", "eval.at_start=false", "eval.max_prompts=16",
+         "env=default", "env.path=pays_one.py:PaysOne", "model.num_attention_heads=2",
+         "model.num_query_groups=2", "trainer.max_steps=1", "grpo.global_batch_size=32",
+         "eval.every_steps=1", "eval.at_start=false", "eval.data.path=held_out.jsonl", "eval.max_prompts=16",
          "eval.num_samples=4", "eval.temperature=1.0", "eval.max_new_tokens=48",
          f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
          "trainer.checkpoint.export_hf=false"],
