@@ -187,6 +187,16 @@ def model_dir_path(root: Optional[Path]) -> Path:
     return path
 
 
+def _remove_model_dir(path: Path, in_run_dir: bool) -> None:
+    """At exit: the model directory, and <run_dir>/vllm when no other process has one there."""
+    shutil.rmtree(path, ignore_errors=True)
+    if in_run_dir:
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass  # another engine's directory is still there
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -206,7 +216,7 @@ def write_model_dir(
     from rlbatch.engine.hf_config import GENERATION_CONFIG, HF_CONFIG, hf_config_dict, special_ids
 
     path = model_dir_path(root)
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    atexit.register(_remove_model_dir, path, root is not None)
     ids = special_ids(special.eos_ids, special.bos_id)
     config = hf_config_dict(model_cfg, dtype) | ids
     (path / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -60,3 +60,16 @@ def test_only_the_expected_vllm_records_are_dropped():
         "QKVParallelLinear: Failed to load weights",
         "Chat template rendering failed for a request",
     ]
+
+
+def test_a_process_removes_its_model_dir_at_exit(tmp_path):
+    code = (
+        "import sys; from pathlib import Path; from rlbatch.config.schema import ModelConfig;"
+        " from rlbatch.rollout.vllm_engine import SpecialIds, write_model_dir;"
+        " p = write_model_dir(ModelConfig(), 'float32', SpecialIds((258,), 257), Path(sys.argv[1]));"
+        " assert (p / 'generation_config.json').is_file(); print(p)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip().startswith(str(tmp_path / "vllm"))
+    assert not (tmp_path / "vllm").exists()
