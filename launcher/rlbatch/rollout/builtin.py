@@ -96,6 +96,8 @@ class _Outputs:
         self.hit_eos = torch.zeros(num_rows, dtype=torch.bool, device=device)
         self.caps = length_caps(keys, params).to(device)  # [num_rows]
         self.max_new = max_new
+        self.eos_ids = torch.tensor(params.eos_ids, dtype=torch.long, device=device)
+        """Every id that ends a row (the run's EOS set)."""
 
     def add(self, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, params: Any) -> Any:
         """Record one token for each of rows; returns the mask of rows that just finished."""
@@ -103,7 +105,7 @@ class _Outputs:
         self.tokens[rows, n] = tok
         self.logps[rows, n] = lp.double()
         self.count[rows] = n + 1
-        eos = torch.isin(tok, torch.tensor(params.eos_ids, device=tok.device))
+        eos = torch.isin(tok, self.eos_ids.to(tok.device))
         self.hit_eos[rows] |= eos
         return eos | (n + 1 >= self.caps[rows])
 
