@@ -44,7 +44,7 @@ def test_every_stopped_response_ends_with_the_tokenizers_eos(
     run_dir = tmp_path / "run"
     bias = [] if arch == "qwen2" else ["model.add_qkv_bias=false"]
     proc = subprocess.run(
-        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"model.architecture={arch}",
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"+model.architecture={arch}",
          *bias, "model.num_attention_heads=2", "model.num_query_groups=2",
          f"rollout.backend={backend}", "logging.samples=true", "trainer.max_steps=2",
          f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
