@@ -57,3 +57,16 @@ def test_common_commands_compose_and_validate():
             compose(overrides, command, scope)
         except SystemExit as exc:  # compose prints the errors
             raise AssertionError(f"README example does not validate: {command} {args}") from exc
+
+
+def test_partial_rollouts_are_shown_with_the_settings_they_need():
+    """grpo.partial_rollouts=true alone is refused (it needs generation ahead,
+    grpo.num_steps_async >= 1, and grpo.max_staleness >= 2): every mention in the README
+    carries both, and a Common commands line that validates shows it."""
+    assert any("grpo.partial_rollouts=true" in c for c in _common_commands())
+    text = " ".join((REPO / "README.md").read_text().split())
+    mentions = [m.start() for m in re.finditer(r"grpo\.partial_rollouts=true", text)]
+    assert mentions
+    for at in mentions:
+        before = text[max(0, at - 80) : at]
+        assert "grpo.num_steps_async=1" in before and "grpo.max_staleness=2" in before, before

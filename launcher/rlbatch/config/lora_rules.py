@@ -57,3 +57,42 @@ def check_lora(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f" (e.g. [{ALL_LINEAR}]), or set model.lora.rank=0",
             )
         )
+    if lora.rank > 0 and not unknown:
+        _check_rank_fits(cfg, errors)
+
+
+def projection_shapes(cfg: RunConfig) -> dict[str, tuple[int, int]]:
+    """(input, output) features of every projection LoRA can adapt, from model.*."""
+    from rlbatch.engine.hf_config import head_dim_of
+
+    m = cfg.model
+    hidden, ffn, head = m.hidden_size, m.ffn_hidden_size, head_dim_of(m)
+    return {
+        "q_proj": (hidden, m.num_attention_heads * head),
+        "k_proj": (hidden, m.num_query_groups * head),
+        "v_proj": (hidden, m.num_query_groups * head),
+        "o_proj": (m.num_attention_heads * head, hidden),
+        "gate_proj": (hidden, ffn),
+        "up_proj": (hidden, ffn),
+        "down_proj": (ffn, hidden),
+    }
+
+
+def _check_rank_fits(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """A rank-r update B @ A of an (in x out) layer has rank at most min(in, out): a larger
+    model.lora.rank only adds parameters that cannot change the policy."""
+    lora, shapes = cfg.model.lora, projection_shapes(cfg)
+    targets = PROJECTIONS if ALL_LINEAR in lora.target_modules else lora.target_modules
+    too_small = {t: shapes[t] for t in targets if lora.rank > min(shapes[t])}
+    if too_small:
+        limit = min(min(shape) for shape in too_small.values())
+        layers = ", ".join(f"{t} ({i} -> {o})" for t, (i, o) in too_small.items())
+        errors.append(
+            ConfigError(
+                "model.lora.rank",
+                lora.rank,
+                f"is larger than the layers it adapts: {layers}; an adapter's update has rank"
+                f" at most min(input, output) features: set model.lora.rank<={limit}, or leave"
+                " those projections out of model.lora.target_modules",
+            )
+        )

@@ -131,6 +131,11 @@ class ModelConfig:
     merges.txt / tokenizer.model through transformers), else the byte tokenizer when there is
     no hf_path; a hf_path without a loadable tokenizer stops the run before launch. bytes: the
     built-in byte tokenizer, deliberately (docs/data_and_rewards.md, "Tokenizers")."""
+    extra_eos_token_ids: list[int] = field(default_factory=list)
+    """Token ids that also end a response, besides the tokenizer's own end ids (its eos_token
+    and the eos_token_id of the directory's generation_config.json / config.json), e.g. a chat
+    model's end-of-turn token. Every rollout backend stops at the whole set (docs/rollout.md,
+    "End of a response")."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters (rank 0 = off: every weight trains); docs/lora.md."""
 

@@ -160,5 +160,19 @@ class DynamicRolloutEngine:
         for i in range(len(prompt_ids)):
             tokens = [int(t) for t in done[i].generated_tokens]
             logps = [float(v) for v in done[i].generated_log_probs or []][: len(tokens)]
-            out.append((tokens, logps, p.eos_id not in tokens))
+            out.append(cut_at_eos(tokens, logps, p.eos_ids))
         return out
+
+
+def cut_at_eos(
+    tokens: list[int], logps: list[float], eos_ids: Sequence[int]
+) -> tuple[list[int], list[float], bool]:
+    """(tokens up to and with the first of ``eos_ids``, their logprobs, truncated): megatron's
+    engine stops at one termination id only, so a row that sampled another EOS of the run goes
+    on; what it sampled after that EOS is dropped (the tokens before it are what a decoder
+    stopping there samples: each token depends only on those before it)."""
+    ends = set(eos_ids)
+    for n, token in enumerate(tokens):
+        if token in ends:
+            return tokens[: n + 1], logps[: n + 1], False
+    return tokens, logps, True

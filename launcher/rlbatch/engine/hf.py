@@ -38,6 +38,7 @@ from rlbatch.engine.hf_config import (
     hf_config_dict,
     read_hf_config,
     resolve_model_config,
+    special_ids,
 )
 
 INDEX = "model.safetensors.index.json"
@@ -400,7 +401,10 @@ def write_side_files(model_cfg: ModelConfig, out: Path) -> None:
     """Tokenizer files and generation_config.json copied from the source model
     (model.tokenizer_path, else model.hf_path); generation_config.json from the tokenizer's
     special tokens when the source has none; a run with the byte tokenizer writes
-    rlbatch_tokenizer.json instead of tokenizer files, so the export loads with it again."""
+    rlbatch_tokenizer.json instead of tokenizer files, so the export loads with it again.
+    The run's end ids (the tokenizer's ``eos_ids``, model.extra_eos_token_ids included) are the
+    eos_token_id of generation_config.json and of config.json when it is there: a reader that
+    falls back to the architecture's default (LlamaConfig: 2) would stop elsewhere."""
     import shutil
 
     from rlbatch.engine.tokenizer import BYTES_MARKER, build_tokenizer, tokenizer_source
@@ -412,10 +416,15 @@ def write_side_files(model_cfg: ModelConfig, out: Path) -> None:
             shutil.copyfile(found, out / name)
     if tokenizer_source(model_cfg)[1] is None:  # the byte tokenizer: say so in the directory
         (out / BYTES_MARKER).write_text(json.dumps({"tokenizer": "bytes"}) + "\n")
-    if not (out / GENERATION_CONFIG).is_file():
-        tok = build_tokenizer(model_cfg)
-        gen = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-        (out / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
+    tok = build_tokenizer(model_cfg)
+    gen = {"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id}
+    if (out / GENERATION_CONFIG).is_file():
+        gen = json.loads((out / GENERATION_CONFIG).read_text())
+    ids = special_ids(tok.eos_ids, gen.get("bos_token_id", tok.bos_id))
+    (out / GENERATION_CONFIG).write_text(json.dumps(gen | ids, indent=2) + "\n")
+    if (out / HF_CONFIG).is_file():
+        config = json.loads((out / HF_CONFIG).read_text())
+        (out / HF_CONFIG).write_text(json.dumps(config | ids, indent=2) + "\n")
 
 
 def export_hf(

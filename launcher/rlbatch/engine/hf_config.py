@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.schema import Architecture, Dtype, ModelConfig, RopeScaling
 
 HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 
 _CLASSES = {
     Architecture.qwen2: "Qwen2ForCausalLM",
@@ -278,6 +280,14 @@ def _rope_dict(model: ModelConfig) -> dict[str, Any] | None:
     if scaling == RopeScaling.yarn:
         out.update(beta_fast=model.rope_beta_fast, beta_slow=model.rope_beta_slow)
     return out
+
+
+def special_ids(eos_ids: Sequence[int], bos_id: Optional[int]) -> dict[str, Any]:
+    """A config's eos_token_id (one id, or the list when there are several, as transformers
+    writes it) and bos_token_id: without them transformers falls back to the architecture's
+    defaults (LlamaConfig: EOS 2, BOS 1), which a reader such as vLLM then stops at."""
+    eos: Any = int(eos_ids[0]) if len(eos_ids) == 1 else [int(i) for i in eos_ids]
+    return {"eos_token_id": eos, "bos_token_id": bos_id}
 
 
 def hf_config_dict(model: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:

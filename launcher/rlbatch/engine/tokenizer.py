@@ -1,7 +1,12 @@
 """Tokenizers: a built-in byte-level one (the tiny default) and a local HF tokenizer directory.
 
 Both have the same interface: ``encode(text) -> list[int]``, ``decode(ids) -> str``,
-``eos_id``, ``pad_id``, ``bos_id`` (or None), ``vocab_size``.
+``eos_id``, ``eos_ids``, ``pad_id``, ``bos_id`` (or None), ``vocab_size``.
+
+``eos_ids`` is the set of ids that end a response (``eos_id``, the tokenizer's primary EOS,
+first): every rollout backend stops at any of them and every consumer of a response (rewards,
+environments, truncation) reads this one set. :func:`build_tokenizer` adds
+``model.extra_eos_token_ids`` to the tokenizer's own.
 
     tokenizer = build_tokenizer(cfg.model)   # tokenizer_path, else hf_path, else bytes
 
@@ -25,6 +30,7 @@ from rlbatch.config.schema import ModelConfig, TokenizerSource
 
 class Tokenizer(Protocol):
     eos_id: int
+    eos_ids: tuple[int, ...]
     pad_id: int
     bos_id: Optional[int]
     vocab_size: int
@@ -42,6 +48,7 @@ class ByteTokenizer:
 
     def __init__(self) -> None:
         self.pad_id, self.eos_id = self.PAD, self.EOS
+        self.eos_ids: tuple[int, ...] = (self.EOS,)
         self.bos_id: Optional[int] = self.BOS
         self.vocab_size = 259
 
@@ -130,7 +137,9 @@ class HFTokenizer:
     """A local HF tokenizer directory (tokenizer.json via the ``tokenizers`` library, else the
     fast tokenizer transformers converts vocab.json + merges.txt or a sentencepiece model to).
     The EOS and PAD tokens come from tokenizer_config.json (eos_token / pad_token), else
-    generation_config.json / config.json (eos_token_id); pad defaults to EOS."""
+    generation_config.json / config.json (eos_token_id); pad defaults to EOS. ``eos_ids``: that
+    EOS, then every other id of generation_config.json's and config.json's eos_token_id (a chat
+    model's end-of-turn token is often listed there), as Hugging Face's generate stops."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -147,6 +156,7 @@ class HFTokenizer:
             raise ValueError(f"{path}: no eos_token / eos_token_id in the tokenizer's configs")
         pad = _special_id(self._tok, meta.get("pad_token"))
         self.eos_id = int(eos)
+        self.eos_ids = _unique((self.eos_id, *_listed_eos_ids(self.path)))
         self.pad_id = int(pad) if pad is not None else self.eos_id
         self.bos_id = _special_id(self._tok, meta.get("bos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -164,6 +174,22 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _listed_eos_ids(path: Path) -> list[int]:
+    """The eos_token_id entries (an int or a list) of config.json and generation_config.json."""
+    out: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        if (path / name).is_file():
+            listed = json.loads((path / name).read_text()).get("eos_token_id")
+            out += [
+                int(i) for i in (listed if isinstance(listed, list) else [listed]) if i is not None
+            ]
+    return out
+
+
+def _unique(ids: Any) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -203,12 +229,13 @@ def tokenizer_source(model: ModelConfig) -> tuple[str, Optional[str]]:
 
 
 def tokenizer_errors(model: ModelConfig) -> list[ConfigError]:
-    """Before launch: the run's tokenizer loads (its files found, what failed and the fix)."""
+    """Before launch: the run's tokenizer loads (its files found, what failed and the fix), and
+    model.extra_eos_token_ids are ids of its vocabulary."""
     key, path = tokenizer_source(model)
-    if path is None or not Path(path).is_dir():
-        return []  # the byte tokenizer; a missing directory is its own rule's error
+    if path is None or not Path(path).is_dir():  # a missing directory is its own rule's error
+        return _extra_eos_errors(model, ByteTokenizer().vocab_size) if path is None else []
     try:
-        build_tokenizer(model)
+        tokenizer = build_tokenizer(model)
     except TokenizerLoadError as err:
         fix = "set model.tokenizer_path=DIR (a tokenizer directory)"
         if key == "model.hf_path":
@@ -216,7 +243,21 @@ def tokenizer_errors(model: ModelConfig) -> list[ConfigError]:
         return [ConfigError(key, path, f"{err}; or {fix}")]
     except ValueError as err:
         return [ConfigError(key, path, str(err))]
-    return []
+    return _extra_eos_errors(model, tokenizer.vocab_size)
+
+
+def _extra_eos_errors(model: ModelConfig, vocab_size: int) -> list[ConfigError]:
+    bad = [i for i in model.extra_eos_token_ids if not 0 <= int(i) < vocab_size]
+    if not bad:
+        return []
+    return [
+        ConfigError(
+            "model.extra_eos_token_ids",
+            list(model.extra_eos_token_ids),
+            f"{bad} are outside the tokenizer's vocabulary (ids 0..{vocab_size - 1}): list ids"
+            " of tokens that end a response (e.g. a chat model's end-of-turn token)",
+        )
+    ]
 
 
 def build_tokenizer(model: ModelConfig) -> Tokenizer:
@@ -224,6 +265,7 @@ def build_tokenizer(model: ModelConfig) -> Tokenizer:
     TokenizerLoadError). The model's vocabulary must cover the tokenizer's."""
     _, path = tokenizer_source(model)
     tokenizer: Tokenizer = HFTokenizer(path) if path else ByteTokenizer()
+    tokenizer.eos_ids = _unique((*tokenizer.eos_ids, *model.extra_eos_token_ids))
     if tokenizer.vocab_size > model.vocab_size:
         raise ValueError(
             f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's "

@@ -206,7 +206,8 @@ class EnvDriver:
 
     def _add_turn(self, ep: Episode, turn_ids: list[int]) -> str:
         """Record an assistant turn; returns its text (EOS excluded)."""
-        ids = turn_ids[:-1] if turn_ids and turn_ids[-1] == self.tokenizer.eos_id else turn_ids
+        ends = turn_ids and turn_ids[-1] in self.tokenizer.eos_ids
+        ids = turn_ids[:-1] if ends else turn_ids
         text = self.tokenizer.decode(list(ids))
         ep.turns.append({"role": "assistant", "text": text, "tokens": len(turn_ids)})
         return text

@@ -25,6 +25,7 @@ def run(cfg: RunConfig) -> None:
     from rlbatch.eval.report import write_samples
     from rlbatch.eval.runner import Evaluator, samples_path
     from rlbatch.jobs.export import load_model_state
+    from rlbatch.rollout.protocol import shutdown_synced_engines
 
     assert cfg.run_dir is not None, "the driver sets run_dir"
     work = Path(cfg.run_dir)
@@ -43,11 +44,15 @@ def run(cfg: RunConfig) -> None:
         dp_size=state.dp,
         gather=distributed.dp_gather_object,
     )
-    metrics, results = evaluator.evaluate(step)
+    try:
+        metrics, results = evaluator.evaluate(step)
+    finally:
+        evaluator.close()
     if state.rank == 0:
         path = samples_path(work, step)
         write_samples(path, results)
         body = {"checkpoint": checkpoint, "step": step, "metrics": metrics, "samples": str(path)}
         (work / RESULT).write_text(json.dumps(body, indent=2) + "\n")
         log.info("evaluated %d prompts: %s", len(results), path)
+    shutdown_synced_engines()  # before the process groups: vLLM destroys its own
     parallel.destroy()

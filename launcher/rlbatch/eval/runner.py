@@ -84,13 +84,19 @@ class Evaluator:
         blocks = [self.prompts[i : i + size] for i in range(0, len(self.prompts), size)]
         self.blocks = list(enumerate(blocks))[dp_rank::dp_size]  # (block index, prompts)
         self.tokenizer = tokenizer
-        self.engine = _engine(cfg, model, tokenizer)
+        self.engine, self.driver = _engine(cfg, model, tokenizer)
         self.rewards = build_rewards(data, cfg.batching.infer)
         self.answer: Optional[AnswerFn] = answer_fn(
             voting_kind(data.reward, data.reward_fn), data.task
         )
         self.gather = gather
         self.seed = rank_seed(cfg.trainer.seed, EVAL_STREAM)
+
+    def close(self) -> None:
+        """Release the evaluation's environment driver (its threads), when it has one."""
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[PromptResult]]:
         """Sample and score this rank's prompts, gather every rank's, compute the metrics."""
@@ -135,28 +141,43 @@ class Evaluator:
         ]
 
 
-def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> Any:
-    """The rollout engine with the evaluation's sampling settings and data, in
-    rollout.micro_batch_size prompt chunks (sequence parallelism off while decoding, as for
-    training's rollouts); multi-turn through the run's environment when env.path is set.
-    Evaluation measures the policy: the long-tailed length workload of training's rollouts
+def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]:
+    """(the rollout engine with the evaluation's sampling settings and data, its environment
+    driver or None), in rollout.micro_batch_size prompt chunks (sequence parallelism off while
+    decoding, as for training's rollouts); multi-turn through the run's environment (env.path)
+    on every backend, the driver built for the evaluation's data. Evaluation measures the
+    policy: the long-tailed length workload of training's rollouts
     (debug.response_length_median) stays off here.
 
     A backend with its own copy of the weights (rollout.backend=vllm) is one engine per process:
-    evaluation uses the run's engine, with its own sampling per request."""
-    from rlbatch.rollout.generation import SequenceParallelOffEngine, build_engine
+    evaluation uses the run's engine, with its own sampling per request and its own turns."""
+    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.generation import SequenceParallelOffEngine
     from rlbatch.rollout.protocol import SYNCED_BACKENDS, SyncedRolloutEngine, token_sampling
 
-    if getattr(cfg.rollout.backend, "value", cfg.rollout.backend) in SYNCED_BACKENDS:
-        run_engine = build_engine(cfg, model, tokenizer, chunked=True)
-        assert isinstance(run_engine, SyncedRolloutEngine)
-        return run_engine.with_sampling(token_sampling(eval_rollout(cfg), tokenizer.eos_id))
     debug = dataclasses.replace(cfg.debug, response_length_median=0)
     sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg), data=eval_data(cfg), debug=debug)
-    engine = build_engine(sampling, model, tokenizer, chunked=True)
-    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+    driver = None
+    if cfg.env.path:
+        from rlbatch.rollout.turns import build_turn_driver
+
+        driver = build_turn_driver(sampling, tokenizer)
+    synced = getattr(cfg.rollout.backend, "value", cfg.rollout.backend) in SYNCED_BACKENDS
+    engine = build_rollout_engine(
+        cfg if synced else sampling,  # a synced engine starts with the run's settings
+        model,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        chunked=True,
+        driver=driver,
+        extra_eos_ids=tokenizer.eos_ids,
+    )
+    if synced:
+        assert isinstance(engine, SyncedRolloutEngine)
+        engine = engine.with_sampling(token_sampling(eval_rollout(cfg), tokenizer.eos_ids))
+    elif cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
         engine = SequenceParallelOffEngine(engine, model)
-    return engine
+    return engine, driver
 
 
 def make_evaluate_fn(
@@ -178,6 +199,7 @@ def make_evaluate_fn(
             write_samples(samples_path(Path(str(cfg.run_dir)), step), results)
         return metrics
 
+    evaluate.close = evaluator.close  # type: ignore[attr-defined]
     return evaluate
 
 

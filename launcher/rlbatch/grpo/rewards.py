@@ -401,7 +401,7 @@ def score(fn: RewardFn, inputs: Sequence[RewardInput], name: str = "reward") -> 
 class TextDecoder(Protocol):
     """The part of rlbatch.engine.tokenizer's Tokenizer that scoring needs."""
 
-    eos_id: int
+    eos_ids: tuple[int, ...]
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -411,7 +411,7 @@ def reward_input(sample: Sample, tokenizer: TextDecoder) -> RewardInput:
     multi-turn trajectory: everything after the prompt, assistant turns and the rendered
     observations between them, special tokens dropped by the tokenizer's decode)."""
     ids = list(sample.response_ids)
-    if ids and ids[-1] == tokenizer.eos_id:
+    if ids and ids[-1] in tokenizer.eos_ids:
         ids = ids[:-1]
     return RewardInput(
         prompt=sample.prompt.text,

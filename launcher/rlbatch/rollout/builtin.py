@@ -96,6 +96,8 @@ class _Outputs:
         self.hit_eos = torch.zeros(num_rows, dtype=torch.bool, device=device)
         self.caps = length_caps(keys, params).to(device)  # [num_rows]
         self.max_new = max_new
+        self.eos_ids = torch.tensor(params.eos_ids, dtype=torch.long, device=device)
+        """Every id that ends a row (the run's EOS set)."""
 
     def add(self, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, params: Any) -> Any:
         """Record one token for each of rows; returns the mask of rows that just finished."""
@@ -103,7 +105,7 @@ class _Outputs:
         self.tokens[rows, n] = tok
         self.logps[rows, n] = lp.double()
         self.count[rows] = n + 1
-        eos = tok == params.eos_id
+        eos = torch.isin(tok, self.eos_ids.to(tok.device))
         self.hit_eos[rows] |= eos
         return eos | (n + 1 >= self.caps[rows])
 
@@ -361,9 +363,11 @@ def as_rollout_fn(engine: RolloutEngine, policy_version: int) -> Any:
 
 
 def _megatron_engine(
-    cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
+    cfg: RunConfig, model: Any, eos_ids: tuple[int, ...], pad_id: int, chunked: bool, driver: Any
 ) -> Any:
-    params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id, debug=cfg.debug)
+    params = SamplingParams.from_config(
+        cfg.rollout, eos_id=eos_ids[0], pad_id=pad_id, debug=cfg.debug, extra_eos_ids=eos_ids
+    )
     chunk_size = cfg.rollout.micro_batch_size if chunked else None
     return MegatronRolloutEngine(
         model,
@@ -376,21 +380,23 @@ def _megatron_engine(
 
 
 def _dynamic_engine(
-    cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
+    cfg: RunConfig, model: Any, eos_ids: tuple[int, ...], pad_id: int, chunked: bool, driver: Any
 ) -> Any:
     from rlbatch.rollout.megatron_dynamic import build_megatron_dynamic
 
-    return build_megatron_dynamic(cfg, model, eos_id=eos_id, pad_id=pad_id)
+    return build_megatron_dynamic(
+        cfg, model, eos_id=eos_ids[0], pad_id=pad_id, extra_eos_ids=eos_ids
+    )
 
 
 def _vllm_engine(
-    cfg: RunConfig, model: Any, eos_id: int, pad_id: int, chunked: bool, driver: Any
+    cfg: RunConfig, model: Any, eos_ids: tuple[int, ...], pad_id: int, chunked: bool, driver: Any
 ) -> Any:
     from rlbatch.rollout.protocol import build_synced_engine
     from rlbatch.rollout.turns import TurnSamples
 
     turns = None if driver is None else TurnSamples(driver, cfg.env.max_total_tokens)
-    return build_synced_engine(cfg, model, eos_id=eos_id, turns=turns)
+    return build_synced_engine(cfg, model, eos_ids=eos_ids, turns=turns)
 
 
 _ENGINES = {
@@ -408,9 +414,13 @@ def build_rollout_engine(
     pad_id: int,
     chunked: bool = True,
     driver: Any = None,
+    extra_eos_ids: Sequence[int] = (),
 ) -> RolloutEngine:
     """The engine ``rollout.backend`` names, on this rank's policy chunks. `chunked`: split
     generate() calls by rollout.micro_batch_size (False when the LCM aggregator chunks).
-    `driver`: multi-turn rollouts through this turn driver (rlbatch.env.driver.EnvDriver)."""
+    `driver`: multi-turn rollouts through this turn driver (rlbatch.env.driver.EnvDriver).
+    `extra_eos_ids`: other ids that end a response besides `eos_id` (the tokenizer's
+    ``eos_ids``): every backend stops at the whole set."""
     backend = RolloutBackend(cfg.rollout.backend)
-    return _ENGINES[backend](cfg, model, eos_id, pad_id, chunked, driver)
+    eos_ids = tuple(dict.fromkeys((eos_id, *extra_eos_ids)))
+    return _ENGINES[backend](cfg, model, eos_ids, pad_id, chunked, driver)

@@ -138,5 +138,11 @@ def build_engine(
 
         driver = build_turn_driver(cfg, tokenizer)
     return build_rollout_engine(
-        cfg, model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, chunked=chunked, driver=driver
+        cfg,
+        model,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        chunked=chunked,
+        driver=driver,
+        extra_eos_ids=tokenizer.eos_ids,
     )

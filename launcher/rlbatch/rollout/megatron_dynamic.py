@@ -13,11 +13,15 @@ from rlbatch.grpo.types import Prompt, Sample, group_rows
 from rlbatch.rollout.sampling import SamplingParams
 
 
-def build_megatron_dynamic(cfg: RunConfig, model: Any, *, eos_id: int, pad_id: int) -> Any:
+def build_megatron_dynamic(
+    cfg: RunConfig, model: Any, *, eos_id: int, pad_id: int, extra_eos_ids: Sequence[int] = ()
+) -> Any:
     """The megatron_dynamic RolloutEngine on this rank's policy chunks."""
     from rlbatch.engine.dynamic_inference import DynamicRolloutEngine
 
-    params = SamplingParams.from_config(cfg.rollout, eos_id=eos_id, pad_id=pad_id)
+    params = SamplingParams.from_config(
+        cfg.rollout, eos_id=eos_id, pad_id=pad_id, extra_eos_ids=extra_eos_ids
+    )
     return TokenRolloutEngine(DynamicRolloutEngine(model, params))
 
 

@@ -94,7 +94,7 @@ class SlotStats:
 
 def _ended(traj: Trajectory, token: int, params: SamplingParams, max_response: int) -> str:
     """'' (the turn goes on), 'turn' (EOS: the environment's turn), or the limit that ends it."""
-    if token == params.eos_id:
+    if params.ends(token):
         return "turn"
     if len(traj.ids) >= max_response:
         return "max_total_tokens"

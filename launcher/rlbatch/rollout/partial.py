@@ -332,7 +332,7 @@ class PartialRolloutStream:
         return sample_tokens(logits, self.params, keys, steps)
 
     def _row_ends(self, row: StreamRow, token: int) -> bool:
-        if token == self.params.eos_id:
+        if self.params.ends(token):
             row.ended = True
         elif len(row.ids) >= row.cap:
             row.ended = True

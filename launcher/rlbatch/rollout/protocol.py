@@ -31,17 +31,25 @@ class TokenSampling:
     """0 = off; 1 = greedy (evaluation's temperature 0). Training keeps it 0 (vllm_rules)."""
     top_p: float = 1.0
     """1 = off. Training keeps it 1: the behaviour logprobs are the full vocabulary's."""
+    extra_eos_ids: tuple[int, ...] = ()
+    """Ids that also end a response besides eos_id (the tokenizer's ``eos_ids[1:]``)."""
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a response (eos_id first): the backend stops at any of them."""
+        return (self.eos_id, *self.extra_eos_ids)
 
 
-def token_sampling(rollout: Any, eos_id: int) -> TokenSampling:
+def token_sampling(rollout: Any, eos_ids: Sequence[int]) -> TokenSampling:
     """The TokenSampling of a rollout config (rollout.*, or evaluation's from
-    rlbatch.eval.settings.eval_rollout)."""
+    rlbatch.eval.settings.eval_rollout); ``eos_ids``: the tokenizer's, primary first."""
     return TokenSampling(
         max_new_tokens=rollout.max_new_tokens,
         temperature=rollout.temperature,
-        eos_id=eos_id,
+        eos_id=eos_ids[0],
         top_k=rollout.top_k,
         top_p=rollout.top_p,
+        extra_eos_ids=tuple(i for i in eos_ids[1:] if i != eos_ids[0]),
     )
 
 
@@ -169,9 +177,17 @@ class SyncedRolloutEngine:
             for (g, p), d in zip(rows, decoded, strict=True)
         ]
 
-    def with_sampling(self, sampling: TokenSampling) -> SyncedRolloutEngine:
-        """The same backend (and weights) sampling with other settings: evaluation's."""
-        return SyncedRolloutEngine(self.backend, sampling)
+    def with_sampling(
+        self, sampling: TokenSampling, turns: Optional[TurnDecoder] = None
+    ) -> SyncedRolloutEngine:
+        """The same backend (and weights) sampling with other settings (evaluation's), its
+        turns kept unless ``turns`` replaces them (evaluation's own environment driver), and
+        its sync figures shared: a weight sync the derived engine makes is the run's."""
+        derived = SyncedRolloutEngine(
+            self.backend, sampling, turns=self.turns if turns is None else turns
+        )
+        derived.figures = self.figures
+        return derived
 
     def ensure_version(self, version: int) -> None:
         """Sync the backend's weights unless it already holds ``version``."""
@@ -186,7 +202,8 @@ class SyncedRolloutEngine:
     def take_figures(self) -> dict[str, float]:
         """This rank's ``rollout/*`` counters since the last call (the loop sums them over
         ranks: rollout/weight_sync_s is their ratio)."""
-        f, self.figures = self.figures, SyncFigures()
+        f = SyncFigures(self.figures.seconds, self.figures.count)
+        self.figures.seconds, self.figures.count = 0.0, 0  # in place: derived engines share it
         if not f.count:
             return {}
         return {"rollout/weight_sync_seconds": f.seconds, "rollout/weight_syncs": float(f.count)}
@@ -194,20 +211,33 @@ class SyncedRolloutEngine:
 
 SYNCED_BACKENDS = {"vllm": "rlbatch.rollout.vllm_engine:build_vllm_engine"}
 """rollout.backend -> the factory (module:function) of a backend with its own copy of the
-weights; the module is imported only when its backend is chosen (vLLM's import is heavy)."""
+weights; the module is imported only when its backend is chosen (vLLM's import is heavy). The
+module also has ``shutdown_engine()`` (:func:`shutdown_synced_engines`)."""
+
+
+def shutdown_synced_engines() -> None:
+    """Stop every engine a synced backend started in this process (each backend module's
+    ``shutdown_engine()``; a module never imported started none): at the end of a job, before
+    its process groups are destroyed."""
+    import sys
+
+    for target in SYNCED_BACKENDS.values():
+        module = sys.modules.get(target.split(":")[0])
+        if module is not None:
+            module.shutdown_engine()
 
 
 def build_synced_engine(
-    cfg: Any, model: Any, *, eos_id: int, turns: Optional[TurnDecoder] = None
+    cfg: Any, model: Any, *, eos_ids: Sequence[int], turns: Optional[TurnDecoder] = None
 ) -> SyncedRolloutEngine:
     """The RolloutEngine of ``cfg.rollout.backend`` (one of :data:`SYNCED_BACKENDS`): the loop
     reaches every such backend through this call and the protocol, never by its module.
-    ``turns``: multi-turn rollouts through this turn decoder (env.path)."""
+    ``eos_ids``: the ids that end a response (the tokenizer's, primary first); ``turns``:
+    multi-turn rollouts through this turn decoder (env.path)."""
     import importlib
 
     backend = getattr(cfg.rollout.backend, "value", cfg.rollout.backend)
     module, name = SYNCED_BACKENDS[backend].split(":")
     factory = getattr(importlib.import_module(module), name)
-    engine: SyncedRolloutEngine = factory(cfg, model, eos_id=eos_id)
-    engine.turns = turns
+    engine: SyncedRolloutEngine = factory(cfg, model, eos_ids=tuple(eos_ids), turns=turns)
     return engine

@@ -8,6 +8,7 @@ Behaviour logprobs: ``log_softmax(logits / temperature)[token]`` over the full v
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -29,6 +30,17 @@ class SamplingParams:
     lognormal (:func:`length_caps`); 0 = every row may use max_new_tokens."""
     length_sigma: float = 1.0
     """debug.response_length_sigma: the lognormal's sigma (log scale)."""
+    extra_eos_ids: tuple[int, ...] = ()
+    """Ids that also end a response besides eos_id (the tokenizer's ``eos_ids[1:]``)."""
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a response (eos_id first)."""
+        return (self.eos_id, *self.extra_eos_ids)
+
+    def ends(self, token: int) -> bool:
+        """The token ends a response (an EOS of the run)."""
+        return token == self.eos_id or token in self.extra_eos_ids
 
     @classmethod
     def from_config(
@@ -37,10 +49,14 @@ class SamplingParams:
         eos_id: int,
         pad_id: int,
         debug: Optional[DebugConfig] = None,
+        *,
+        extra_eos_ids: Sequence[int] = (),
     ) -> SamplingParams:
         """`debug`: the run's debug group, whose response-length workload caps each row
-        (training rollouts; None = no caps, as evaluation samples)."""
+        (training rollouts; None = no caps, as evaluation samples). `extra_eos_ids`: the other
+        ids that end a response (the tokenizer's ``eos_ids`` after ``eos_id``)."""
         params = cls(cfg.max_new_tokens, eos_id, cfg.temperature, cfg.top_p, cfg.top_k, pad_id)
+        params = replace(params, extra_eos_ids=tuple(i for i in extra_eos_ids if i != eos_id))
         if debug is not None:
             params = replace(
                 params,

@@ -18,6 +18,7 @@ plain data (tokens, log-probs, versions, segment counts): a checkpoint continues
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from rlbatch.rollout.partial import Segments
@@ -39,12 +40,12 @@ class SegmentEngine:
         return self.engine.backend.decode(sequences, seeds, self.engine.sampling, max_tokens)
 
 
-def segment_engine(cfg: Any, model: Any, eos_id: int) -> Optional[SegmentEngine]:
+def segment_engine(cfg: Any, model: Any, eos_ids: Sequence[int]) -> Optional[SegmentEngine]:
     """The segment engine of ``rollout.backend`` when it holds its own weights; None for the
     built-in engine (the stream decodes on the policy's per-slot decoder)."""
     backend = getattr(cfg.rollout.backend, "value", cfg.rollout.backend)
     if backend not in SYNCED_BACKENDS:
         return None
     return SegmentEngine(
-        build_synced_engine(cfg, model, eos_id=eos_id), cfg.rollout.vllm.segment_tokens
+        build_synced_engine(cfg, model, eos_ids=eos_ids), cfg.rollout.vllm.segment_tokens
     )

@@ -95,7 +95,11 @@ class StreamingGeneration:
             len(prompts), schedule, dp_rank=dp_rank, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
         params = SamplingParams.from_config(
-            cfg.rollout, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, debug=cfg.debug
+            cfg.rollout,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            debug=cfg.debug,
+            extra_eos_ids=tokenizer.eos_ids,
         )
         lead, slack = stream_shape(cfg)
         self.stream = PartialRolloutStream(
@@ -110,7 +114,7 @@ class StreamingGeneration:
             seed=cfg.trainer.seed,
             max_len=max(len(p.prompt_ids) for p in prompts) + params.max_new_tokens,
         )
-        self.synced = segment_engine(cfg, model, tokenizer.eos_id)
+        self.synced = segment_engine(cfg, model, tokenizer.eos_ids)
         self.rows = DecodedRows()
         self.inner = make_generate_fn(
             prompts,

@@ -57,7 +57,7 @@ def decode_turns_on(
             traj = trajs[r]
             for token, logp in zip(d.tokens, d.logps, strict=True):
                 traj.add_sampled(token, logp)
-            if d.tokens and d.tokens[-1] == sampling.eos_id:
+            if d.tokens and d.tokens[-1] in sampling.eos_ids:
                 driver.submit(r, traj.ids[traj.turn_start :])
                 waiting.append(r)
                 continue

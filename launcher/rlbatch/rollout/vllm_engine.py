@@ -28,6 +28,11 @@ stream. So every rank of the group trains the same rows by construction, whateve
 kernels do (docs/rollout.md, "One decode per model-parallel group"). The other ranks still
 start an engine, left idle: vLLM, in the trainer's process, builds its own groups over the
 trainer's whole world, a collective every rank must join.
+
+The model directory lives in the run directory (``<run_dir>/vllm/<host>-<pid>``): removed at
+exit, and a directory left by a killed process of this host is removed when the next engine
+starts. Two vLLM log records that every run of this setup produces are dropped
+(:data:`EXPECTED_RECORDS`); every other warning and error of vLLM is shown.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ import atexit
 import collections
 import contextlib
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -49,6 +56,7 @@ from rlbatch.rollout.protocol import (
     DecodedRow,
     SyncedRolloutEngine,
     TokenSampling,
+    TurnDecoder,
     token_sampling,
 )
 
@@ -60,6 +68,52 @@ ENVIRONMENT = {
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
 """Set before vLLM is imported (an existing value wins)."""
+
+
+EXPECTED_RECORDS: tuple[tuple[str, str, Optional[tuple[Any, ...]]], ...] = (
+    # the engine starts without a tokenizer (token ids in and out): its chat-template warmup
+    # cannot render and logs a traceback, and it says it knows no EOS (the stop ids are sent
+    # with every request and written in the model directory's configs)
+    ("vllm.renderers.base", "Chat template warmup failed", None),
+    (
+        "vllm.renderers.base",
+        "Using None for EOS token id because tokenizer is not initialized",
+        None,
+    ),
+    # rotary embeddings hold a cos/sin table computed from the config, never in a checkpoint;
+    # the layer-wise reload warns at every sync that it got no weights for them, keeps the table
+    (
+        "vllm.model_executor.model_loader.reload.layerwise",
+        "%s: Failed to load weights",
+        ("RotaryEmbedding",),
+    ),
+)
+"""(logger, message, args or None for any): the vLLM records that are expected in rlbatch's
+setup (no tokenizer, weights pushed by reload). Only these exact records are dropped: another
+layer that fails to load its weights, or any other warning or error, is still reported."""
+
+
+class _DropExpected(logging.Filter):
+    """Drops a logger's expected records (:data:`EXPECTED_RECORDS`)."""
+
+    def __init__(self, expected: list[tuple[str, Optional[tuple[Any, ...]]]]) -> None:
+        super().__init__()
+        self.expected = expected
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(
+            record.msg == message and (args is None or tuple(record.args or ()) == args)
+            for message, args in self.expected
+        )
+
+
+def drop_expected_records() -> None:
+    """Install the filters of :data:`EXPECTED_RECORDS` (once per logger)."""
+    for name in dict.fromkeys(name for name, _, _ in EXPECTED_RECORDS):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropExpected) for f in logger.filters):
+            expected = [(msg, args) for n, msg, args in EXPECTED_RECORDS if n == name]
+            logger.addFilter(_DropExpected(expected))
 
 
 @dataclass(frozen=True)
@@ -121,13 +175,68 @@ def longest_served(cfg: RunConfig) -> int:
     return min(longest, cfg.model.max_position_embeddings)
 
 
-def write_model_dir(model_cfg: ModelConfig, dtype: str) -> Path:
-    """A directory holding only config.json (vLLM builds the model from it), removed at exit."""
-    from rlbatch.engine.hf_config import HF_CONFIG, hf_config_dict
+@dataclass(frozen=True)
+class SpecialIds:
+    """The tokenizer's special ids the engine must know: vLLM reads the end ids from the
+    model directory's config (transformers' defaults otherwise: LlamaConfig's EOS is 2)."""
 
-    path = Path(tempfile.mkdtemp(prefix="rlbatch-vllm-"))
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    (path / HF_CONFIG).write_text(json.dumps(hf_config_dict(model_cfg, dtype), indent=2) + "\n")
+    eos_ids: tuple[int, ...]
+    """Every id that ends a response (the primary EOS first)."""
+    bos_id: Optional[int] = None
+
+
+def model_dir_path(root: Optional[Path]) -> Path:
+    """This process's model directory: ``<root>/vllm/<host>-<pid>`` (root: the run directory),
+    after removing the directories there that dead processes of this host left (a run killed
+    with SIGKILL has no exit handler); a fresh temporary directory without a root."""
+    if root is None:
+        return Path(tempfile.mkdtemp(prefix="rlbatch-vllm-"))
+    host, parent = socket.gethostname(), Path(root) / "vllm"
+    parent.mkdir(parents=True, exist_ok=True)
+    for old in parent.glob(f"{host}-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    path = parent / f"{host}-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    return path
+
+
+def _remove_model_dir(path: Path, in_run_dir: bool) -> None:
+    """At exit: the model directory, and <run_dir>/vllm when no other process has one there."""
+    shutil.rmtree(path, ignore_errors=True)
+    if in_run_dir:
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass  # another engine's directory is still there
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_model_dir(
+    model_cfg: ModelConfig, dtype: str, special: SpecialIds, root: Optional[Path] = None
+) -> Path:
+    """A directory holding config.json (vLLM builds the model from it) and generation_config.json
+    (vLLM's stop ids), both with the tokenizer's EOS and BOS ids; removed at exit
+    (:func:`model_dir_path`: under ``root``, the run directory, when given)."""
+    from rlbatch.engine.hf_config import GENERATION_CONFIG, HF_CONFIG, hf_config_dict, special_ids
+
+    path = model_dir_path(root)
+    atexit.register(_remove_model_dir, path, root is not None)
+    ids = special_ids(special.eos_ids, special.bos_id)
+    config = hf_config_dict(model_cfg, dtype) | ids
+    (path / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (path / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
     return path
 
 
@@ -170,10 +279,16 @@ def release_memory() -> None:
 _RUNNING: list[_Running] = []
 
 
-def start_engine(model_cfg: ModelConfig, settings: EngineSettings) -> _Running:
-    """The process's vLLM engine for (model_cfg, settings): started on the first call, shared
-    after; a different request in the same process is an error (vLLM's state is global)."""
-    key = (tuple(sorted(asdict(model_cfg).items(), key=lambda kv: kv[0])), settings)
+def start_engine(
+    model_cfg: ModelConfig,
+    settings: EngineSettings,
+    special: SpecialIds,
+    root: Optional[Path] = None,
+) -> _Running:
+    """The process's vLLM engine for (model_cfg, settings, special): started on the first call,
+    shared after; a different request in the same process is an error (vLLM's state is
+    global). ``root``: where its model directory goes (the run directory)."""
+    key = (tuple(sorted(asdict(model_cfg).items(), key=lambda kv: kv[0])), settings, special)
     if _RUNNING:
         if _RUNNING[0].key != key:
             raise RuntimeError(
@@ -181,19 +296,16 @@ def start_engine(model_cfg: ModelConfig, settings: EngineSettings) -> _Running:
                 " process-wide state, so one process hosts one engine"
             )
         return _RUNNING[0]
-    _RUNNING.append(_Running(_start_llm(model_cfg, settings), key))
-    return _RUNNING[0]
-
-
-def _start_llm(model_cfg: ModelConfig, settings: EngineSettings) -> Any:
-    """A vLLM engine (started with the trainer's random streams kept)."""
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
-    path = write_model_dir(model_cfg, settings.dtype)
+    path = write_model_dir(model_cfg, settings.dtype, special, root)
     with trainer_rng_kept():
         from vllm import LLM
 
-        return LLM(model=str(path), **settings.llm_kwargs())
+        drop_expected_records()
+        llm = LLM(model=str(path), **settings.llm_kwargs())
+    _RUNNING.append(_Running(llm, key))
+    return _RUNNING[0]
 
 
 @contextlib.contextmanager
@@ -211,13 +323,29 @@ def trainer_rng_kept() -> Iterator[None]:
         restore_rng_state(rng)
 
 
+def shutdown_engine() -> None:
+    """Stop the process's engine, if one runs: vLLM tears down its process groups (and the
+    default one) when it stops, so a job stops it before destroying the process groups itself;
+    left to the exit handlers it would try the groups already destroyed ("Invalid process
+    group specified" after rlbatch-eval had finished)."""
+    if _RUNNING:
+        _RUNNING.pop().llm.llm_engine.engine_core.shutdown()
+
+
 class VllmBackend:
     """A TokenBackend on the process's vLLM engine, fed by this rank's policy chunks. In a
     model-parallel group only the first rank (``leader``) feeds and runs its engine; its
     decoded rows are every rank's."""
 
     def __init__(
-        self, model: Any, model_cfg: ModelConfig, settings: EngineSettings, *, sleep: bool = False
+        self,
+        model: Any,
+        model_cfg: ModelConfig,
+        settings: EngineSettings,
+        special: SpecialIds,
+        root: Optional[Path] = None,
+        *,
+        sleep: bool = False,
     ) -> None:
         from rlbatch.distributed import model_parallel_group
         from rlbatch.engine.hf import full_model_config
@@ -226,7 +354,7 @@ class VllmBackend:
         self.model_cfg = full_model_config(model, model_cfg)
         rank, self.group_size, _ = model_parallel_group()
         self.leader = rank == 0
-        self.running = start_engine(self.model_cfg, settings)
+        self.running = start_engine(self.model_cfg, settings, special, root)
         self.running.sleep = sleep
 
     @property
@@ -296,7 +424,7 @@ class VllmBackend:
                 max_tokens=limit,
                 logprobs=0,
                 seed=seed,
-                stop_token_ids=[sampling.eos_id],
+                stop_token_ids=list(sampling.eos_ids),
                 detokenize=False,
             )
             for seed, limit in zip(seeds, limits, strict=True)
@@ -317,10 +445,16 @@ def _row(completion: Any) -> DecodedRow:
     return DecodedRow(tokens, logps, truncated=completion.finish_reason == "length")
 
 
-def build_vllm_engine(cfg: RunConfig, model: Any, *, eos_id: int) -> SyncedRolloutEngine:
-    """The RolloutEngine of rollout.backend=vllm on this rank's policy chunks."""
+def build_vllm_engine(
+    cfg: RunConfig, model: Any, *, eos_ids: Sequence[int], turns: Optional[TurnDecoder] = None
+) -> SyncedRolloutEngine:
+    """The RolloutEngine of rollout.backend=vllm on this rank's policy chunks; it stops at
+    ``eos_ids`` (explicit stop ids per request, and the ids of the model directory's configs)."""
     from rlbatch.config.vllm_rules import cpu_build_installed
+    from rlbatch.engine.tokenizer import build_tokenizer
 
     settings = plan_engine(cfg, cpu=cpu_build_installed())
-    backend = VllmBackend(model, cfg.model, settings, sleep=cfg.rollout.vllm.sleep)
-    return SyncedRolloutEngine(backend, token_sampling(cfg.rollout, eos_id))
+    special = SpecialIds(tuple(eos_ids), build_tokenizer(cfg.model).bos_id)
+    root = Path(cfg.run_dir) if cfg.run_dir else None
+    backend = VllmBackend(model, cfg.model, settings, special, root, sleep=cfg.rollout.vllm.sleep)
+    return SyncedRolloutEngine(backend, token_sampling(cfg.rollout, eos_ids), turns=turns)

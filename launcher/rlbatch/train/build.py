@@ -219,12 +219,16 @@ def _warn_env(warnings: list[str], rank: int, warned: set[str]) -> None:
 
 def run(cfg: RunConfig) -> None:
     """Worker entry of rlbatch-train (inside each torchrun process): build, then train; the
-    producer (and its generation worker, if any) is closed at the end."""
+    producer (and its generation worker, if any) and the evaluation's environment driver are
+    closed at the end."""
     components = build_components(cfg)
     try:
         train(cfg, components)
     finally:
         components.producer.close()
+        close_evaluation = getattr(components.evaluate, "close", None)
+        if callable(close_evaluation):
+            close_evaluation()
 
 
 def build_generation(

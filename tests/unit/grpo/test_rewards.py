@@ -88,6 +88,7 @@ def test_score_rejects_non_finite():
 
 class Bytes:
     eos_id = 258
+    eos_ids = (258,)
 
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

@@ -74,6 +74,23 @@ def test_greedy_equals_full_recompute_reference(model, kv_cache):
         assert s.truncated
 
 
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_every_eos_id_of_the_set_stops_a_sequence(model, kv_cache):
+    """extra_eos_ids (a chat model's end-of-turn token beside its EOS): a row ends at the first
+    token of the whole set, not truncated; the rows are the free greedy rows cut there."""
+    free_params = SamplingParams(max_new_tokens=10, eos_id=-1, top_k=1)
+    prompts = prompts_of(LENGTHS)
+    free = MegatronRolloutEngine(model, free_params, kv_cache=kv_cache).generate(prompts, 1, 0, 0)
+    ends = (free[0].response_ids[3], free[1].response_ids[2])
+    params = SamplingParams(max_new_tokens=10, eos_id=-1, top_k=1, extra_eos_ids=ends)
+    out = MegatronRolloutEngine(model, params, kv_cache=kv_cache).generate(prompts, 1, 0, seed=0)
+    for f, s in zip(free, out, strict=True):
+        cut = next((n for n, t in enumerate(f.response_ids) if t in ends), None)
+        assert s.response_ids == (f.response_ids if cut is None else f.response_ids[: cut + 1])
+        assert s.truncated == (cut is None)
+    assert not out[0].truncated and not out[1].truncated
+
+
 def test_eos_stops_a_sequence(model):
     params = SamplingParams(max_new_tokens=10, eos_id=-1, top_k=1)
     prompts = prompts_of(LENGTHS)

@@ -179,4 +179,4 @@ def test_training_rollouts_take_the_caps_and_evaluation_does_not(model):
     tokenizer = build_tokenizer(cfg.model)
     train = build_engine(cfg, [model], tokenizer).params
     assert (train.length_median, train.length_sigma) == (5, 0.5)
-    assert _engine(cfg, [model], tokenizer).params.length_median == 0
+    assert _engine(cfg, [model], tokenizer)[0].params.length_median == 0

@@ -33,3 +33,52 @@ def test_groups_are_contiguous_and_samples_carry_the_decoded_tokens():
         assert s.behaviour_logps == [-0.5] * n
     odd = TokenRolloutEngine(_Reverse()).generate(prompts[:1], 1, policy_version=0, seed=1)
     assert odd[0].truncated and odd[0].response_ids == [3, 2, 1]
+
+
+class _Backend:
+    """A TokenBackend that decodes every row as [7, EOS 0]."""
+
+    version = None
+
+    def sync_weights(self):
+        pass
+
+    def decode(self, prompt_ids, seeds, sampling, max_tokens=None):
+        from rlbatch.rollout.protocol import DecodedRow
+
+        return [DecodedRow([7, 0], [-0.1, -0.2], truncated=False) for _ in prompt_ids]
+
+
+def test_an_engine_derived_for_other_sampling_keeps_its_turns():
+    """Evaluation's engine (the run's with other sampling settings) runs multi-turn episodes
+    through the run's turns, or through the turns it is given: never single-turn."""
+    from rlbatch.rollout.protocol import SyncedRolloutEngine, TokenSampling
+
+    calls = []
+
+    def turns(backend, sampling, rows, seeds, version):
+        calls.append((sampling, len(rows)))
+        return []
+
+    def other(backend, sampling, rows, seeds, version):
+        calls.append(("other", len(rows)))
+        return []
+
+    engine = SyncedRolloutEngine(_Backend(), TokenSampling(16, 1.0, eos_id=0), turns=turns)
+    evaluation = TokenSampling(4, 0.5, eos_id=0, top_k=1)
+    engine.with_sampling(evaluation).generate([Prompt(1, (1, 2), "a")], 2, 1, seed=3)
+    assert calls == [(evaluation, 2)]
+    engine.with_sampling(evaluation, turns=other).generate([Prompt(1, (1, 2), "a")], 1, 1, 3)
+    assert calls[-1] == ("other", 1)
+
+
+def test_a_weight_sync_made_by_a_derived_engine_counts_in_the_runs_figures():
+    """Evaluation may be the first to generate with a new policy version: the sync it makes
+    is reported with the run's rollout/weight_syncs, not lost with the derived engine."""
+    from rlbatch.rollout.protocol import SyncedRolloutEngine, TokenSampling
+
+    engine = SyncedRolloutEngine(_Backend(), TokenSampling(16, 1.0, eos_id=0))
+    engine.with_sampling(TokenSampling(4, 0.5, eos_id=0)).generate([Prompt(1, (1,), "a")], 1, 5, 3)
+    engine.generate([Prompt(1, (1,), "a")], 1, 5, seed=3)  # version 5 is already there
+    assert engine.take_figures()["rollout/weight_syncs"] == 1.0
+    assert engine.take_figures() == {}

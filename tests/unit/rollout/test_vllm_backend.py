@@ -276,9 +276,8 @@ def test_evaluation_samples_with_its_own_settings_on_the_same_engine(setup):
 
     cfg, chunk, engine = setup
     ev = dataclasses.replace(cfg.eval, temperature=0.0, max_new_tokens=5, num_samples=2)
-    evaluation = _engine(
-        dataclasses.replace(cfg, eval=ev), [chunk], SimpleNamespace(eos_id=1, pad_id=0)
-    )
+    tokenizer = SimpleNamespace(eos_id=1, eos_ids=(1,), pad_id=0)
+    evaluation, _ = _engine(dataclasses.replace(cfg, eval=ev), [chunk], tokenizer)
     assert evaluation.backend.running is engine.backend.running  # no second vLLM engine
     samples = evaluation.generate(prompts_of(2, seed=6), 2, policy_version=7, seed=3)
     for s in samples:

@@ -73,6 +73,7 @@ def test_generate_fn_under_run_ahead_tags_versions():
 
 class ByteTok:
     eos_id = 0
+    eos_ids = (0,)
 
     def decode(self, ids):
         return "".join(chr(96 + i) for i in ids)
