@@ -228,7 +228,8 @@ def classify(report: dict, cpu_limit_s: float, asserts: bool = False) -> tuple[O
     if asserts and status == Outcome.ok:
         code = report.get("exit_code")
         ended = f"the program ended (exit {code}) before the tests finished"
-        return Outcome.crash, detail if verdict.get("kind") == "error" else ended
+        said = verdict.get("kind") == "error" or detail.startswith("ProtocolError")
+        return Outcome.crash, detail if said else ended
     return status, detail
 
 
