@@ -116,6 +116,9 @@ LONG = "8" * 400
         ("The answer matches the reference exactly.\n\nScore: 10", 1.0),
         ("The final answer differs from the reference (12 vs 15).\nScore: 0", 0.0),
         ("Score: 6-8", None), ("no idea", None),
+        # a number read in part was a wrong score; a scale in words is a scale
+        ("Score: 1e1", None), ("Score: 1_0", None), ("Score: 0x10", None),
+        ("Score: 7 out of 100", None), ("Score: 7 out of 10", 0.7), ("Score: 7 of 10.", 0.7),
     ],
 )  # fmt: skip
 def test_judge_reads_the_score_not_the_scale(reply, score):
@@ -124,6 +127,22 @@ def test_judge_reads_the_score_not_the_scale(reply, score):
             read_score(reply, DEFAULT_SCORE_PATTERN, 10.0)
     else:
         assert read_score(reply, DEFAULT_SCORE_PATTERN, 10.0) == pytest.approx(score)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    ["Score:" + " " * 1_000_000 + "x", "<think>" * 140_000, "score " * 160_000 + "Score: 5"],
+)
+def test_reading_a_megabyte_reply_takes_linear_time(reply):
+    """A reply of data.served.max_response_bytes (1 MB) is read at once: whitespace after
+    'Score:' and unclosed <think> tags took quadratic time (40 kB: 48 s; 140 kB of <think>:
+    55 s), holding the run past every deadline."""
+    started = time.monotonic()
+    try:
+        read_score(reply, DEFAULT_SCORE_PATTERN, 10.0)
+    except NoScore:
+        pass
+    assert time.monotonic() - started < 2.0
 
 
 def test_the_default_prompt_asks_for_the_format_it_reads():
