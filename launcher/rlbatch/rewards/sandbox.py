@@ -71,6 +71,12 @@ class Execution:
     """test_code: why the asserts did not pass (the failed assertion, the program's end)."""
 
 
+def longest_s(limits: SandboxLimits) -> float:
+    """The longest the host waits for one execution (its start-up, the hard ceiling of a
+    starved program, the report): what a batch's bound must allow per wave."""
+    return STARTUP_S + CEILING_FACTOR * limits.wall_s + 5.0
+
+
 def _command(isolation: Isolation) -> list[str]:
     python = str(Path(base_python()[0]) / base_python()[1])
     tail = [python, "-I", "-S", "-B", str(INIT)]

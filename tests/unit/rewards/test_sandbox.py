@@ -174,3 +174,18 @@ def test_correct_programs_pass_with_big_ints_and_names_the_tests_do_not_read(pro
     (``input``) and import the modules they do."""
     run = execute(program, "", LIMITS, Isolation.unshare, asserts)
     assert run.outcome == Outcome.ok, run
+
+
+def test_a_program_cannot_stretch_its_wall_limit_by_starving_itself():
+    """Spinners on both cores beside a nice-19 process that waits for a CPU all the time: the
+    longest wait of its own processes was taken off the wall limit, so on an idle machine it
+    held the worker and every core until the hard ceiling (10 x wall_s; wall_s=10 outlasts
+    the watchdog's bound of a batch). The CPU the execution used counts as time it ran; a
+    program starved by others (little CPU of its own) still gets its wait taken off."""
+    from rlbatch.rewards.sandbox_init import ran_s
+
+    s = 10**9
+    hostile = ran_s(20.0, {1: 19.5 * s, 2: 1 * s, 3: 1 * s}, {1: s // 2, 2: 19 * s, 3: 19 * s}, 2)
+    assert hostile >= 19.0
+    starved = ran_s(20.0, {1: 18 * s}, {1: 2 * s}, 2)
+    assert starved == pytest.approx(2.0)
