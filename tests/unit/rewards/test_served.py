@@ -294,3 +294,33 @@ def test_a_served_reward_out_of_bounds_is_a_failure_of_its_own(value):
         cfg.on_error = EnvOnError.raise_error
         with pytest.raises(ServedError, match="rewards must be finite and at most 1e"):
             HttpReward(server.url, cfg, abs_max=1e6).score(_payloads()[:1], LABELS[:1])
+
+
+def test_a_redirect_is_not_an_answer():
+    """A 302 whose body happens to be JSON was read as the reward ({"reward": 1.0} from a
+    load balancer's or proxy's redirect page); redirects are not followed either (the scorer's
+    URL is configured, a redirect says it is the wrong one)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        body = b'{"reward": 1.0}'
+        conn.sendall(
+            b"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:9/\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/score"
+    try:
+        why = HttpReward(url, ServedConfig(timeout_s=5, retries=0)).check(_payloads()[0])
+    finally:
+        listener.close()
+    assert "answered HTTP 302" in why and "data.reward_url" in why
