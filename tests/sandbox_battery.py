@@ -93,6 +93,28 @@ for pid in os.listdir('/proc'):
 """
 )
 
+FORGE_BUILTINS = (
+    WRONG
+    + """import os, sys
+sys.path[:0] = ['/.rlbatch', os.path.dirname(os.path.abspath(sys.argv[0]))]
+import harness
+class Close:
+    def isclose(self, *a, **k):
+        return True
+def fake_import(*a, **k):
+    return Close()
+channel = harness.Channel(3, 4)
+server = harness._Server(channel, globals())
+fake = {"d": [["__import__", {"h": server.handle_of(fake_import)}]]}
+channel.send({"names": {"add": {"h": server.handle_of(add)}, "__builtins__": fake}, "modules": {}})
+try:
+    server.loop()
+except BaseException:
+    pass
+os._exit(0)
+"""
+)
+
 KILL_PID1 = """import os, signal
 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
     for pid in (1, -1):
@@ -181,6 +203,15 @@ def battery(memory_cgroup: bool, as_root: bool = True) -> list[Hack]:
              "wrong_answer", "builtins of the program's interpreter are not the asserts'"),
         Hack("patch math.isclose", WRONG + "import math\nmath.isclose = lambda *a, **k: True",
              "wrong_answer", "the asserts import their own math", test_code=MATH_ASSERTS),
+        Hack("define set and sorted", "def add(a, b):\n    return 0\ndef set(x):\n    return 1\ndef sorted(x):\n    return [5]",
+             "wrong_answer", "a program binding a built-in the tests read fails: the tests' set() would be the program's",
+             test_code="assert set(add(2, 3)) == set([5])\nassert sorted(add(2, 3)) == [5]"),
+        Hack("math without import", WRONG + "class M:\n    isclose = staticmethod(lambda *a, **k: True)\nmath = M()",
+             "wrong_answer", "a standard module the tests read is the real one or the run fails",
+             test_code="assert math.isclose(add(0.1, 0.2), 0.3)"),
+        Hack("forge a __builtins__", FORGE_BUILTINS, "crash",
+             "a manifest naming __builtins__ (whose __import__ would answer the tests' import math) breaks the protocol",
+             test_code=MATH_ASSERTS),
         Hack("os._exit(0) from a thread", WRONG + "import os, threading\nt = threading.Thread(target=os._exit, args=(0,))\nt.start()\nt.join()",
              "crash", "the program's process ending is not a verdict"),
         Hack("exhaust the output", WRONG + "import sys\nsys.stderr.write('OK\\n' * 10**6)\nprint('5\\n' * 10**7)",
@@ -217,6 +248,13 @@ def honest() -> list[dict]:
     return [
         Hack("honest add", right_fn, "", "").row(),
         Hack("honest add, sys.exit after", right_fn + "\nimport sys\nsys.exit(0)", "", "").row(),
+        Hack(
+            "honest factorial (a 5,736-digit answer)",
+            "import math\ndef add(a, b):\n    return a + b\ndef fact(n):\n    return math.factorial(n)",
+            "",
+            "",
+            test_code="import math\nassert fact(2000) == math.factorial(2000)",
+        ).row(),
         Hack("honest sum", right_io, "", "", asserts=False).row(),
     ]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlbatch.config.rewards import CodeExecConfig, CodeSource, Isolation
 from rlbatch.rewards.base import Failure, Scored, run_bounded
-from rlbatch.rewards.sandbox import Execution, Outcome, execute
+from rlbatch.rewards.sandbox import Execution, Outcome, execute, longest_s
 from rlbatch.runtime import progress
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -151,10 +151,11 @@ class CodeExecReward:
         return [self._scored(n, f) for n, f in zip(counts, failures, strict=True)]
 
     def _bound(self, jobs: Sequence[_Job]) -> float:
-        """The longest the batch may take (each wave of num_workers executions at most wall_s
-        and the sandbox's start): the watchdog's bound instead of trainer.timeout_s."""
+        """The longest the batch may take (each wave of num_workers executions at most what
+        the host waits for one: the sandbox's start-up and the hard ceiling of a program
+        starved on a busy machine): the watchdog's bound instead of trainer.timeout_s."""
         waves = -(-len(jobs) // max(1, self.cfg.num_workers))
-        return waves * (self.cfg.limits.wall_s + 5.0) + 60.0
+        return waves * longest_s(self.cfg.limits) + 60.0
 
     def _scored(self, num_tests: int, failures: list[Failure]) -> Scored:
         passed = num_tests - len(failures)

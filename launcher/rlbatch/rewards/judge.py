@@ -32,13 +32,14 @@ DEFAULT_TEMPLATE = (
     " that starts with 'Score:'."
 )
 DEFAULT_SCORE_PATTERN = (
-    r"(?i)\bscore\**\s*[:=]\s*\**\s*(?P<score>[+-]?\d+(?:\.\d+)?)(?!\d|\.\d)"
-    r"(?:\s*/\s*(?P<max>\d+(?:\.\d+)?))?(?!\s*(?:-|to)\s*\d)"
+    r"(?i)\bscore\**\s*[:=]\s*(?:\*+\s*)?(?P<score>[+-]?\d+(?:\.\d+)?)(?!\w|\.\d)"
+    r"(?:\s*(?:/|out\s+of|of)\s*(?P<max>\d+(?:\.\d+)?)(?!\w|\.\d))?(?!\s*(?:-|to)\s*\d)"
 )
-"""``Score: 7``, ``**Score:** 7``, ``score = 7.5``, ``Score: 7/10`` (a range such as
-``Score: 6-8`` is not a score)."""
+"""``Score: 7``, ``**Score:** 7``, ``score = 7.5``, ``Score: 7/10``, ``Score: 7 out of 10``
+(a range such as ``Score: 6-8`` is not a score, nor a number read in part: ``Score: 1e1``).
+Linear in the reply's length (no two adjacent repeats that can match the same text): a
+degenerate reply of a megabyte is read at once."""
 CHAT_PATH = "/v1/chat/completions"
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 
 
 class NoScore(ValueError):
@@ -55,8 +56,18 @@ def chat_url(url: str) -> str:
 
 def strip_reasoning(reply: str) -> str:
     """The reply without its reasoning: closed ``<think>`` blocks removed, everything up to a
-    lone ``</think>`` (the template opened the block) and from an unclosed ``<think>`` on."""
-    text = _THINK.sub(" ", reply)
+    lone ``</think>`` (the template opened the block) and from an unclosed ``<think>`` on.
+    One pass over the text (a regular expression retried at every unclosed tag is quadratic)."""
+    lower = reply.lower()
+    pieces, pos = [], 0
+    while True:
+        start = lower.find("<think>", pos)
+        end = lower.find("</think>", start + len("<think>")) if start >= 0 else -1
+        if end < 0:
+            break
+        pieces += [reply[pos:start], " "]
+        pos = end + len("</think>")
+    text = "".join([*pieces, reply[pos:]])
     lower = text.lower()
     if "</think>" in lower:
         text = text[lower.rindex("</think>") + len("</think>") :]

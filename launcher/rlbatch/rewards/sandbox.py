@@ -71,6 +71,12 @@ class Execution:
     """test_code: why the asserts did not pass (the failed assertion, the program's end)."""
 
 
+def longest_s(limits: SandboxLimits) -> float:
+    """The longest the host waits for one execution (its start-up, the hard ceiling of a
+    starved program, the report): what a batch's bound must allow per wave."""
+    return STARTUP_S + CEILING_FACTOR * limits.wall_s + 5.0
+
+
 def _command(isolation: Isolation) -> list[str]:
     python = str(Path(base_python()[0]) / base_python()[1])
     tail = [python, "-I", "-S", "-B", str(INIT)]
@@ -228,7 +234,8 @@ def classify(report: dict, cpu_limit_s: float, asserts: bool = False) -> tuple[O
     if asserts and status == Outcome.ok:
         code = report.get("exit_code")
         ended = f"the program ended (exit {code}) before the tests finished"
-        return Outcome.crash, detail if verdict.get("kind") == "error" else ended
+        said = verdict.get("kind") == "error" or detail.startswith("ProtocolError")
+        return Outcome.crash, detail if said else ended
     return status, detail
 
 

@@ -38,6 +38,11 @@ class ProgramError(Exception):
     """The program raised an exception that is not a built-in Exception."""
 
 
+class Shadowed(Exception):
+    """The program binds a name the tests take from Python itself (a built-in, a standard
+    module): what the tests would call is the program's, so they cannot judge it."""
+
+
 # ---------------------------------------------------------------- codec (plain data only)
 
 
@@ -45,6 +50,8 @@ def encode(value, handle_of=None):
     """A JSON-ready form of ``value``; exact built-in types only (a subclass is not plain).
     ``handle_of(obj)`` gives the handle of anything else (None: raise TypeError)."""
     kind = type(value)
+    if kind is int and value.bit_length() > 64:  # hex: no digit limit (decimal has one)
+        return {"i": format(value, "x")}
     if kind in _PLAIN_SCALARS:
         if kind is float and not math.isfinite(value):
             return {"x": repr(value)}
@@ -88,6 +95,8 @@ def decode(data, remote_of=None):
         return dict(pairs)
     if tag == "b" and type(body) is str:
         return bytes.fromhex(body)
+    if tag == "i" and type(body) is str and body.lstrip("-").isalnum():
+        return int(body, 16)
     if tag == "c" and type(body) is list and len(body) == 2:
         return complex(float(decode(body[0])), float(decode(body[1])))
     if tag == "h" and type(body) is int and remote_of is not None:
@@ -308,24 +317,62 @@ class _Client:
         raise ProgramError(f"{name}: {text}")
 
 
-def _globals(client, manifest):
+def _taken_from_python(test_code):
+    """The names ``test_code`` reads without binding them itself: what it expects from Python
+    (built-ins, modules the program imported) or from the program."""
+    import ast
+
+    loaded, bound = set(), set()
+    for node in ast.walk(ast.parse(test_code)):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return loaded - bound
+
+
+def _check_shadowing(names, modules, test_code):
+    """Shadowed when the program binds a built-in or a standard module the tests read: the
+    tests' ``set``, ``sorted`` or ``math.isclose`` would be the program's (an always-true one)."""
+    for name in sorted(_taken_from_python(test_code)):
+        if name in names and hasattr(builtins, name):
+            raise Shadowed(f"the program redefines the built-in {name!r}, which the tests use")
+        module = modules.get(name, name) if name not in names else None
+        if name in sys.stdlib_module_names and module != name:
+            raise Shadowed(
+                f"the program binds {name!r}, which the tests use as the standard module,"
+                " to something else"
+            )
+
+
+def _globals(client, manifest, test_code):
     import importlib
 
     if type(manifest) is not dict:
         raise ProtocolError("the program did not say what it defines")
     if "error" in manifest:
         raise ProgramError(f"the program raised {str(manifest['error'])[:300]}")
-    scope = {"__name__": "__main__", "__builtins__": builtins}
     modules = manifest.get("modules")
-    for name, module in (modules if type(modules) is dict else {}).items():
+    names = manifest.get("names")
+    if type(names) is not dict or type(modules) is not dict:
+        raise ProtocolError("the program did not say what it defines")
+    for name in (*names, *modules):
+        if type(name) is not str or (name.startswith("__") and name.endswith("__")):
+            # never sent by serve(): a program that writes its own manifest to replace the
+            # tests' __builtins__ (and their __import__) or __name__
+            raise ProtocolError(f"the program sent the name {str(name)[:40]!r}")
+    _check_shadowing(names, modules, test_code)
+    scope = {"__name__": "__main__", "__builtins__": builtins}
+    for name, module in modules.items():
         if type(module) is str and module.replace(".", "").replace("_", "").isalnum():
             try:
                 scope[name] = importlib.import_module(module)
             except Exception:  # noqa: BLE001, S112 - a module this side lacks: not defined
                 continue
-    names = manifest.get("names")
-    if type(names) is not dict:
-        raise ProtocolError("the program did not say what it defines")
     for name, value in names.items():
         scope[name] = decode(value, client.remote)
     return scope
@@ -337,10 +384,12 @@ def run_asserts(channel, test_code, token):
     the protocol before the asserts finished), ``error`` (any other exception)."""
     client = _Client(channel)
     try:
-        scope = _globals(client, channel.receive())
+        scope = _globals(client, channel.receive(), test_code)
         exec(compile(test_code, "test_code", "exec"), scope)
     except AssertionError as err:
         return _verdict(token, "assert", f"AssertionError: {err}".rstrip(": "), True)
+    except Shadowed as err:
+        return _verdict(token, "assert", f"Shadowed: {err}", None)
     except (EOFError, ProtocolError, OSError) as err:
         return _verdict(token, "program", f"{type(err).__name__}: {err}", None)
     except BaseException as err:  # noqa: BLE001 - anything else fails the test, with its reason

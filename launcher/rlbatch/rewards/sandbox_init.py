@@ -129,13 +129,25 @@ def _spawn(job, ctx):
     return pids, verdict_r
 
 
-def _waited_ns(pid):
-    """Nanoseconds ``pid`` has spent runnable but waiting for a CPU (None once it is gone)."""
+def _schedstat_ns(pid):
+    """(nanoseconds ``pid`` ran on a CPU, nanoseconds it spent runnable but waiting for one),
+    or None once it is gone."""
     try:
         with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
+            ran, waited = f.read().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
         return None
+
+
+def ran_s(elapsed, waited, used, cpus):
+    """The seconds the wall limit counts: ``elapsed`` less the machine's load (the longest any
+    process of the execution waited for a CPU, ``waited`` in ns per process), but never less
+    than the CPU the execution used itself (``used``, ns per process) over the ``cpus`` it may
+    use: else a program keeps one process waiting behind its other, busy ones and stretches its
+    own limit to the hard ceiling."""
+    busy = sum(used.values()) / 1e9 / cpus
+    return max(elapsed - max(waited.values(), default=0) / 1e9, busy)
 
 
 def _watched(job, pids, done):
@@ -153,7 +165,8 @@ def _wait(job, pids):
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
-    done, waited = {}, {}
+    done, waited, used = {}, {}, {}
+    cpus = max(1, len(os.sched_getaffinity(0)))
     last = "asserts" if "asserts" in pids else "program"
     while last not in done:
         events = poller.poll(20)
@@ -164,12 +177,12 @@ def _wait(job, pids):
             poller.unregister(fd)
             os.close(fd)
         for pid in _watched(job, pids, done):
-            value = _waited_ns(pid)
+            value = _schedstat_ns(pid)
             if value is not None:
-                waited[pid] = max(value, waited.get(pid, 0))
+                used[pid] = max(value[0], used.get(pid, 0))
+                waited[pid] = max(value[1], waited.get(pid, 0))
         elapsed = time.monotonic() - started
-        # the machine's load: the longest any of its processes waited for a CPU
-        ran = elapsed - max(waited.values(), default=0) / 1e9
+        ran = ran_s(elapsed, waited, used, cpus)
         if last not in done and (ran > job["wall_s"] or elapsed > job["ceiling_s"]):
             return done, True, fds
     return done, False, fds

@@ -12,8 +12,8 @@ retried ``data.served.retries`` times, waiting ``backoff_s`` then twice as long 
 wait drawn between half and all of that (jitter: clients that failed together do not all come
 back together). A request that ran out of time is retried only with
 ``data.served.retry_timeouts=true``: a judge that is slow because it is overloaded gets slower
-when every client asks twice. A 4xx status, an answer that is not the expected JSON or is too
-large is not retried (the server will say the same again). What a failure after that does is
+when every client asks twice. A 4xx status, another status than 200 (a redirect is not followed), an answer that
+is not the expected JSON or is too large is not retried (the server will say the same again). What a failure after that does is
 ``data.served.on_error``: stop the run naming the URL and the sample (raise_error), or score
 the sample 0 and count it under the failure's reason (``reward_fail/served_error``, or
 ``no_score`` / ``out_of_range`` for an answer that was read but is unusable).
@@ -123,6 +123,13 @@ def _post_once(url: str, payload: Any, cfg: ServedConfig) -> Any:
             if response.status >= 500:
                 raise _Retryable(f"HTTP {response.status} {text!r}")
             raise ServedError(f"{url} answered HTTP {response.status} {text!r}")
+        if response.status != 200:  # a redirect (not followed) or an answer without a body
+            where = response.getheader("Location") or ""
+            raise ServedError(
+                f"{url} answered HTTP {response.status} {response.reason} {where}".rstrip()
+                + ": not a reward; set data.reward_url (or data.judge.url) to the URL that"
+                " answers 200"
+            )
         raw = _read_body(response, cfg.max_response_bytes, deadline, url)
     except ServedError as err:
         if deadline.expired:  # the deadline cut a small error body

@@ -61,3 +61,16 @@ def test_reward_is_the_fraction_of_tests_passed_with_each_failure_reason(all_or_
     assert [f.reason for f in out[2].failures] == ["syntax"] * 3
     # prints '?' for both stdin cases; test_code fails on the undefined add (a NameError: crash)
     assert sorted(f.reason for f in out[3].failures) == ["crash", "wrong_answer", "wrong_answer"]
+
+
+def test_the_watchdogs_bound_covers_what_the_sandbox_may_take():
+    """The batch's bound (the watchdog stops the run past it) was waves x (wall_s + 5) + 60 s,
+    while one execution may legitimately take its start-up (60 s) and 10 x wall_s on a busy
+    machine: with wall_s=10 one slow wave (up to 165 s) stopped the run at 75 s as a hang."""
+    from rlbatch.config.rewards import CodeExecConfig, SandboxLimits
+    from rlbatch.rewards.code_exec import CodeExecReward, _Job
+
+    cfg = CodeExecConfig(num_workers=2, limits=SandboxLimits(wall_s=10.0))
+    reward = CodeExecReward(cfg, Isolation.unshare)
+    jobs = [_Job(0, "", "", "", f"test {i}") for i in range(3)]  # two waves
+    assert reward._bound(jobs) >= 2 * (60 + 10 * 10.0 + 5)

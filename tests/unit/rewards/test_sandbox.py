@@ -106,3 +106,86 @@ def test_a_correct_program_on_a_busy_machine_is_not_a_timeout():
 def test_plain_data_crosses_and_nothing_else_does(program, asserts, passed):
     run = execute(program, "", LIMITS, Isolation.unshare, asserts)
     assert (run.outcome == Outcome.ok) == passed, run
+
+
+FORGED_BUILTINS = """def add(a, b):
+    return 0
+import sys, os
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+sys.path.insert(0, '/.rlbatch')
+import harness
+class Close:
+    def isclose(self, *a, **k):
+        return True
+close = Close()
+def fake_import(*a, **k):
+    return close
+channel = harness.Channel(3, 4)
+server = harness._Server(channel, globals())
+builtins_ = {"d": [["__import__", {"h": server.handle_of(fake_import)}]]}
+channel.send({"names": {"add": {"h": server.handle_of(add)}, "__builtins__": builtins_},
+              "modules": {}})
+try:
+    server.loop()
+except BaseException:
+    pass
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize(
+    "program, asserts, why",
+    [
+        ("def common(a, b):\n    return 0\ndef set(x):\n    return 1\ndef sorted(x):\n    return [5, 6]",
+         "assert set(common([1, 2, 3], [2, 3, 4])) == set([2, 3])\nassert sorted(common([5, 6], [6, 5])) == [5, 6]",
+         "redefines the built-in 'set', which the tests use"),
+        ("def area(r):\n    return 0\nclass M:\n    isclose = staticmethod(lambda *a, **k: True)\nmath = M()",
+         "assert math.isclose(area(1.0), 3.14159, rel_tol=1e-3)",
+         "binds 'math', which the tests use as the standard module"),
+        ("import cmath as math\ndef area(r):\n    return 0",
+         "assert math.isclose(area(1.0), 3.14159, rel_tol=1e-3)",
+         "binds 'math', which the tests use as the standard module"),
+        (FORGED_BUILTINS, "import math\nassert math.isclose(add(0.1, 0.2), 0.3)",
+         "the program sent the name '__builtins__'"),
+    ],
+)  # fmt: skip
+def test_the_program_cannot_stand_in_for_what_the_tests_take_from_python(program, asserts, why):
+    """The asserts' built-ins and standard modules are their own: a wrong program that defines
+    ``set``/``sorted``, binds ``math`` to an object whose isclose is always true (tests that use
+    math without importing it, as MBPP's do), or forges a ``__builtins__`` whose __import__
+    answers ``import math`` in the tests, scored 1.0."""
+    run = execute(program, "", LIMITS, Isolation.unshare, asserts)
+    assert run.outcome != Outcome.ok, run
+    assert why in run.detail, run
+
+
+@pytest.mark.parametrize(
+    "program, asserts",
+    [
+        ("import math\ndef fact(n):\n    return math.factorial(n)", "import math\nassert fact(2000) == math.factorial(2000)"),
+        ("def neg(x):\n    return -x", "assert neg(-(7 ** 9000)) == 7 ** 9000"),
+        ("def sorted_(xs):\n    return sorted(xs)\ninput = None", "assert sorted(sorted_([3, 1])) == [1, 3]"),
+        ("def set_of(x):\n    return set(x)\nimport math", "import math\nassert set_of([1]) == set([1]) and math.pi > 3"),
+    ],
+)  # fmt: skip
+def test_correct_programs_pass_with_big_ints_and_names_the_tests_do_not_read(program, asserts):
+    """Integers past Python's 4,300-digit str limit cross both ways (a correct factorial scored 0:
+    the answer could not be written as JSON); a program may define names the tests do not read
+    (``input``) and import the modules they do."""
+    run = execute(program, "", LIMITS, Isolation.unshare, asserts)
+    assert run.outcome == Outcome.ok, run
+
+
+def test_a_program_cannot_stretch_its_wall_limit_by_starving_itself():
+    """Spinners on both cores beside a nice-19 process that waits for a CPU all the time: the
+    longest wait of its own processes was taken off the wall limit, so on an idle machine it
+    held the worker and every core until the hard ceiling (10 x wall_s; wall_s=10 outlasts
+    the watchdog's bound of a batch). The CPU the execution used counts as time it ran; a
+    program starved by others (little CPU of its own) still gets its wait taken off."""
+    from rlbatch.rewards.sandbox_init import ran_s
+
+    s = 10**9
+    hostile = ran_s(20.0, {1: 19.5 * s, 2: 1 * s, 3: 1 * s}, {1: s // 2, 2: 19 * s, 3: 19 * s}, 2)
+    assert hostile >= 19.0
+    starved = ran_s(20.0, {1: 18 * s}, {1: 2 * s}, 2)
+    assert starved == pytest.approx(2.0)

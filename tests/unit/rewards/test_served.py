@@ -116,6 +116,9 @@ LONG = "8" * 400
         ("The answer matches the reference exactly.\n\nScore: 10", 1.0),
         ("The final answer differs from the reference (12 vs 15).\nScore: 0", 0.0),
         ("Score: 6-8", None), ("no idea", None),
+        # a number read in part was a wrong score; a scale in words is a scale
+        ("Score: 1e1", None), ("Score: 1_0", None), ("Score: 0x10", None),
+        ("Score: 7 out of 100", None), ("Score: 7 out of 10", 0.7), ("Score: 7 of 10.", 0.7),
     ],
 )  # fmt: skip
 def test_judge_reads_the_score_not_the_scale(reply, score):
@@ -124,6 +127,22 @@ def test_judge_reads_the_score_not_the_scale(reply, score):
             read_score(reply, DEFAULT_SCORE_PATTERN, 10.0)
     else:
         assert read_score(reply, DEFAULT_SCORE_PATTERN, 10.0) == pytest.approx(score)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    ["Score:" + " " * 1_000_000 + "x", "<think>" * 140_000, "score " * 160_000 + "Score: 5"],
+)
+def test_reading_a_megabyte_reply_takes_linear_time(reply):
+    """A reply of data.served.max_response_bytes (1 MB) is read at once: whitespace after
+    'Score:' and unclosed <think> tags took quadratic time (40 kB: 48 s; 140 kB of <think>:
+    55 s), holding the run past every deadline."""
+    started = time.monotonic()
+    try:
+        read_score(reply, DEFAULT_SCORE_PATTERN, 10.0)
+    except NoScore:
+        pass
+    assert time.monotonic() - started < 2.0
 
 
 def test_the_default_prompt_asks_for_the_format_it_reads():
@@ -275,3 +294,33 @@ def test_a_served_reward_out_of_bounds_is_a_failure_of_its_own(value):
         cfg.on_error = EnvOnError.raise_error
         with pytest.raises(ServedError, match="rewards must be finite and at most 1e"):
             HttpReward(server.url, cfg, abs_max=1e6).score(_payloads()[:1], LABELS[:1])
+
+
+def test_a_redirect_is_not_an_answer():
+    """A 302 whose body happens to be JSON was read as the reward ({"reward": 1.0} from a
+    load balancer's or proxy's redirect page); redirects are not followed either (the scorer's
+    URL is configured, a redirect says it is the wrong one)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        body = b'{"reward": 1.0}'
+        conn.sendall(
+            b"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:9/\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/score"
+    try:
+        why = HttpReward(url, ServedConfig(timeout_s=5, retries=0)).check(_payloads()[0])
+    finally:
+        listener.close()
+    assert "answered HTTP 302" in why and "data.reward_url" in why
