@@ -54,3 +54,23 @@ def pytest_make_collect_report(collector):
     report = outcome.get_result()
     if report.skipped and not str(report.nodeid).replace("\\", "/").startswith("tests/gpu"):
         report.outcome = "failed"
+
+
+@pytest.fixture(scope="session")
+def gpu_figures():
+    """tests/gpu's figures (parity errors, tokens/s, peak memory): printed, and appended as JSON
+    lines to the file named by RLBATCH_GPU_FIGURES when it is set (tests/gpu/check.sh shows
+    them at the end)."""
+    import json
+
+    path = os.environ.get("RLBATCH_GPU_FIGURES")
+    dryrun = os.environ.get("RLBATCH_GPU_DRYRUN") == "1"
+
+    def record(check: str, **figures):
+        line = {"check": check, "dryrun": dryrun, **figures}
+        print(json.dumps(line))
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    return record
