@@ -26,8 +26,8 @@ LORA_RANK = 8
 @pytest.fixture(scope="module")
 def setup():
     """(config, policy chunk, vLLM rollout engine), the engine started once for the module, for
-    a LoRA run of rank 8 (vLLM's LoRA on: the last test gives the policy adapters; until then
-    the policy has none and the engine takes its whole weights)."""
+    a LoRA run of rank 8 (the config's; vLLM's LoRA on): the policy is built without adapters
+    and takes them in the last test; until then the engine takes its whole weights."""
     pytest.importorskip("vllm")
     from dataclasses import replace
 
@@ -52,7 +52,7 @@ def setup():
     lora_run = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=LORA_RANK)))
     engine = build_rollout_engine(lora_run, [chunk], eos_id=1, pad_id=0)
     RNG_AROUND_START.extend([before, process_rng_states()])
-    return cfg, chunk, engine
+    return lora_run, chunk, engine
 
 
 RNG_AROUND_START: list[dict] = []
