@@ -1,7 +1,7 @@
 """LoRA runs leave through rlbatch-export as a merged Hugging Face model plus a PEFT adapter
 directory that the real ``peft`` package loads onto the base model with the merged model's
-logits; with rollout.backend=vllm the engine samples from the adapted policy (merged weights
-streamed at every sync), not the base.
+logits; with rollout.backend=vllm the engine samples from the adapted policy (the adapters
+sent as a vLLM LoRA adapter at every sync, over the base weights), not the base.
 
 References are independent of rlbatch: transformers' Qwen2 (the base checkpoint and the merged
 export) and peft's LoRA layers (the adapter directory)."""
@@ -127,7 +127,7 @@ def test_peft_loads_the_exported_adapters_of_a_tp2_lora_run(tmp_path, bin_dir, s
 @pytest.mark.optional_extra
 def test_vllm_samples_the_adapted_policy(tmp_path, bin_dir, subprocess_env):
     """rollout.backend=vllm with LoRA (rank 8, every projection, no model.hf_path): the sync
-    streams the merged weights, so vLLM's behaviour logprobs equal the trainer's adapted
+    sends the adapters as vLLM LoRA over the base weights, so vLLM's behaviour logprobs equal the trainer's adapted
     forward at every step (importance weights 1) although, by the last step, the adapted
     policy is far from the base (KL through transformers on the export of the step whose
     weights vLLM sampled with); had vLLM kept the base, the mismatch would be that KL. The

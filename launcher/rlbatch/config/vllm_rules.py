@@ -6,7 +6,7 @@ or whose numbers would not be the trainer's, each with its key, its value and th
   under the truncated, renormalised distribution, not the full-vocabulary
   ``log_softmax(logits / T)`` every other logprob of the loss is taken at;
 - the model: the head dimension vLLM derives (its Qwen2 ignores ``head_dim``) and, on the CPU
-  build, one its attention kernels support;
+  build, one its attention kernels support; a LoRA rank vLLM's LoRA can serve;
 - the longest sequence of the run (training's, and evaluation's when it is on) within
   ``rollout.vllm.max_model_len`` and the model's positions.
 
@@ -32,6 +32,8 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 DTYPES = ("float32", "bfloat16", "float16")
 """rollout.vllm.dtype values (null = the training dtype)."""
 TRAINING_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+MAX_LORA_RANK = 512
+"""The largest adapter rank vLLM's LoRA serves (its max_lora_rank)."""
 
 
 def cpu_build_installed() -> bool:
@@ -144,6 +146,16 @@ def _check_sampling(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 def _check_model(cfg: RunConfig, errors: list[ConfigError]) -> None:
     m = cfg.model
+    if m.lora.rank > MAX_LORA_RANK:
+        errors.append(
+            ConfigError(
+                "model.lora.rank",
+                m.lora.rank,
+                f"vLLM serves LoRA adapters of rank {MAX_LORA_RANK} at most (rollouts apply the"
+                f" adapters through vLLM's LoRA): set model.lora.rank<={MAX_LORA_RANK}, or"
+                " rollout.backend=megatron",
+            )
+        )
     if m.num_attention_heads <= 0 or m.hidden_size <= 0:
         return  # reported by the positivity checks
     head_dim = vllm_head_dim(cfg)

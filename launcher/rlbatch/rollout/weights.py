@@ -6,11 +6,15 @@ gathered over tp (rlbatch.engine.hf.iter_full_tensors, the mapping the HF export
 each pipeline stage in turn broadcasts its layers over pp. Data-parallel replicas stream
 independently (their weights are equal). A tied model also yields ``lm_head.weight`` (the
 embedding): engines that keep their own copy of the output layer need it.
+
+A LoRA model's adapters travel on their own (:func:`stream_adapters`: PEFT-named full factors),
+for an engine that applies them itself; its base weights then go once, with the adapters
+switched off (every base weight is frozen under LoRA).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -41,24 +45,43 @@ def stream_hf_weights(model: Any, model_cfg: ModelConfig) -> Iterator[tuple[str,
     if size == 1:
         stream: Iterator[tuple[str, torch.Tensor]] = _local_tensors(chunks, cfg)
     else:
-        stream = _pipeline_stream(chunks, cfg, rank, size, group)
+        stream = _pipeline_stream(lambda: _local_tensors(chunks, cfg), rank, size, group)
     for name, tensor in stream:
         yield name, tensor
         if cfg.tie_word_embeddings and name == "model.embed_tokens.weight":
             yield TIED_HEAD, tensor
 
 
+def stream_adapters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT name, full tensor) of every LoRA factor of the model (rlbatch.engine.lora.peft_name:
+    A [r, in], B [out, r]), on every rank of this rank's model-parallel group (collective over
+    tp and pp, as :func:`stream_hf_weights`)."""
+    from rlbatch.distributed import pipeline_stage
+    from rlbatch.engine.hf import _chunks
+    from rlbatch.engine.lora import full_adapters
+
+    chunks = _chunks(model)
+    rank, size, group = pipeline_stage()
+    if size == 1:
+        yield from full_adapters(chunks).items()
+        return
+    yield from _pipeline_stream(lambda: iter(full_adapters(chunks).items()), rank, size, group)
+
+
 def _pipeline_stream(
-    chunks: list[Any], cfg: ModelConfig, rank: int, size: int, group: Any
+    local_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+    rank: int,
+    size: int,
+    group: Any,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stage 0's tensors, then stage 1's, ...: the owner sends each tensor's name, shape and
-    dtype, then the tensor, over the pipeline group, on that group's communication device
-    (CUDA for nccl, the CPU for gloo)."""
+    """Stage 0's tensors, then stage 1's, ...: the owner (which iterates ``local_tensors()``)
+    sends each tensor's name, shape and dtype, then the tensor, over the pipeline group, on that
+    group's communication device (CUDA for nccl, the CPU for gloo)."""
     from rlbatch.distributed import comm_device
 
     device = comm_device(group)
     for stage in range(size):
-        local = _local_tensors(chunks, cfg) if stage == rank else None
+        local = local_tensors() if stage == rank else None
         yield from _stage_tensors(local, dist.get_global_rank(group, stage), group, device)
 
 

@@ -20,12 +20,17 @@ pytestmark = [pytest.mark.optional_extra, pytest.mark.slow]  # one vLLM start: ~
 TEMPERATURE = 0.7
 PROMPT_LEN = 70  # over two KV blocks of 32: the prefix cache holds whole blocks of it
 ATOL = 5e-5  # float32 forwards (vLLM's and megatron's), compared in float64
+LORA_RANK = 8
 
 
 @pytest.fixture(scope="module")
 def setup():
-    """(config, policy chunk, vLLM rollout engine), the engine started once for the module."""
+    """(config, policy chunk, vLLM rollout engine), the engine started once for the module, for
+    a LoRA run of rank 8 (the config's; vLLM's LoRA on): the policy is built without adapters
+    and takes them in the last test; until then the engine takes its whole weights."""
     pytest.importorskip("vllm")
+    from dataclasses import replace
+
     from rlbatch.config.schema import RolloutBackend, RunConfig
     from rlbatch.engine import parallel
     from rlbatch.engine.model import build_model
@@ -45,9 +50,10 @@ def setup():
     (chunk,) = build_model(cfg, wrap_ddp=False)
     seed_process_generators(1234)
     before = process_rng_states()
-    engine = build_rollout_engine(cfg, [chunk], eos_id=1, pad_id=0)
+    lora_run = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=LORA_RANK)))
+    engine = build_rollout_engine(lora_run, [chunk], eos_id=1, pad_id=0)
     RNG_AROUND_START.extend([before, process_rng_states()])
-    return cfg, chunk, engine
+    return lora_run, chunk, engine
 
 
 RNG_AROUND_START: list[dict] = []
@@ -296,18 +302,21 @@ def test_evaluation_samples_with_its_own_settings_on_the_same_engine(setup):
     assert before[0].response_ids != before[1].response_ids  # sampled, not greedy
 
 
-def test_lora_adapters_reach_the_engine_merged(setup):
+def test_lora_adapters_reach_the_engine_as_vllm_lora(setup):
     """LoRA (last in the module: it adapts the shared policy chunk): adapters of rank 8 on every
     projection, trained a few steps (Adam over the chunk's parameters: only the adapters
-    train), reach vLLM as merged weights with the next policy version; its behaviour logprobs
-    equal the adapted policy's own forward, and are far from the base model's (the adapters
-    switched off), so rollouts cannot keep sampling the base model unnoticed."""
+    train), reach vLLM as a LoRA adapter of the next policy version (its base weights stay the
+    frozen base); its behaviour logprobs equal the adapted policy's own forward, and are far
+    from the base model's (the adapters switched off), so rollouts cannot keep sampling the
+    base model unnoticed. A further update is a new adapter (new id: vLLM's adapter and prefix
+    caches cannot serve the old one), and with the adapters switched off the engine samples
+    the base model."""
     from dataclasses import replace
 
     from rlbatch.engine import lora
 
     cfg, chunk, engine = setup
-    model_cfg = replace(cfg.model, lora=replace(cfg.model.lora, rank=8))
+    model_cfg = replace(cfg.model, lora=replace(cfg.model.lora, rank=LORA_RANK))
     assert lora.attach_adapters([chunk], model_cfg, seed=3) > 0
     train_steps(chunk, 3)
     # a version no earlier test of the module used: the engine must take the new weights
@@ -316,3 +325,13 @@ def test_lora_adapters_reach_the_engine_merged(setup):
     assert max_logp_error(chunk, adapted) < ATOL
     with lora.adapters_disabled([chunk]):
         assert max_logp_error(chunk, adapted) > 100 * ATOL
+    first = engine.backend.running.lora_request
+    assert first is not None
+    train_steps(chunk, 2)
+    again = engine.generate(prompts, 2, policy_version=101, seed=12)
+    assert engine.backend.running.lora_request.lora_int_id != first.lora_int_id
+    assert max_logp_error(chunk, again) < ATOL
+    with lora.adapters_disabled([chunk]):
+        base = engine.generate(prompts, 2, policy_version=102, seed=12)
+        assert engine.backend.running.lora_request is None
+        assert max_logp_error(chunk, base) < ATOL
