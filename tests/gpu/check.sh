@@ -57,7 +57,7 @@ if [[ ! -d "$WHEELS" ]]; then
 fi
 {
   $PY -m pip install --no-index --find-links "$WHEELS" "megatron-core==0.16.1" \
-    "hydra-core==1.3.2" "omegaconf==2.3.0" "packaging>=24.2" &&
+    "hydra-core==1.3.2" "omegaconf==2.3.0" "packaging>=24.2" pytest pytest-timeout hypothesis &&
   $PY -m pip install --no-index --find-links "$WHEELS" -e . &&
   $PY -c 'import megatron.core, hydra, rlbatch.engine.model as m; print("megatron-core",
 megatron.core.__version__, "transformer_engine", m.have_transformer_engine())'
