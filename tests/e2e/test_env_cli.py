@@ -76,7 +76,7 @@ def _metrics(run_dir):
 
 
 def _untimed(records):
-    return [{k: v for k, v in r.items() if not k.endswith(("_s", "seconds")) and "per_s" not in k}
+    return [{k: v for k, v in r.items() if not k.endswith(("_s", "seconds", "memory_gb")) and "per_s" not in k}
             for r in records]  # fmt: skip
 
 

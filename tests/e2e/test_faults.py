@@ -24,7 +24,7 @@ def _train(bin_dir, env, *args, flags=(), timeout=400):
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    timing = ("_s", "_seconds", "seconds")
+    timing = ("_s", "_seconds", "seconds", "memory_gb")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not (k.endswith(timing) or "per_s" in k)} for r in rows]
 

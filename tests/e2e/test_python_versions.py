@@ -53,7 +53,10 @@ def test_gpu_wheel_folder_builds_and_fits_the_carry(gpu_wheels):
     size_mib = sum(p.stat().st_size for p in gpu_wheels.iterdir()) / 2**20
     assert size_mib < CARRY_LIMIT_MIB, (size_mib, names)
     expected = ("megatron_core-0.16.1-cp312-cp312-", "antlr4_python3_runtime-4.9.3-py3-none-any",
-                "hydra_core-1.3.2-", "omegaconf-2.3.0-", "setuptools-", "wheel-", "packaging-")  # fmt: skip
+                "hydra_core-1.3.2-", "omegaconf-2.3.0-", "setuptools-", "wheel-", "packaging-",
+                # the tests' own tools, which a GPU image may lack
+                "pytest-", "pluggy-", "iniconfig-", "pytest_timeout-", "hypothesis-", "attrs-",
+                "sortedcontainers-")  # fmt: skip
     for prefix in expected:
         assert any(n.startswith(prefix) and n.endswith(".whl") for n in names), (prefix, names)
     # the GPU machine has its own CUDA torch: none is shipped
@@ -92,3 +95,30 @@ def test_complete_folder_installs_offline_and_trains(tmp_path):
          cwd=tmp_path)  # fmt: skip
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
+
+
+def test_gpu_check_fails_where_torch_sees_no_cuda_device(tmp_path):
+    """check.sh on a machine whose torch sees no CUDA device (here: this CPU machine; on a GPU
+    machine: a driver older than the torch build) installs, then fails saying why: every test
+    of tests/gpu would be skipped and pytest would exit 0, a check passed having checked nothing.
+    The install goes into a fresh virtual environment that sees this one's packages through a
+    .pth file, so this environment is left as it is."""
+    folder, venv, out = tmp_path / "wheels", tmp_path / "venv", tmp_path / "check"
+    host = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    _run(["bash", str(WHEELS_SH), str(folder), "--python", host])
+    _run([sys.executable, "-m", "venv", str(venv)])
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    import site as this_site
+
+    Path(site, "outer.pth").write_text("\n".join(this_site.getsitepackages()) + "\n")
+    env = dict(os.environ, PATH=f"{venv / 'bin'}:{os.environ['PATH']}", VIRTUAL_ENV=str(venv))
+    env.update(PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, CUDA_VISIBLE_DEVICES="")
+    env.pop("RLBATCH_GPU_DRYRUN", None)
+    proc = subprocess.run(["bash", str(CHECK_SH), str(out), "--wheels", str(folder)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    summary = (out / "summary.txt").read_text()
+    assert "install: ok" in summary, summary + proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 1, summary
+    assert "torch sees no CUDA device" in summary, summary
+    assert not (out / "gpu_tests.log").exists() and not (out / "unit_tests.log").exists()

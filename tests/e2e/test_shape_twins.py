@@ -24,7 +24,7 @@ MATH = [("1+1=", "2"), ("2+3=", "5"), ("4+4=", "8"), ("7-2=", "5"), ("3*3=", "9"
 
 
 def _is_timing(key):
-    return key.endswith(("_s", "_seconds", "seconds")) or "per_s" in key
+    return key.endswith(("_s", "_seconds", "seconds", "memory_gb")) or "per_s" in key
 
 
 def _metrics(run_dir):

@@ -12,7 +12,8 @@
 #    reference, packed THD micro-batches, whole GRPO steps in bf16 with tokens/s and peak memory,
 #    LoRA in bf16, megatron_dynamic rollouts, the NCCL weight stream where there are 2 GPUs);
 # 4. writes into OUT: env.txt, install.log, gpu_tests.log, junit_gpu.xml, figures.jsonl,
-#    unit_tests.log, summary.txt (also printed). Exit status: non-zero when any step failed.
+#    unit_tests.log, summary.txt (also printed). Exit status: non-zero when any step failed, and
+#    when torch sees no CUDA device (the GPU tests would all be skipped).
 # --install-only stops after step 1 (the tests use it on a CPU machine with a complete folder);
 # -k EXPR selects tests/gpu tests as pytest's -k does (a rerun of what failed).
 # Budget: about 8 minutes on one H100. Each stage has its own time limit.
@@ -56,7 +57,7 @@ if [[ ! -d "$WHEELS" ]]; then
 fi
 {
   $PY -m pip install --no-index --find-links "$WHEELS" "megatron-core==0.16.1" \
-    "hydra-core==1.3.2" "omegaconf==2.3.0" "packaging>=24.2" &&
+    "hydra-core==1.3.2" "omegaconf==2.3.0" "packaging>=24.2" pytest pytest-timeout hypothesis &&
   $PY -m pip install --no-index --find-links "$WHEELS" -e . &&
   $PY -c 'import megatron.core, hydra, rlbatch.engine.model as m; print("megatron-core",
 megatron.core.__version__, "transformer_engine", m.have_transformer_engine())'
@@ -66,6 +67,15 @@ if (($? != 0)); then
 fi
 summary "install: ok ($(tail -1 "$OUT/install.log"))"
 ((INSTALL_ONLY)) && exit 0
+
+# no CUDA device (a driver older than the torch build, devices hidden): every test of tests/gpu
+# would be skipped and pytest would exit 0, a check that passes having checked nothing
+if [[ "${RLBATCH_GPU_DRYRUN:-}" != 1 ]] &&
+  ! $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  summary "tests/gpu: FAILED: torch sees no CUDA device (env.txt), so every GPU test would be" \
+    "skipped; RLBATCH_GPU_DRYRUN=1 runs the dry-run shapes on the CPU instead"
+  exit 1
+fi
 
 # ---- 2. the fast unit tests on this torch, GPU hidden (in the background, on spare cores) ----
 # (deselected: the repository's own file check needs its git history; the README's commands

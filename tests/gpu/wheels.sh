@@ -6,7 +6,8 @@
 # Default (for a GPU machine with a CUDA torch and no package index; Python 3.12 by default):
 # only what such an image lacks: megatron-core, Hydra, OmegaConf, Hydra's parser runtime
 # (antlr4-python3-runtime 4.9.3 has no wheel on the index: it is built here from its source
-# archive), the build backend (setuptools, wheel) and packaging. About 5 MiB,
+# archive), the build backend (setuptools, wheel), packaging, and the test tools (pytest,
+# pytest-timeout, hypothesis and their dependencies). About 6 MiB,
 # well under what a machine without an index can be handed. Transformer Engine is not included:
 # its wheels are hundreds of MiB, so the check runs megatron's local layer spec.
 #
@@ -41,6 +42,9 @@ TARGET=(--python-version "$PYVER" --implementation cp --abi "$ABI" --abi abi3 --
 # the pins rlbatch's pyproject states (one version of each: two would stop the install there)
 PINS=(megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0 "packaging>=24.2"
       "setuptools>=68" wheel)
+# what check.sh runs the tests with (a GPU image may lack pytest; the unit tests need hypothesis
+# and the ini's timeout pytest-timeout), with their dependencies: all pure Python, under 2 MiB
+TEST_TOOLS=(pytest pluggy iniconfig pytest-timeout hypothesis attrs sortedcontainers)
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
@@ -56,9 +60,10 @@ if ((COMPLETE)); then
   rm -f "$OUT"/rlbatch-*.whl
   $PY -m pip wheel -q --no-deps -w "$OUT" "$REPO"
   $PY -m pip download -q -d "$OUT" --find-links "$OUT" torch==2.13.0 "$OUT"/rlbatch-*.whl \
-    "${PINS[@]}"
+    "${PINS[@]}" "${TEST_TOOLS[@]}"
 else
-  $PY -m pip download -q --no-deps --only-binary=:all: "${TARGET[@]}" -d "$OUT" "${PINS[@]}"
+  $PY -m pip download -q --no-deps --only-binary=:all: "${TARGET[@]}" -d "$OUT" "${PINS[@]}" \
+    "${TEST_TOOLS[@]}"
 fi
 
 total=$(du -sm "$OUT" | cut -f1)

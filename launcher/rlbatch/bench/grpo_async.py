@@ -105,10 +105,6 @@ def variant_names(workload: str, variants: Optional[str]) -> list[str]:
     return [v for v in known if v in names]
 
 
-def _is_timing(key: str) -> bool:
-    return key.endswith(("_s", "_seconds")) or "per_s" in key
-
-
 def variant_overrides(workload: str, name: str, steps: int, threads: int) -> list[str]:
     """The Hydra overrides of one variant's run."""
     base, variants = WORKLOADS[workload]
@@ -167,7 +163,10 @@ def _mean_step_time(records: Sequence[dict[str, Any]], warmup: int) -> float:
 
 
 def default_report(runs: dict[str, list[list[dict[str, Any]]]], warmup: int) -> dict[str, Any]:
-    """Step times, their ratios, and async_overlap's metrics against async_inline's."""
+    """Step times, their ratios, and async_overlap's metrics against async_inline's (all but
+    what measures the machine: times, rates, peak memory)."""
+    from rlbatch.train.metrics import measures_machine
+
     step_times = {n: [_mean_step_time(recs, warmup) for recs in rs] for n, rs in runs.items()}
     median = {name: statistics.median(times) for name, times in step_times.items()}
     out: dict[str, Any] = {"step_time_s": median, "step_times_s": step_times, "ratios": {}}
@@ -175,7 +174,7 @@ def default_report(runs: dict[str, list[list[dict[str, Any]]]], warmup: int) -> 
         if name in median and "sync" in median:
             out["ratios"][f"{name}_over_sync"] = median[name] / median["sync"]
     if {"async_overlap", "async_inline"} <= set(runs):
-        stable = {n: [{k: v for k, v in r.items() if not _is_timing(k)} for r in runs[n][0]]
+        stable = {n: [{k: v for k, v in r.items() if not measures_machine(k)} for r in runs[n][0]]
                   for n in ("async_inline", "async_overlap")}  # fmt: skip
         over = median["async_overlap"] / median["async_inline"]
         out["ratios"]["async_overlap_over_async_inline"] = over

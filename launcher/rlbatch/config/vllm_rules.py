@@ -63,6 +63,15 @@ def check_vllm(cfg: RunConfig, errors: list[ConfigError], longest: tuple[int, st
     """Every error of a run with rollout.backend=vllm (nothing otherwise). ``longest``: the
     run's longest sequence and where it comes from (rlbatch.config.lengths)."""
     if RolloutBackend(cfg.rollout.backend) != RolloutBackend.vllm:
+        if cfg.rollout.vllm.sleep:  # asks for memory back that no engine of this run holds
+            errors.append(
+                ConfigError(
+                    "rollout.vllm.sleep",
+                    True,
+                    f"applies to rollout.backend=vllm, not {cfg.rollout.backend}: set "
+                    "rollout.vllm.sleep=false, or rollout.backend=vllm",
+                )
+            )
         return
     _check_settings(cfg, errors)
     _check_sampling(cfg, errors)

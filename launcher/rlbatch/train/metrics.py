@@ -75,6 +75,18 @@ SUMMARY_KEYS = (
 without an environment, has no row)."""
 
 
+MACHINE_KEYS = ("peak_memory_gb",)
+"""Metrics that measure the machine, not the training, besides the timings (``*_s``,
+``*_seconds``, ``*per_s*``): two runs that train the same samples the same way (a resumed run
+and the uninterrupted one, inline and overlapped generation) differ in these only."""
+
+
+def measures_machine(key: str) -> bool:
+    """Whether a metrics.jsonl key is a timing, a rate or a memory figure: what may differ
+    between runs that are otherwise exactly equal."""
+    return key.endswith(("_s", "_seconds")) or "per_s" in key or key in MACHINE_KEYS
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl; a torn last line (crash mid-write) is skipped."""
     records: list[dict[str, Any]] = []

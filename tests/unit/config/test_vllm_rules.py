@@ -143,3 +143,11 @@ def test_sleep_is_refused_while_generation_runs_ahead_of_training():
     assert set(errors) == {"rollout.vllm.sleep"}
     assert "grpo.num_steps_async=1" in errors["rollout.vllm.sleep"]
     assert "rollout.vllm.sleep=false" in errors["rollout.vllm.sleep"]
+
+
+def test_sleep_without_the_vllm_backend_is_refused_not_ignored():
+    cfg = RunConfig()
+    cfg.rollout.vllm.sleep = True
+    errors = errors_by_key(cfg)
+    assert set(errors) == {"rollout.vllm.sleep"}
+    assert "rollout.backend=vllm" in errors["rollout.vllm.sleep"]

@@ -162,3 +162,16 @@ def test_trl_comparison_unknown_model_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--against", "trl", "--models", "tiny,huge"])
     assert "a comma list of tiny, qwen0.5b" in capsys.readouterr().err
+
+
+def test_default_report_ignores_what_measures_the_machine():
+    """async_overlap and async_inline train the same samples: their records differ only in what
+    measures the machine (times, rates, peak memory), so the report calls them identical; a
+    trained value that differs makes them not."""
+    trained = {"loss": 0.5, "is_weight_mean": 1.0, "is_weight_max": 1.0, "is_capped_fraction": 0.0}
+    inline = [r | trained | {"peak_memory_gb": 0.41} for r in _records([2.0, 2.0])]
+    overlap = [r | trained | {"peak_memory_gb": 0.47} for r in _records([1.0, 1.0])]
+    runs = {"sync": [_records([3.0, 3.0])], "async_inline": [inline], "async_overlap": [overlap]}
+    assert grpo_async.default_report(runs, warmup=0)["identical_to_inline"] is True
+    overlap[1]["loss"] = 0.25
+    assert grpo_async.default_report(runs, warmup=0)["identical_to_inline"] is False
