@@ -404,10 +404,16 @@ def write_side_files(model_cfg: ModelConfig, out: Path) -> None:
     rlbatch_tokenizer.json instead of tokenizer files, so the export loads with it again.
     The run's end ids (the tokenizer's ``eos_ids``, model.extra_eos_token_ids included) are the
     eos_token_id of generation_config.json and of config.json when it is there: a reader that
-    falls back to the architecture's default (LlamaConfig: 2) would stop elsewhere."""
+    falls back to the architecture's default (LlamaConfig: 2) would stop elsewhere. A source
+    checkpoint without tokenizer files keeps its own generation_config.json as it is."""
     import shutil
 
-    from rlbatch.engine.tokenizer import BYTES_MARKER, build_tokenizer, tokenizer_source
+    from rlbatch.engine.tokenizer import (
+        BYTES_MARKER,
+        TokenizerLoadError,
+        build_tokenizer,
+        tokenizer_source,
+    )
 
     sources = [Path(p) for p in (model_cfg.tokenizer_path, model_cfg.hf_path) if p]
     for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
@@ -416,7 +422,12 @@ def write_side_files(model_cfg: ModelConfig, out: Path) -> None:
             shutil.copyfile(found, out / name)
     if tokenizer_source(model_cfg)[1] is None:  # the byte tokenizer: say so in the directory
         (out / BYTES_MARKER).write_text(json.dumps({"tokenizer": "bytes"}) + "\n")
-    tok = build_tokenizer(model_cfg)
+    try:
+        tok = build_tokenizer(model_cfg)
+    except TokenizerLoadError:
+        if (out / GENERATION_CONFIG).is_file():
+            return  # a checkpoint without tokenizer files: its own generation_config's ids
+        raise
     gen = {"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id}
     if (out / GENERATION_CONFIG).is_file():
         gen = json.loads((out / GENERATION_CONFIG).read_text())
