@@ -62,11 +62,13 @@ def check_lora(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def projection_shapes(cfg: RunConfig) -> dict[str, tuple[int, int]]:
-    """(input, output) features of every projection LoRA can adapt, from model.*."""
-    from rlbatch.engine.hf_config import head_dim_of
-
+    """(input, output) features of every projection LoRA can adapt, from model.* (empty when
+    the head count is not positive: the positivity checks report that)."""
     m = cfg.model
-    hidden, ffn, head = m.hidden_size, m.ffn_hidden_size, head_dim_of(m)
+    if m.num_attention_heads <= 0:
+        return {}
+    hidden, ffn = m.hidden_size, m.ffn_hidden_size
+    head = m.head_dim or hidden // m.num_attention_heads
     return {
         "q_proj": (hidden, m.num_attention_heads * head),
         "k_proj": (hidden, m.num_query_groups * head),
