@@ -84,6 +84,8 @@ def _check_rank_fits(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """A rank-r update B @ A of an (in x out) layer has rank at most min(in, out): a larger
     model.lora.rank only adds parameters that cannot change the policy."""
     lora, shapes = cfg.model.lora, projection_shapes(cfg)
+    if not shapes:
+        return
     targets = PROJECTIONS if ALL_LINEAR in lora.target_modules else lora.target_modules
     too_small = {t: shapes[t] for t in targets if lora.rank > min(shapes[t])}
     if too_small:
