@@ -205,15 +205,13 @@ def produce_samples(
     from rlbatch.grpo.lcm import LCMAggregator, Stages, plan_aggregation
     from rlbatch.grpo.rewards import build_reward_fn
     from rlbatch.grpo.stages import make_logps_fn, make_reward_batch_fn, reference_logps_fn
-    from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams, as_rollout_fn
+    from rlbatch.rollout.builtin import MegatronRolloutEngine, as_rollout_fn
 
     cfg = world.cfg
     ref_fn = reference_logps_fn(cfg, world.ref, world.model)
     use_lcm(cfg, args, aggregated)
     tok = world.tokenizer
-    engine = MegatronRolloutEngine(
-        world.model, SamplingParams.from_config(cfg.rollout, tok.eos_id, tok.pad_id, cfg.debug)
-    )
+    engine = MegatronRolloutEngine(world.model, bench_sampling(cfg, tok))
     gen_tokens = lambda a, out: sum(len(s.response_ids) for s in out)  # noqa: E731
     all_tokens = lambda a, out: sum(s.length for s in a[0])  # noqa: E731
     stages = Stages(
@@ -330,3 +328,17 @@ def format_report(result: dict[str, Any]) -> str:
         )
     lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in result["ratios"].items()))
     return "\n".join(lines)
+
+
+def bench_sampling(cfg: Any, tokenizer: Any) -> Any:
+    """The rollout sampling of a benchmarked run: the run's settings and its whole set of end
+    ids (the tokenizer's, model.extra_eos_token_ids included), as training decodes."""
+    from rlbatch.rollout.sampling import SamplingParams
+
+    return SamplingParams.from_config(
+        cfg.rollout,
+        tokenizer.eos_id,
+        tokenizer.pad_id,
+        cfg.debug,
+        extra_eos_ids=tokenizer.eos_ids,
+    )

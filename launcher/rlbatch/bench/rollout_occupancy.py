@@ -74,12 +74,13 @@ def measure(engine: Any, prompts: list[Any], args: argparse.Namespace) -> dict[s
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from rlbatch.bench.grpo import bench_sampling
     from rlbatch.cli.common import compose
     from rlbatch.engine import parallel
     from rlbatch.engine.model import build_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
+    from rlbatch.rollout.builtin import MegatronRolloutEngine
 
     torch.set_num_threads(1)
     cfg = compose(overrides(args), "rlbatch-bench rollout --occupancy")
@@ -90,9 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(cfg, wrap_ddp=False)
     tokenizer = build_tokenizer(cfg.model)
     prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)
-    params = SamplingParams.from_config(
-        cfg.rollout, tokenizer.eos_id, tokenizer.pad_id, debug=cfg.debug
-    )
+    params = bench_sampling(cfg, tokenizer)  # the run's whole EOS set, as training stops
     cells = []
     for chunk in [int(c) for c in args.chunk_prompts.split(",")]:
         for path, continuous in (("continuous", True), ("lockstep", False)):

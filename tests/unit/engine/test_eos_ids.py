@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,32 @@ def test_an_export_writes_the_runs_eos_ids_into_both_configs(tmp_path, copied):
     write_side_files(model, out)
     for name in ("config.json", "generation_config.json"):
         assert json.loads((out / name).read_text())["eos_token_id"] == [4, 1, 5]
+
+
+@pytest.mark.parametrize(
+    "preset", sorted(p.stem for p in (Path(__file__).parents[3] / "conf" / "model").glob("*.yaml"))
+)
+def test_extra_eos_token_ids_is_set_as_documented_on_every_model_preset(preset):
+    """``model.extra_eos_token_ids=[...]`` (the form docs/rollout.md shows, no ``+``) composes
+    with every model preset and reaches the run's config: no preset spells the key, so without
+    a default in the primary config Hydra refused the override ("Key 'extra_eos_token_ids' is
+    not in struct")."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(
+            config_name="config", overrides=[f"model={preset}", "model.extra_eos_token_ids=[10]"]
+        )
+    assert list(cfg.model.extra_eos_token_ids) == [10]
+
+
+def test_extra_eos_token_ids_reaches_the_validated_run_config():
+    from rlbatch.cli.common import compose
+
+    cfg = compose(["+recipe=grpo_qwen", "model.extra_eos_token_ids=[10,32]"], "t")
+    assert cfg.model.extra_eos_token_ids == [10, 32]
+    assert build_tokenizer(cfg.model).eos_ids == (258, 10, 32)

@@ -53,3 +53,18 @@ def test_bench_rollout_env_json(capsys):
     assert doc["sampled_tokens_per_s"] > 0 and doc["tokens_per_s"] >= doc["sampled_tokens_per_s"]
     assert doc["turns_mean"] > 1.0  # the game answers and rows come back
     assert 0.0 < doc["busy_fraction_while_waiting"] <= 1.0
+
+
+def test_bench_grpo_rollouts_stop_at_the_runs_whole_eos_set():
+    """rlbatch-bench grpo decodes with the run's end ids (the tokenizer's and
+    model.extra_eos_token_ids), as a training run does: with the primary EOS alone its rows ran
+    past an end-of-turn token, so its generation figures measured longer responses than the
+    run it stands for."""
+    from rlbatch.bench.grpo import bench_sampling
+    from rlbatch.cli.common import compose
+    from rlbatch.engine.tokenizer import build_tokenizer
+
+    cfg = compose(["+recipe=grpo_qwen", "model.extra_eos_token_ids=[10,32]"], "t")
+    params = bench_sampling(cfg, build_tokenizer(cfg.model))
+    assert params.eos_ids == (258, 10, 32)
+    assert all(params.ends(t) for t in (258, 10, 32)) and not params.ends(11)
