@@ -48,11 +48,12 @@ def run(cfg: RunConfig) -> None:
         metrics, results = evaluator.evaluate(step)
     finally:
         evaluator.close()
+        # before the process groups, also when evaluation failed: vLLM destroys its own
+        shutdown_synced_engines()
     if state.rank == 0:
         path = samples_path(work, step)
         write_samples(path, results)
         body = {"checkpoint": checkpoint, "step": step, "metrics": metrics, "samples": str(path)}
         (work / RESULT).write_text(json.dumps(body, indent=2) + "\n")
         log.info("evaluated %d prompts: %s", len(results), path)
-    shutdown_synced_engines()  # before the process groups: vLLM destroys its own
     parallel.destroy()

@@ -228,7 +228,7 @@ def model_dir_path(root: Optional[Path]) -> Path:
             shutil.rmtree(old, ignore_errors=True)
     path = parent / f"{host}-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
-    path.mkdir()
+    path.mkdir(parents=True)  # another process's exit may remove an empty parent meanwhile
     return path
 
 
