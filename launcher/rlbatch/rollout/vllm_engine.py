@@ -69,6 +69,7 @@ from rlbatch.rollout.protocol import (
     TurnDecoder,
     token_sampling,
 )
+from rlbatch.runtime.lock import pid_alive
 
 ENVIRONMENT = {
     # the engine core in this process: tensors reach it without pickling, start-up is fast
@@ -224,7 +225,7 @@ def model_dir_path(root: Optional[Path]) -> Path:
     parent.mkdir(parents=True, exist_ok=True)
     for old in parent.glob(f"{host}-*"):
         pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     path = parent / f"{host}-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
@@ -240,16 +241,6 @@ def _remove_model_dir(path: Path, in_run_dir: bool) -> None:
             path.parent.rmdir()
         except OSError:
             pass  # another engine's directory is still there
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_model_dir(

@@ -53,7 +53,8 @@ class RunLockedError(RuntimeError):
     """Another live launcher holds the directory."""
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has ``pid`` (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -65,7 +66,7 @@ def _alive(pid: int) -> bool:
 
 def stale_reason(holder: dict[str, Any], age_s: float, job: str | None) -> str | None:
     """Why ``holder``'s lock (last touched ``age_s`` ago) may be taken over, or None."""
-    if holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", -1))):
+    if holder.get("host") == socket.gethostname() and not pid_alive(int(holder.get("pid", -1))):
         return f"its process {holder.get('pid')} on this host is gone"
     if age_s > STALE_S:
         return f"it was last refreshed {age_s:.0f} s ago (a live holder refreshes every {REFRESH_S:.0f} s)"
