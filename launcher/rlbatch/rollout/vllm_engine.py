@@ -98,6 +98,14 @@ EXPECTED_RECORDS: tuple[tuple[str, str, Optional[tuple[Any, ...]]], ...] = (
         "%s: Failed to load weights",
         ("RotaryEmbedding",),
     ),
+    # in-process vLLM seeds the process-wide generators when it starts; rlbatch saves and
+    # restores them around the start (trainer_rng_kept), so the warning no longer holds
+    (
+        "vllm.engine.arg_utils",
+        "The global random seed is set to %d. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+        "False, this may affect the random state of the Python process that launched vLLM.",
+        None,
+    ),
 )
 """(logger, message, args or None for any): the vLLM records that are expected in rlbatch's
 setup (no tokenizer, weights pushed by reload). Only these exact records are dropped: another

@@ -43,9 +43,10 @@ def test_only_the_expected_vllm_records_are_dropped():
     drop_expected_records()  # idempotent: one filter per logger
     reload = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     renderer = logging.getLogger("vllm.renderers.base")
-    assert len(reload.filters) == 1 and len(renderer.filters) == 1
+    args = logging.getLogger("vllm.engine.arg_utils")
+    assert len(reload.filters) == 1 and len(renderer.filters) == 1 and len(args.filters) == 1
     seen = _Records()
-    for logger in (reload, renderer):
+    for logger in (reload, renderer, args):
         logger.addHandler(seen)
     try:
         reload.warning("%s: Failed to load weights", "RotaryEmbedding")
@@ -53,12 +54,19 @@ def test_only_the_expected_vllm_records_are_dropped():
         renderer.warning("Chat template warmup failed", exc_info=True)
         renderer.warning("Using None for EOS token id because tokenizer is not initialized")
         renderer.error("Chat template rendering failed for a request")
+        args.warning(
+            "The global random seed is set to %d. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+            "False, this may affect the random state of the Python process that launched vLLM.",
+            0,
+        )  # the trainer's generators are restored around the start
+        args.warning("another warning of the engine's arguments")
     finally:
-        for logger in (reload, renderer):
+        for logger in (reload, renderer, args):
             logger.removeHandler(seen)
     assert seen.records == [
         "QKVParallelLinear: Failed to load weights",
         "Chat template rendering failed for a request",
+        "another warning of the engine's arguments",
     ]
 
 
