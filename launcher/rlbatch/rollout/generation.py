@@ -18,8 +18,7 @@ from rlbatch.config.schema import RunConfig
 from rlbatch.grpo.lcm import LCMAggregator
 from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.builtin import RolloutEngine, as_rollout_fn
-from rlbatch.train.producer import GenerateFn, PolicySnapshot
-from rlbatch.train.sampler import GenerationRequest
+from rlbatch.rollout.protocol import GenerateFn, GenerationRequest, PolicySnapshot
 
 
 def rank_seed(seed: int, *parts: int) -> int:

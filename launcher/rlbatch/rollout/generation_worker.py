@@ -31,8 +31,7 @@ from typing import Any, Optional
 
 from rlbatch.config.schema import RunConfig
 from rlbatch.env.protocol import EnvCallError
-from rlbatch.train.producer import PolicySnapshot
-from rlbatch.train.sampler import GenerationRequest
+from rlbatch.rollout.protocol import GenerationRequest, PolicySnapshot
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 

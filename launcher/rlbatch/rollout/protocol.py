@@ -10,13 +10,47 @@ weights broadcast over NCCL) implements the same two methods.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import numpy as np
 
 from rlbatch.grpo.types import Prompt, Sample, group_rows
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One rank's share of one round: what the generator must produce."""
+
+    round_index: int
+    prompt_indices: tuple[int, ...]
+    """Dataset indices of this rank's prompts, in order (one group each)."""
+    group_ids: tuple[int, ...]
+    """Global stream position of each prompt: unique over the run, shared by siblings."""
+    num_generations: int
+    stream_start: int = 0
+    """Global stream position of the round's first prompt (equal on every rank)."""
+
+    def repeated(self) -> list[int]:
+        """Prompt indices with each repeated num_generations times contiguously (a a b b)."""
+        return [p for p in self.prompt_indices for _ in range(self.num_generations)]
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """The policy a round is generated with: its version and (threaded use) its weights.
+
+    ``weights is None`` means "the live model, which is at ``version`` right now".
+    """
+
+    version: int
+    weights: Any = None
+
+
+GenerateFn = Callable[[GenerationRequest, PolicySnapshot], list[Sample]]
+"""Produce one rank's samples for a request: num_generations per prompt, siblings contiguous,
+rewards/advantages filled, each ``Sample.policy_version == snapshot.version``."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +259,18 @@ def shutdown_synced_engines() -> None:
         module = sys.modules.get(target.split(":")[0])
         if module is not None:
             module.shutdown_engine()
+
+
+def release_synced_engines() -> None:
+    """Between a generation round and training: every engine a synced backend started in this
+    process gives its memory back when its settings ask for it (each backend module's
+    ``release_memory()``; it wakes on its next sync or decode)."""
+    import sys
+
+    for target in SYNCED_BACKENDS.values():
+        module = sys.modules.get(target.split(":")[0])
+        if module is not None:
+            module.release_memory()
 
 
 def build_synced_engine(

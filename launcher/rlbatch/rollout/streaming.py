@@ -18,8 +18,8 @@ from typing import Any
 from rlbatch.config.schema import ConsumptionGranularity, RunConfig
 from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.builtin import DecodeStats
-from rlbatch.train.producer import GenerateFn, PolicySnapshot
-from rlbatch.train.sampler import GenerationRequest, PromptSampler, schedule_from_config
+from rlbatch.rollout.protocol import GenerateFn, GenerationRequest, PolicySnapshot
+from rlbatch.train.sampler import PromptSampler, schedule_from_config
 
 
 @dataclass

@@ -328,9 +328,9 @@ def _release_fn(cfg: RunConfig) -> Any:
     """What gives the rollout engine's memory back between rounds (rollout.vllm.sleep)."""
     if RolloutBackend(cfg.rollout.backend) != RolloutBackend.vllm or not cfg.rollout.vllm.sleep:
         return None
-    from rlbatch.rollout.vllm_engine import release_memory
+    from rlbatch.rollout.protocol import release_synced_engines
 
-    return release_memory
+    return release_synced_engines
 
 
 def build_group_filter(cfg: RunConfig, schedule: Any, dp_rank: int) -> Any:

@@ -42,6 +42,7 @@ from typing import Any
 
 from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Sample
+from rlbatch.rollout.protocol import GenerateFn, PolicySnapshot
 from rlbatch.train.filtering import GroupFilter
 from rlbatch.train.sampler import (
     GenerationRequest,
@@ -51,22 +52,6 @@ from rlbatch.train.sampler import (
     filtered_minibatch_groups,
     minibatch_groups,
 )
-
-
-@dataclass(frozen=True)
-class PolicySnapshot:
-    """The policy a round is generated with: its version and (threaded use) its weights.
-
-    ``weights is None`` means "the live model, which is at ``version`` right now".
-    """
-
-    version: int
-    weights: Any = None
-
-
-GenerateFn = Callable[[GenerationRequest, PolicySnapshot], list[Sample]]
-"""Produce one rank's samples for a request: num_generations per prompt, siblings contiguous,
-rewards/advantages filled, each ``Sample.policy_version == snapshot.version``."""
 
 
 class VersionedSlot:

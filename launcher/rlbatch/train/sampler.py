@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from rlbatch.rollout.protocol import GenerationRequest
+
 # Domain tags of the seeded generators (so that the epoch shuffle and the mini-batch shuffle of
 # the same numbers never share a stream). numpy's SeedSequence hashes the whole tuple: no
 # collisions between (seed, epoch) pairs, unlike seed + epoch or seed * 1000 + shard (which collide past 1000 shards).
@@ -162,24 +164,6 @@ def schedule_from_config(grpo: Any, dp: int) -> GenerationSchedule:
         steps_per_generation=grpo.steps_per_generation,
         generation_batch_size=grpo.generation_batch_size,
     )
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One rank's share of one round: what the generator must produce."""
-
-    round_index: int
-    prompt_indices: tuple[int, ...]
-    """Dataset indices of this rank's prompts, in order (one group each)."""
-    group_ids: tuple[int, ...]
-    """Global stream position of each prompt: unique over the run, shared by siblings."""
-    num_generations: int
-    stream_start: int = 0
-    """Global stream position of the round's first prompt (equal on every rank)."""
-
-    def repeated(self) -> list[int]:
-        """Prompt indices with each repeated num_generations times contiguously (a a b b)."""
-        return [p for p in self.prompt_indices for _ in range(self.num_generations)]
 
 
 def epoch_permutation(num_prompts: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
