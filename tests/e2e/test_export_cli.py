@@ -51,8 +51,13 @@ def test_export_middle_step_of_tp2_run(tmp_path, bin_dir, subprocess_env):
         cmd = [str(bin_dir / "rlbatch-export"), str(run), "--out", str(out), "--step", str(step)]
         _run(cmd + ["--max-shard-size", "40KB"], tmp_path, subprocess_env)
         assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
-        for name in ("tokenizer_config.json", "generation_config.json"):  # from the source
-            assert (out / name).read_text() == (src / name).read_text()
+        tokenizer_config = (out / "tokenizer_config.json").read_text()
+        assert tokenizer_config == (src / "tokenizer_config.json").read_text()  # from the source
+        # the source's generation_config.json, with the end ids the run stopped at: the byte
+        # tokenizer's EOS 258 (a reader must stop where rollouts stopped) and its BOS 257
+        source_gen = json.loads((src / "generation_config.json").read_text())
+        gen = json.loads((out / "generation_config.json").read_text())
+        assert gen == source_gen | {"eos_token_id": 258, "bos_token_id": 257}
         exported[step] = _tensors(out)
     live = _tensors(run / "hf")
     assert set(live) == set(exported[2])
