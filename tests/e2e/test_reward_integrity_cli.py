@@ -148,6 +148,16 @@ def test_score_checks_the_rows_it_scores_not_the_training_data(bin_dir, subproce
     assert f"score.input={bad}: 1 row(s) without usable tests" in proc.stderr
     assert "line 1: no field 'tests' or 'test_code'" in proc.stderr
     assert "data.path" not in proc.stderr
+    # kinds scoring in [0, 1] under a bound below 1 would turn every best reward into 0
+    proc = _run(
+        bin_dir, subprocess_env, tmp_path, "rlbatch-score", "+recipe=grpo_qwen",
+        "data.reward_fn=[code_exec,judge]", "data.reward_url=http://127.0.0.1:9",
+        "data.served.check=false", "data.reward_abs_max=0.5", "score.output=out.jsonl",
+        f"score.input={rows}",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    for kind in ("code_exec", "judge"):
+        assert f"data.reward_abs_max=0.5: data.reward={kind} scores in [0, 1]" in proc.stderr
 
 
 def test_reward_model_truncation_is_counted_and_its_template_checked(

@@ -157,7 +157,19 @@ def _check_code_exec(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigEr
         errors += _row_tests(rows)
     limits = {f"data.code_exec.limits.{k}": v for k, v in vars(cfg.code_exec.limits).items()}
     errors += _positive({"data.code_exec.num_workers": cfg.code_exec.num_workers, **limits})
-    return errors
+    return errors + _unit_bound(cfg, RewardKind.code_exec, "every test passed")
+
+
+def _unit_bound(cfg: DataConfig, kind: RewardKind, best: str) -> list[ConfigError]:
+    """A kind whose rewards lie in [0, 1] under a data.reward_abs_max below 1: its best rewards
+    would all be out_of_range and score 0, a run that learns nothing without an error."""
+    if cfg.reward_abs_max >= 1.0:
+        return []
+    why = (
+        f"data.reward={kind.value} scores in [0, 1]: a reward of 1 ({best}) would be out of"
+        " range and count as 0; set data.reward_abs_max >= 1"
+    )
+    return [ConfigError("data.reward_abs_max", cfg.reward_abs_max, why)]
 
 
 def _row_tests(rows: DatasetRows) -> list[ConfigError]:
@@ -234,6 +246,7 @@ def _check_judge(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]
     pattern = cfg.judge.score_pattern
     if pattern is not None and pattern_problem(pattern):
         errors.append(ConfigError("data.judge.score_pattern", pattern, pattern_problem(pattern)))
+    errors += _unit_bound(cfg, RewardKind.judge, "the top of the judge's scale")
     if errors or not cfg.served.check:
         return errors
     assert url is not None
