@@ -37,7 +37,8 @@ class SandboxLimits:
     """CPU seconds (RLIMIT_CPU): a busy loop ends here with reason timeout."""
     wall_s: float = 10.0
     """Wall seconds from the program's start, sleeping included but not time spent waiting for a
-    CPU; beyond it every process of the sandbox is killed (never later than 10 x wall_s)."""
+    CPU or blocked on a busy disk; beyond it every process of the sandbox is killed (never
+    later than 10 x wall_s)."""
     memory_mb: int = 512
     """Address space (RLIMIT_AS) in MiB of each process: a bigger allocation raises MemoryError
     (reason memory); with a memory cgroup, memory_mb + scratch_mb for all its processes."""

@@ -15,7 +15,8 @@ per-execution token. Steps:
    to the program over two pipes and alone holds the pipe that carries the verdict;
 4. waits until the program ends (the asserts' verdict for ``test_code``), or until the wall
    limit, counted on the time its processes ran or slept but not the time they waited for a
-   CPU (a busy machine does not make a correct program time out), or the hard ceiling;
+   CPU or were all blocked on the disk (a busy machine does not make a correct program time
+   out), or the hard ceiling;
 5. kills every process left in the namespace (daemons, threads, the program itself), reads
    the program's stdout/stderr (memory files, never on the scratch tmpfs) and reports.
 """
@@ -140,14 +141,28 @@ def _schedstat_ns(pid):
         return None
 
 
-def ran_s(elapsed, waited, used, cpus):
+def _blocked_on_disk(pids):
+    """Whether every one of ``pids`` still alive sleeps uninterruptibly (state D: a page of the
+    interpreter or its standard library being read from a disk that others keep busy)."""
+    states = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        except (OSError, IndexError):
+            continue
+    return bool(states) and all(state == "D" for state in states)
+
+
+def ran_s(elapsed, waited, used, cpus, stalled=0.0):
     """The seconds the wall limit counts: ``elapsed`` less the machine's load (the longest any
-    process of the execution waited for a CPU, ``waited`` in ns per process), but never less
-    than the CPU the execution used itself (``used``, ns per process) over the ``cpus`` it may
-    use: else a program keeps one process waiting behind its other, busy ones and stretches its
-    own limit to the hard ceiling."""
+    process of the execution waited for a CPU, ``waited`` in ns per process, and ``stalled``,
+    the seconds all of them were blocked on the disk), but never less than the CPU the
+    execution used itself (``used``, ns per process) over the ``cpus`` it may use: else a
+    program keeps one process waiting behind its other, busy ones and stretches its own limit
+    to the hard ceiling."""
     busy = sum(used.values()) / 1e9 / cpus
-    return max(elapsed - max(waited.values(), default=0) / 1e9, busy)
+    return max(elapsed - max(waited.values(), default=0) / 1e9 - stalled, busy)
 
 
 def _watched(job, pids, done):
@@ -166,6 +181,7 @@ def _wait(job, pids):
     for fd in fds:
         poller.register(fd, select.POLLIN)
     done, waited, used = {}, {}, {}
+    stalled, polled = 0.0, started
     cpus = max(1, len(os.sched_getaffinity(0)))
     last = "asserts" if "asserts" in pids else "program"
     while last not in done:
@@ -176,13 +192,17 @@ def _wait(job, pids):
             done[role] = (status, usage, time.monotonic() - started)
             poller.unregister(fd)
             os.close(fd)
-        for pid in _watched(job, pids, done):
+        watched = _watched(job, pids, done)
+        for pid in watched:
             value = _schedstat_ns(pid)
             if value is not None:
                 used[pid] = max(value[0], used.get(pid, 0))
                 waited[pid] = max(value[1], waited.get(pid, 0))
-        elapsed = time.monotonic() - started
-        ran = ran_s(elapsed, waited, used, cpus)
+        now = time.monotonic()
+        if _blocked_on_disk(watched):
+            stalled += now - polled
+        polled, elapsed = now, now - started
+        ran = ran_s(elapsed, waited, used, cpus, stalled)
         if last not in done and (ran > job["wall_s"] or elapsed > job["ceiling_s"]):
             return done, True, fds
     return done, False, fds

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 import types
 
 import pytest
@@ -189,3 +190,22 @@ def test_a_program_cannot_stretch_its_wall_limit_by_starving_itself():
     assert hostile >= 19.0
     starved = ran_s(20.0, {1: 18 * s}, {1: 2 * s}, 2)
     assert starved == pytest.approx(2.0)
+    # time every process was blocked on the disk comes off too, never below the CPU it used
+    assert ran_s(20.0, {1: 10 * s}, {1: 2 * s}, 2, stalled=7.0) == pytest.approx(3.0)
+    assert ran_s(20.0, {1: 10 * s}, {1: 4 * s}, 1, stalled=9.0) == pytest.approx(4.0)
+
+
+def test_sleeping_is_not_blocked_on_the_disk():
+    """A sleeper (state S) and a spinner (state R) are not stalled by the machine: the wall
+    limit keeps counting them."""
+    from rlbatch.rewards.sandbox_init import _blocked_on_disk
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.5)
+        assert not _blocked_on_disk([sleeper.pid])
+        assert not _blocked_on_disk([os.getpid()])
+        assert not _blocked_on_disk([])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
