@@ -19,7 +19,7 @@ from rlbatch.config.schema import ConsumptionGranularity, RunConfig
 from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.builtin import DecodeStats
 from rlbatch.rollout.protocol import GenerateFn, GenerationRequest, PolicySnapshot
-from rlbatch.train.sampler import PromptSampler, schedule_from_config
+from rlbatch.rollout.schedule import PromptSampler, schedule_from_config
 
 
 @dataclass
