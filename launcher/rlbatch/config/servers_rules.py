@@ -100,6 +100,15 @@ def _check_ranges(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
     g = cfg.grpo
+    if cfg.model.lora.rank > 0:
+        errors.append(
+            ConfigError(
+                "model.lora.rank",
+                cfg.model.lora.rank,
+                "LoRA policies are not served by rollout servers in this release: set"
+                " rollout.backend=vllm (vLLM's own LoRA), or model.lora.rank=0",
+            )
+        )
     if g.num_steps_async > 0:
         errors.append(
             ConfigError(

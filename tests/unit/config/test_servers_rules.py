@@ -42,15 +42,18 @@ def test_ranges_name_their_key(key, value):
     assert f"rollout.servers.{key}" in _errors(urls=["http://a:1"], **{key: value})
 
 
-def test_async_and_partial_rollouts_are_refused_on_servers():
+def test_async_partial_rollouts_and_lora_are_refused_on_servers():
     cfg = RunConfig()
     cfg.rollout.backend = RolloutBackend.vllm_server
     cfg.rollout.servers.urls = ["http://a:1"]
     cfg.grpo.num_steps_async = 1
     cfg.grpo.partial_rollouts = True
+    cfg.model.lora.rank = 8
     errors: list[ConfigError] = []
     check_servers(cfg, errors)
-    assert {e.key for e in errors} == {"grpo.num_steps_async", "grpo.partial_rollouts"}
+    assert {e.key for e in errors} == {
+        "grpo.num_steps_async", "grpo.partial_rollouts", "model.lora.rank"
+    }  # fmt: skip
 
 
 def test_server_keys_on_another_backend_are_errors():
