@@ -108,6 +108,9 @@ def _imports_of(path):
         ),
         # config is the ground floor: it never reaches up into the engine
         ("config", ("rlbatch.engine",)),
+        # a rollout consumes the rollout protocol (requests, policy snapshots, the prompt
+        # schedule): it never reaches up into the training loop
+        ("rollout", ("rlbatch.train",)),
     ],
 )
 def test_layers_import_only_downwards(layer, forbidden):

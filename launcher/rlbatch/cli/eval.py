@@ -50,7 +50,7 @@ def _checks(source: Optional[Path], args: argparse.Namespace, picked: dict[str, 
     def check(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
         from rlbatch.cli.export import select_checkpoint
         from rlbatch.engine.tokenizer import tokenizer_errors
-        from rlbatch.grpo.preflight import check_eval_inputs
+        from rlbatch.grpo.preflight import check_eval_inputs, check_rollout_servers
 
         errors: list[ConfigError] = tokenizer_errors(cfg.model)  # the model's own, or stop
         if source is not None:
@@ -68,6 +68,7 @@ def _checks(source: Optional[Path], args: argparse.Namespace, picked: dict[str, 
         elif args.step is not None or args.best:
             errors.append(ConfigError("--step/--best", True, "need a run directory"))
         check_eval_inputs(cfg, errors)
+        check_rollout_servers(cfg, errors)
         return errors, []
 
     return check

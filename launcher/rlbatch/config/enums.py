@@ -148,11 +148,13 @@ class RopeScaling(str, Enum):
 class RolloutBackend(str, Enum):
     """Generation engine; ``megatron`` generates on the policy itself (KV cache, continuous
     batching); ``megatron_dynamic`` through megatron-core's DynamicInferenceEngine (CUDA only);
-    ``vllm`` through an in-process vLLM engine fed the policy's weights (rlbatch.rollout)."""
+    ``vllm`` through an in-process vLLM engine fed the policy's weights (rlbatch.rollout);
+    ``vllm_server`` through separate vLLM servers fed the policy's weights over HTTP."""
 
     megatron = "megatron"
     megatron_dynamic = "megatron_dynamic"
     vllm = "vllm"
+    vllm_server = "vllm_server"
 
 
 class DistBackend(str, Enum):

@@ -58,7 +58,7 @@ from rlbatch.config.rewards import (
     RewardModelTemplate,
     ServedConfig,
 )
-from rlbatch.config.vllm import VllmConfig
+from rlbatch.config.vllm import ServersConfig, VllmConfig
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -201,8 +201,9 @@ class DataConfig:
 class RolloutConfig:
     backend: RolloutBackend = RolloutBackend.megatron
     """Generation engine: megatron (built-in, CPU and GPU), megatron_dynamic (megatron-core's
-    DynamicInferenceEngine: paged KV cache, CUDA graphs; CUDA only, pp=1) or vllm (an in-process
-    vLLM engine per rank, weights synced every policy version; pip install 'rlbatch[vllm]')."""
+    DynamicInferenceEngine: paged KV cache, CUDA graphs; CUDA only, pp=1), vllm (an in-process
+    vLLM engine per rank, weights synced every policy version; pip install 'rlbatch[vllm]') or
+    vllm_server (separate vLLM servers, rollout.servers)."""
     max_new_tokens: int = 24
     """Longest response in tokens."""
     temperature: float = 1.0
@@ -216,7 +217,9 @@ class RolloutConfig:
     kv_cache: bool = True
     """Incremental decoding with a KV cache (false: recompute the prefix every token)."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
-    """The vLLM engine (rollout.backend=vllm)."""
+    """The vLLM engine (rollout.backend=vllm, and the servers of vllm_server)."""
+    servers: ServersConfig = field(default_factory=ServersConfig)
+    """rollout.backend=vllm_server: the vLLM servers generation runs on."""
 
 
 @dataclass

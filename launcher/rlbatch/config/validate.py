@@ -441,8 +441,8 @@ def _check_env(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
         )
     p, r = cfg.parallel, cfg.rollout
-    if RolloutBackend(r.backend) == RolloutBackend.vllm:
-        return  # every rank holds a full engine and takes each turn as a new request
+    if RolloutBackend(r.backend) in (RolloutBackend.vllm, RolloutBackend.vllm_server):
+        return  # a full vLLM engine takes each turn as a new request, at any layout
     needs: dict[str, tuple[object, object]] = {
         "parallel.tp": (p.tp, 1),
         "parallel.pp": (p.pp, 1),

@@ -7,7 +7,7 @@ and fed the policy's weights before every generation with a new policy version.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -53,3 +53,41 @@ class VllmConfig:
     wakes before the next weight sync or decode. Needs generation not to overlap training
     (grpo.num_steps_async=0). The CPU build has no sleep mode: there the calls are made and
     recorded but free nothing."""
+
+
+@dataclass
+class ServersConfig:
+    """``rollout.backend=vllm_server``: generation on separate vLLM servers (docs/rollout.md,
+    "Rollout servers"); the engine settings are rollout.vllm's."""
+
+    urls: list[str] = field(default_factory=list)
+    """Running servers (started with rlbatch-serve), e.g. [http://node7:8000]; empty: rlbatch
+    starts ``count`` servers itself."""
+    count: int = 0
+    """Servers rlbatch starts beside training on this machine (free ports on 127.0.0.1) and
+    stops with the run; 0 when ``urls`` names running ones."""
+    host: str = "127.0.0.1"
+    """rlbatch-serve: the address the server listens on (0.0.0.0: every interface)."""
+    port: int = 8000
+    """rlbatch-serve: the port the server listens on."""
+    devices: list[str] = field(default_factory=list)
+    """GPU build: the CUDA_VISIBLE_DEVICES of each server rlbatch starts (one entry per
+    server, e.g. ["2", "3"]) or of rlbatch-serve (the first entry); empty: the CPU build, or
+    the process's own devices."""
+    start_timeout_s: float = 600.0
+    """How long a server rlbatch starts may take to answer /health."""
+    timeout_s: float = 300.0
+    """How long one request to a server may take (a generation, or a step of a weight update)
+    before the run stops naming the server."""
+    max_concurrency: int = 64
+    """Requests in flight at once from one issuing rank (spread over the servers)."""
+    transfer_dir: Optional[str] = None
+    """Where the weights file of a sync is written for the servers to read (a directory every
+    server can read: the same machine, or a shared filesystem); null: /dev/shm when it exists,
+    else the system's temporary directory."""
+    probe_tokens: int = 4
+    """After each weight sync every server samples this many tokens of a fixed prompt and
+    their log-probabilities are compared with the trainer's own; 0: no probe."""
+    probe_tolerance: float = 1e-3
+    """Largest log-probability difference the probe accepts (float32 engines agree to ~1e-6;
+    raise it for bfloat16 / float16 engines)."""

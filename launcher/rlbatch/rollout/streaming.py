@@ -19,7 +19,7 @@ from rlbatch.config.schema import ConsumptionGranularity, RunConfig
 from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.builtin import DecodeStats
 from rlbatch.rollout.protocol import GenerateFn, GenerationRequest, PolicySnapshot
-from rlbatch.train.sampler import PromptSampler, schedule_from_config
+from rlbatch.rollout.schedule import PromptSampler, schedule_from_config
 
 
 @dataclass
@@ -241,7 +241,11 @@ def local_generation(
         stream = StreamingGeneration(cfg, model, tokenizer, prompts, aggregator, dp_rank)
         return stream, stream
     engine: Any = build_engine(cfg, model, tokenizer)
-    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 and cfg.rollout.backend != "vllm":
+    if (
+        cfg.parallel.sequence_parallel
+        and cfg.parallel.tp > 1
+        and cfg.rollout.backend not in ("vllm", "vllm_server")
+    ):
         engine = SequenceParallelOffEngine(engine, model)  # vLLM decodes on its own copy
     generate = make_generate_fn(
         prompts,

@@ -350,7 +350,7 @@ def trainer_rng_kept() -> Iterator[None]:
     before the block: vLLM seeds them when it starts and draws from torch's in its weight
     reload and decoding, which would move the trainer's streams (dropout, the RNG state a
     checkpoint saves) by an amount that depends on the engine."""
-    from rlbatch.train.checkpoint import capture_rng_state, restore_rng_state
+    from rlbatch.runtime.rng import capture_rng_state, restore_rng_state
 
     rng = capture_rng_state()
     try:

@@ -8,6 +8,7 @@ failing rank's error is shown; a preemption signal makes the workers save and st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,7 +129,32 @@ def launch(
         dump_run_config(cfg, resolved)
         cmd = torchrun_command(cfg, resolved, entry)
         ending = Ending(resume_command)
-        return _run_workers(cfg, run_dir, cmd, ending, stdout_to_stderr=stdout_to_stderr)
+        with _rollout_servers(cfg, run_dir) as env:
+            return _run_workers(
+                cfg, run_dir, cmd, ending, stdout_to_stderr=stdout_to_stderr, env=env
+            )
+
+
+@contextlib.contextmanager
+def _rollout_servers(cfg: RunConfig, run_dir: Path) -> Iterator[dict[str, str]]:
+    """rollout.servers.count > 0: that many vLLM servers for the run, started before the
+    workers (their URLs in the workers' environment) and stopped after them (each bound to this
+    process: none outlives it, even after a SIGKILL). Logs in <run_dir>/servers/."""
+    if cfg.rollout.backend.value != "vllm_server" or not cfg.rollout.servers.count:
+        yield {}
+        return
+    from rlbatch.rollout.server_backend import URLS_ENV
+    from rlbatch.rollout.server_process import remove_dir, start_servers, stop_servers
+
+    root = run_dir / "servers"
+    log.info("starting %d vLLM rollout server(s) (logs: %s)", cfg.rollout.servers.count, root)
+    servers = start_servers(cfg, root, cfg.rollout.servers.count)
+    log.info("rollout servers: %s", ", ".join(s.url for s in servers))
+    try:
+        yield {URLS_ENV: ",".join(s.url for s in servers)}
+    finally:
+        stop_servers(servers)
+        remove_dir(root / "model")
 
 
 def _lock(cfg: RunConfig, run_dir: Path) -> RunLock:
@@ -163,6 +190,7 @@ def _run_workers(
     ending: Ending,
     *,
     stdout_to_stderr: bool = False,
+    env: dict[str, str] | None = None,
 ) -> int:
     nodes = cfg.parallel.nnodes
     where = f", node {cfg.parallel.node_rank} of {nodes}" if nodes > 1 else ""
@@ -170,7 +198,7 @@ def _run_workers(
     started = time.monotonic()
     proc = subprocess.Popen(
         cmd,
-        env=child_env(worker_env(cfg)),
+        env=child_env(worker_env(cfg) | (env or {})),
         start_new_session=True,
         stdout=sys.stderr if stdout_to_stderr else None,
     )

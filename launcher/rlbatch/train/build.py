@@ -265,8 +265,8 @@ def build_components(cfg: RunConfig) -> Components:
     from rlbatch.engine.setup import set_up_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
+    from rlbatch.rollout.schedule import PromptSampler, schedule_from_config
     from rlbatch.train.producer import RunAheadProducer
-    from rlbatch.train.sampler import PromptSampler, schedule_from_config
 
     setup = set_up_model(cfg, wrap_ddp=True)  # cfg.model: the architecture of model.hf_path
     cfg, model, ps = setup.cfg, setup.model, setup.state

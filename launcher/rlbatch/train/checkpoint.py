@@ -37,7 +37,6 @@ import contextlib
 import errno
 import json
 import os
-import random
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -45,7 +44,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from rlbatch.train import integrity
@@ -73,7 +71,7 @@ class TrainState:
     aggregator: dict[str, Any] = field(default_factory=dict)
     """Pending LCM aggregation buffers."""
     rng: dict[str, Any] = field(default_factory=dict)
-    """capture_rng_state()."""
+    """rlbatch.runtime.rng.capture_rng_state()."""
     metrics_history: list[dict[str, Any]] = field(default_factory=list)
     """Per-step metric records so far (summary table and plot at the end)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -89,51 +87,6 @@ class TrainState:
         if unknown:
             raise ValueError(f"unknown TrainState fields in checkpoint: {sorted(unknown)}")
         return cls(**data)
-
-
-# ------------------------------------------------------------------------------------------
-# RNG
-# ------------------------------------------------------------------------------------------
-
-
-def _megatron_tracker() -> Any | None:
-    """Megatron's model-parallel RNG tracker, only if megatron is already imported."""
-    module = sys.modules.get("megatron.core.tensor_parallel.random")
-    if module is None:
-        return None
-    return module.get_cuda_rng_tracker()
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Python, numpy, torch CPU, CUDA (when present) and Megatron tracker RNG states."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    tracker = _megatron_tracker()
-    if tracker is not None and tracker.is_initialized():
-        state["megatron"] = {name: s.clone() for name, s in tracker.get_states().items()}
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`capture_rng_state`'s states; an empty dict (a resume at another parallel
-    layout) keeps the streams this run seeded."""
-    if not state:
-        return
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "megatron" in state:
-        tracker = _megatron_tracker()
-        if tracker is None:
-            raise RuntimeError("checkpoint has Megatron RNG states but megatron is not loaded")
-        tracker.set_states({name: s.clone() for name, s in state["megatron"].items()})
 
 
 # ------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ global: each draw, every DP rank gathers every rank's keep flags (one small coll
 training thread), so all ranks take the same decision and none waits on a collective the
 others skip. The first ``prompts_per_round`` kept groups in (draw, rank, group) order make the
 round, the same list on every rank; each rank keeps its own groups of it with their places in
-the list (:func:`rlbatch.train.sampler.filtered_minibatch_groups` cuts the mini-batches from
+the list (:func:`rlbatch.rollout.schedule.filtered_minibatch_groups` cuts the mini-batches from
 it). Every step then trains exactly ``grpo.global_batch_size`` samples. Kept groups past the
 first ``prompts_per_round`` are not trained and are reported (``groups_unused``); the sampler's
 cursor counts every prompt drawn, so a resume continues the same stream.

@@ -30,15 +30,14 @@ from rlbatch.config.schema import RunConfig
 from rlbatch.distributed import as_collective_timeout, local_peak_memory_gb, reset_peak_memory
 from rlbatch.eval.settings import eval_due
 from rlbatch.runtime import preempt
+from rlbatch.runtime.rng import capture_rng_state, restore_rng_state
 from rlbatch.train import integrity
 from rlbatch.train.checkpoint import (
     TrainState,
     apply_payload,
     build_payload,
-    capture_rng_state,
     latest_checkpoint,
     load_checkpoint,
-    restore_rng_state,
     resume_candidates,
     save_checkpoint,
     verify_share,

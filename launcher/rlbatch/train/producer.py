@@ -43,8 +43,7 @@ from typing import Any
 from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Sample
 from rlbatch.rollout.protocol import GenerateFn, PolicySnapshot
-from rlbatch.train.filtering import GroupFilter
-from rlbatch.train.sampler import (
+from rlbatch.rollout.schedule import (
     GenerationRequest,
     GenerationSchedule,
     PromptSampler,
@@ -52,6 +51,7 @@ from rlbatch.train.sampler import (
     filtered_minibatch_groups,
     minibatch_groups,
 )
+from rlbatch.train.filtering import GroupFilter
 
 
 class VersionedSlot:

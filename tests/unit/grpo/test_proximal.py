@@ -29,8 +29,8 @@ from rlbatch.grpo.lcm import (
 from rlbatch.grpo.proximal import compute_old_logps, scale_by_batch_std
 from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.generation import make_generate_fn
+from rlbatch.rollout.schedule import GenerationRequest
 from rlbatch.train.producer import PolicySnapshot
-from rlbatch.train.sampler import GenerationRequest
 
 
 def _samples(n: int, g: int, seed: int) -> list[Sample]:
@@ -149,8 +149,8 @@ def test_no_round_of_several_steps_takes_pi_old_from_the_step_itself():
     ("steps", "gen_batch", "iters"), [(None, None, 1), (3, None, 1), (None, 256, 2), (2, None, 3)]
 )
 def test_steps_per_round_agrees_with_the_loop_schedule(steps, gen_batch, iters):
-    """The old-pass rule reads the same round length the producer trains (train.sampler)."""
-    from rlbatch.train.sampler import schedule_from_config
+    """The old-pass rule reads the same round length the producer trains (rollout.schedule)."""
+    from rlbatch.rollout.schedule import schedule_from_config
 
     cfg = RunConfig()
     cfg.grpo.steps_per_generation, cfg.grpo.generation_batch_size = steps, gen_batch

@@ -9,8 +9,8 @@ from rlbatch.grpo.lcm import AggregationPlan, LCMAggregator, Stages
 from rlbatch.grpo.stages import make_reward_batch_fn
 from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.generation import make_generate_fn, rank_seed
+from rlbatch.rollout.schedule import GenerationRequest, PromptSampler, derive_schedule
 from rlbatch.train.producer import PolicySnapshot, RunAheadProducer
-from rlbatch.train.sampler import GenerationRequest, PromptSampler, derive_schedule
 
 
 class FakeEngine:

@@ -11,16 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from rlbatch.runtime.rng import capture_rng_state, restore_rng_state
 from rlbatch.train import checkpoint as ck
 from rlbatch.train.checkpoint import (
     TrainState,
     apply_payload,
     build_payload,
-    capture_rng_state,
     latest_checkpoint,
     load_checkpoint,
     resolve_resume,
-    restore_rng_state,
     save_checkpoint,
 )
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.rollout.schedule import PromptSampler, derive_schedule
 from rlbatch.train.filtering import GroupFilter, keep_flags, kept_in_order
 from rlbatch.train.producer import RunAheadProducer
-from rlbatch.train.sampler import PromptSampler, derive_schedule
 
 G, GBS, NUM_PROMPTS = 2, 8, 23
 

@@ -10,6 +10,7 @@ import torch
 
 from rlbatch.config.schema import FailKind, RunConfig
 from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.rollout.schedule import PromptSampler, derive_schedule
 from rlbatch.train.checkpoint import latest_checkpoint
 from rlbatch.train.health import InjectedFailure, NonFiniteError
 from rlbatch.train.loop import (
@@ -21,7 +22,6 @@ from rlbatch.train.loop import (
 )
 from rlbatch.train.metrics import read_jsonl
 from rlbatch.train.producer import RunAheadProducer
-from rlbatch.train.sampler import PromptSampler, derive_schedule
 
 TIMING = ("step_time_s", "tokens_per_s", "peak_memory_gb")
 

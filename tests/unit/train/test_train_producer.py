@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.rollout.schedule import PromptSampler, derive_schedule
 from rlbatch.train.producer import PolicySnapshot, RunAheadProducer, VersionedSlot
-from rlbatch.train.sampler import PromptSampler, derive_schedule
 
 
 def _make(k, max_staleness=4, *, steps=1, iters=1, calls=None, g=2, gbs=4):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from rlbatch.train.sampler import (
+from rlbatch.rollout.schedule import (
     PromptSampler,
     derive_schedule,
     expand_groups,

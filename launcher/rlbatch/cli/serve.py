@@ -1,0 +1,82 @@
+"""rlbatch-serve: one vLLM rollout server for a run's config (docs/rollout.md, "Rollout servers").
+
+    rlbatch-serve +recipe=grpo_qwen rollout.servers.port=8001
+    rlbatch-train +recipe=grpo_qwen rollout.backend=vllm_server \
+        rollout.servers.urls=[http://HOST:8001,http://HOST:8002]
+
+The config is composed like rlbatch-train's (the same recipe and overrides): the server holds
+that model (architecture, dtype, longest sequence, EOS ids; the checkpoint of model.hf_path, or
+dummy weights until the trainer's first sync) with rollout.vllm's engine settings, and listens
+on rollout.servers.host / rollout.servers.port. It prints its URL once GET /health answers and
+runs until Ctrl-C / SIGTERM, which stop vLLM and every process it started. No torch at module
+level.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rlbatch.cli.common import help_text
+
+USAGE = "One vLLM rollout server for a run's config. rlbatch-serve [+recipe=NAME] [KEY=VALUE ...]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(help_text("rlbatch-serve", USAGE))
+        return
+    from rlbatch.cli.common import compose
+    from rlbatch.rollout.server_process import (
+        ServerProcess,
+        remove_dir,
+        server_spec,
+        write_server_model_dir,
+    )
+
+    overrides = [a for a in args if not a.startswith("rollout.backend=")]
+    # the server serves a vllm_server run; its own config needs no server list
+    cfg = compose(
+        [*overrides, "rollout.backend=vllm_server", "rollout.servers.urls=[]",
+         "rollout.servers.count=1"],
+        "rlbatch-serve",
+    )  # fmt: skip
+    s = cfg.rollout.servers
+    root = Path(tempfile.mkdtemp(prefix="rlbatch-serve-"))
+    try:
+        real = write_server_model_dir(cfg, root / "model")
+        spec = server_spec(cfg, root / "model", s.host, s.port, s.devices[0] if s.devices else None)
+        print(
+            f"rlbatch-serve: starting vLLM on {s.host}:{s.port} ("
+            + ("the checkpoint of model.hf_path" if real else "dummy weights until a sync")
+            + ")",
+            file=sys.stderr,
+            flush=True,
+        )
+        server = ServerProcess(spec)
+        stop: list[int] = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+        try:
+            server.wait_healthy(s.start_timeout_s)
+            print(spec.url, flush=True)
+            while not stop and server.proc.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.stop()
+        if server.proc.returncode not in (0, None) and not stop:
+            sys.exit(server.proc.returncode)
+    except RuntimeError as err:
+        print(f"rlbatch-serve: {err}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        remove_dir(root)
+
+
+if __name__ == "__main__":
+    main()

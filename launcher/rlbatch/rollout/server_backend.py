@@ -1,0 +1,351 @@
+"""``rollout.backend=vllm_server``: generation on separate vLLM servers (rlbatch-serve, or
+``rollout.servers.count`` servers the launcher starts), over HTTP.
+
+Where requests come from: the first rank of each model-parallel group (tp x pp ranks, one
+replica of the model) sends its own data-parallel shard's rows, one request per row
+(``POST /inference/v1/generate``: prompt ids, the row's own seed, the EOS ids as stop ids,
+log-probs of the sampled tokens), at most ``rollout.servers.max_concurrency`` in flight, each
+to the server with the fewest of this rank's requests outstanding; the decoded rows are
+broadcast to the group's other ranks, as with the colocated engines. Every replica thus sends
+its own share at the same time, with no extra hop through one client.
+
+Weight sync (whenever the policy version changes): the first replica's group streams the
+Hugging Face-named full tensors once from its tp / pp shards (rlbatch.rollout.weights); its
+first rank, global rank 0, writes them to one safetensors file (``rollout.servers.transfer_dir``,
+/dev/shm by default: shared memory) and drives vLLM's RL lifecycle on every server: pause
+(waiting for requests in flight), start_weight_update, update_weights (the server reads the
+file through rlbatch's transfer backend, rlbatch.rollout.server_transfer), finish_weight_update
+with a label of this sync, reset_prefix_cache (vLLM keeps the cache across updates), resume.
+The other replicas' first ranks wait until every server reports that label (GET /weight_info)
+before they decode. Then a probe: every server samples a few tokens of a fixed prompt, and
+their log-probabilities must equal the trainer's own forward of the same tokens within
+``rollout.servers.probe_tolerance``, or the run stops naming the server.
+
+Failures: a server that refuses a request or does not answer within
+``rollout.servers.timeout_s`` stops the run with an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+from rlbatch.config.schema import RunConfig
+from rlbatch.rollout.protocol import (
+    DecodedRow,
+    SyncedRolloutEngine,
+    TokenSampling,
+    TurnDecoder,
+    token_sampling,
+)
+
+URLS_ENV = "RLBATCH_ROLLOUT_SERVER_URLS"
+"""The URLs of the servers the launcher started (rollout.servers.count), comma-separated."""
+PROBE_PROMPT = (3, 14, 15, 92, 65, 35, 89, 79)
+"""The probe's prompt (ids below every vocabulary rlbatch trains)."""
+
+
+class ServerError(RuntimeError):
+    """A rollout server refused a request or did not answer in time."""
+
+
+def server_urls(cfg: RunConfig) -> list[str]:
+    """rollout.servers.urls, or the servers the launcher started for this run."""
+    urls = [str(u).rstrip("/") for u in cfg.rollout.servers.urls]
+    if urls:
+        return urls
+    started = os.environ.get(URLS_ENV, "")
+    if not started:
+        raise RuntimeError(
+            f"rollout.servers.count={cfg.rollout.servers.count} but no server was started for"
+            " this process (rlbatch-train and rlbatch-eval start them before the workers)"
+        )
+    return started.split(",")
+
+
+def call(url: str, path: str, body: Any = None, *, timeout_s: float, get: bool = False) -> Any:
+    """One request to a server, its JSON answer; ServerError naming the server otherwise."""
+    data = None if get else json.dumps({} if body is None else body).encode()
+    req = urllib.request.Request(
+        url + path, data=data, headers={"Content-Type": "application/json"},
+        method="GET" if get else "POST",
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as answer:
+            raw = answer.read()
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")[:800]
+        raise ServerError(f"rollout server {url}: {path} failed ({err.code}): {detail}") from err
+    except (urllib.error.URLError, OSError) as err:
+        raise ServerError(
+            f"rollout server {url} did not answer {path} within {timeout_s:g} s"
+            f" (rollout.servers.timeout_s): {getattr(err, 'reason', err)}; is it still running?"
+        ) from err
+    return json.loads(raw) if raw else None
+
+
+class _Servers:
+    """The process's connection to the run's servers: shared by every backend of the process
+    (training rollouts and evaluation), like the weights the servers hold."""
+
+    def __init__(self, urls: list[str], timeout_s: float, concurrency: int, nonce: str) -> None:
+        self.urls = urls
+        self.timeout_s = timeout_s
+        self.nonce = nonce
+        self.syncs = 0
+        self.model_id: Optional[int] = None
+        self.version: Optional[int] = None
+        self.outstanding = dict.fromkeys(urls, 0)
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rlbatch-rollout")
+
+    def label(self) -> str:
+        return f"{self.nonce}-{self.syncs}"
+
+    def least_loaded(self) -> str:
+        with self.lock:
+            url = min(self.urls, key=lambda u: self.outstanding[u])
+            self.outstanding[url] += 1
+        return url
+
+    def done(self, url: str) -> None:
+        with self.lock:
+            self.outstanding[url] -= 1
+
+
+_SERVERS: list[_Servers] = []
+
+
+def _connect(cfg: RunConfig) -> _Servers:
+    if _SERVERS:
+        return _SERVERS[0]
+    import torch.distributed as dist
+
+    nonce = [uuid.uuid4().hex[:12]]
+    if dist.is_initialized():  # the same sync labels on every rank
+        dist.broadcast_object_list(nonce, src=0)
+    s = cfg.rollout.servers
+    _SERVERS.append(_Servers(server_urls(cfg), s.timeout_s, s.max_concurrency, nonce[0]))
+    return _SERVERS[0]
+
+
+def shutdown_engine() -> None:
+    """Close this process's connection (the servers themselves belong to whoever started
+    them: rlbatch-serve, or the launcher)."""
+    if _SERVERS:
+        _SERVERS.pop().pool.shutdown(wait=False, cancel_futures=True)
+
+
+def release_memory() -> None:
+    """A server keeps its memory: nothing to give back in the trainer's process."""
+
+
+class ServerBackend:
+    """A TokenBackend on the run's vLLM servers (the module's docstring)."""
+
+    def __init__(self, model: Any, cfg: RunConfig) -> None:
+        from rlbatch.distributed import dp_rank, model_parallel_group
+        from rlbatch.engine.hf import full_model_config
+
+        self.model = model
+        self.cfg = cfg
+        self.model_cfg = full_model_config(model, cfg.model)
+        rank, self.group_size, _ = model_parallel_group()
+        self.leader = rank == 0
+        self.streams = dp_rank() == 0  # the first replica's group gathers and sends
+        self.servers = _connect(cfg)
+        self.seconds: dict[str, float] = {}
+
+    @property
+    def version(self) -> Optional[int]:
+        s = self.servers
+        return s.version if s.model_id == id(self.model) else None
+
+    @version.setter
+    def version(self, value: Optional[int]) -> None:
+        self.servers.model_id, self.servers.version = id(self.model), value
+
+    def sync_weights(self) -> None:
+        self.servers.version = None
+        self.servers.syncs += 1
+        label = self.servers.label()
+        if not self.streams:
+            if self.leader:
+                self._await_label(label)
+            return
+        from rlbatch.distributed import from_first_in_model_parallel_group
+        from rlbatch.rollout.weights import stream_hf_weights
+
+        tensors = {}
+        for name, tensor in stream_hf_weights(self.model, self.model_cfg):
+            if self.leader:  # a tied head is the embedding's tensor: saved as its own copy
+                tensors[name] = tensor.detach().clone().contiguous()
+        call_ = (lambda: self._push(tensors, label)) if self.leader else None
+        from_first_in_model_parallel_group(call_)
+        self._probe()
+
+    def _push(self, tensors: dict[str, Any], label: str) -> None:
+        from safetensors.torch import save_file
+
+        s = self.cfg.rollout.servers
+        folder = Path(
+            s.transfer_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
+        )
+        path = folder / f"rlbatch-weights-{self.servers.nonce}-{os.getpid()}.safetensors"
+        save_file(tensors, str(path))
+        try:
+            for url in self.servers.urls:
+                self._update(url, str(path), label)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _update(self, url: str, path: str, label: str) -> None:
+        t = self.servers.timeout_s
+        call(url, "/pause?mode=wait", timeout_s=t)
+        try:
+            call(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=t)
+            call(url, "/start_weight_update", timeout_s=t)
+            call(url, "/update_weights", {"update_info": {"path": path}}, timeout_s=t)
+            call(url, "/finish_weight_update", {"weight_version": label}, timeout_s=t)
+            call(url, "/reset_prefix_cache", timeout_s=t)
+        finally:
+            call(url, "/resume", timeout_s=t)
+
+    def _await_label(self, label: str) -> None:
+        deadline = time.monotonic() + self.servers.timeout_s
+        for url in self.servers.urls:
+            while True:
+                info = call(url, "/weight_info", timeout_s=self.servers.timeout_s, get=True)
+                if str(info.get("weight_version")) == label:
+                    break
+                if time.monotonic() > deadline:
+                    raise ServerError(
+                        f"rollout server {url} did not take the policy's new weights within"
+                        f" {self.servers.timeout_s:g} s (rollout.servers.timeout_s)"
+                    )
+                time.sleep(0.05)
+
+    def _probe(self) -> None:
+        """Every server's log-probabilities of a few sampled tokens equal the trainer's."""
+        from rlbatch.distributed import broadcast_object_in_model_parallel_group
+
+        n = self.cfg.rollout.servers.probe_tokens
+        if n <= 0:
+            return
+        vocab = self.model_cfg.vocab_size
+        prompt = [t % vocab for t in PROBE_PROMPT]
+        sampling = TokenSampling(max_new_tokens=n, temperature=1.0, eos_id=-1)
+        rows = None
+        if self.leader:
+            rows = [self._request(url, prompt, 0, sampling, n) for url in self.servers.urls]
+        rows = broadcast_object_in_model_parallel_group(rows)
+        ours = trainer_logprobs(
+            self.model, self.cfg, [prompt + r.tokens for r in rows], len(prompt)
+        )
+        tol = self.cfg.rollout.servers.probe_tolerance
+        for url, row, mine in zip(self.servers.urls, rows, ours, strict=True):
+            diff = max((abs(a - b) for a, b in zip(row.logps, mine, strict=True)), default=0.0)
+            if diff > tol:
+                raise RuntimeError(
+                    f"rollout server {url} holds other weights than the trainer after the sync:"
+                    f" its log-probabilities of the probe's tokens are {diff:.3g} off the"
+                    f" trainer's (rollout.servers.probe_tolerance={tol:g}); is it serving this"
+                    " run's model and dtype?"
+                )
+
+    def decode(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        sampling: TokenSampling,
+        max_tokens: Optional[Sequence[int]] = None,
+    ) -> list[DecodedRow]:
+        if self.group_size == 1:
+            return self._generate(prompt_ids, seeds, sampling, max_tokens)
+        from rlbatch.distributed import from_first_in_model_parallel_group
+
+        call_ = None
+        if self.leader:
+            call_ = lambda: self._generate(prompt_ids, seeds, sampling, max_tokens)  # noqa: E731
+        rows: list[DecodedRow] = from_first_in_model_parallel_group(call_)
+        return rows
+
+    def _generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        sampling: TokenSampling,
+        max_tokens: Optional[Sequence[int]],
+    ) -> list[DecodedRow]:
+        limits = [sampling.max_new_tokens] * len(seeds) if max_tokens is None else max_tokens
+        futures = [
+            self.servers.pool.submit(self._balanced, list(ids), seed, sampling, limit)
+            for ids, seed, limit in zip(prompt_ids, seeds, limits, strict=True)
+        ]
+        return [f.result() for f in futures]
+
+    def _balanced(self, ids: list[int], seed: int, sampling: TokenSampling, limit: int):
+        url = self.servers.least_loaded()
+        try:
+            return self._request(url, ids, seed, sampling, limit)
+        finally:
+            self.servers.done(url)
+
+    def _request(
+        self, url: str, ids: list[int], seed: int, sampling: TokenSampling, limit: int
+    ) -> DecodedRow:
+        params = {
+            "max_tokens": limit, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k, "seed": seed, "logprobs": 0,
+            "stop_token_ids": [i for i in sampling.eos_ids if i >= 0],
+        }  # fmt: skip
+        body = {"token_ids": ids, "sampling_params": params, "return_token_ids": True}
+        answer = call(url, "/inference/v1/generate", body, timeout_s=self.servers.timeout_s)
+        choice = answer["choices"][0]
+        tokens = [int(t) for t in choice["token_ids"]]
+        logps = [
+            float(step["logprob"]) for step in (choice.get("logprobs") or {}).get("content") or []
+        ]
+        if len(logps) != len(tokens):
+            raise ServerError(
+                f"rollout server {url} returned {len(tokens)} tokens but {len(logps)} log-probs"
+            )
+        return DecodedRow(tokens, logps, truncated=choice.get("finish_reason") == "length")
+
+
+def trainer_logprobs(
+    model: Any, cfg: RunConfig, sequences: list[list[int]], prompt_len: int
+) -> list[list[float]]:
+    """The policy's own log-probabilities (temperature 1) of each sequence's tokens after the
+    first ``prompt_len`` (collective over the model-parallel group)."""
+    from rlbatch.batching import plan_pass
+    from rlbatch.engine.logprobs import compute_logprobs
+
+    infer, p = cfg.batching.infer, cfg.parallel
+    plan = plan_pass(
+        [len(s) for s in sequences], infer, dp=1, pp=p.pp, vpp=p.vpp,
+        microbatch_group_size=p.microbatch_group_size_per_vp_stage, seed=cfg.trainer.seed,
+    )  # fmt: skip
+    logps = compute_logprobs(
+        model, sequences, plan, round_to=infer.sequence_length_round, temperature=1.0,
+        score_from=[prompt_len - 1] * len(sequences),
+    )  # fmt: skip
+    return [lp.tolist() for lp in logps]
+
+
+def build_server_engine(
+    cfg: RunConfig, model: Any, *, eos_ids: Sequence[int], turns: Optional[TurnDecoder] = None
+) -> SyncedRolloutEngine:
+    """The RolloutEngine of rollout.backend=vllm_server on this rank's policy chunks."""
+    backend = ServerBackend(model, cfg)
+    return SyncedRolloutEngine(backend, token_sampling(cfg.rollout, eos_ids), turns=turns)

@@ -1,0 +1,288 @@
+"""A vLLM server process for a run's config: its model directory, its command line, starting it
+(own process group, bound to the process that started it), waiting for ``/health``, stopping
+it. Used by rlbatch-serve (one server) and by a run with ``rollout.servers.count=N`` (N servers
+beside training, on free ports of 127.0.0.1, stopped with the run).
+
+The server is vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``;
+the ``vllm`` console script of the CPU build does not start) with: token ids in and out
+(``--skip-tokenizer-init --tokens-only``), the sampled token's log-probability at the sampling
+temperature (``--logprobs-mode processed_logprobs``, the trainer's convention), the RL endpoints
+(``VLLM_SERVER_DEV_MODE=1``: pause / resume / weight updates) and rlbatch's weight-transfer
+backend (rlbatch.rollout.server_transfer). Its model directory holds the config.json rlbatch's
+model config describes (architecture, dtype, EOS / BOS ids) and, when ``model.hf_path`` is a
+local checkpoint, links to its safetensors files; otherwise the server starts from dummy
+weights, which the trainer replaces before the first generation.
+
+No orphans: vLLM runs in a process group of its own (its engine core is a child process), and
+the process that started it, a small watcher (:func:`main`), kills that whole group when it is
+asked to stop, when the server exits, or when the watcher's own parent (the trainer's launcher)
+dies, even by SIGKILL (rlbatch.runtime.lifeline binds the watcher to it). The server itself gets
+SIGTERM if the watcher dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rlbatch.config.schema import RunConfig
+
+TRANSFER_BACKEND = "rlbatch_file"
+"""rlbatch.rollout.server_transfer.BACKEND (not imported here: that module imports vLLM)."""
+WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What one server is started with."""
+
+    model_dir: Path
+    host: str
+    port: int
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def write_server_model_dir(cfg: RunConfig, path: Path) -> bool:
+    """config.json / generation_config.json for the run's model in ``path`` (and links to the
+    checkpoint's safetensors files when model.hf_path is a local directory that has them);
+    True when the server loads real weights from it, False: dummy weights until a sync."""
+    from rlbatch.config.vllm_rules import engine_dtype
+    from rlbatch.engine.hf_config import GENERATION_CONFIG, HF_CONFIG, hf_config_dict, special_ids
+    from rlbatch.engine.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.model)
+    path.mkdir(parents=True, exist_ok=True)
+    ids = special_ids(tokenizer.eos_ids, tokenizer.bos_id)
+    config = hf_config_dict(cfg.model, engine_dtype(cfg)) | ids
+    (path / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (path / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
+    source = Path(cfg.model.hf_path) if cfg.model.hf_path else None
+    files = sorted(source.glob("*.safetensors*")) if source and source.is_dir() else []
+    for f in files:
+        link = path / f.name
+        link.unlink(missing_ok=True)
+        link.symlink_to(f.resolve())
+    return any(f.suffix == ".safetensors" for f in files)
+
+
+def server_spec(
+    cfg: RunConfig, model_dir: Path, host: str, port: int, device: Optional[str] = None
+) -> ServerSpec:
+    """The command line and environment of a server for ``cfg`` (model_dir written by
+    :func:`write_server_model_dir`)."""
+    from rlbatch.config.vllm_rules import cpu_build_installed
+    from rlbatch.rollout.vllm_engine import plan_engine
+
+    cpu = cpu_build_installed()
+    settings = plan_engine(cfg, cpu=cpu)
+    real = any(model_dir.glob("*.safetensors"))
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--host", host, "--port", str(port),
+        "--skip-tokenizer-init", "--tokens-only", "--logprobs-mode", "processed_logprobs",
+        "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
+        "--max-num-seqs", str(settings.max_num_seqs), "--seed", "0",
+        "--load-format", "auto" if real else "dummy",
+        "--tensor-parallel-size", str(cfg.rollout.vllm.tensor_parallel_size),
+        "--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
+        "--enable-prefix-caching" if settings.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if settings.enforce_eager:
+        argv.append("--enforce-eager")
+    if settings.block_size is not None:
+        argv += ["--block-size", str(settings.block_size)]
+    if settings.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes)]
+    if settings.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if cpu:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    return ServerSpec(model_dir, host, port, tuple(argv), tuple(sorted(env.items())))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether GET {url}/health answers 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class ServerProcess:
+    """A started server: the watcher process (:func:`main`) that owns vLLM's process group."""
+
+    def __init__(self, spec: ServerSpec, log_path: Optional[Path] = None) -> None:
+        from rlbatch.runtime.lifeline import child_env
+
+        self.spec = spec
+        self.url = spec.url
+        env = child_env({**os.environ, **dict(spec.env)})
+        self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed in stop
+        # vLLM's output goes to the log file, or to stderr: stdout carries rlbatch-serve's URL
+        out = self.log if self.log is not None else sys.stderr
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlbatch.rollout.server_process", json.dumps(spec.argv)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Return once /health answers; RuntimeError when the server exits or is not up in
+        ``timeout_s`` (it is stopped then)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the vLLM server for {self.url} exited with code {self.proc.returncode}"
+                    " while starting (its output is above, or in its log file)"
+                )
+            if healthy(self.url):
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(
+            f"the vLLM server for {self.url} did not answer /health within {timeout_s:g} s"
+            " (rollout.servers.start_timeout_s)"
+        )
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the server and every process of its group (the watcher does it on SIGTERM)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s + 10.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+
+def start_servers(cfg: RunConfig, root: Path, count: int) -> list[ServerProcess]:
+    """``count`` servers for ``cfg`` on free ports of 127.0.0.1, healthy when this returns
+    (their model directory and logs under ``root``); all stopped if one fails to start."""
+    model_dir = root / "model"
+    write_server_model_dir(cfg, model_dir)
+    devices = cfg.rollout.servers.devices
+    servers: list[ServerProcess] = []
+    try:
+        for i in range(count):
+            device = devices[i] if devices else None
+            spec = server_spec(cfg, model_dir, "127.0.0.1", free_port(), device)
+            servers.append(ServerProcess(spec, root / f"server{i}.log"))
+        for server in servers:
+            server.wait_healthy(cfg.rollout.servers.start_timeout_s)
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: list[ServerProcess]) -> None:
+    for server in servers:  # all asked at once, then each waited for
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGTERM)
+    for server in servers:
+        server.stop()
+
+
+def remove_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------
+# The watcher: python -m rlbatch.rollout.server_process '<argv as JSON>'
+# ------------------------------------------------------------------------------------------
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to the server's group, SIGKILL to what is left after ``grace_s``; returns when
+    no process of the group is left (the leader reaped here, the others by their new
+    parent)."""
+    pgid = proc.pid
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            proc.poll()  # a zombie leader still counts as a member of its group
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                proc.wait()
+                return
+            time.sleep(0.2)
+    proc.wait()
+
+
+def watch(argv: list[str]) -> int:
+    """Run ``argv`` (vLLM's server) in a process group of its own and kill the group when this
+    process is asked to stop (SIGTERM / SIGINT, or its parent died: rlbatch.runtime.lifeline
+    sends SIGTERM) or when the server exits; the server's exit code."""
+    from rlbatch.runtime.lifeline import _arm_parent_death_signal
+
+    stopping: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def child_setup() -> None:
+        os.setsid()
+        _arm_parent_death_signal(signal.SIGTERM)  # the watcher killed: the server stops
+
+    proc = subprocess.Popen(argv, preexec_fn=child_setup)  # noqa: PLW1509 - no threads yet
+    try:
+        while proc.poll() is None and not stopping:
+            time.sleep(0.2)
+    finally:
+        _kill_group(proc)
+    return 0 if stopping else proc.returncode
+
+
+def main() -> None:
+    from rlbatch.runtime.lifeline import die_with_parent
+
+    if os.environ.get("RLBATCH_PARENT_PID"):
+        die_with_parent(signal.SIGTERM)
+    sys.exit(watch(json.loads(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

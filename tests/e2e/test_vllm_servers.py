@@ -1,0 +1,211 @@
+"""rollout.backend=vllm_server through the real commands, with real vLLM servers on 127.0.0.1
+(the ``vllm`` extra): rlbatch-serve starts one server per run config and prints its URL once
+/health answers; rlbatch-train learns on two of them (rollout.servers.urls), the weights pushed
+through vLLM's RL lifecycle by rlbatch's transfer plugin before every step, vLLM's behaviour
+log-probs the trainer's own at every step, evaluation on the same servers; an unreachable URL
+is a configuration error before launch; rollout.servers.count=1 starts its server beside
+training and leaves no process behind, also when the launcher is SIGKILLed. The two servers
+are started once for the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.optional_extra]
+
+MODEL = (
+    "+recipe=grpo_qwen", "model.num_attention_heads=2", "model.num_query_groups=2",
+    "rollout.vllm.kv_cache_space_gb=0.25",
+)  # fmt: skip
+"""The tiny model with heads of width 32 (the smallest vLLM's CPU attention supports); the
+servers and the trainer are composed from the same recipe and overrides."""
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (vLLM's engine core names itself
+    VLLM::EngineCore: its command line does not mention the run)."""
+    members = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(pid))
+    return members
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+        return r.status
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain ``text``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def servers(bin_dir, subprocess_env, tmp_path_factory):
+    """Two rlbatch-serve servers, each on its own port; stopped (SIGTERM) after the module."""
+    pytest.importorskip("vllm")
+    cwd = tmp_path_factory.mktemp("servers")
+    procs, urls = [], []
+    for _ in range(2):
+        port = _free_port()
+        procs.append(subprocess.Popen(
+            [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
+            cwd=cwd,
+        ))  # fmt: skip
+    try:
+        for proc in procs:
+            line = proc.stdout.readline().strip()  # the URL, once /health answers
+            assert line.startswith("http://127.0.0.1:"), f"rlbatch-serve printed {line!r}"
+            urls.append(line)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(60)
+
+
+def _train(bin_dir, env, run_dir, *overrides):
+    return subprocess.run(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
+         f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
+         "trainer.checkpoint.export_hf=false", *overrides],
+        capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600,
+    )  # fmt: skip
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rlbatch_serve_prints_its_url_once_healthy(servers):
+    """stdout carries the URL alone (vLLM's own output goes to stderr), and the server answers
+    /health there."""
+    assert len(set(servers)) == 2
+    for url in servers:
+        assert _health(url) == 200
+
+
+EVAL = (
+    "eval.every_steps=2", "eval.at_start=false", "eval.max_prompts=4", "eval.num_samples=2",
+    "eval.temperature=1.0", "eval.max_new_tokens=6",
+)  # fmt: skip
+
+
+def test_training_on_two_servers_is_on_policy_at_every_step(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """Two steps at temperature 0.7 on the two servers: before every step's generation the
+    weights are pushed to both (rollout/weight_sync_s) and checked by the probe, and the
+    servers' behaviour log-probs equal the training forward's to float32 rounding (a missed
+    sync, a stale tied head or a stale prefix cache would show as importance weights far from
+    1); the policy moves (kl > 0), and the evaluation after step 2 runs on the same servers."""
+    run_dir = tmp_path / "run"
+    urls = "[" + ",".join(servers) + "]"
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, f"rollout.servers.urls={urls}", "trainer.max_steps=2",
+        "rollout.temperature=0.7", "grpo.epsilon_low=0.01", "grpo.epsilon_high=0.01", *EVAL,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["rollout/weight_sync_s"] > 0
+        assert abs(r["mismatch_kl_k1"]) < 1e-6
+        assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+        assert r["clip_fraction"] == 0.0
+    assert records[-1]["kl"] > 0
+    assert any(k.startswith("eval/") for k in records[-1]), sorted(records[-1])
+    assert (run_dir / "eval" / "step_00002.jsonl").exists()
+
+
+def test_an_unreachable_server_is_refused_before_launch(bin_dir, subprocess_env, tmp_path):
+    """A URL nobody answers at: an error naming the key and the URL, before any worker."""
+    pytest.importorskip("vllm")
+    url = f"http://127.0.0.1:{_free_port()}"
+    proc = _train(bin_dir, subprocess_env, tmp_path / "run", f"rollout.servers.urls=[{url}]")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert f"rollout.servers.urls={url}" in out and "unreachable" in out and "rlbatch-serve" in out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_servers_started_by_the_run_stop_with_it(bin_dir, subprocess_env, tmp_path):
+    """rollout.servers.count=1: the launcher starts a server, trains on it, and stops it: no
+    process of the run is left once rlbatch-train returns."""
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "run"
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, "rollout.servers.count=1", "trainer.max_steps=1"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (record,) = _records(run_dir)
+    assert abs(record["mismatch_kl_k1"]) < 1e-6 and record["rollout/weight_sync_s"] > 0
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(run_dir)) == []
+
+
+def test_servers_started_by_the_run_die_with_a_killed_launcher(bin_dir, subprocess_env, tmp_path):
+    """The launcher SIGKILLed while its server runs: the server (vLLM's whole process group)
+    and the workers end by themselves."""
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
+         "rollout.servers.count=1", "trainer.max_steps=50", f"hydra.run.dir={run_dir}",
+         "logging.plot=false", "logging.tensorboard=false"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=subprocess_env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists():  # trained a step on its server
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(1)
+        (server,) = [p for p in _processes_mentioning(str(run_dir)) if "-m vllm.entrypoints" in p]
+        pgid = os.getpgid(int(server.split(":")[0]))
+        assert len(_group_members(pgid)) >= 2  # the API server and its engine core
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 60
+    while (
+        _processes_mentioning(str(run_dir)) or _group_members(pgid)
+    ) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _processes_mentioning(str(run_dir)) == []
+    assert _group_members(pgid) == []
