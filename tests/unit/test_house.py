@@ -82,3 +82,12 @@ def test_the_checker_catches_a_missing_file():
     assert not _resolves("batching/nowhere.py", files)
     assert not _resolves("docs/nowhere.md", files)
     assert not _resolves("design.md", files)
+
+
+def test_test_files_have_unique_names():
+    """The suite imports test modules by their base name (the tests' folders are not packages):
+    two test files of one name stop the whole run at collection."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
