@@ -46,8 +46,11 @@ def test_only_the_expected_vllm_records_are_dropped():
     args = logging.getLogger("vllm.engine.arg_utils")
     assert len(reload.filters) == 1 and len(renderer.filters) == 1 and len(args.filters) == 1
     seen = _Records()
+    kept = [(logger, logger.level, logger.disabled) for logger in (reload, renderer, args)]
     for logger in (reload, renderer, args):
         logger.addHandler(seen)
+        logger.setLevel(logging.DEBUG)  # whatever levels earlier tests of this process left
+        logger.disabled = False
     try:
         reload.warning("%s: Failed to load weights", "RotaryEmbedding")
         reload.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real failure
@@ -61,8 +64,10 @@ def test_only_the_expected_vllm_records_are_dropped():
         )  # the trainer's generators are restored around the start
         args.warning("another warning of the engine's arguments")
     finally:
-        for logger in (reload, renderer, args):
+        for logger, level, disabled in kept:
             logger.removeHandler(seen)
+            logger.setLevel(level)
+            logger.disabled = disabled
     assert seen.records == [
         "QKVParallelLinear: Failed to load weights",
         "Chat template rendering failed for a request",
