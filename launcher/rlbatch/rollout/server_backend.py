@@ -22,7 +22,9 @@ their log-probabilities must equal the trainer's own forward of the same tokens 
 ``rollout.servers.probe_tolerance``, or the run stops naming the server.
 
 Failures: a server that refuses a request or does not answer within
-``rollout.servers.timeout_s`` stops the run with an error naming it.
+``rollout.servers.timeout_s`` stops the run with an error naming it, and so does a response
+the server stopped short of its limit (vLLM ends a request at its own --max-model-len with
+finish_reason "length": trained as a truncated row, it would be a wrong sample, not an error).
 """
 
 from __future__ import annotations
@@ -320,7 +322,14 @@ class ServerBackend:
             raise ServerError(
                 f"rollout server {url} returned {len(tokens)} tokens but {len(logps)} log-probs"
             )
-        return DecodedRow(tokens, logps, truncated=choice.get("finish_reason") == "length")
+        truncated = choice.get("finish_reason") == "length"
+        if truncated and len(tokens) < limit:  # vLLM stops a request at its --max-model-len
+            raise ServerError(
+                f"rollout server {url} stopped a response after {len(tokens)} of {limit} tokens"
+                f" (prompt of {len(ids)}): its --max-model-len is shorter than this run's"
+                " sequences; restart it with rlbatch-serve and the run's recipe and overrides"
+            )
+        return DecodedRow(tokens, logps, truncated=truncated)
 
 
 def trainer_logprobs(
