@@ -245,6 +245,44 @@ def test_a_killed_dp2_run_on_servers_resumes_with_identical_metrics(
     assert _untimed(_records(run_dir)) == _untimed(expected)
 
 
+def test_weights_another_process_put_on_a_server_stop_the_run(
+    spare_server, bin_dir, subprocess_env, tmp_path
+):
+    """Once step 1 is recorded, another client keeps relabelling the server's weights (the last
+    call of its own weight update, as a second run or rlbatch-eval sharing the server would
+    make): the run stops naming the server and both labels, instead of training on samples of
+    a policy it never had."""
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
+         _urls([spare_server]), "trainer.max_steps=20", f"hydra.run.dir={run_dir}",
+         "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        body = json.dumps({"new_version": "intruder"}).encode()
+        while launcher.poll() is None and time.monotonic() < deadline:
+            request = urllib.request.Request(
+                f"{spare_server}/update_weight_version", data=body,
+                headers={"Content-Type": "application/json"}, method="POST",
+            )  # fmt: skip
+            urllib.request.urlopen(request, timeout=10).close()
+            time.sleep(0.2)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode != 0
+    expected = f"rollout server {spare_server} sampled with weights labelled 'intruder'"
+    assert expected in out, out[-3000:]
+    assert len(_records(run_dir)) < 20
+
+
 def _server_group(url: str) -> int:
     """The process group of the vLLM server listening at ``url`` (its own session)."""
     port = url.rsplit(":", 1)[1]
