@@ -4,8 +4,11 @@
 through vLLM's RL lifecycle by rlbatch's transfer plugin before every step, vLLM's behaviour
 log-probs the trainer's own at every step, evaluation on the same servers; an unreachable URL
 is a configuration error before launch; rollout.servers.count=1 starts its server beside
-training and leaves no process behind, also when the launcher is SIGKILLed. The two servers
-are started once for the module."""
+training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
+than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
+resumed exactly) run on the servers; a server killed mid-run, or relabelled by another client,
+stops the run naming it. The servers (two shared, one spare to kill) are started once for the
+module."""
 
 from __future__ import annotations
 
@@ -27,6 +30,11 @@ MODEL = (
 )  # fmt: skip
 """The tiny model with heads of width 32 (the smallest vLLM's CPU attention supports); the
 servers and the trainer are composed from the same recipe and overrides."""
+
+
+SERVED_LEN = 160
+"""The servers' longest sequence: a multi-turn episode of the guess-the-number recipe (same
+tiny model) fits, so its test shares the servers."""
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -82,7 +90,8 @@ def all_servers(bin_dir, subprocess_env, tmp_path_factory):
     for _ in range(3):
         port = _free_port()
         procs.append(subprocess.Popen(
-            [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}"],
+            [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
+             f"rollout.vllm.max_model_len={SERVED_LEN}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
             cwd=cwd,
         ))  # fmt: skip
@@ -192,18 +201,77 @@ def test_an_unreachable_server_is_refused_before_launch(bin_dir, subprocess_env,
 def test_a_server_shorter_than_the_run_is_refused_before_launch(
     servers, bin_dir, subprocess_env, tmp_path
 ):
-    """Servers started for rollout.max_new_tokens=16 and a run of 64: vLLM's token endpoint
+    """Servers started for sequences of 160 tokens and a run of 232: vLLM's token endpoint
     would silently stop every response at the server's --max-model-len (finish_reason
     "length", trained as truncated rows); instead each URL is named with both lengths and the
     fix, before any worker starts."""
     run_dir = tmp_path / "run"
-    proc = _train(bin_dir, subprocess_env, run_dir, _urls(servers), "rollout.max_new_tokens=64")
+    proc = _train(bin_dir, subprocess_env, run_dir, _urls(servers), "rollout.max_new_tokens=200")
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     for url in servers:
-        assert f"rollout.servers.urls={url}: serves sequences of at most 48 tokens" in out, out
-    assert "this run's longest is 96" in out and "rlbatch-serve" in out
+        assert (
+            f"rollout.servers.urls={url}: serves sequences of at most {SERVED_LEN} tokens" in out
+        ), out
+    assert "this run's longest is 232" in out and "rlbatch-serve" in out
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+COUNTED_ENV = """
+import os
+
+from rlbatch.env.guess_number import GuessNumber
+
+
+class Counted(GuessNumber):
+    def step(self, state, text):
+        with open(f"steps.{os.getpid()}", "a") as f:
+            f.write("s")
+        return super().step(state, text)
+"""
+
+
+def test_multi_turn_episodes_run_on_the_servers(servers, bin_dir, subprocess_env, tmp_path):
+    """The guess-the-number recipe (the same tiny model) on the two servers: a turn per
+    request continuing the row's exact ids, the environment stepped in the trainer's process,
+    observations without loss, and the servers' behaviour log-probs of the assistant tokens
+    the trainer's at both steps."""
+    from rlbatch.engine.tokenizer import ByteTokenizer
+
+    (tmp_path / "counted.py").write_text(COUNTED_ENV)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", *MODEL[1:],
+         "rollout.backend=vllm_server", _urls(servers), "env.path=counted.py:Counted",
+         "trainer.max_steps=2", "grpo.global_batch_size=32", "logging.samples=true",
+         f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
+         "trainer.checkpoint.export_hf=false"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 1.0 <= r["turns_mean"] <= r["turns_max"] <= 4 and r["env_errors"] == 0
+        assert abs(r["mismatch_kl_k1"]) < 1e-6
+        assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert len(list(tmp_path.glob("steps.*"))) == 1
+    tok, observed = ByteTokenizer(), 0
+    for step in (1, 2):
+        lines = (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
+        for s in map(json.loads, lines):
+            pos = 0
+            for turn in s["turns"]:
+                ids = s["response_ids"][pos : pos + turn["tokens"]]
+                mask = s["loss_mask"][pos : pos + turn["tokens"]]
+                if turn["role"] == "observation":
+                    assert ids == tok.encode(turn["text"]) and mask == [0] * len(ids)
+                    observed += 1
+                else:
+                    assert mask == [1] * len(ids)
+                pos += turn["tokens"]
+            assert pos == len(s["response_ids"])
+    assert observed > 0
 
 
 DP2 = (
