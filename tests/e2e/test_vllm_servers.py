@@ -4,8 +4,11 @@
 through vLLM's RL lifecycle by rlbatch's transfer plugin before every step, vLLM's behaviour
 log-probs the trainer's own at every step, evaluation on the same servers; an unreachable URL
 is a configuration error before launch; rollout.servers.count=1 starts its server beside
-training and leaves no process behind, also when the launcher is SIGKILLed. The two servers
-are started once for the module."""
+training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
+than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
+resumed exactly) run on the servers; a server killed mid-run, or relabelled by another client,
+stops the run naming it. The servers (two shared, one spare to kill) are started once for the
+module."""
 
 from __future__ import annotations
 
@@ -27,6 +30,11 @@ MODEL = (
 )  # fmt: skip
 """The tiny model with heads of width 32 (the smallest vLLM's CPU attention supports); the
 servers and the trainer are composed from the same recipe and overrides."""
+
+
+SERVED_LEN = 160
+"""The servers' longest sequence: a multi-turn episode of the guess-the-number recipe (same
+tiny model) fits, so its test shares the servers."""
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -72,15 +80,18 @@ def _processes_mentioning(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def servers(bin_dir, subprocess_env, tmp_path_factory):
-    """Two rlbatch-serve servers, each on its own port; stopped (SIGTERM) after the module."""
+def all_servers(bin_dir, subprocess_env, tmp_path_factory):
+    """Three rlbatch-serve servers, each on its own port, started at once: the two the run
+    tests share and a spare that test_a_server_killed_mid_run_stops_the_run_naming_it kills;
+    stopped (SIGTERM) after the module."""
     pytest.importorskip("vllm")
     cwd = tmp_path_factory.mktemp("servers")
     procs, urls = [], []
-    for _ in range(2):
+    for _ in range(3):
         port = _free_port()
         procs.append(subprocess.Popen(
-            [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}"],
+            [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
+             f"rollout.vllm.max_model_len={SERVED_LEN}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
             cwd=cwd,
         ))  # fmt: skip
@@ -97,6 +108,18 @@ def servers(bin_dir, subprocess_env, tmp_path_factory):
             proc.wait(60)
 
 
+@pytest.fixture(scope="module")
+def servers(all_servers):
+    """The two servers the run tests share."""
+    return all_servers[:2]
+
+
+@pytest.fixture(scope="module")
+def spare_server(all_servers):
+    """The server a test may kill."""
+    return all_servers[2]
+
+
 def _train(bin_dir, env, run_dir, *overrides):
     return subprocess.run(
         [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
@@ -110,11 +133,24 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_rlbatch_serve_prints_its_url_once_healthy(servers):
+def _untimed(records):
+    """The records without their clock and memory figures (which differ between two runs)."""
+    return [
+        {k: v for k, v in r.items()
+         if not k.endswith(("_s", "seconds", "memory_gb")) and "per_s" not in k}
+        for r in records
+    ]  # fmt: skip
+
+
+def _urls(urls):
+    return "rollout.servers.urls=[" + ",".join(urls) + "]"
+
+
+def test_rlbatch_serve_prints_its_url_once_healthy(all_servers):
     """stdout carries the URL alone (vLLM's own output goes to stderr), and the server answers
     /health there."""
-    assert len(set(servers)) == 2
-    for url in servers:
+    assert len(set(all_servers)) == 3
+    for url in all_servers:
         assert _health(url) == 200
 
 
@@ -160,6 +196,206 @@ def test_an_unreachable_server_is_refused_before_launch(bin_dir, subprocess_env,
     out = proc.stdout + proc.stderr
     assert f"rollout.servers.urls={url}" in out and "unreachable" in out and "rlbatch-serve" in out
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_server_shorter_than_the_run_is_refused_before_launch(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """Servers started for sequences of 160 tokens and a run of 232: vLLM's token endpoint
+    would silently stop every response at the server's --max-model-len (finish_reason
+    "length", trained as truncated rows); instead each URL is named with both lengths and the
+    fix, before any worker starts."""
+    run_dir = tmp_path / "run"
+    proc = _train(bin_dir, subprocess_env, run_dir, _urls(servers), "rollout.max_new_tokens=200")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    for url in servers:
+        assert (
+            f"rollout.servers.urls={url}: serves sequences of at most {SERVED_LEN} tokens" in out
+        ), out
+    assert "this run's longest is 232" in out and "rlbatch-serve" in out
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+COUNTED_ENV = """
+import os
+
+from rlbatch.env.guess_number import GuessNumber
+
+
+class Counted(GuessNumber):
+    def step(self, state, text):
+        with open(f"steps.{os.getpid()}", "a") as f:
+            f.write("s")
+        return super().step(state, text)
+"""
+
+
+def test_multi_turn_episodes_run_on_the_servers(servers, bin_dir, subprocess_env, tmp_path):
+    """The guess-the-number recipe (the same tiny model) on the two servers: a turn per
+    request continuing the row's exact ids, the environment stepped in the trainer's process,
+    observations without loss, and the servers' behaviour log-probs of the assistant tokens
+    the trainer's at both steps."""
+    from rlbatch.engine.tokenizer import ByteTokenizer
+
+    (tmp_path / "counted.py").write_text(COUNTED_ENV)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", *MODEL[1:],
+         "rollout.backend=vllm_server", _urls(servers), "env.path=counted.py:Counted",
+         "trainer.max_steps=2", "grpo.global_batch_size=32", "logging.samples=true",
+         f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
+         "trainer.checkpoint.export_hf=false"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 1.0 <= r["turns_mean"] <= r["turns_max"] <= 4 and r["env_errors"] == 0
+        assert abs(r["mismatch_kl_k1"]) < 1e-6
+        assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert len(list(tmp_path.glob("steps.*"))) == 1
+    tok, observed = ByteTokenizer(), 0
+    for step in (1, 2):
+        lines = (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
+        for s in map(json.loads, lines):
+            pos = 0
+            for turn in s["turns"]:
+                ids = s["response_ids"][pos : pos + turn["tokens"]]
+                mask = s["loss_mask"][pos : pos + turn["tokens"]]
+                if turn["role"] == "observation":
+                    assert ids == tok.encode(turn["text"]) and mask == [0] * len(ids)
+                    observed += 1
+                else:
+                    assert mask == [1] * len(ids)
+                pos += turn["tokens"]
+            assert pos == len(s["response_ids"])
+    assert observed > 0
+
+
+DP2 = (
+    "parallel.dp=2", "trainer.max_steps=2", "trainer.checkpoint.every_steps=1",
+    "eval.every_steps=2", "eval.at_start=true", "eval.max_prompts=1", "eval.num_samples=2",
+    "eval.max_new_tokens=6",
+)  # fmt: skip
+"""Two data-parallel replicas (each sends its own rows to the servers; the first one pushes
+the weights, the second waits for them) and an evaluation of one prompt, which only the first
+replica has rows for."""
+
+
+def test_a_killed_dp2_run_on_servers_resumes_with_identical_metrics(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """A dp 2 trainer on the two servers, evaluated at steps 0 and 2 on one prompt (the second
+    replica has no rows then): on-policy at every step (the second replica generates only
+    once the servers hold the weights the first pushed). Killed (SIGKILL) during step 2 and
+    resumed with trainer.resume=auto while the servers keep running with the killed run's
+    weights: the resumed trainer pushes the checkpoint's weights before it generates, and
+    the metrics equal the uninterrupted run's exactly."""
+    ref_dir = tmp_path / "ref"
+    ref = _train(bin_dir, subprocess_env, ref_dir, _urls(servers), *DP2)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    expected = _records(ref_dir)
+    assert [r["step"] for r in expected] == [0, 1, 2]
+    for r in expected[1:]:
+        assert abs(r["mismatch_kl_k1"]) < 1e-6
+        assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert expected[0]["eval/num_prompts"] == expected[2]["eval/num_prompts"] == 1
+    run_dir = tmp_path / "killed"
+    killed = _train(
+        bin_dir, subprocess_env, run_dir, _urls(servers), *DP2, "debug.fail_at_step=2",
+        "debug.fail_kind=kill",
+    )  # fmt: skip
+    assert killed.returncode != 0 and [r["step"] for r in _records(run_dir)] == [0, 1]
+    resumed = _train(bin_dir, subprocess_env, run_dir, _urls(servers), *DP2, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert _untimed(_records(run_dir)) == _untimed(expected)
+
+
+def test_weights_another_process_put_on_a_server_stop_the_run(
+    spare_server, bin_dir, subprocess_env, tmp_path
+):
+    """Once step 1 is recorded, another client keeps relabelling the server's weights (the last
+    call of its own weight update, as a second run or rlbatch-eval sharing the server would
+    make): the run stops naming the server and both labels, instead of training on samples of
+    a policy it never had."""
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
+         _urls([spare_server]), "trainer.max_steps=20", f"hydra.run.dir={run_dir}",
+         "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        body = json.dumps({"new_version": "intruder"}).encode()
+        while launcher.poll() is None and time.monotonic() < deadline:
+            request = urllib.request.Request(
+                f"{spare_server}/update_weight_version", data=body,
+                headers={"Content-Type": "application/json"}, method="POST",
+            )  # fmt: skip
+            urllib.request.urlopen(request, timeout=10).close()
+            time.sleep(0.2)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode != 0
+    expected = f"rollout server {spare_server} sampled with weights labelled 'intruder'"
+    assert expected in out, out[-3000:]
+    assert len(_records(run_dir)) < 20
+
+
+def _server_group(url: str) -> int:
+    """The process group of the vLLM server listening at ``url`` (its own session)."""
+    port = url.rsplit(":", 1)[1]
+    (server,) = [p for p in _processes_mentioning(f"--port {port} ") if "-m vllm.entrypoints" in p]
+    return os.getpgid(int(server.split(":")[0]))
+
+
+def test_a_server_killed_mid_run_stops_the_run_naming_it(
+    servers, spare_server, bin_dir, subprocess_env, tmp_path
+):
+    """Training on a shared server and the spare one; the spare's vLLM (its whole process
+    group) SIGKILLed once step 1 is recorded: the run stops well within
+    rollout.servers.timeout_s with an error naming the dead server, leaves no worker behind,
+    and its step-1 checkpoint is there to resume from."""
+    run_dir = tmp_path / "run"
+    pgid = _server_group(spare_server)
+    launcher = subprocess.Popen(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
+         _urls([servers[0], spare_server]), "rollout.servers.timeout_s=60",
+         "trainer.max_steps=20", "trainer.checkpoint.every_steps=1", f"hydra.run.dir={run_dir}",
+         "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        os.killpg(pgid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, _ = launcher.communicate(timeout=120)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode != 0
+    assert f"rollout server {spare_server}" in out, out[-3000:]
+    assert stopped_after < 60, f"the run took {stopped_after:.0f} s to stop"
+    assert len(_records(run_dir)) < 20
+    assert (run_dir / "checkpoints" / "step_00000001").is_dir()
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(run_dir)) == []
 
 
 def test_servers_started_by_the_run_stop_with_it(bin_dir, subprocess_env, tmp_path):

@@ -179,6 +179,33 @@ def check_rollout_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     " rlbatch's weight-transfer backend",
                 )
             )
+            continue
+        _check_server_length(cfg, url, errors)
+
+
+def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
+    """The server holds the run's longest sequence (prompt + rollout.max_new_tokens, and the
+    evaluation's): vLLM's token endpoint silently stops a request at the server's own
+    --max-model-len (finish_reason "length"), which the run would train as a truncated row."""
+    from rlbatch.rollout.server_backend import ServerError, call
+    from rlbatch.rollout.vllm_engine import longest_served
+
+    try:
+        served = int(call(url, "/v1/models", timeout_s=10.0, get=True)["data"][0]["max_model_len"])
+    except (ServerError, KeyError, IndexError, TypeError, ValueError):
+        return  # a server that does not report its length: the backend's own check catches it
+    needed = longest_served(cfg)
+    if served < needed:
+        errors.append(
+            ConfigError(
+                "rollout.servers.urls",
+                url,
+                f"serves sequences of at most {served} tokens, but this run's longest is"
+                f" {needed} (the longest prompt + rollout.max_new_tokens, or the evaluation's):"
+                " restart it with rlbatch-serve and the run's recipe and overrides (or"
+                f" rollout.vllm.max_model_len>={needed}), or shorten the run's sequences",
+            )
+        )
 
 
 def tracking_warnings(cfg: RunConfig) -> list[str]:

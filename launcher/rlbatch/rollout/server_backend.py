@@ -22,7 +22,11 @@ their log-probabilities must equal the trainer's own forward of the same tokens 
 ``rollout.servers.probe_tolerance``, or the run stops naming the server.
 
 Failures: a server that refuses a request or does not answer within
-``rollout.servers.timeout_s`` stops the run with an error naming it.
+``rollout.servers.timeout_s`` stops the run with an error naming it, and so does a response
+the server stopped short of its limit (vLLM ends a request at its own --max-model-len with
+finish_reason "length": trained as a truncated row, it would be a wrong sample, not an error),
+and so does a token labelled with other weights than the run pushed last (another process
+updated the server).
 """
 
 from __future__ import annotations
@@ -320,7 +324,30 @@ class ServerBackend:
             raise ServerError(
                 f"rollout server {url} returned {len(tokens)} tokens but {len(logps)} log-probs"
             )
-        return DecodedRow(tokens, logps, truncated=choice.get("finish_reason") == "length")
+        self._check_version(url, choice)
+        truncated = choice.get("finish_reason") == "length"
+        if truncated and len(tokens) < limit:  # vLLM stops a request at its --max-model-len
+            raise ServerError(
+                f"rollout server {url} stopped a response after {len(tokens)} of {limit} tokens"
+                f" (prompt of {len(ids)}): its --max-model-len is shorter than this run's"
+                " sequences; restart it with rlbatch-serve and the run's recipe and overrides"
+            )
+        return DecodedRow(tokens, logps, truncated=truncated)
+
+    def _check_version(self, url: str, choice: dict[str, Any]) -> None:
+        """Every token came from the weights this run pushed last (the server labels each
+        span with the version of the weights that produced it): a server that another
+        process updated in between (a second run, rlbatch-eval) would otherwise sample from a
+        policy the run never had, without a word."""
+        label = self.servers.label()
+        for span in choice.get("weight_versions") or []:
+            if str(span.get("version")) != label:
+                raise ServerError(
+                    f"rollout server {url} sampled with weights labelled"
+                    f" {span.get('version')!r}, not the ones this run pushed ({label!r}):"
+                    " another process updated its weights; give each run (and rlbatch-eval)"
+                    " servers of its own"
+                )
 
 
 def trainer_logprobs(
