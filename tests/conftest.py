@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -74,3 +75,12 @@ def gpu_figures():
                 f.write(json.dumps(line) + "\n")
 
     return record
+
+
+def pytest_sessionstart(session):
+    """A suite started in the background by a shell without job control (``cmd &`` in a
+    script, nohup) inherits SIGINT ignored, and so would every launcher and worker the tests
+    start: their Ctrl-C tests would see nothing happen. Python's own handler is put back, so
+    children start with the default action, as from a terminal or CI."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -123,6 +123,20 @@ class TokenBackend(Protocol):
         ...
 
 
+def decode_on_group_leader(
+    generate: Callable[[], list[DecodedRow]], group_size: int, leader: bool
+) -> list[DecodedRow]:
+    """A backend's decode in a model-parallel group of ``group_size`` ranks: only the group's
+    first rank (``leader``) calls ``generate``; every rank gets its rows (or the error it
+    raised), so tp / pp ranks never sample tokens of their own that could differ."""
+    if group_size == 1:
+        return generate()
+    from rlbatch.distributed import from_first_in_model_parallel_group
+
+    rows: list[DecodedRow] = from_first_in_model_parallel_group(generate if leader else None)
+    return rows
+
+
 _ROW_SEED_TAG = 0x5EED_0F_20
 """Keeps row seeds apart from the other seeds rlbatch derives from trainer.seed."""
 

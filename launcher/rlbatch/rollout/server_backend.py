@@ -50,6 +50,7 @@ from rlbatch.rollout.protocol import (
     SyncedRolloutEngine,
     TokenSampling,
     TurnDecoder,
+    decode_on_group_leader,
     token_sampling,
 )
 
@@ -274,15 +275,11 @@ class ServerBackend:
         sampling: TokenSampling,
         max_tokens: Optional[Sequence[int]] = None,
     ) -> list[DecodedRow]:
-        if self.group_size == 1:
-            return self._generate(prompt_ids, seeds, sampling, max_tokens)
-        from rlbatch.distributed import from_first_in_model_parallel_group
-
-        call_ = None
-        if self.leader:
-            call_ = lambda: self._generate(prompt_ids, seeds, sampling, max_tokens)  # noqa: E731
-        rows: list[DecodedRow] = from_first_in_model_parallel_group(call_)
-        return rows
+        return decode_on_group_leader(
+            lambda: self._generate(prompt_ids, seeds, sampling, max_tokens),
+            self.group_size,
+            self.leader,
+        )
 
     def _generate(
         self,

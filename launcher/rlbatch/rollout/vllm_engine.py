@@ -67,6 +67,7 @@ from rlbatch.rollout.protocol import (
     SyncedRolloutEngine,
     TokenSampling,
     TurnDecoder,
+    decode_on_group_leader,
     token_sampling,
 )
 from rlbatch.runtime.lock import pid_alive
@@ -475,15 +476,11 @@ class VllmBackend:
     ) -> list[DecodedRow]:
         """The group's first rank decodes; every rank of the group gets its rows (and an
         error it raised)."""
-        if self.group_size == 1:
-            return self._generate(prompt_ids, seeds, sampling, max_tokens)
-        from rlbatch.distributed import from_first_in_model_parallel_group
-
-        call = None
-        if self.leader:
-            call = lambda: self._generate(prompt_ids, seeds, sampling, max_tokens)  # noqa: E731
-        rows: list[DecodedRow] = from_first_in_model_parallel_group(call)
-        return rows
+        return decode_on_group_leader(
+            lambda: self._generate(prompt_ids, seeds, sampling, max_tokens),
+            self.group_size,
+            self.leader,
+        )
 
     def _generate(
         self,
