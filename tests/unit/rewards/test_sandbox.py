@@ -69,7 +69,11 @@ def test_the_root_holds_only_the_interpreter_and_scratch():
 
 
 def _burners(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    """``n`` busy processes, each in a session of its own: the kernel's autogroup scheduling
+    shares the CPUs between sessions, and the sandboxed program runs in one of its own, so
+    burners sharing the test's session would compete with it as one process."""
+    cmd = [sys.executable, "-c", "while True: pass"]
+    return [subprocess.Popen(cmd, start_new_session=True) for _ in range(n)]
 
 
 def test_a_correct_program_on_a_busy_machine_is_not_a_timeout():
