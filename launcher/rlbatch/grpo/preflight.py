@@ -146,66 +146,11 @@ def _check_vllm_installed(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def check_rollout_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """Every server of rollout.servers.urls answers GET /health and has vLLM's RL endpoints
-    (GET /is_paused: a server started without VLLM_SERVER_DEV_MODE=1 lacks them); an error
-    naming each one that does not, before any worker starts."""
-    if cfg.rollout.backend.value != "vllm_server":
-        return
-    from rlbatch.rollout.server_backend import ServerError, call
-    from rlbatch.rollout.server_process import healthy
+    """The rollout backend's own checks before launch (rollout.servers.urls answering, with the
+    RL endpoints and the run's length), through the rollout protocol."""
+    from rlbatch.rollout.protocol import check_synced_backend
 
-    for url in cfg.rollout.servers.urls:
-        url = str(url).rstrip("/")
-        if not healthy(url, timeout_s=10.0):
-            errors.append(
-                ConfigError(
-                    "rollout.servers.urls",
-                    url,
-                    "is unreachable (GET /health did not answer 200): start the server with"
-                    " rlbatch-serve (the run's recipe and overrides, rollout.servers.port=PORT),"
-                    " wait for it to print its URL, or fix the URL",
-                )
-            )
-            continue
-        try:
-            call(url, "/is_paused", timeout_s=10.0, get=True)
-        except ServerError:
-            errors.append(
-                ConfigError(
-                    "rollout.servers.urls",
-                    url,
-                    "answers but has no weight-update endpoints (GET /is_paused failed): start"
-                    " it with rlbatch-serve, which enables them (VLLM_SERVER_DEV_MODE=1) and"
-                    " rlbatch's weight-transfer backend",
-                )
-            )
-            continue
-        _check_server_length(cfg, url, errors)
-
-
-def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
-    """The server holds the run's longest sequence (prompt + rollout.max_new_tokens, and the
-    evaluation's): vLLM's token endpoint silently stops a request at the server's own
-    --max-model-len (finish_reason "length"), which the run would train as a truncated row."""
-    from rlbatch.rollout.server_backend import ServerError, call
-    from rlbatch.rollout.vllm_engine import longest_served
-
-    try:
-        served = int(call(url, "/v1/models", timeout_s=10.0, get=True)["data"][0]["max_model_len"])
-    except (ServerError, KeyError, IndexError, TypeError, ValueError):
-        return  # a server that does not report its length: the backend's own check catches it
-    needed = longest_served(cfg)
-    if served < needed:
-        errors.append(
-            ConfigError(
-                "rollout.servers.urls",
-                url,
-                f"serves sequences of at most {served} tokens, but this run's longest is"
-                f" {needed} (the longest prompt + rollout.max_new_tokens, or the evaluation's):"
-                " restart it with rlbatch-serve and the run's recipe and overrides (or"
-                f" rollout.vllm.max_model_len>={needed}), or shorten the run's sequences",
-            )
-        )
+    check_synced_backend(cfg, errors)
 
 
 def tracking_warnings(cfg: RunConfig) -> list[str]:

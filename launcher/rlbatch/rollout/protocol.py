@@ -266,6 +266,23 @@ weights; the module is imported only when its backend is chosen (vLLM's import i
 module also has ``shutdown_engine()`` (:func:`shutdown_synced_engines`)."""
 
 
+BACKEND_CHECKS = {"vllm_server": "rlbatch.rollout.server_backend:check_servers"}
+"""rollout.backend -> its checks before launch (module:function taking the config and the
+error list), for backends that reach outside the run (servers that must answer)."""
+
+
+def check_synced_backend(cfg: Any, errors: list[Any]) -> None:
+    """The chosen backend's checks before launch (:data:`BACKEND_CHECKS`), if it has any:
+    errors appended to ``errors``, none raised."""
+    import importlib
+
+    backend = getattr(cfg.rollout.backend, "value", cfg.rollout.backend)
+    if backend not in BACKEND_CHECKS:
+        return
+    module, name = BACKEND_CHECKS[backend].split(":")
+    getattr(importlib.import_module(module), name)(cfg, errors)
+
+
 def shutdown_synced_engines() -> None:
     """Stop every engine a synced backend started in this process (each backend module's
     ``shutdown_engine()``; a module never imported started none): at the end of a job, before

@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
+from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import RunConfig
 from rlbatch.rollout.protocol import (
     DecodedRow,
@@ -373,3 +374,62 @@ def build_server_engine(
     """The RolloutEngine of rollout.backend=vllm_server on this rank's policy chunks."""
     backend = ServerBackend(model, cfg)
     return SyncedRolloutEngine(backend, token_sampling(cfg.rollout, eos_ids), turns=turns)
+
+
+def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Every server of rollout.servers.urls answers GET /health and has vLLM's RL endpoints
+    (GET /is_paused: a server started without VLLM_SERVER_DEV_MODE=1 lacks them); an error
+    naming each one that does not, before any worker starts."""
+    from rlbatch.rollout.server_process import healthy
+
+    for url in cfg.rollout.servers.urls:
+        url = str(url).rstrip("/")
+        if not healthy(url, timeout_s=10.0):
+            errors.append(
+                ConfigError(
+                    "rollout.servers.urls",
+                    url,
+                    "is unreachable (GET /health did not answer 200): start the server with"
+                    " rlbatch-serve (the run's recipe and overrides, rollout.servers.port=PORT),"
+                    " wait for it to print its URL, or fix the URL",
+                )
+            )
+            continue
+        try:
+            call(url, "/is_paused", timeout_s=10.0, get=True)
+        except ServerError:
+            errors.append(
+                ConfigError(
+                    "rollout.servers.urls",
+                    url,
+                    "answers but has no weight-update endpoints (GET /is_paused failed): start"
+                    " it with rlbatch-serve, which enables them (VLLM_SERVER_DEV_MODE=1) and"
+                    " rlbatch's weight-transfer backend",
+                )
+            )
+            continue
+        _check_server_length(cfg, url, errors)
+
+
+def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
+    """The server holds the run's longest sequence (prompt + rollout.max_new_tokens, and the
+    evaluation's): vLLM's token endpoint silently stops a request at the server's own
+    --max-model-len (finish_reason "length"), which the run would train as a truncated row."""
+    from rlbatch.rollout.vllm_engine import longest_served
+
+    try:
+        served = int(call(url, "/v1/models", timeout_s=10.0, get=True)["data"][0]["max_model_len"])
+    except (ServerError, KeyError, IndexError, TypeError, ValueError):
+        return  # a server that does not report its length: the backend's own check catches it
+    needed = longest_served(cfg)
+    if served < needed:
+        errors.append(
+            ConfigError(
+                "rollout.servers.urls",
+                url,
+                f"serves sequences of at most {served} tokens, but this run's longest is"
+                f" {needed} (the longest prompt + rollout.max_new_tokens, or the evaluation's):"
+                " restart it with rlbatch-serve and the run's recipe and overrides (or"
+                f" rollout.vllm.max_model_len>={needed}), or shorten the run's sequences",
+            )
+        )
