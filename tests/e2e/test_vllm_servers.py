@@ -313,6 +313,26 @@ def test_a_killed_dp2_run_on_servers_resumes_with_identical_metrics(
     assert _untimed(_records(run_dir)) == _untimed(expected)
 
 
+def _start_long_run(bin_dir, env, run_dir, *overrides) -> subprocess.Popen:
+    """rlbatch-train on the servers for 20 steps, in the background (a test stops it)."""
+    return subprocess.Popen(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server", *overrides,
+         "trainer.max_steps=20", f"hydra.run.dir={run_dir}", "logging.plot=false",
+         "logging.tensorboard=false", "trainer.checkpoint.export_hf=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        cwd=run_dir.parent,
+    )  # fmt: skip
+
+
+def _first_step(launcher: subprocess.Popen, run_dir) -> float:
+    """Wait until the run logged its first step (it must not have ended); its deadline."""
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists():
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    return deadline
+
+
 def test_weights_another_process_put_on_a_server_stop_the_run(
     spare_server, bin_dir, subprocess_env, tmp_path
 ):
@@ -321,18 +341,9 @@ def test_weights_another_process_put_on_a_server_stop_the_run(
     make): the run stops naming the server and both labels, instead of training on samples of
     a policy it never had."""
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
-         _urls([spare_server]), "trainer.max_steps=20", f"hydra.run.dir={run_dir}",
-         "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
-        cwd=tmp_path,
-    )  # fmt: skip
+    launcher = _start_long_run(bin_dir, subprocess_env, run_dir, _urls([spare_server]))
     try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").exists():
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+        deadline = _first_step(launcher, run_dir)
         body = json.dumps({"new_version": "intruder"}).encode()
         while launcher.poll() is None and time.monotonic() < deadline:
             request = urllib.request.Request(
@@ -367,19 +378,12 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(
     and its step-1 checkpoint is there to resume from."""
     run_dir = tmp_path / "run"
     pgid = _server_group(spare_server)
-    launcher = subprocess.Popen(
-        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
-         _urls([servers[0], spare_server]), "rollout.servers.timeout_s=60",
-         "trainer.max_steps=20", "trainer.checkpoint.every_steps=1", f"hydra.run.dir={run_dir}",
-         "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
-        cwd=tmp_path,
+    launcher = _start_long_run(
+        bin_dir, subprocess_env, run_dir, _urls([servers[0], spare_server]),
+        "rollout.servers.timeout_s=60", "trainer.checkpoint.every_steps=1",
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").exists():
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
+        _first_step(launcher, run_dir)
         os.killpg(pgid, signal.SIGKILL)
         killed_at = time.monotonic()
         out, _ = launcher.communicate(timeout=120)
