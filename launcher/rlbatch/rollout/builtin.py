@@ -28,6 +28,7 @@ import torch
 from rlbatch import distributed
 from rlbatch.config.schema import RolloutBackend, RunConfig
 from rlbatch.grpo.types import Prompt, Sample, group_rows
+from rlbatch.rollout.protocol import DecodedRow, row_samples
 from rlbatch.rollout.sampling import (  # noqa: F401  (re-exported: the rollout's vocabulary)
     SamplingParams,
     filter_logits,
@@ -59,6 +60,13 @@ class Decoded:
     response_ids: list[list[int]]
     logps: list[list[float]]
     truncated: list[bool]
+
+    def rows(self) -> list[DecodedRow]:
+        """Each row's completion in the rollout protocol's form."""
+        return [
+            DecodedRow(t, lp, tr)
+            for t, lp, tr in zip(self.response_ids, self.logps, self.truncated, strict=True)
+        ]
 
 
 @dataclass
@@ -316,17 +324,7 @@ class MegatronRolloutEngine:
                     out.response_ids += done.response_ids
                     out.logps += done.logps
                     out.truncated += done.truncated
-        return [
-            Sample(
-                prompt=p,
-                group_id=g,
-                response_ids=out.response_ids[i],
-                behaviour_logps=out.logps[i],
-                truncated=out.truncated[i],
-                policy_version=policy_version,
-            )
-            for i, (g, p) in enumerate(rows)
-        ]
+        return row_samples(rows, out.rows(), policy_version)
 
     def _generate_turns(
         self, rows: list[tuple[int, Prompt]], size: int, keys: torch.Tensor, version: int

@@ -10,6 +10,7 @@ from typing import Any
 
 from rlbatch.config.schema import RunConfig
 from rlbatch.grpo.types import Prompt, Sample, group_rows
+from rlbatch.rollout.protocol import DecodedRow, row_samples
 from rlbatch.rollout.sampling import SamplingParams
 
 
@@ -38,14 +39,8 @@ class TokenRolloutEngine:
     ) -> list[Sample]:
         rows = group_rows(prompts, num_generations)
         decoded = self.decoder.decode([p.prompt_ids for _, p in rows], seed)
-        return [
-            Sample(
-                prompt=p,
-                group_id=g,
-                response_ids=tokens,
-                behaviour_logps=logps,
-                truncated=truncated,
-                policy_version=policy_version,
-            )
-            for (g, p), (tokens, logps, truncated) in zip(rows, decoded, strict=True)
-        ]
+        return row_samples(
+            rows,
+            [DecodedRow(tokens, logps, truncated) for tokens, logps, truncated in decoded],
+            policy_version,
+        )

@@ -92,15 +92,54 @@ class SlotStats:
         return self.busy_slot_steps_while_waiting / max(self.slot_steps_while_waiting, 1)
 
 
-def _ended(traj: Trajectory, token: int, params: SamplingParams, max_response: int) -> str:
-    """'' (the turn goes on), 'turn' (EOS: the environment's turn), or the limit that ends it."""
-    if params.ends(token):
+# ------------------------------------------------------------------------------ episode rules
+# What ends a turn and an episode, for both turn loops (this module's on the built-in engine's
+# per-slot decoder, rlbatch.rollout.turns' on a TokenBackend): written once, so an episode ends
+# for the same reason whichever engine decodes it.
+
+
+def turn_end(traj: Trajectory, eos: bool, max_new_tokens: int, max_response: int) -> str:
+    """Why the current assistant turn of ``traj`` ends after its last sampled token: ''
+    (it goes on), 'turn' (EOS: the environment's turn), or the limit that ends the episode
+    (``max_total_tokens``: the trajectory's budget; ``max_new_tokens``: the turn's)."""
+    if eos:
         return "turn"
     if len(traj.ids) >= max_response:
         return "max_total_tokens"
-    if len(traj.ids) - traj.turn_start >= params.max_new_tokens:
+    if len(traj.ids) - traj.turn_start >= max_new_tokens:
         return "max_new_tokens"
     return ""
+
+
+def close_turn(driver: TurnDriver, row: int, traj: Trajectory, why: str) -> bool:
+    """Hand an ended turn to the driver: True when the row waits for its observation ('turn'),
+    False when a limit ended the episode (truncated)."""
+    if why == "turn":
+        driver.submit(row, traj.ids[traj.turn_start :])
+        return True
+    traj.truncated = True
+    driver.end(row, why, traj.ids[traj.turn_start :])
+    return False
+
+
+def take_observation(
+    driver: TurnDriver,
+    row: int,
+    traj: Trajectory,
+    observation: Optional[list[int]],
+    max_response: int,
+) -> bool:
+    """Append the driver's answer to a waiting row: True when its episode goes on. None ends
+    it; an observation that leaves no room for another assistant token ends it as truncated
+    (the driver is told, with no turn tokens)."""
+    if observation is not None and len(traj.ids) + len(observation) >= max_response:
+        traj.truncated = True
+        driver.end(row, "max_total_tokens", [])
+        return False
+    if observation is None:
+        return False
+    traj.add_observation(observation)
+    return True
 
 
 class _Batch:
@@ -148,15 +187,12 @@ def decode_turns(
         for slot, row, t, logp in zip(batch.active, rows, tok.tolist(), lp.tolist(), strict=True):
             traj = trajs[row]
             traj.add_sampled(t, logp)
-            why = _ended(traj, t, params, max_response[row])
+            why = turn_end(traj, params.ends(t), params.max_new_tokens, max_response[row])
             if why == "":
                 going[slot] = t
-            elif why == "turn":
-                driver.submit(row, traj.ids[traj.turn_start :])
+            elif close_turn(driver, row, traj, why):
                 waiting[slot] = t
             else:
-                traj.truncated = True
-                driver.end(row, why, traj.ids[traj.turn_start :])
                 batch.row_of[slot] = -1
         _count(stats, len(batch.active), len(going), bool(waiting), num_slots)
         parts: dict[int, torch.Tensor] = {}
@@ -197,15 +233,10 @@ def _reenter(
     for slot, last in sorted(waiting.items()):
         row = batch.row_of[slot]
         observation = answers[row]
-        traj = trajs[row]
-        if observation is not None and len(traj.ids) + len(observation) >= max_response[row]:
-            traj.truncated = True  # no room left for another assistant token
-            driver.end(row, "max_total_tokens", [])
-            observation = None
-        if observation is None:
+        if not take_observation(driver, row, trajs[row], observation, max_response[row]):
             batch.row_of[slot] = -1
             continue
-        traj.add_observation(observation)
+        assert observation is not None
         slots.append(slot)
         feeds.append([last, *observation])
     if not slots:

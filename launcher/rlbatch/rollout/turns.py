@@ -11,10 +11,12 @@ always the current weights' own).
 
 All rows still in an episode decode a turn together, then the environment answers them all:
 turns are a pure function of (seed, data), never of how long an environment took. Turn k of a
-row samples from ``segment_seed(row seed, k)``. Limits are the built-in engine's:
-``max_new_tokens`` per assistant turn and ``max_response[row]`` tokens per trajectory; a turn
-cut by either, or an observation that leaves no room for another assistant token, ends the
-episode as truncated.
+row samples from ``segment_seed(row seed, k)``. The episode rules are the built-in engine's,
+the same functions (rlbatch.rollout.multiturn: ``turn_end``, ``close_turn``,
+``take_observation``): ``max_new_tokens`` per assistant turn and ``max_response[row]`` tokens
+per trajectory; a turn cut by either, or an observation that leaves no room for another
+assistant token, ends the episode as truncated. A turn the backend ended short of every limit
+without EOS is an error, never a truncated row.
 
 In a model-parallel group (tp x pp ranks) every turn is decoded once, on the group's first
 rank, and its rows broadcast (rlbatch.rollout.vllm_engine); the environment is stepped once, on
@@ -28,7 +30,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from rlbatch.grpo.types import Prompt, Sample
-from rlbatch.rollout.multiturn import Trajectory, TurnDriver, episode_samples
+from rlbatch.rollout.multiturn import (
+    Trajectory,
+    TurnDriver,
+    close_turn,
+    episode_samples,
+    take_observation,
+    turn_end,
+)
 from rlbatch.rollout.protocol import TokenBackend, TokenSampling, segment_seed
 
 
@@ -57,34 +66,22 @@ def decode_turns_on(
             traj = trajs[r]
             for token, logp in zip(d.tokens, d.logps, strict=True):
                 traj.add_sampled(token, logp)
-            if d.tokens and d.tokens[-1] in sampling.eos_ids:
-                driver.submit(r, traj.ids[traj.turn_start :])
+            eos = bool(d.tokens) and d.tokens[-1] in sampling.eos_ids
+            why = turn_end(traj, eos, sampling.max_new_tokens, max_response[r])
+            if why == "":
+                raise RuntimeError(
+                    f"the rollout backend ended a turn after {len(d.tokens)} tokens, short of"
+                    " every limit and without EOS: the row would train a turn the policy never"
+                    " ended"
+                )
+            if close_turn(driver, r, traj, why):
                 waiting.append(r)
-                continue
-            traj.truncated = True
-            why = "max_total_tokens" if len(traj.ids) >= max_response[r] else "max_new_tokens"
-            driver.end(r, why, traj.ids[traj.turn_start :])
-        live = _observe(trajs, waiting, driver, max_response) if waiting else []
+        answers = driver.collect() if waiting else {}
+        live = [
+            r for r in waiting if take_observation(driver, r, trajs[r], answers[r], max_response[r])
+        ]
         turn += 1
     return trajs
-
-
-def _observe(
-    trajs: list[Trajectory], waiting: list[int], driver: TurnDriver, max_response: Sequence[int]
-) -> list[int]:
-    """Append each waiting row's observation; the rows whose episode goes on."""
-    answers = driver.collect()
-    going = []
-    for r in waiting:
-        observation, traj = answers[r], trajs[r]
-        if observation is not None and len(traj.ids) + len(observation) >= max_response[r]:
-            traj.truncated = True  # no room left for another assistant token
-            driver.end(r, "max_total_tokens", [])
-            observation = None
-        if observation is not None:
-            traj.add_observation(observation)
-            going.append(r)
-    return going
 
 
 class SharedTurns:
