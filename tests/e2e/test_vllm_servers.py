@@ -232,10 +232,12 @@ class Counted(GuessNumber):
 
 
 def test_multi_turn_episodes_run_on_the_servers(servers, bin_dir, subprocess_env, tmp_path):
-    """The guess-the-number recipe (the same tiny model) on the two servers: a turn per
-    request continuing the row's exact ids, the environment stepped in the trainer's process,
-    observations without loss, and the servers' behaviour log-probs of the assistant tokens
-    the trainer's at both steps."""
+    """The guess-the-number recipe (the same tiny model) on the two servers from a trainer of
+    tp 2 x pp 2 (one model-parallel group of four ranks: its first rank sends the requests and
+    steps the environment, the weights are gathered from the four shards): a turn per request
+    continuing the row's exact ids, the environment stepped by one process only, observations
+    without loss, and the servers' behaviour log-probs of the assistant tokens the trainer's at
+    both steps."""
     from rlbatch.engine.tokenizer import ByteTokenizer
 
     (tmp_path / "counted.py").write_text(COUNTED_ENV)
@@ -243,6 +245,7 @@ def test_multi_turn_episodes_run_on_the_servers(servers, bin_dir, subprocess_env
     proc = subprocess.run(
         [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", *MODEL[1:],
          "rollout.backend=vllm_server", _urls(servers), "env.path=counted.py:Counted",
+         "parallel.tp=2", "parallel.pp=2",
          "trainer.max_steps=2", "grpo.global_batch_size=32", "logging.samples=true",
          f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
          "trainer.checkpoint.export_hf=false"],
