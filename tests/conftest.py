@@ -84,3 +84,24 @@ def pytest_sessionstart(session):
     children start with the default action, as from a terminal or CI."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+SANDBOX_FILES = frozenset(
+    {
+        "test_documented_commands.py", "test_reward_integrity_cli.py", "test_rewards_cli.py",
+        "test_sandbox_battery.py", "test_code_exec.py", "test_sandbox.py", "test_shape_twins.py",
+    }
+)  # fmt: skip
+"""Test files that run code_exec sandboxes (the grpo_code recipe among the shape twins): some
+assert that no sandbox process is left anywhere on the host, which another file's sandboxes
+running at the same moment would break, so they share one worker and run one after the other."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """The test command's workers (``-n 2``, ``--dist loadgroup``) take whole files: a file's
+    module-scoped fixtures (servers, reference runs) are made once, on one worker; the files
+    that run sandboxes form one group (:data:`SANDBOX_FILES`)."""
+    for item in items:
+        path = Path(str(item.path))
+        group = "sandbox" if path.name in SANDBOX_FILES else str(path.relative_to(REPO))
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -1,7 +1,9 @@
 """The engine on gloo: pp=2, pp=2+vpp=2 (5 micro-batches, N=3), tp=2, tp=2 with sequence
 parallelism, dp=2 and dp=2 with the distributed optimizer, each compared with a single-process run on the same data (losses,
-gradients, an optimizer step, logprobs; rel 1e-5) and generation (same seeded samples). Six
-2-process launches; rlbatch.distributed is checked inside them too."""
+gradients, an optimizer step, logprobs; rel 1e-5) and generation (same seeded samples). One
+2-process launch runs the six layouts one after the other (megatron's parallel state
+re-initialised for each: a launch per layout repeated the workers' start, megatron's import
+and the process group); rlbatch.distributed is checked inside it too."""
 
 from __future__ import annotations
 
@@ -50,10 +52,16 @@ def references(hf_dir):
     }
 
 
+@pytest.fixture(scope="module")
+def launched_all(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts")
+    run_torchrun("engine_worker.py", 2, [",".join(MODES), str(hf_dir), str(out)], timeout=900)
+    return out
+
+
 @pytest.fixture(scope="module", params=MODES)
-def launched(request, hf_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    run_torchrun("engine_worker.py", 2, [request.param, str(hf_dir), str(out)])
+def launched(request, launched_all):
+    out = launched_all / request.param
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return request.param, ranks, out
 

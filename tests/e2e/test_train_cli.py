@@ -1,5 +1,5 @@
-"""The real rlbatch-train CLI in a subprocess: the default recipe learns, a one-job multirun, dp=2
-and pp=2+vpp=2 runs, and a SIGKILLed run resumes exactly like an uninterrupted one."""
+"""The real rlbatch-train CLI in a subprocess: the default recipe learns, dp=2 and pp=2+vpp=2 runs,
+and a SIGKILLed run resumes exactly like an uninterrupted one, a one-job multirun."""
 
 from __future__ import annotations
 
@@ -50,21 +50,6 @@ def test_default_recipe_learns(bin_dir, subprocess_env, tmp_path):
     assert (run_dir / "hf" / "config.json").is_file()
 
 
-def test_one_job_multirun(bin_dir, subprocess_env, tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = _train(
-        bin_dir,
-        subprocess_env,
-        tmp_path,
-        "trainer.max_steps=2",
-        f"hydra.sweep.dir={sweep}",
-        flags=("-m",),
-    )
-    assert len(_metrics(sweep / "0")) == 2
-    assert "#0 : +recipe=grpo_qwen trainer.max_steps=2" in " ".join(proc.stdout.split())
-    assert (sweep / "0" / "resolved.yaml").is_file()
-
-
 @pytest.mark.parametrize(
     "layout",
     [["parallel.dp=2"], ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"]],
@@ -88,9 +73,18 @@ def test_parallel_layouts_run(bin_dir, subprocess_env, tmp_path, layout):
 
 
 def test_sigkill_then_resume_matches_uninterrupted(bin_dir, subprocess_env, tmp_path):
+    """The uninterrupted reference is a one-job multirun (-m): its one job runs in the sweep
+    directory with its resolved config and its override line printed; the same run SIGKILLed
+    at step 5 and resumed gives its metrics exactly."""
     common = ["trainer.max_steps=6", "trainer.checkpoint.every_steps=2", "grpo.beta=0.02"]
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    _train(bin_dir, subprocess_env, tmp_path, *common, f"hydra.run.dir={ref_dir}")
+    sweep, run_dir = tmp_path / "sweep", tmp_path / "run"
+    proc = _train(
+        bin_dir, subprocess_env, tmp_path, *common, f"hydra.sweep.dir={sweep}", flags=("-m",)
+    )
+    ref_dir = sweep / "0"
+    assert len(_metrics(ref_dir)) == 6
+    assert f"#0 : +recipe=grpo_qwen {' '.join(common)}" in " ".join(proc.stdout.split())
+    assert (ref_dir / "resolved.yaml").is_file()
     killed = _train(
         bin_dir,
         subprocess_env,

@@ -1,8 +1,11 @@
-"""torchrun worker of tests/dist/test_engine_parallel.py: one parallel layout per launch.
+"""torchrun worker of tests/dist/test_engine_parallel.py: the parallel layouts one after the
+other in the same 2-process world (megatron's parallel state re-initialised for each, as in
+lora_worker.py).
 
-Usage: engine_worker.py MODE HF_DIR OUT_DIR   (MODE: pp2 | vpp | tp2 | tp2sp | dp2 | dp2do)
-Writes OUT_DIR/rank{r}.pt with the case results (gathered on rank 0) and checks of
-rlbatch.distributed.
+Usage: engine_worker.py MODES HF_DIR OUT_DIR   (MODES: comma-separated, each pp2 | vpp | tp2 |
+tp2sp | dp2 | dp2do)
+Writes OUT_DIR/MODE/rank{r}.pt with the case results (gathered on rank 0) and checks of
+rlbatch.distributed, and OUT_DIR/MODE/export.
 """
 
 from __future__ import annotations
@@ -52,8 +55,7 @@ def distributed_checks(mode: str) -> dict:
     return out
 
 
-def main() -> None:
-    mode, hf_dir, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+def run_mode(mode: str, hf_dir: str, out_dir: Path) -> None:
     tp, pp, vpp, dp, mbs, group = LAYOUTS[mode]
     cfg = make_cfg(
         tp,
@@ -77,6 +79,13 @@ def main() -> None:
     result["state"] = state
     result["distributed"] = distributed_checks(mode)
     torch.save(result, out_dir / f"rank{state.rank}.pt")
+
+
+def main() -> None:
+    modes, hf_dir, out_dir = sys.argv[1].split(","), sys.argv[2], Path(sys.argv[3])
+    for mode in modes:
+        (out_dir / mode).mkdir(exist_ok=True)  # every rank: whichever comes first makes it
+        run_mode(mode, hf_dir, out_dir / mode)
     parallel.destroy()
 
 

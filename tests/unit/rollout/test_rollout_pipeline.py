@@ -80,19 +80,22 @@ def generate_all(chunks) -> dict:
     return out
 
 
-def worker(weights: str, out_path: str, pp: int, vpp: int) -> None:
+def worker(weights: str, out_dir: str, pp: int, vpps: list[int]) -> None:
+    """One launch for every vpp: the same processes re-initialize Megatron's parallel state
+    for each layout (parallel.initialize tears the previous one down) and build it anew."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    chunks = build(pp, vpp)
     full = torch.load(weights)
-    for c in chunks:
-        load_stage(c, full)
-    result = generate_all(chunks)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        torch.save(gathered, out_path)
+    for vpp in vpps:
+        chunks = build(pp, vpp)
+        for c in chunks:
+            load_stage(c, full)
+        result = generate_all(chunks)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        if dist.get_rank() == 0:
+            torch.save(gathered, os.path.join(out_dir, f"pp{pp}_vpp{vpp}.pt"))
     dist.destroy_process_group()
 
 
@@ -124,18 +127,28 @@ def reference_main(tmp: str) -> None:
     torch.save(generate_all([model]), os.path.join(tmp, "ref.pt"))
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.parametrize("vpp", [1, 2])
-def test_pipeline_generation_equals_single_process(reference, workdir, vpp):
-    weights, ref = reference
-    out = workdir / f"pp2_vpp{vpp}.pt"
+VPPS = [1, 2]
+
+
+@pytest.fixture(scope="module")
+def launched(reference, workdir):
+    """pp=2 with each vpp of VPPS, in one torchrun launch of two processes (a launch per layout
+    repeated the workers' start: Megatron's import and the process group, ~10 s each)."""
+    weights, _ = reference
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--standalone", __file__, str(weights), str(out), "2", str(vpp)]
+    cmd += ["--standalone", __file__, str(weights), str(workdir), "2", ",".join(map(str, VPPS))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    per_rank = torch.load(out)
+    return workdir
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("vpp", VPPS)
+def test_pipeline_generation_equals_single_process(reference, launched, vpp):
+    _, ref = reference
+    per_rank = torch.load(launched / f"pp2_vpp{vpp}.pt")
     for rank_result in per_rank:  # every pipeline rank returns the same samples
         for name, samples in ref.items():
             got = rank_result[name]
@@ -145,4 +158,4 @@ def test_pipeline_generation_equals_single_process(reference, workdir, vpp):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(v) for v in sys.argv[4].split(",")])

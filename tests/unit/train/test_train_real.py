@@ -46,14 +46,26 @@ def _metrics(run_dir):
     ]
 
 
-def test_real_loop_resumes_bit_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run (generation overlapped, the default; checkpoints every 2 steps),
+    shared by the resume and the inline comparisons."""
+    from rlbatch.train.build import overlaps_generation, run
+
+    run_dir = tmp_path_factory.mktemp("real") / "ref"
+    cfg = _cfg(run_dir)
+    assert overlaps_generation(cfg)
+    run(cfg)
+    return run_dir, _metrics(run_dir)
+
+
+def test_real_loop_resumes_bit_exactly(tmp_path, reference):
     from rlbatch.train.build import run
 
-    run(_cfg(tmp_path / "ref"))
-    expected = _metrics(tmp_path / "ref")
+    ref_dir, expected = reference
     assert [r["step"] for r in expected] == [1, 2, 3, 4]
     assert [r["staleness_mean"] for r in expected] == [0.0, 1.0, 1.0, 1.0]
-    assert (tmp_path / "ref" / "hf" / "config.json").exists()
+    assert (ref_dir / "hf" / "config.json").exists()
 
     with pytest.raises(InjectedFailure):
         run(_cfg(tmp_path / "run", fail_at_step=3, fail_kind=FailKind.raise_error))
@@ -63,20 +75,19 @@ def test_real_loop_resumes_bit_exactly(tmp_path):
     assert _metrics(tmp_path / "run") == expected
 
 
-def test_overlapped_generation_equals_inline(tmp_path):
+def test_overlapped_generation_equals_inline(tmp_path, reference):
     """num_steps_async=1 with generation in its own thread on a model copy (weights handed over
     per version) trains on exactly the samples inline generation produces: every metric equal,
-    every sample tagged with the version the schedule names."""
+    every sample tagged with the version the schedule names. The overlapped run is the shared
+    reference (its checkpoints change no metric: the resume test's premise)."""
     from rlbatch.train.build import overlaps_generation, run
 
-    runs = {}
-    for overlap in (True, False):
-        cfg = _cfg(tmp_path / str(overlap))
-        cfg.trainer.checkpoint.every_steps = 0
-        cfg.grpo.overlap_generation = overlap
-        assert overlaps_generation(cfg) is overlap
-        run(cfg)
-        runs[overlap] = _metrics(tmp_path / str(overlap))
-    assert runs[True] == runs[False]
-    assert [r["staleness_mean"] for r in runs[True]] == [0.0, 1.0, 1.0, 1.0]
-    assert all(r["is_weight_max"] > 1.0 for r in runs[True][1:])
+    cfg = _cfg(tmp_path / "inline")
+    cfg.trainer.checkpoint.every_steps = 0
+    cfg.grpo.overlap_generation = False
+    assert overlaps_generation(cfg) is False
+    run(cfg)
+    _, overlapped = reference
+    assert overlapped == _metrics(tmp_path / "inline")
+    assert [r["staleness_mean"] for r in overlapped] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["is_weight_max"] > 1.0 for r in overlapped[1:])
