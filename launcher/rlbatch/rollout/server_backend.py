@@ -217,19 +217,27 @@ class ServerBackend:
         save_file(tensors, str(path))
         try:
             for url in self.servers.urls:
-                self._update(url, str(path), label)
+                self._update(url, str(path), label, drop=self._drops_cache())
         finally:
             path.unlink(missing_ok=True)
 
-    def _update(self, url: str, path: str, label: str) -> None:
+    def _drops_cache(self) -> bool:
+        """Whether this sync drops the servers' prefix cache: always but with
+        rollout.servers.on_update=keep, and then still at the process's first sync (the cache
+        may hold KV of weights another run pushed)."""
+        return self.drops_cache or self.servers.syncs == 1
+
+    def _update(self, url: str, path: str, label: str, *, drop: bool) -> None:
         t = self.servers.timeout_s
-        call(url, "/pause?mode=wait", timeout_s=t)
+        # vLLM's pause drops the prefix cache unless told otherwise (clear_cache)
+        pause = "/pause?mode=wait" + ("" if drop else "&clear_cache=false")
+        call(url, pause, timeout_s=t)
         try:
             call(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=t)
             call(url, "/start_weight_update", timeout_s=t)
             call(url, "/update_weights", {"update_info": {"path": path}}, timeout_s=t)
             call(url, "/finish_weight_update", {"weight_version": label}, timeout_s=t)
-            if self.drops_cache:
+            if drop:
                 call(url, "/reset_prefix_cache", timeout_s=t)
         finally:
             call(url, "/resume", timeout_s=t)

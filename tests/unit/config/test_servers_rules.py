@@ -114,3 +114,18 @@ def test_server_keys_on_another_backend_are_errors():
     check_servers(cfg, errors)
     assert [e.key for e in errors] == ["rollout.servers.urls"]
     assert "rollout.backend=vllm_server" in errors[0].message
+
+
+def test_partial_rollouts_on_servers_at_tp_2_are_refused_with_their_fix():
+    """The stream runs one segment loop per data-parallel rank: tp = pp = cp = 1."""
+    from rlbatch.config.streaming import check_partial_rollouts
+
+    cfg = _server_run(num_steps_async=1, max_staleness=2, partial_rollouts=True)
+    errors: list[ConfigError] = []
+    check_partial_rollouts(cfg, errors)
+    assert errors == []
+    cfg.parallel.tp = 2
+    check_partial_rollouts(cfg, errors)
+    (error,) = errors
+    assert error.key == "parallel.tp" and "parallel.tp=1" in error.message
+    assert "grpo.partial_rollouts=false" in error.message
