@@ -7,8 +7,10 @@ is a configuration error before launch; rollout.servers.count=1 starts its serve
 training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
 than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
 resumed exactly) run on the servers; a server killed mid-run, or relabelled by another client,
-stops the run naming it. The servers (two shared, one spare to kill) are started once for the
-module."""
+stops the run naming it; async run-ahead overlaps training with the inline run's samples;
+partial rollouts continue rows across weight updates (abort: bit-identical to the in-process
+vLLM stream, resumed exactly; keep: on the old prefix cache). The servers (two shared, one
+spare to kill) are started once for the module."""
 
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ servers and the trainer are composed from the same recipe and overrides."""
 SERVED_LEN = 160
 """The servers' longest sequence: a multi-turn episode of the guess-the-number recipe (same
 tiny model) fits, so its test shares the servers."""
+
+
+BLOCK = 32
+"""The servers' KV block: vLLM's prefix cache reuses whole blocks only, so the short rows of
+these tests reach a cached block (rollout.servers.on_update=keep) only with the smallest the
+CPU build takes (a multiple of 32)."""
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -91,7 +99,7 @@ def all_servers(bin_dir, subprocess_env, tmp_path_factory):
         port = _free_port()
         procs.append(subprocess.Popen(
             [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
-             f"rollout.vllm.max_model_len={SERVED_LEN}"],
+             f"rollout.vllm.max_model_len={SERVED_LEN}", f"rollout.vllm.block_size={BLOCK}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
             cwd=cwd,
         ))  # fmt: skip
@@ -452,3 +460,126 @@ def test_servers_started_by_the_run_die_with_a_killed_launcher(bin_dir, subproce
         time.sleep(1)
     assert _processes_mentioning(str(run_dir)) == []
     assert _group_members(pgid) == []
+
+
+def _samples(run_dir, step):
+    lines = (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+ASYNC = ("grpo.num_steps_async=1", "trainer.max_steps=3")
+
+
+def test_async_run_ahead_on_servers_overlaps_training_with_the_inline_samples(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """grpo.num_steps_async=1 on the servers: the generation worker (its own ServerBackend,
+    the only one pushing weights) samples round t on the servers while step t trains; the
+    batches come from versions 0, 0, 1 (staleness 0, 1, 1), step 1 is on-policy to float32
+    rounding and the later steps carry the staleness the importance weight corrects; the same
+    run generating inline (grpo.overlap_generation=false) trains exactly the same samples
+    and metrics."""
+    overlap_dir, inline_dir = tmp_path / "overlap", tmp_path / "inline"
+    for run_dir, extra in ((overlap_dir, ()), (inline_dir, ("grpo.overlap_generation=false",))):
+        proc = _train(bin_dir, subprocess_env, run_dir, _urls(servers), *ASYNC, *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _records(overlap_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["staleness_mean"] for r in records] == [0.0, 1.0, 1.0]
+    assert abs(records[0]["mismatch_kl_k1"]) < 1e-6
+    assert records[0]["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert all(abs(r["mismatch_kl_k1"]) > 1e-6 for r in records[1:])  # the policy moved
+    assert _untimed(records) == _untimed(_records(inline_dir))
+
+
+PARTIAL = (
+    "grpo.num_steps_async=1", "grpo.max_staleness=3", "grpo.partial_rollouts=true",
+    "grpo.consumption_granularity=group", "debug.response_length_median=12",
+    "rollout.max_new_tokens=48", "rollout.vllm.segment_tokens=8", "trainer.max_steps=3",
+    "logging.samples=true", "trainer.checkpoint.every_steps=1",
+)  # fmt: skip
+"""The partial-rollout stream on the servers, in segments of 8 tokens, with long-tailed
+lengths: rows outlive rounds and continue under newer weights."""
+
+
+def _continued_rows(run_dir, records) -> int:
+    """Rows whose tokens came from more than one version; every row's versions well formed."""
+    continued = 0
+    for r in records:
+        trained = r["step"] - 1
+        for s in _samples(run_dir, r["step"]):
+            versions = s["token_versions"]
+            assert len(versions) == len(s["response_ids"]) == len(s["behaviour_logps"])
+            assert versions == sorted(versions) and trained - 3 <= versions[0] <= trained
+            continued += len(set(versions)) > 1
+    return continued
+
+
+def test_partial_rollouts_on_servers_continue_rows_exactly_and_resume(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """rollout.servers.on_update=abort (the default): rows still decoding at a weight update
+    continue as new requests of prompt + tokens so far, their prefix recomputed under the new
+    weights, so a row's tokens carry mixed versions and every token's behaviour log-prob is
+    its own version's: the samples (ids, log-probs, versions) are bit-identical to the
+    in-process vLLM stream's (rollout.backend=vllm, the same seeds), whose rows continue by
+    the same cache-recompute rule; a run SIGKILLed at step 3 (its step-2 checkpoint holds rows
+    in mid-decode) and resumed with trainer.resume=auto trains exactly the uninterrupted run's
+    samples and metrics."""
+    ref_dir = tmp_path / "ref"
+    ref = _train(bin_dir, subprocess_env, ref_dir, _urls(servers), *PARTIAL)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    expected = _records(ref_dir)
+    assert [r["step"] for r in expected] == [1, 2, 3]
+    assert _continued_rows(ref_dir, expected) > 0, "no row outlived a round"
+    colocated_dir = tmp_path / "colocated"
+    colocated = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm", *PARTIAL,
+         f"hydra.run.dir={colocated_dir}", "logging.plot=false", "logging.tensorboard=false",
+         "trainer.checkpoint.export_hf=false"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert colocated.returncode == 0, colocated.stdout[-3000:] + colocated.stderr[-3000:]
+    for step in (1, 2, 3):
+        assert _samples(ref_dir, step) == _samples(colocated_dir, step)
+    killed_dir = tmp_path / "killed"
+    killed = _train(
+        bin_dir, subprocess_env, killed_dir, _urls(servers), *PARTIAL, "debug.fail_at_step=3",
+        "debug.fail_kind=kill",
+    )  # fmt: skip
+    assert killed.returncode != 0 and len(_records(killed_dir)) == 2
+    resumed = _train(
+        bin_dir, subprocess_env, killed_dir, _urls(servers), *PARTIAL, "trainer.resume=auto"
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert _untimed(_records(killed_dir)) == _untimed(expected)
+    assert _samples(killed_dir, 3) == _samples(ref_dir, 3)
+
+
+def test_partial_rollouts_on_servers_keep_continues_on_the_old_cache(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """rollout.servers.on_update=keep: the servers keep their prefix cache across a weight
+    update, so continued rows (and fresh rows of cached prompts) go on from KV the old
+    weights computed: the run trains, every token's version is recorded, and the behaviour
+    log-probs differ from abort's, where the prefix is recomputed (the same seeds, the same
+    step-1 samples)."""
+    keep_dir, abort_dir = tmp_path / "keep", tmp_path / "abort"
+    for run_dir, mode in ((keep_dir, "keep"), (abort_dir, "abort")):
+        proc = _train(
+            bin_dir, subprocess_env, run_dir, _urls(servers), *PARTIAL,
+            f"rollout.servers.on_update={mode}",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _records(keep_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert _continued_rows(keep_dir, records) > 0
+    assert _samples(keep_dir, 1) == _samples(abort_dir, 1)
+    off = max(
+        abs(a - b)
+        for step in (2, 3)
+        for k, b_ in zip(_samples(keep_dir, step), _samples(abort_dir, step), strict=True)
+        if k["response_ids"] == b_["response_ids"]
+        for a, b in zip(k["behaviour_logps"], b_["behaviour_logps"], strict=True)
+    )
+    assert off > 1e-4, "keep computed the same log-probs as abort: was the cache dropped?"

@@ -246,6 +246,15 @@ class ConsumptionGranularity(str, Enum):
     group = "group"
 
 
+class ServerUpdate(str, Enum):
+    """What a rollout server does with a partial row's cached prefix at a weight update
+    (rollout.servers.on_update): ``abort`` drops it (the next segment recomputes the prefix
+    under the new weights), ``keep`` keeps the old weights' KV cache and continues on it."""
+
+    abort = "abort"
+    keep = "keep"
+
+
 class BestMode(str, Enum):
     """Whether a higher or a lower value of trainer.checkpoint.keep_best is better."""
 

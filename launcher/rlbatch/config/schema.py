@@ -42,6 +42,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     RolloutCorrection,
     RopeScaling,
     ScaleRewards,
+    ServerUpdate,
     TokenizerSource,
     WandbMode,
     Workload,
@@ -358,12 +359,15 @@ class GRPOConfig(ObjectiveConfig):
     max_staleness: int = 1
     """Largest allowed policy lag of a trained sample; the producer waits beyond it."""
     overlap_generation: bool = True
-    """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a thread on a
-    model copy while training runs; false = generate inline (same samples, no overlap)."""
+    """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a generation
+    worker process on a model copy while training runs (on rollout servers: the worker drives
+    them, and dp = 1 without evaluation is required); false = generate inline (same samples,
+    no overlap)."""
     partial_rollouts: bool = False
     """With num_steps_async > 0: one long-lived continuous batch of rollout rows across policy
-    versions (built-in engine): finished rows' slots take new rows at once and rows still
-    decoding at a weight swap go on under the new weights (caches recomputed), every token
+    versions (built-in engine; in segments on vllm and vllm_server): finished rows' slots take
+    new rows at once and rows still decoding at a weight swap go on under the new weights
+    (caches recomputed; rollout.servers.on_update=keep keeps the servers'), every token
     recording its version; needs max_staleness >= num_steps_async + steps per round (x2 for
     consumption_granularity=group)."""
     consumption_granularity: ConsumptionGranularity = ConsumptionGranularity.batch

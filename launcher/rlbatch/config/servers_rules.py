@@ -1,12 +1,14 @@
 """Checks of ``rollout.servers`` (``rollout.backend=vllm_server``) before launch, torch-free and
 without network access (whether each URL answers is rlbatch-train's pre-launch check,
 rlbatch.grpo.preflight): where the servers come from, the ranges, and what this release does
-not run on servers."""
+not run on servers (LoRA; generation overlapping training with several replicas or with an
+evaluation; rollout.servers.on_update=keep without partial rollouts)."""
 
 from __future__ import annotations
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RolloutBackend, RunConfig
+from rlbatch.config.schema import RolloutBackend, RunConfig, ServerUpdate
+from rlbatch.config.streaming import overlaps_generation
 
 
 def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -109,21 +111,43 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 " rollout.backend=vllm (vLLM's own LoRA), or model.lora.rank=0",
             )
         )
-    if g.num_steps_async > 0:
+    if overlaps_generation(cfg):
+        _check_overlap(cfg, errors)
+    if ServerUpdate(cfg.rollout.servers.on_update) == ServerUpdate.keep and not g.partial_rollouts:
         errors.append(
             ConfigError(
-                "grpo.num_steps_async",
-                g.num_steps_async,
-                "rollout servers generate a round while training waits in this release: set"
-                " grpo.num_steps_async=0, or rollout.backend=vllm",
+                "rollout.servers.on_update",
+                "keep",
+                "decides what happens to rows still decoding at a weight update, which only"
+                " partial rollouts have: set grpo.partial_rollouts=true (with"
+                " grpo.num_steps_async >= 1), or rollout.servers.on_update=abort",
             )
         )
-    if g.partial_rollouts:
+
+
+def _check_overlap(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Generation overlapping training runs in one worker process per training rank, and that
+    worker pushes the weights: one pusher, and no other client of the servers in the run."""
+    if cfg.parallel.dp > 1:
         errors.append(
             ConfigError(
-                "grpo.partial_rollouts",
-                True,
-                "is not run on rollout servers in this release: set"
-                " grpo.partial_rollouts=false, or rollout.backend=vllm",
+                "parallel.dp",
+                cfg.parallel.dp,
+                "with rollout servers, generation overlaps training with one data-parallel"
+                " replica only in this release (each replica's generation worker runs at its"
+                " own pace, so one would replace the servers' weights while another still"
+                " samples the older version): set grpo.overlap_generation=false (the same"
+                " samples and versions, generated inline without overlap), or parallel.dp=1",
+            )
+        )
+    if cfg.eval.every_steps > 0:
+        errors.append(
+            ConfigError(
+                "eval.every_steps",
+                cfg.eval.every_steps,
+                "evaluation would push the trainer's weights to the rollout servers while the"
+                " generation worker samples there with its own version: set eval.every_steps=0"
+                " (evaluate the checkpoints with rlbatch-eval on servers of its own), or"
+                " grpo.overlap_generation=false (inline generation, no overlap)",
             )
         )

@@ -8,6 +8,19 @@ from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import RunConfig
 
 
+def overlaps_generation(cfg: RunConfig) -> bool:
+    """Generation of the next round runs in a worker process while training runs
+    (grpo.num_steps_async > 0; rlbatch.rollout.generation_worker), when generation issues no
+    collective: tp = pp = cp = 1, and without dynamic sampling (grpo.filter_groups: its draws
+    gather keep flags over the DP ranks in the training thread). Other layouts generate the
+    due rounds inline (the same samples and versions, no overlap). docs/training_loop.md,
+    "Async run-ahead"."""
+    p, g = cfg.parallel, cfg.grpo
+    ahead = min(g.num_steps_async, g.max_staleness) > 0
+    filtering = FilterGroups(g.filter_groups) != FilterGroups.none  # draws agree over DP ranks
+    return g.overlap_generation and ahead and not filtering and p.tp == p.pp == p.cp == 1
+
+
 def _steps_per_round(cfg: RunConfig) -> int:
     g = cfg.grpo
     if g.steps_per_generation:
@@ -64,7 +77,7 @@ def _check_engine(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """The stream decodes on the built-in engine's per-row KV cache, or on vLLM in segments
     (rlbatch.rollout.segments); single-turn, unfiltered, tp = pp = cp = 1."""
     p, r = cfg.parallel, cfg.rollout
-    vllm = r.backend == RolloutBackend.vllm
+    vllm = r.backend in (RolloutBackend.vllm, RolloutBackend.vllm_server)
     layout = {"parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp}
     for key, value in layout.items():
         if value != 1:
@@ -92,7 +105,8 @@ def _check_engine(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 key,
                 value,
                 "grpo.partial_rollouts needs the built-in engine with its KV cache "
-                "(rollout.backend=megatron rollout.kv_cache=true) or rollout.backend=vllm",
+                "(rollout.backend=megatron rollout.kv_cache=true), rollout.backend=vllm or "
+                "rollout.backend=vllm_server",
             )
         )
     if cfg.env.path:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rlbatch.config.enums import ServerUpdate
+
 
 @dataclass
 class VllmConfig:
@@ -91,3 +93,14 @@ class ServersConfig:
     probe_tolerance: float = 1e-3
     """Largest log-probability difference the probe accepts (float32 engines agree to ~1e-6;
     raise it for bfloat16 / float16 engines)."""
+    on_update: ServerUpdate = ServerUpdate.abort
+    """Partial rollouts (grpo.partial_rollouts): what the servers do with the rows still
+    decoding when new weights arrive. ``abort``: the prefix cache is dropped with the update,
+    so a row's next segment recomputes its prefix (older versions' tokens included) under the
+    new weights and every token and behaviour log-prob is exactly its own version's, as with
+    rollout.backend=vllm. ``keep``: the cache survives the update and rows continue on the KV
+    computed by the old weights (no prefill recompute); their tokens are sampled by a mix of
+    versions that no single policy reproduces, their behaviour log-probs the ones that sampled
+    them, corrected like any staleness (grpo.rollout_correction). Also fresh rows whose prompt
+    blocks are cached reuse the old KV. docs/rollout.md, "Rollout servers", has the figures
+    behind the default."""

@@ -39,14 +39,16 @@ def check_response_lengths(cfg: RunConfig, errors: list[ConfigError]) -> None:
     if median <= 0:
         return
     backend = RolloutBackend(r.backend)
-    streamed = backend == RolloutBackend.vllm and cfg.grpo.partial_rollouts
+    streamed = (
+        backend in (RolloutBackend.vllm, RolloutBackend.vllm_server) and cfg.grpo.partial_rollouts
+    )
     if backend != RolloutBackend.megatron and not streamed:
         errors.append(
             ConfigError(
                 "rollout.backend",
                 r.backend,
                 "debug.response_length_median caps rows in the built-in engine, and in the"
-                " vLLM backend's partial-rollout stream only: set rollout.backend=megatron (or"
+                " vLLM backends' partial-rollout stream only: set rollout.backend=megatron (or"
                 " grpo.partial_rollouts=true with vllm), or debug.response_length_median=0",
             )
         )

@@ -16,6 +16,12 @@ use it. Samples, versions and the aggregator's counters (seeds) are those the in
 produces: same seed, same results (tested). The aggregator's state comes back with every round,
 for checkpoints, and is restored into the worker on resume.
 
+With rollout.backend=vllm_server the worker's engine is a ServerBackend of its own: the worker
+pushes each version it receives to the servers (its world of one makes it the pushing rank)
+and is the run's only client of them (rlbatch.config.servers_rules refuses a second: dp > 1,
+evaluation in the trainer). The server URLs of rollout.servers.count reach it through the
+environment the spawn inherits.
+
 The worker dies with its rank (rlbatch.runtime.lifeline: SIGKILL when the rank process dies,
 whatever killed it), and so does any child it forks; multiprocessing's resource tracker, which
 the spawn starts, ends by itself once the rank and the worker are gone.

@@ -15,7 +15,8 @@ first rank, global rank 0, writes them to one safetensors file (``rollout.server
 /dev/shm by default: shared memory) and drives vLLM's RL lifecycle on every server: pause
 (waiting for requests in flight), start_weight_update, update_weights (the server reads the
 file through rlbatch's transfer backend, rlbatch.rollout.server_transfer), finish_weight_update
-with a label of this sync, reset_prefix_cache (vLLM keeps the cache across updates), resume.
+with a label of this sync, reset_prefix_cache (vLLM keeps the cache across updates; partial
+rollouts with rollout.servers.on_update=keep leave it, so rows continue on the old KV), resume.
 The other replicas' first ranks wait until every server reports that label (GET /weight_info)
 before they decode. Then a probe: every server samples a few tokens of a fixed prompt, and
 their log-probabilities must equal the trainer's own forward of the same tokens within
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RunConfig
+from rlbatch.config.schema import RunConfig, ServerUpdate
 from rlbatch.rollout.protocol import (
     DecodedRow,
     SyncedRolloutEngine,
@@ -171,6 +172,11 @@ class ServerBackend:
         self.streams = dp_rank() == 0  # the first replica's group gathers and sends
         self.servers = _connect(cfg)
         self.seconds: dict[str, float] = {}
+        # vLLM keys its prefix cache by token ids alone: kept across an update, a cached
+        # prefix goes on with the old weights' KV (rollout.servers.on_update=keep, partial
+        # rollouts only: a whole-round run has no row to continue)
+        keep = ServerUpdate(cfg.rollout.servers.on_update) == ServerUpdate.keep
+        self.drops_cache = not (keep and cfg.grpo.partial_rollouts)
 
     @property
     def version(self) -> Optional[int]:
@@ -211,19 +217,28 @@ class ServerBackend:
         save_file(tensors, str(path))
         try:
             for url in self.servers.urls:
-                self._update(url, str(path), label)
+                self._update(url, str(path), label, drop=self._drops_cache())
         finally:
             path.unlink(missing_ok=True)
 
-    def _update(self, url: str, path: str, label: str) -> None:
+    def _drops_cache(self) -> bool:
+        """Whether this sync drops the servers' prefix cache: always but with
+        rollout.servers.on_update=keep, and then still at the process's first sync (the cache
+        may hold KV of weights another run pushed)."""
+        return self.drops_cache or self.servers.syncs == 1
+
+    def _update(self, url: str, path: str, label: str, *, drop: bool) -> None:
         t = self.servers.timeout_s
-        call(url, "/pause?mode=wait", timeout_s=t)
+        # vLLM's pause drops the prefix cache unless told otherwise (clear_cache)
+        pause = "/pause?mode=wait" + ("" if drop else "&clear_cache=false")
+        call(url, pause, timeout_s=t)
         try:
             call(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=t)
             call(url, "/start_weight_update", timeout_s=t)
             call(url, "/update_weights", {"update_info": {"path": path}}, timeout_s=t)
             call(url, "/finish_weight_update", {"weight_version": label}, timeout_s=t)
-            call(url, "/reset_prefix_cache", timeout_s=t)
+            if drop:
+                call(url, "/reset_prefix_cache", timeout_s=t)
         finally:
             call(url, "/resume", timeout_s=t)
 

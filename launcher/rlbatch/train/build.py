@@ -19,24 +19,13 @@ from rlbatch.config.schema import (
     RunConfig,
     ScaleRewards,
 )
+from rlbatch.config.streaming import overlaps_generation
 from rlbatch.grpo.stages import build_aggregator, build_reference, make_logps_fn
 from rlbatch.grpo.types import Sample
 from rlbatch.rollout.generation import weights_snapshot
 from rlbatch.train.loop import Components, train
 
 log = logging.getLogger("rlbatch.train")
-
-
-def overlaps_generation(cfg: RunConfig) -> bool:
-    """Generation of the next round runs in a worker process while training runs
-    (grpo.num_steps_async > 0; rlbatch.rollout.generation_worker), when generation issues no
-    collective: tp = pp = cp = 1, and without dynamic sampling (grpo.filter_groups: its draws
-    gather keep flags over the DP ranks in the training thread). Other layouts generate the due rounds inline (the same
-    samples and versions, no overlap). docs/training_loop.md, "Async run-ahead"."""
-    p, g = cfg.parallel, cfg.grpo
-    ahead = min(g.num_steps_async, g.max_staleness) > 0
-    filtering = FilterGroups(g.filter_groups) != FilterGroups.none  # draws agree over DP ranks
-    return g.overlap_generation and ahead and not filtering and p.tp == p.pp == p.cp == 1
 
 
 def reward_means(samples: Sequence[Sample], names: Sequence[str], dist: Any) -> dict[str, float]:

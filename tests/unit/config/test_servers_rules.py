@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RolloutBackend, RunConfig
+from rlbatch.config.schema import RolloutBackend, RunConfig, ServerUpdate
 from rlbatch.config.servers_rules import check_servers
 
 
@@ -42,18 +42,69 @@ def test_ranges_name_their_key(key, value):
     assert f"rollout.servers.{key}" in _errors(urls=["http://a:1"], **{key: value})
 
 
-def test_async_partial_rollouts_and_lora_are_refused_on_servers():
+def _server_run(**grpo) -> RunConfig:
     cfg = RunConfig()
     cfg.rollout.backend = RolloutBackend.vllm_server
     cfg.rollout.servers.urls = ["http://a:1"]
-    cfg.grpo.num_steps_async = 1
-    cfg.grpo.partial_rollouts = True
-    cfg.model.lora.rank = 8
+    for key, value in grpo.items():
+        setattr(cfg.grpo, key, value)
+    return cfg
+
+
+def _keys(cfg: RunConfig) -> dict[str, ConfigError]:
     errors: list[ConfigError] = []
     check_servers(cfg, errors)
-    assert {e.key for e in errors} == {
-        "grpo.num_steps_async", "grpo.partial_rollouts", "model.lora.rank"
-    }  # fmt: skip
+    return {e.key: e for e in errors}
+
+
+def test_async_and_partial_rollouts_run_on_servers_lora_is_refused():
+    cfg = _server_run(num_steps_async=1, max_staleness=2, partial_rollouts=True)
+    cfg.rollout.servers.on_update = ServerUpdate.keep
+    assert _keys(cfg) == {}
+    cfg.model.lora.rank = 8
+    assert set(_keys(cfg)) == {"model.lora.rank"}
+
+
+def test_overlapping_generation_with_replicas_or_evaluation_is_refused_with_its_fix():
+    """One generation worker pushes the weights: a second replica's worker, or the
+    trainer's evaluation, would swap the servers' weights under it; both errors at once,
+    each naming the inline fix."""
+    cfg = _server_run(num_steps_async=1)
+    cfg.parallel.dp = 2
+    cfg.eval.every_steps = 5
+    errors = _keys(cfg)
+    assert set(errors) == {"parallel.dp", "eval.every_steps"}
+    for error in errors.values():
+        assert "grpo.overlap_generation=false" in error.message
+    cfg.grpo.overlap_generation = False  # inline run-ahead: one process, one pusher at a time
+    assert _keys(cfg) == {}
+    cfg.grpo.overlap_generation = True
+    cfg.grpo.num_steps_async = 0  # synchronous: no worker
+    assert _keys(cfg) == {}
+
+
+def test_keep_without_partial_rollouts_is_an_error_naming_both_fixes():
+    cfg = _server_run(num_steps_async=1)
+    cfg.rollout.servers.on_update = ServerUpdate.keep
+    error = _keys(cfg)["rollout.servers.on_update"]
+    assert error.value == "keep"
+    assert "grpo.partial_rollouts=true" in error.message
+    assert "rollout.servers.on_update=abort" in error.message
+
+
+def test_on_update_takes_abort_or_keep_from_the_command_line(capsys):
+    from rlbatch.cli.common import compose
+
+    base = [
+        "+recipe=grpo_qwen", "model.num_attention_heads=2", "model.num_query_groups=2",
+        "rollout.backend=vllm_server", "rollout.servers.urls=[http://a:1]",
+    ]  # fmt: skip
+    partial = ["grpo.partial_rollouts=true", "grpo.num_steps_async=1", "grpo.max_staleness=2"]
+    cfg = compose([*base, *partial, "rollout.servers.on_update=keep"], "t")
+    assert cfg.rollout.servers.on_update == ServerUpdate.keep
+    with pytest.raises(SystemExit):
+        compose([*base, "rollout.servers.on_update=drop"], "t")
+    assert "rollout.servers.on_update=drop: is not one of: abort, keep" in capsys.readouterr().err
 
 
 def test_server_keys_on_another_backend_are_errors():
@@ -63,3 +114,18 @@ def test_server_keys_on_another_backend_are_errors():
     check_servers(cfg, errors)
     assert [e.key for e in errors] == ["rollout.servers.urls"]
     assert "rollout.backend=vllm_server" in errors[0].message
+
+
+def test_partial_rollouts_on_servers_at_tp_2_are_refused_with_their_fix():
+    """The stream runs one segment loop per data-parallel rank: tp = pp = cp = 1."""
+    from rlbatch.config.streaming import check_partial_rollouts
+
+    cfg = _server_run(num_steps_async=1, max_staleness=2, partial_rollouts=True)
+    errors: list[ConfigError] = []
+    check_partial_rollouts(cfg, errors)
+    assert errors == []
+    cfg.parallel.tp = 2
+    check_partial_rollouts(cfg, errors)
+    (error,) = errors
+    assert error.key == "parallel.tp" and "parallel.tp=1" in error.message
+    assert "grpo.partial_rollouts=false" in error.message

@@ -31,3 +31,16 @@ def test_tokens_of_other_weights_stop_the_run_naming_the_server(label):
         _backend(2)._check_version(URL, {"weight_versions": spans})
     message = str(err.value)
     assert URL in message and repr(label) in message and "'abc-2'" in message
+
+
+@pytest.mark.parametrize("keeps", [False, True])
+def test_a_process_first_sync_drops_the_servers_cache_even_when_keeping_it(keeps):
+    """rollout.servers.on_update=keep keeps the prefix cache across the run's own updates only:
+    the first sync of a process (a new run, a resumed one) drops what the servers cached
+    under weights another process pushed; abort drops it at every sync."""
+    drops = []
+    for syncs in (1, 2, 3):
+        backend = _backend(syncs)
+        backend.drops_cache = not keeps
+        drops.append(backend._drops_cache())
+    assert drops == ([True, False, False] if keeps else [True, True, True])
