@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from rlbatch.rollout.builtin import DecodeStats
-from rlbatch.rollout.protocol import segment_seed
+from rlbatch.rollout.protocol import TokenBackend, TokenSampling, segment_seed
 from rlbatch.rollout.sampling import SamplingParams, length_caps, row_keys, sample_tokens
 
 _KEY_TAG = 0x9A27_1A1
@@ -112,12 +112,13 @@ DecoderFactory = Callable[[int, int], Any]
 
 @dataclass(frozen=True)
 class Segments:
-    """An engine that decodes whole stretches of rows (vLLM; rlbatch.rollout.segments):
-    ``decode(sequences, seeds, max_tokens)`` -> one row per sequence with ``tokens`` and
-    ``logps``, at most max_tokens[i] tokens each, stopping at EOS; the stream checks for the end
-    of its round and refills free slots every ``length`` tokens."""
+    """A ``TokenBackend`` (vLLM in the trainer's processes or on servers; rlbatch.rollout.segments)
+    decoding whole stretches of rows: every row in a slot decodes up to ``length`` more tokens
+    per call with ``sampling``, stopping at EOS; the stream checks for the end of its round and
+    refills free slots between calls."""
 
-    decode: Callable[[list[list[int]], list[int], list[int]], list[Any]]
+    backend: TokenBackend
+    sampling: TokenSampling
     length: int
 
 
@@ -291,9 +292,10 @@ class PartialRolloutStream:
                 raise RuntimeError(
                     f"round {self.round_index}: the stream ran dry before it could deliver"
                 )
-            decoded = engine.decode(
+            decoded = engine.backend.decode(
                 [[*self.prompt_ids(self.groups[r.group].prompt_index), *r.ids] for _, r in taken],
                 [segment_seed(row.key, row.segments) for _, row in taken],
+                engine.sampling,
                 [min(engine.length, row.cap - len(row.ids)) for _, row in taken],
             )
             for (slot, row), d in zip(taken, decoded, strict=True):

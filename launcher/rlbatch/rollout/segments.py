@@ -30,14 +30,11 @@ class SegmentEngine:
 
     def __init__(self, engine: SyncedRolloutEngine, length: int) -> None:
         self.engine = engine
-        self.segments = Segments(self._decode, length)
+        self.segments = Segments(engine.backend, engine.sampling, length)
 
     def ensure_version(self, version: int) -> None:
         """Sync the backend's weights unless it already holds ``version``."""
         self.engine.ensure_version(version)
-
-    def _decode(self, sequences: list[list[int]], seeds: list[int], max_tokens: list[int]) -> Any:
-        return self.engine.backend.decode(sequences, seeds, self.engine.sampling, max_tokens)
 
 
 def segment_engine(cfg: Any, model: Any, eos_ids: Sequence[int]) -> Optional[SegmentEngine]:
