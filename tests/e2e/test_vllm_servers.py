@@ -7,10 +7,12 @@ is a configuration error before launch; rollout.servers.count=1 starts its serve
 training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
 than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
 resumed exactly) run on the servers; a server killed mid-run, or relabelled by another client,
-stops the run naming it; async run-ahead overlaps training with the inline run's samples;
-partial rollouts continue rows across weight updates (abort: bit-identical to the in-process
-vLLM stream, resumed exactly; keep: on the old prefix cache). The servers (two shared, one
-spare to kill) are started once for the module."""
+stops the run naming it after saving the last completed step, or with
+rollout.servers.on_failure=continue leaves the pool while the run finishes on the other one
+with the metrics of a run on that one alone; async run-ahead overlaps training with the inline
+run's samples; partial rollouts continue rows across weight updates (abort: bit-identical to
+the in-process vLLM stream, resumed exactly; keep: on the old prefix cache). The servers (two
+shared, two spares to kill) are started once for the module."""
 
 from __future__ import annotations
 
@@ -89,13 +91,13 @@ def _processes_mentioning(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def all_servers(bin_dir, subprocess_env, tmp_path_factory):
-    """Three rlbatch-serve servers, each on its own port, started at once: the two the run
-    tests share and a spare that test_a_server_killed_mid_run_stops_the_run_naming_it kills;
-    stopped (SIGTERM) after the module."""
+    """Four rlbatch-serve servers, each on its own port, started at once: the two the run
+    tests share and two spares that the tests of a server killed mid-run kill; stopped
+    (SIGTERM) after the module."""
     pytest.importorskip("vllm")
     cwd = tmp_path_factory.mktemp("servers")
     procs, urls = [], []
-    for _ in range(3):
+    for _ in range(4):
         port = _free_port()
         procs.append(subprocess.Popen(
             [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
@@ -124,8 +126,14 @@ def servers(all_servers):
 
 @pytest.fixture(scope="module")
 def spare_server(all_servers):
-    """The server a test may kill."""
+    """A server a test may kill."""
     return all_servers[2]
+
+
+@pytest.fixture(scope="module")
+def second_spare_server(all_servers):
+    """Another server a test may kill."""
+    return all_servers[3]
 
 
 def _train(bin_dir, env, run_dir, *overrides):
@@ -157,7 +165,7 @@ def _urls(urls):
 def test_rlbatch_serve_prints_its_url_once_healthy(all_servers):
     """stdout carries the URL alone (vLLM's own output goes to stderr), and the server answers
     /health there."""
-    assert len(set(all_servers)) == 3
+    assert len(set(all_servers)) == 4
     for url in all_servers:
         assert _health(url) == 200
 
@@ -383,15 +391,16 @@ def _server_group(url: str) -> int:
 def test_a_server_killed_mid_run_stops_the_run_naming_it(
     servers, spare_server, bin_dir, subprocess_env, tmp_path
 ):
-    """Training on a shared server and the spare one; the spare's vLLM (its whole process
-    group) SIGKILLed once step 1 is recorded: the run stops well within
+    """Training on a shared server and the spare one, saving every 50 steps; the spare's vLLM
+    (its whole process group) SIGKILLed once step 1 is recorded: the run stops well within
     rollout.servers.timeout_s with an error naming the dead server, leaves no worker behind,
-    and its step-1 checkpoint is there to resume from."""
+    and the last step it completed was saved before it stopped (trainer.resume=auto continues
+    there)."""
     run_dir = tmp_path / "run"
     pgid = _server_group(spare_server)
     launcher = _start_long_run(
         bin_dir, subprocess_env, run_dir, _urls([servers[0], spare_server]),
-        "rollout.servers.timeout_s=60", "trainer.checkpoint.every_steps=1",
+        "rollout.servers.timeout_s=60",
     )  # fmt: skip
     try:
         _first_step(launcher, run_dir)
@@ -405,12 +414,58 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(
     assert launcher.returncode != 0
     assert f"rollout server {spare_server}" in out, out[-3000:]
     assert stopped_after < 60, f"the run took {stopped_after:.0f} s to stop"
-    assert len(_records(run_dir)) < 20
-    assert (run_dir / "checkpoints" / "step_00000001").is_dir()
+    done = len(_records(run_dir))
+    assert 1 <= done < 20
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{done:08d}"]
     deadline = time.monotonic() + 30
     while _processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _processes_mentioning(str(run_dir)) == []
+
+
+CONTINUED = ("trainer.max_steps=4", "rollout.servers.on_failure=continue")
+
+
+def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_finishes(
+    servers, second_spare_server, bin_dir, subprocess_env, tmp_path
+):
+    """rollout.servers.on_failure=continue on a shared server and a spare one, the spare
+    SIGKILLed once step 1 is recorded: a warning names it, its rows go to the other server,
+    weight syncs skip it, rollout/servers_alive falls from 2 to 1, and the run finishes with
+    the metrics of the same run on the other server alone (each row carries its own seed, so
+    the row a dead server would have sampled is the one the other server samples)."""
+    ref_dir = tmp_path / "ref"
+    ref = _train(bin_dir, subprocess_env, ref_dir, _urls([servers[0]]), *CONTINUED)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    pgid = _server_group(second_spare_server)
+    launcher = subprocess.Popen(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
+         _urls([servers[0], second_spare_server]), *CONTINUED, "rollout.servers.timeout_s=60",
+         f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
+         "trainer.checkpoint.export_hf=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        _first_step(launcher, run_dir)
+        os.killpg(pgid, signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 0, out[-3000:]
+    assert f"rollout server {second_spare_server} left the pool" in out, out[-3000:]
+    records = _records(run_dir)
+    alive = [r["rollout/servers_alive"] for r in records]
+    assert alive[0] == 2 and alive[-1] == 1, alive
+    expected = _records(ref_dir)
+    assert [r["rollout/servers_alive"] for r in expected] == [1] * 4
+
+    def compared(rs):
+        return [{k: v for k, v in r.items() if k != "rollout/servers_alive"} for r in _untimed(rs)]
+
+    assert compared(records) == compared(expected)
 
 
 def test_servers_started_by_the_run_stop_with_it(bin_dir, subprocess_env, tmp_path):

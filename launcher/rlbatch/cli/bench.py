@@ -7,6 +7,7 @@ rlbatch-bench memory     peak memory and time of a micro-batch: chunked vs full 
 rlbatch-bench rollout    generation tokens/s: rlbatch against transformers' generate, or the
                          rollout backends side by side (--backend vllm,megatron)
 rlbatch-bench rewards    sandboxed code executions/s and judge requests/s
+rlbatch-bench servers    GRPO steps with colocated vLLM against vLLM rollout servers
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ BENCHES = {
     "memory": ("rlbatch.bench.memory", "peak memory and time of a micro-batch: chunked logits"),
     "rollout": ("rlbatch.bench.rollout", "generation tokens/s against transformers' generate"),
     "rewards": ("rlbatch.bench.rewards", "sandboxed code executions/s and judge requests/s"),
+    "servers": ("rlbatch.bench.rollout_servers", "GRPO steps: colocated vLLM against servers"),
 }
 
 

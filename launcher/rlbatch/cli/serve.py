@@ -19,10 +19,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from rlbatch.cli.common import help_text
 
 USAGE = "One vLLM rollout server for a run's config. rlbatch-serve [+recipe=NAME] [KEY=VALUE ...]"
+
+
+def server_config(args: list[str]) -> Any:
+    """The RunConfig a server holds, composed from the run's recipe and overrides: a
+    vllm_server run (its server list a stand-in: the server is its own) checked in
+    SERVE_SCOPE, without the trainers' parallel layout."""
+    from rlbatch.cli.common import compose
+    from rlbatch.config.validate import SERVE_SCOPE
+
+    overrides = [a for a in args if not a.startswith(("rollout.backend=", "rollout.servers.urls="))]
+    return compose(
+        [*overrides, "rollout.backend=vllm_server", "rollout.servers.urls=[http://rlbatch-serve]",
+         "rollout.servers.count=0"],
+        "rlbatch-serve",
+        SERVE_SCOPE,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,7 +47,6 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-h", "--help") for a in args):
         print(help_text("rlbatch-serve", USAGE))
         return
-    from rlbatch.cli.common import compose
     from rlbatch.rollout.server_process import (
         ServerProcess,
         remove_dir,
@@ -38,13 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         write_server_model_dir,
     )
 
-    overrides = [a for a in args if not a.startswith("rollout.backend=")]
-    # the server serves a vllm_server run; its own config needs no server list
-    cfg = compose(
-        [*overrides, "rollout.backend=vllm_server", "rollout.servers.urls=[]",
-         "rollout.servers.count=1"],
-        "rlbatch-serve",
-    )  # fmt: skip
+    cfg = server_config(args)
     s = cfg.rollout.servers
     root = Path(tempfile.mkdtemp(prefix="rlbatch-serve-"))
     try:

@@ -157,6 +157,13 @@ class RolloutBackend(str, Enum):
     vllm_server = "vllm_server"
 
 
+ServerFailure = Enum("ServerFailure", [("stop", "stop"), ("continue", "continue")], type=str)
+"""What a rollout server that refuses a request or does not answer in time does to the run
+(rollout.servers.on_failure): ``stop`` the run naming it, after a checkpoint of the last
+completed step; ``continue`` without it (dropped from the pool, its rows sent to the others)
+while any server is left. A functional Enum: ``continue`` is a Python keyword."""
+
+
 class DistBackend(str, Enum):
     auto = "auto"
     gloo = "gloo"

@@ -42,6 +42,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     RolloutCorrection,
     RopeScaling,
     ScaleRewards,
+    ServerFailure,
     ServerUpdate,
     TokenizerSource,
     WandbMode,

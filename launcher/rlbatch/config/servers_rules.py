@@ -7,7 +7,7 @@ evaluation; rollout.servers.on_update=keep without partial rollouts)."""
 from __future__ import annotations
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RolloutBackend, RunConfig, ServerUpdate
+from rlbatch.config.schema import RolloutBackend, RunConfig, ServerFailure, ServerUpdate
 from rlbatch.config.streaming import overlaps_generation
 
 
@@ -28,6 +28,15 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
                         f" set rollout.backend=vllm_server, or {key}={unset}",
                     )
                 )
+        if ServerFailure(s.on_failure) != ServerFailure["stop"]:
+            errors.append(
+                ConfigError(
+                    "rollout.servers.on_failure",
+                    ServerFailure(s.on_failure).value,
+                    f"applies to rollout.backend=vllm_server, not {cfg.rollout.backend}: set"
+                    " rollout.backend=vllm_server, or rollout.servers.on_failure=stop",
+                )
+            )
         return
     _check_source(cfg, errors)
     _check_ranges(cfg, errors)

@@ -53,6 +53,10 @@ LOGPROBS_SCOPE = frozenset({"model", "batching.infer", "parallel", "logprobs"})
 """rlbatch-logprobs builds the model and runs the infer pass over its input file."""
 EVAL_SCOPE = frozenset({"model", "rollout", "parallel", "eval"})
 """rlbatch-eval builds the model and samples the eval set (eval.* fills its nulls from data.*)."""
+SERVE_SCOPE = frozenset({"model", "data", "rollout", "env", "eval"})
+"""rlbatch-serve holds the run's model for its longest sequence: the trainers' layout
+(parallel.*: nodes, ranks, the scheduler's variables) is not its own, so a server started on a
+rollout node of the trainers' SLURM job composes the trainers' recipe unchanged."""
 
 
 def _section(key: str) -> str:

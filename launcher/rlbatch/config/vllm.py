@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rlbatch.config.enums import ServerUpdate
+from rlbatch.config.enums import ServerFailure, ServerUpdate
 
 
 @dataclass
@@ -80,7 +80,17 @@ class ServersConfig:
     """How long a server rlbatch starts may take to answer /health."""
     timeout_s: float = 300.0
     """How long one request to a server may take (a generation, or a step of a weight update)
-    before the run stops naming the server."""
+    before the server counts as failed (``on_failure``)."""
+    on_failure: ServerFailure = ServerFailure.stop  # type: ignore[attr-defined]
+    """A server that refuses a request (connection refused, an HTTP 5xx answer) or does not
+    answer within ``timeout_s``: ``stop`` ends the run with an error naming it, after saving a
+    checkpoint of the last completed step (trainer.resume=auto continues there once the server
+    is back); ``continue`` drops it for the rest of the run with a warning naming it, sends its
+    rows to the other servers (each row carries its own seed: the same row on any server of the
+    same weights) and skips it in weight syncs (metric rollout/servers_alive), and stops the
+    run naming every dropped server when none is left. A dropped server is not taken back. A
+    wrong answer (another process's weights, a response cut by the server's length, a failed
+    probe) stops the run either way."""
     max_concurrency: int = 64
     """Requests in flight at once from one issuing rank (spread over the servers)."""
     transfer_dir: Optional[str] = None

@@ -193,6 +193,12 @@ class TurnDecoder(Protocol):
     ) -> list[Sample]: ...
 
 
+class RolloutUnavailableError(RuntimeError):
+    """Generation could not be done because a service it runs on (a rollout server) failed:
+    raised before the step trains anything, so the last completed step is still whole (the
+    loop saves it before stopping; rlbatch.train.loop)."""
+
+
 @dataclass
 class SyncFigures:
     """Weight syncs since the last round's figures were taken."""
@@ -261,9 +267,12 @@ class SyncedRolloutEngine:
         ranks: rollout/weight_sync_s is their ratio)."""
         f = SyncFigures(self.figures.seconds, self.figures.count)
         self.figures.seconds, self.figures.count = 0.0, 0  # in place: derived engines share it
-        if not f.count:
-            return {}
-        return {"rollout/weight_sync_seconds": f.seconds, "rollout/weight_syncs": float(f.count)}
+        own = getattr(self.backend, "figures", None)  # a backend's own counters, if any
+        out: dict[str, float] = own() if callable(own) else {}
+        if f.count:
+            out["rollout/weight_sync_seconds"] = f.seconds
+            out["rollout/weight_syncs"] = float(f.count)
+        return out
 
 
 SYNCED_BACKENDS = {

@@ -22,8 +22,16 @@ before they decode. Then a probe: every server samples a few tokens of a fixed p
 their log-probabilities must equal the trainer's own forward of the same tokens within
 ``rollout.servers.probe_tolerance``, or the run stops naming the server.
 
-Failures: a server that refuses a request or does not answer within
-``rollout.servers.timeout_s`` stops the run with an error naming it, and so does a response
+Failures: a server that refuses a request (no connection, an HTTP 5xx answer) or does not
+answer within ``rollout.servers.timeout_s`` stops the run with an error naming it
+(``rollout.servers.on_failure=stop``; the loop first saves the last completed step), or with
+``on_failure=continue`` leaves this process's pool: its rows go to the servers left (a row's
+seed makes it the same row on any server of the same weights), syncs skip it, and the run stops
+naming every dropped server when none is left. The replicas agree on the pool through the
+servers themselves: a replica that does not send the weights takes a server only once it holds
+the label of this sync, so a server the first replica dropped during its push is dropped by
+every replica at that sync, and one that dies later is dropped by each replica that reaches it.
+A wrong answer stops the run in either mode: so does a response
 the server stopped short of its limit (vLLM ends a request at its own --max-model-len with
 finish_reason "length": trained as a truncated row, it would be a wrong sample, not an error),
 and so does a token labelled with other weights than the run pushed last (another process
@@ -33,6 +41,7 @@ updated the server).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -46,9 +55,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RunConfig, ServerUpdate
+from rlbatch.config.schema import RunConfig, ServerFailure, ServerUpdate
 from rlbatch.rollout.protocol import (
     DecodedRow,
+    RolloutUnavailableError,
     SyncedRolloutEngine,
     TokenSampling,
     TurnDecoder,
@@ -62,8 +72,16 @@ PROBE_PROMPT = (3, 14, 15, 92, 65, 35, 89, 79)
 """The probe's prompt (ids below every vocabulary rlbatch trains)."""
 
 
-class ServerError(RuntimeError):
-    """A rollout server refused a request or did not answer in time."""
+log = logging.getLogger("rlbatch.rollout")
+
+
+class ServerError(RolloutUnavailableError):
+    """A rollout server refused a request, did not answer in time, or answered wrongly."""
+
+
+class ServerDownError(ServerError):
+    """A rollout server refused a request (no connection, HTTP 5xx) or did not answer in time:
+    the failures rollout.servers.on_failure=continue drops a server for."""
 
 
 def server_urls(cfg: RunConfig) -> list[str]:
@@ -92,9 +110,10 @@ def call(url: str, path: str, body: Any = None, *, timeout_s: float, get: bool =
             raw = answer.read()
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:800]
-        raise ServerError(f"rollout server {url}: {path} failed ({err.code}): {detail}") from err
+        kind = ServerDownError if err.code >= 500 else ServerError
+        raise kind(f"rollout server {url}: {path} failed ({err.code}): {detail}") from err
     except (urllib.error.URLError, OSError) as err:
-        raise ServerError(
+        raise ServerDownError(
             f"rollout server {url} did not answer {path} within {timeout_s:g} s"
             f" (rollout.servers.timeout_s): {getattr(err, 'reason', err)}; is it still running?"
         ) from err
@@ -105,8 +124,14 @@ class _Servers:
     """The process's connection to the run's servers: shared by every backend of the process
     (training rollouts and evaluation), like the weights the servers hold."""
 
-    def __init__(self, urls: list[str], timeout_s: float, concurrency: int, nonce: str) -> None:
-        self.urls = urls
+    def __init__(
+        self, urls: list[str], timeout_s: float, concurrency: int, nonce: str, keep_going: bool
+    ) -> None:
+        self.urls = list(urls)
+        """The pool: the servers this process still sends to."""
+        self.dropped: dict[str, str] = {}
+        """Servers left out of the pool (rollout.servers.on_failure=continue) and why."""
+        self.keep_going = keep_going
         self.timeout_s = timeout_s
         self.nonce = nonce
         self.syncs = 0
@@ -121,9 +146,33 @@ class _Servers:
 
     def least_loaded(self) -> str:
         with self.lock:
+            if not self.urls:
+                raise self.none_left()
             url = min(self.urls, key=lambda u: self.outstanding[u])
             self.outstanding[url] += 1
         return url
+
+    def drop(self, url: str, error: ServerError) -> None:
+        """Leave ``url`` out from now on (on_failure=continue and a server that is down), or
+        raise ``error`` (on_failure=stop, or an answer that is wrong rather than missing)."""
+        if not (self.keep_going and isinstance(error, ServerDownError)):
+            raise error
+        with self.lock:
+            if url not in self.urls:
+                return
+            self.urls.remove(url)
+            self.dropped[url] = str(error)
+            left = len(self.urls)
+        log.warning(
+            "rollout server %s left the pool (rollout.servers.on_failure=continue), %d left: %s",
+            url, left, error,
+        )  # fmt: skip
+        if not left:
+            raise self.none_left() from error
+
+    def none_left(self) -> ServerError:
+        names = "; ".join(f"{url} ({why})" for url, why in self.dropped.items())
+        return ServerError(f"no rollout server is left: every one failed: {names}")
 
     def done(self, url: str) -> None:
         with self.lock:
@@ -142,7 +191,10 @@ def _connect(cfg: RunConfig) -> _Servers:
     if dist.is_initialized():  # the same sync labels on every rank
         dist.broadcast_object_list(nonce, src=0)
     s = cfg.rollout.servers
-    _SERVERS.append(_Servers(server_urls(cfg), s.timeout_s, s.max_concurrency, nonce[0]))
+    keep_going = ServerFailure(s.on_failure) == ServerFailure["continue"]
+    _SERVERS.append(
+        _Servers(server_urls(cfg), s.timeout_s, s.max_concurrency, nonce[0], keep_going)
+    )
     return _SERVERS[0]
 
 
@@ -191,11 +243,13 @@ class ServerBackend:
         self.servers.version = None
         self.servers.syncs += 1
         label = self.servers.label()
-        if not self.streams:
-            if self.leader:
-                self._await_label(label)
-            return
         from rlbatch.distributed import from_first_in_model_parallel_group
+
+        if not self.streams:  # the group's ranks all raise what its first rank meets
+            from_first_in_model_parallel_group(
+                (lambda: self._await_label(label)) if self.leader else None
+            )
+            return
         from rlbatch.rollout.weights import stream_hf_weights
 
         tensors = {}
@@ -216,8 +270,12 @@ class ServerBackend:
         path = folder / f"rlbatch-weights-{self.servers.nonce}-{os.getpid()}.safetensors"
         save_file(tensors, str(path))
         try:
-            for url in self.servers.urls:
-                self._update(url, str(path), label, drop=self._drops_cache())
+            drop = self._drops_cache()
+            for url in list(self.servers.urls):
+                try:
+                    self._update(url, str(path), label, drop=drop)
+                except ServerError as err:
+                    self.servers.drop(url, err)
         finally:
             path.unlink(missing_ok=True)
 
@@ -244,21 +302,33 @@ class ServerBackend:
 
     def _await_label(self, label: str) -> None:
         deadline = time.monotonic() + self.servers.timeout_s
-        for url in self.servers.urls:
-            while True:
-                info = call(url, "/weight_info", timeout_s=self.servers.timeout_s, get=True)
-                if str(info.get("weight_version")) == label:
-                    break
-                if time.monotonic() > deadline:
-                    raise ServerError(
-                        f"rollout server {url} did not take the policy's new weights within"
-                        f" {self.servers.timeout_s:g} s (rollout.servers.timeout_s)"
-                    )
-                time.sleep(0.05)
+        for url in list(self.servers.urls):
+            try:
+                self._await_server(url, label, deadline)
+            except ServerError as err:  # the first replica dropped it, or it is down
+                self.servers.drop(url, err)
+
+    def _await_server(self, url: str, label: str, deadline: float) -> None:
+        while True:
+            info = call(url, "/weight_info", timeout_s=self.servers.timeout_s, get=True)
+            if str(info.get("weight_version")) == label:
+                return
+            if time.monotonic() > deadline:
+                raise ServerDownError(
+                    f"rollout server {url} did not take the policy's new weights within"
+                    f" {self.servers.timeout_s:g} s (rollout.servers.timeout_s)"
+                )
+            time.sleep(0.05)
+
+    def figures(self) -> dict[str, float]:
+        """rollout/servers_alive: the servers in this replica's pool (its first rank counts,
+        the loop averages over replicas)."""
+        n = float(len(self.servers.urls)) if self.leader else 0.0
+        return {"rollout/servers_alive": n, "rollout/server_pools": float(self.leader)}
 
     def _probe(self) -> None:
         """Every server's log-probabilities of a few sampled tokens equal the trainer's."""
-        from rlbatch.distributed import broadcast_object_in_model_parallel_group
+        from rlbatch.distributed import from_first_in_model_parallel_group
 
         n = self.cfg.rollout.servers.probe_tokens
         if n <= 0:
@@ -266,15 +336,22 @@ class ServerBackend:
         vocab = self.model_cfg.vocab_size
         prompt = [t % vocab for t in PROBE_PROMPT]
         sampling = TokenSampling(max_new_tokens=n, temperature=1.0, eos_id=-1)
-        rows = None
-        if self.leader:
-            rows = [self._request(url, prompt, 0, sampling, n) for url in self.servers.urls]
-        rows = broadcast_object_in_model_parallel_group(rows)
+
+        def ask() -> list[tuple[str, DecodedRow]]:
+            answers = []
+            for url in list(self.servers.urls):
+                try:
+                    answers.append((url, self._request(url, prompt, 0, sampling, n)))
+                except ServerError as err:
+                    self.servers.drop(url, err)
+            return answers
+
+        answers = from_first_in_model_parallel_group(ask if self.leader else None)
         ours = trainer_logprobs(
-            self.model, self.cfg, [prompt + r.tokens for r in rows], len(prompt)
+            self.model, self.cfg, [prompt + r.tokens for _, r in answers], len(prompt)
         )
         tol = self.cfg.rollout.servers.probe_tolerance
-        for url, row, mine in zip(self.servers.urls, rows, ours, strict=True):
+        for (url, row), mine in zip(answers, ours, strict=True):
             diff = max((abs(a - b) for a, b in zip(row.logps, mine, strict=True)), default=0.0)
             if diff > tol:
                 raise RuntimeError(
@@ -312,11 +389,16 @@ class ServerBackend:
         return [f.result() for f in futures]
 
     def _balanced(self, ids: list[int], seed: int, sampling: TokenSampling, limit: int):
-        url = self.servers.least_loaded()
-        try:
-            return self._request(url, ids, seed, sampling, limit)
-        finally:
-            self.servers.done(url)
+        """The row from the least loaded server; with on_failure=continue, from the next one
+        when that server is down (the same row: the request carries the row's seed)."""
+        while True:
+            url = self.servers.least_loaded()
+            try:
+                return self._request(url, ids, seed, sampling, limit)
+            except ServerError as err:
+                self.servers.drop(url, err)
+            finally:
+                self.servers.done(url)
 
     def _request(
         self, url: str, ids: list[int], seed: int, sampling: TokenSampling, limit: int

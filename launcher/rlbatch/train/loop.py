@@ -15,6 +15,7 @@ torch fakes; :mod:`rlbatch.train.build` assembles the real Megatron components.
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 from rlbatch.config.schema import RunConfig
 from rlbatch.distributed import as_collective_timeout, local_peak_memory_gb, reset_peak_memory
 from rlbatch.eval.settings import eval_due
+from rlbatch.rollout.protocol import RolloutUnavailableError
 from rlbatch.runtime import preempt
 from rlbatch.runtime.rng import capture_rng_state, restore_rng_state
 from rlbatch.train import integrity
@@ -189,9 +191,18 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
         if state is None and _eval_due(cfg, comps, 0):
             logger.log({"step": 0, **_evaluate(cfg, comps, heartbeat, 0)})
         for step in range(resumed_step + 1, cfg.trainer.max_steps + 1):
-            record = _guarded(
-                cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
-            )
+            before = _unsaved_state(comps, step, last_saved)
+            try:
+                record = _guarded(
+                    cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
+                )
+            except RolloutUnavailableError:
+                if before is not None:  # the last completed step, for trainer.resume=auto
+                    heartbeat.beat(step - 1, "checkpoint")
+                    path = _save(cfg, comps, step - 1, logger, before)
+                    if rank == 0:
+                        log.error("generation failed: saved step %d at %s", step - 1, path)
+                raise
             best = False
             if _eval_due(cfg, comps, step):
                 record.update(_evaluate(cfg, comps, heartbeat, step))
@@ -323,12 +334,51 @@ def _guarded(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int,
         ) from exc
 
 
+def _unsaved_state(comps: Components, step: int, last_saved: int) -> TrainState | None:
+    """The state of the last completed step (step - 1) when no checkpoint holds it yet and the
+    producer does not generate ahead: what a failed generation saves before the run stops
+    (the model and optimizer are still that step's; the producer, the aggregator, the planner
+    and the RNG streams are taken here, before the step's generation moves them). None
+    otherwise."""
+    if step - 1 <= max(last_saved, 0) or comps.producer.lag > 0:
+        return None
+    producer = comps.producer.state_dict()  # its lists are copies; the cursor is copied here
+    producer["sampler"] = copy.deepcopy(producer["sampler"])
+    return TrainState(
+        step=step - 1,
+        policy_version=step - 1,
+        producer=producer,
+        planner=copy.deepcopy(_state_of(comps.planner)),
+        aggregator=copy.deepcopy(_state_of(comps.aggregator)),
+        rng=capture_rng_state(),
+        metrics_history=[],
+    )
+
+
+def _agreed_batch(comps: Components, step: int) -> StepBatch:
+    """The step's batch, once every rank has its own: a generation that failed on one rank (a
+    rollout server down) is raised on every rank, so all of them save the last completed step
+    and stop together, none left waiting in the training pass's collectives."""
+    batch, failure = None, None
+    try:
+        batch = comps.producer.batch_for_step(step)
+    except RolloutUnavailableError as err:
+        failure = ("rollout failed", str(err))
+    votes = comps.dist.all_gather_object(failure)
+    failed = [(r, v[1]) for r, v in enumerate(votes) if v is not None]
+    if failed:
+        rank, text = failed[0]
+        raise RolloutUnavailableError(f"step {step}: generation failed on rank {rank}: {text}")
+    assert batch is not None
+    return batch
+
+
 def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int):
     rank = comps.dist.rank
     start_time = time.perf_counter()
     comps.dist.reset_peak_memory()
     heartbeat.beat(step, "batch")
-    batch = comps.producer.batch_for_step(step)
+    batch = _agreed_batch(comps, step)
     if comps.release_rollout is not None:
         comps.release_rollout()
     inject_nan = inject_fault(cfg.debug, step, rank)  # mid-step: generation done, no update yet
@@ -431,16 +481,28 @@ def _state_of(obj: Any) -> dict[str, Any]:
     return obj.state_dict() if obj is not None else {}
 
 
-def _save(cfg: RunConfig, comps: Components, step: int, logger: MetricsLogger) -> Path:
-    state = TrainState(
-        step=step,
-        policy_version=step,
-        producer=comps.producer.state_dict(),
-        planner=_state_of(comps.planner),
-        aggregator=_state_of(comps.aggregator),
-        rng=capture_rng_state(),
-        metrics_history=list(logger.history) if comps.dist.rank == 0 else [],
+def _save(
+    cfg: RunConfig,
+    comps: Components,
+    step: int,
+    logger: MetricsLogger,
+    taken: TrainState | None = None,
+) -> Path:
+    """Checkpoint the state after ``step`` (the live one, or ``taken`` earlier at that step)."""
+    state = (
+        TrainState(
+            step=step,
+            policy_version=step,
+            producer=comps.producer.state_dict(),
+            planner=_state_of(comps.planner),
+            aggregator=_state_of(comps.aggregator),
+            rng=capture_rng_state(),
+            metrics_history=[],
+        )
+        if taken is None
+        else taken
     )
+    state.metrics_history = list(logger.history) if comps.dist.rank == 0 else []
     _check_free_space(cfg, comps, step)
     payload = build_payload(comps.model, comps.optimizer, comps.scheduler, state)
     path = save_checkpoint(

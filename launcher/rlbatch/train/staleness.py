@@ -32,6 +32,8 @@ ROLLOUT_COUNTERS = (
     "rollout/untrained_rows",
     "rollout/weight_sync_seconds",
     "rollout/weight_syncs",
+    "rollout/servers_alive",
+    "rollout/server_pools",
 )
 """A round's rank-local counters (GeneratedRound.filter_metrics), summed over ranks."""
 
@@ -83,6 +85,8 @@ def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
         out["rollout/weight_sync_s"] = (
             sums["rollout/weight_sync_seconds"] / sums["rollout/weight_syncs"]
         )
+    if sums.get("rollout/server_pools"):  # rollout servers: each replica's pool, averaged
+        out["rollout/servers_alive"] = sums["rollout/servers_alive"] / sums["rollout/server_pools"]
     if "rollout/started_rows" in sums:  # partial rollouts
         out["rollout/carried_rows"] = sums["rollout/carried_rows"]
         out["rollout/waiting_groups"] = sums["rollout/waiting_groups"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RolloutBackend, RunConfig, ServerUpdate
+from rlbatch.config.schema import RolloutBackend, RunConfig, ServerFailure, ServerUpdate
 from rlbatch.config.servers_rules import check_servers
 
 
@@ -129,3 +129,26 @@ def test_partial_rollouts_on_servers_at_tp_2_are_refused_with_their_fix():
     (error,) = errors
     assert error.key == "parallel.tp" and "parallel.tp=1" in error.message
     assert "grpo.partial_rollouts=false" in error.message
+
+
+def test_on_failure_continue_on_another_backend_is_an_error_with_its_fix():
+    """rollout.servers.on_failure=continue would be ignored by the colocated engines: refused,
+    with the other server keys, naming the value and both fixes."""
+    cfg = RunConfig()
+    cfg.rollout.servers.count = 2
+    cfg.rollout.servers.on_failure = ServerFailure["continue"]
+    errors: list[ConfigError] = []
+    check_servers(cfg, errors)
+    assert [e.key for e in errors] == ["rollout.servers.count", "rollout.servers.on_failure"]
+    assert errors[1].value == "continue"
+    assert "rollout.servers.on_failure=stop" in errors[1].message
+    assert "rollout.backend=vllm_server" in errors[1].message
+
+
+def test_a_bad_on_failure_value_names_the_key_and_the_choices():
+    from rlbatch.config.load import check_structure
+
+    _, errors = check_structure({"rollout": {"servers": {"on_failure": "retry"}}})
+    (error,) = errors
+    assert error.key == "rollout.servers.on_failure" and error.value == "retry"
+    assert "stop" in error.message and "continue" in error.message

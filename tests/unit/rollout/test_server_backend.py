@@ -13,7 +13,7 @@ URL = "http://127.0.0.1:9"
 
 def _backend(syncs: int) -> ServerBackend:
     backend = ServerBackend.__new__(ServerBackend)  # no model: only the labels matter here
-    backend.servers = _Servers([URL], timeout_s=1.0, concurrency=1, nonce="abc")
+    backend.servers = _Servers([URL], timeout_s=1.0, concurrency=1, nonce="abc", keep_going=False)
     backend.servers.syncs = syncs
     return backend
 

@@ -10,6 +10,7 @@ import torch
 
 from rlbatch.config.schema import FailKind, RunConfig
 from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.rollout.protocol import RolloutUnavailableError
 from rlbatch.rollout.schedule import PromptSampler, derive_schedule
 from rlbatch.train.checkpoint import latest_checkpoint
 from rlbatch.train.health import InjectedFailure, NonFiniteError
@@ -43,7 +44,7 @@ def _features(prompt_index):
     return torch.tensor([[prompt_index % 3, prompt_index % 5, 1.0, prompt_index / 13]])
 
 
-def _components(cfg, *, init_seed=0, dist=None):
+def _components(cfg, *, init_seed=0, dist=None, fail_at_call=0):
     torch.manual_seed(init_seed)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -56,6 +57,9 @@ def _components(cfg, *, init_seed=0, dist=None):
 
     def generate(request, snapshot):
         counter.calls += 1
+        if counter.calls == fail_at_call:  # after moving the aggregator's state and the RNG
+            torch.rand(())
+            raise RolloutUnavailableError("rollout server http://127.0.0.1:9 did not answer")
         out = []
         with torch.no_grad():
             for p, gid in zip(request.prompt_indices, request.group_ids, strict=True):
@@ -175,6 +179,37 @@ def test_resume_after_failure_matches_uninterrupted_run(tmp_path, fail_at):
         assert torch.equal(a, b)
 
 
+def test_a_failed_generation_saves_the_last_step_and_resumes_exactly(tmp_path):
+    """Generation fails (a rollout server down) at step 5 of a run that saves only every 6
+    steps: step 4 is saved before the error reaches the caller, from the state taken before
+    the failed generation moved the aggregator and the RNG, so trainer.resume=auto continues
+    there with the uninterrupted run's metrics and weights."""
+
+    def cfg_of(path):
+        cfg = _cfg(path)
+        cfg.grpo.num_steps_async = 0
+        cfg.trainer.checkpoint.every_steps = 6
+        return cfg
+
+    ref_cfg = cfg_of(tmp_path / "ref")
+    ref = _components(ref_cfg)
+    train(ref_cfg, ref)
+    expected = _strip(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
+
+    cfg = cfg_of(tmp_path / "run")
+    with pytest.raises(RolloutUnavailableError, match="step 5: .*http://127.0.0.1:9"):
+        train(cfg, _components(cfg, fail_at_call=3))  # rounds of two steps: step 5's round
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_00000004"
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+    cfg = cfg_of(tmp_path / "run")
+    cfg.trainer.resume = "auto"
+    resumed = _components(cfg, init_seed=123)
+    train(cfg, resumed)
+    assert _strip(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == expected
+    for a, b in zip(ref.model[0].parameters(), resumed.model[0].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_nan_loss_stops_with_named_step_and_keeps_last_good_checkpoint(tmp_path):
     cfg = _cfg(tmp_path, fail_at_step=3, fail_kind=FailKind.nan_loss)
     with pytest.raises(NonFiniteError, match=r"step 3: micro-batch 0 on rank 0"):
@@ -209,9 +244,10 @@ class TwoRankView(LocalDist):
 
 def test_rank_disagreeing_on_the_step_is_named(tmp_path):
     cfg = _cfg(tmp_path)
-    # the peer answers the step's plan digest (a str) wrongly from step 2 on (call 4: calls are
-    # resume, step 1's digest, step 1's save/stop decision, step 2's digest)
-    dist = TwoRankView(lambda obj, n: obj if n < 4 or not isinstance(obj, str) else "deadbeef")
+    # the peer answers the step's plan digest (a str) wrongly from step 2 on (call 6: calls are
+    # resume, step 1's generation outcome, digest and save/stop decision, step 2's generation
+    # outcome, step 2's digest)
+    dist = TwoRankView(lambda obj, n: obj if n < 6 or not isinstance(obj, str) else "deadbeef")
     with pytest.raises(RankDisagreementError, match=r"rank\(s\) \[1\] disagree"):
         train(cfg, _components(cfg, dist=dist))
 
@@ -220,7 +256,8 @@ def test_silent_rank_is_named_on_timeout(tmp_path):
     cfg = _cfg(tmp_path)
 
     def peer(obj, n):
-        if n >= 4:  # step 2's digest (after resume, step 1's digest and decision)
+        if n >= 6:  # step 2's digest (after resume, step 1's outcome, digest and decision, and
+            # step 2's generation outcome)
             # what NCCL raises (torch's own error type; gloo's plain RuntimeError counts only when
             # raised inside torch: tests/dist/test_collective_timeout.py)
             raise torch.distributed.DistBackendError("Watchdog caught collective operation timeout")
