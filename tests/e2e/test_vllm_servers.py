@@ -9,10 +9,10 @@ than the run is refused before launch; multi-turn episodes and a dp 2 trainer (k
 resumed exactly) run on the servers; a server killed mid-run, or relabelled by another client,
 stops the run naming it after saving the last completed step, or with
 rollout.servers.on_failure=continue leaves the pool while the run finishes on the other one
-with the metrics of a run on that one alone; async run-ahead overlaps training with the inline
-run's samples; partial rollouts continue rows across weight updates (abort: bit-identical to
-the in-process vLLM stream, resumed exactly; keep: on the old prefix cache). The servers (two
-shared, two spares to kill) are started once for the module."""
+with the metrics of a run on that one alone; async run-ahead overlaps training at dp 2 with the
+inline run's samples; partial rollouts continue rows across weight updates (abort:
+bit-identical to the in-process vLLM stream, resumed exactly; keep: on the old prefix cache).
+The servers (two shared, two spares to kill) are started once for the module."""
 
 from __future__ import annotations
 
@@ -528,15 +528,18 @@ ASYNC = ("grpo.num_steps_async=1", "trainer.max_steps=3")
 def test_async_run_ahead_on_servers_overlaps_training_with_the_inline_samples(
     servers, bin_dir, subprocess_env, tmp_path
 ):
-    """grpo.num_steps_async=1 on the servers: the generation worker (its own ServerBackend,
-    the only one pushing weights) samples round t on the servers while step t trains; the
-    batches come from versions 0, 0, 1 (staleness 0, 1, 1), step 1 is on-policy to float32
-    rounding and the later steps carry the staleness the importance weight corrects; the same
-    run generating inline (grpo.overlap_generation=false) trains exactly the same samples
-    and metrics."""
+    """grpo.num_steps_async=1 on the servers at dp 2: each replica's generation worker (its
+    own ServerBackend; DP rank 0's pushes, the other waits for its label) samples round t on
+    the servers while step t trains, the replicas' generation threads meeting before each new
+    version; the batches come from versions 0, 0, 1 (staleness 0, 1, 1), step 1 is on-policy
+    to float32 rounding and the later steps carry the staleness the importance weight
+    corrects; the same run generating inline (grpo.overlap_generation=false) trains exactly
+    the same samples and metrics. (dp 1 overlaps in the partial-rollout tests below.)"""
     overlap_dir, inline_dir = tmp_path / "overlap", tmp_path / "inline"
     for run_dir, extra in ((overlap_dir, ()), (inline_dir, ("grpo.overlap_generation=false",))):
-        proc = _train(bin_dir, subprocess_env, run_dir, _urls(servers), *ASYNC, *extra)
+        proc = _train(
+            bin_dir, subprocess_env, run_dir, _urls(servers), "parallel.dp=2", *ASYNC, *extra
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = _records(overlap_dir)
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -361,9 +361,9 @@ class GRPOConfig(ObjectiveConfig):
     """Largest allowed policy lag of a trained sample; the producer waits beyond it."""
     overlap_generation: bool = True
     """With num_steps_async > 0 and tp = pp = cp = 1: generate the next round in a generation
-    worker process on a model copy while training runs (on rollout servers: the worker drives
-    them, and dp = 1 without evaluation is required); false = generate inline (same samples,
-    no overlap)."""
+    worker process on a model copy while training runs (on rollout servers: the workers drive
+    them, DP rank 0's pushing, the replicas meeting before each new version; evaluation is
+    refused); false = generate inline (same samples, no overlap)."""
     partial_rollouts: bool = False
     """With num_steps_async > 0: one long-lived continuous batch of rollout rows across policy
     versions (built-in engine; in segments on vllm and vllm_server): finished rows' slots take

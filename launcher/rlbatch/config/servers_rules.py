@@ -1,8 +1,8 @@
 """Checks of ``rollout.servers`` (``rollout.backend=vllm_server``) before launch, torch-free and
 without network access (whether each URL answers is rlbatch-train's pre-launch check,
 rlbatch.grpo.preflight): where the servers come from, the ranges, and what this release does
-not run on servers (LoRA; generation overlapping training with several replicas or with an
-evaluation; rollout.servers.on_update=keep without partial rollouts)."""
+not run on servers (LoRA; generation overlapping training with an evaluation;
+rollout.servers.on_update=keep without partial rollouts)."""
 
 from __future__ import annotations
 
@@ -135,20 +135,9 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def _check_overlap(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """Generation overlapping training runs in one worker process per training rank, and that
-    worker pushes the weights: one pusher, and no other client of the servers in the run."""
-    if cfg.parallel.dp > 1:
-        errors.append(
-            ConfigError(
-                "parallel.dp",
-                cfg.parallel.dp,
-                "with rollout servers, generation overlaps training with one data-parallel"
-                " replica only in this release (each replica's generation worker runs at its"
-                " own pace, so one would replace the servers' weights while another still"
-                " samples the older version): set grpo.overlap_generation=false (the same"
-                " samples and versions, generated inline without overlap), or parallel.dp=1",
-            )
-        )
+    """Generation overlapping training runs in one worker process per training rank, and DP
+    rank 0's worker pushes the weights (the replicas' generation threads meet before each new
+    version, rlbatch.rollout.generation_worker): no other pusher in the run."""
     if cfg.eval.every_steps > 0:
         errors.append(
             ConfigError(

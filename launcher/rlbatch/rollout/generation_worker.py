@@ -16,11 +16,17 @@ use it. Samples, versions and the aggregator's counters (seeds) are those the in
 produces: same seed, same results (tested). The aggregator's state comes back with every round,
 for checkpoints, and is restored into the worker on resume.
 
-With rollout.backend=vllm_server the worker's engine is a ServerBackend of its own: the worker
-pushes each version it receives to the servers (its world of one makes it the pushing rank)
-and is the run's only client of them (rlbatch.config.servers_rules refuses a second: dp > 1,
-evaluation in the trainer). The server URLs of rollout.servers.count reach it through the
-environment the spawn inherits.
+With rollout.backend=vllm_server the worker's engine is a ServerBackend of its own, told its
+trainer's DP rank and the run's sync-label nonce (broadcast by the trainers at build time): DP
+rank 0's worker pushes each version it receives to the servers, the other replicas' workers
+wait for that version's label, as the replicas of the inline path do. With dp > 1 the
+replicas' generation threads meet on a gloo group of their own (created by every trainer rank
+at build time, in the training thread) before each call with a new version, so no worker still
+samples the previous version when the push replaces it; every replica calls with the same
+sequence of versions, and one that died fails the others within trainer.timeout_s. The workers
+are the run's only clients of the servers (rlbatch.config.servers_rules refuses evaluation in
+the trainer, which would push the trainer's weights under them). The server URLs of
+rollout.servers.count reach them through the environment the spawn inherits.
 
 The worker dies with its rank (rlbatch.runtime.lifeline: SIGKILL when the rank process dies,
 whatever killed it), and so does any child it forks; multiprocessing's resource tracker, which
@@ -56,20 +62,27 @@ class GenerationWorker:
         dp_rank: int,
         threads: int,
         ref_weights: Optional[list[dict[str, Any]]],
+        nonce: Optional[str] = None,
+        replicas: Any = None,
     ) -> None:
+        """nonce: the run's sync-label nonce (rollout servers); replicas: the gloo process group
+        over the trainer's DP ranks whose generation threads meet before each new version
+        (rollout servers at dp > 1), None without."""
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
             target=_serve,
-            args=(cfg, dp_rank, threads, ref_weights, child, _main_thread()),
+            args=(cfg, dp_rank, threads, ref_weights, nonce, child, _main_thread()),
             name=f"rlbatch-generation-{dp_rank}",
             daemon=True,
         )
         self._process.start()
         child.close()
         self._sent_version: Optional[int] = None
+        self._replicas = replicas
+        self._called_version: Optional[int] = None
         self._shared: Optional[list[dict[str, Any]]] = None
         self.aggregator_state: dict[str, Any] = {}
         self._pending_state: Optional[dict[str, Any]] = None
@@ -85,6 +98,9 @@ class GenerationWorker:
 
     def __call__(self, request: GenerationRequest, snapshot: PolicySnapshot) -> Any:
         """The round's samples (a list, or a RoundOutput with the served request and figures)."""
+        if self._replicas is not None and snapshot.version != self._called_version:
+            self._meet_replicas()
+        self._called_version = snapshot.version
         if self._pending_state is not None:
             self._call("load_state", self._pending_state)
             self._pending_state = None
@@ -96,6 +112,15 @@ class GenerationWorker:
             self._sent_version = snapshot.version
         self.aggregator_state = state
         return samples
+
+    def _meet_replicas(self) -> None:
+        """Wait until every replica's generation thread is here: none of their workers still
+        samples the previous version when DP rank 0's worker pushes the next one. Every replica
+        calls with the same sequence of versions, so all arrive; one that died fails the others
+        within trainer.timeout_s (the group's timeout)."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self._replicas)
 
     def _hand_over(self, weights: list[dict[str, Any]]) -> Any:
         """The weights message: the first time, shared-memory copies of the tensors (the worker
@@ -152,6 +177,7 @@ def _serve(
     dp_rank: int,
     threads: int,
     ref_weights: Optional[list[dict[str, Any]]],
+    nonce: Optional[str],
     conn: Any,
     from_main_thread: bool,
 ) -> None:
@@ -160,7 +186,7 @@ def _serve(
 
     die_with_parent(signal.SIGKILL, kernel=from_main_thread)
     try:
-        generate, aggregator, load = _build(cfg, dp_rank, threads, ref_weights)
+        generate, aggregator, load = _build(cfg, dp_rank, threads, ref_weights, nonce)
     except BaseException:  # noqa: BLE001 - reported to the trainer
         _answer_errors(conn, traceback.format_exc())
         return
@@ -217,7 +243,7 @@ def _weights_loader(model: list[Any]) -> Any:
     return load
 
 
-def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
+def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any, nonce: Optional[str]):
     """generate_fn, aggregator and load(weights) in this process (a world of one)."""
     import copy
 
@@ -239,6 +265,10 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any):
     local.trainer.num_threads = threads
     parallel.initialize(local)
     torch.set_num_threads(threads)
+    if nonce is not None:  # rollout servers: the trainer's labels, and DP rank 0's worker pushes
+        from rlbatch.rollout.server_backend import join_run
+
+        join_run(cfg, nonce, pushes=dp_rank == 0)
 
     def frozen() -> list[Any]:
         chunks = build_model(local, wrap_ddp=False)

@@ -125,7 +125,14 @@ class _Servers:
     (training rollouts and evaluation), like the weights the servers hold."""
 
     def __init__(
-        self, urls: list[str], timeout_s: float, concurrency: int, nonce: str, keep_going: bool
+        self,
+        urls: list[str],
+        timeout_s: float,
+        concurrency: int,
+        nonce: str,
+        keep_going: bool,
+        *,
+        pushes: bool = True,
     ) -> None:
         self.urls = list(urls)
         """The pool: the servers this process still sends to."""
@@ -134,6 +141,7 @@ class _Servers:
         self.keep_going = keep_going
         self.timeout_s = timeout_s
         self.nonce = nonce
+        self.pushes = pushes  # False: another process of the run pushes (a generation worker)
         self.syncs = 0
         self.model_id: Optional[int] = None
         self.version: Optional[int] = None
@@ -182,20 +190,31 @@ class _Servers:
 _SERVERS: list[_Servers] = []
 
 
-def _connect(cfg: RunConfig) -> _Servers:
-    if _SERVERS:
-        return _SERVERS[0]
+def run_nonce() -> str:
+    """The run's sync-label nonce, the same on every rank (a collective on the default group:
+    every rank calls it, in the training thread)."""
     import torch.distributed as dist
 
     nonce = [uuid.uuid4().hex[:12]]
-    if dist.is_initialized():  # the same sync labels on every rank
+    if dist.is_initialized():
         dist.broadcast_object_list(nonce, src=0)
+    return nonce[0]
+
+
+def _connect(cfg: RunConfig) -> _Servers:
+    if not _SERVERS:
+        join_run(cfg, run_nonce(), pushes=True)
+    return _SERVERS[0]
+
+
+def join_run(cfg: RunConfig, nonce: str, *, pushes: bool) -> None:
+    """Connect this process with the run's nonce; pushes=False: it only waits for the labels
+    another process pushes (a generation worker of a trainer DP rank other than 0)."""
     s = cfg.rollout.servers
     keep_going = ServerFailure(s.on_failure) == ServerFailure["continue"]
-    _SERVERS.append(
-        _Servers(server_urls(cfg), s.timeout_s, s.max_concurrency, nonce[0], keep_going)
-    )
-    return _SERVERS[0]
+    _SERVERS[:] = [
+        _Servers(server_urls(cfg), s.timeout_s, s.max_concurrency, nonce, keep_going, pushes=pushes)
+    ]
 
 
 def shutdown_engine() -> None:
@@ -221,8 +240,9 @@ class ServerBackend:
         self.model_cfg = full_model_config(model, cfg.model)
         rank, self.group_size, _ = model_parallel_group()
         self.leader = rank == 0
-        self.streams = dp_rank() == 0  # the first replica's group gathers and sends
         self.servers = _connect(cfg)
+        # the first replica's group gathers and sends
+        self.streams = dp_rank() == 0 and self.servers.pushes
         self.seconds: dict[str, float] = {}
         # vLLM keys its prefix cache by token ids alone: kept across an update, a cached
         # prefix goes on with the old weights' KV (rollout.servers.on_update=keep, partial

@@ -233,17 +233,40 @@ def build_generation(
 
         threads = max(1, torch.get_num_threads() // 2)
         torch.set_num_threads(threads)
+        nonce, replicas = _server_run(cfg)
         worker = GenerationWorker(
             cfg,
             dp_rank=dp_rank,
             threads=threads,
             ref_weights=weights_snapshot(ref) if ref is not None else None,
+            nonce=nonce,
+            replicas=replicas,
         )
         return worker, worker  # its state_dict is the worker aggregator's
     from rlbatch.rollout.streaming import local_generation
 
     aggregator = build_aggregator(cfg, tokenizer, ref, dp_rank, policy=model)
     return local_generation(cfg, model, tokenizer, prompts, aggregator, dp_rank)
+
+
+def _server_run(cfg: RunConfig) -> tuple[Any, Any]:
+    """(nonce, replicas) for generation workers on rollout servers: the run's sync-label nonce,
+    and at dp > 1 a gloo group over the DP ranks (tp = pp = cp = 1: every rank) whose
+    generation threads meet before each new version; (None, None) on other backends. Every rank
+    calls it in the same order, in the training thread."""
+    if RolloutBackend(cfg.rollout.backend) != RolloutBackend.vllm_server:
+        return None, None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rlbatch.rollout.server_backend import run_nonce
+
+    nonce = run_nonce()
+    if cfg.parallel.dp == 1:
+        return nonce, None
+    timeout = timedelta(seconds=cfg.trainer.timeout_s)
+    return nonce, dist.new_group(backend="gloo", timeout=timeout)
 
 
 def build_components(cfg: RunConfig) -> Components:
