@@ -37,6 +37,15 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     " rollout.backend=vllm_server, or rollout.servers.on_failure=stop",
                 )
             )
+        if ServerUpdate(s.on_update) != ServerUpdate.abort:
+            errors.append(
+                ConfigError(
+                    "rollout.servers.on_update",
+                    ServerUpdate(s.on_update).value,
+                    f"applies to rollout.backend=vllm_server, not {cfg.rollout.backend}: set"
+                    " rollout.backend=vllm_server, or rollout.servers.on_update=abort",
+                )
+            )
         return
     _check_source(cfg, errors)
     _check_ranges(cfg, errors)

@@ -145,6 +145,22 @@ def test_on_failure_continue_on_another_backend_is_an_error_with_its_fix():
     assert "rollout.backend=vllm_server" in errors[1].message
 
 
+def test_on_update_keep_on_another_backend_is_an_error_with_its_fix():
+    """rollout.servers.on_update=keep would be ignored by the colocated engines (their partial
+    rollouts always recompute a continuing row's prefix): refused, naming the value and both
+    fixes, as on_failure is."""
+    cfg = RunConfig()
+    cfg.rollout.backend = RolloutBackend.vllm
+    cfg.grpo.partial_rollouts = True
+    cfg.rollout.servers.on_update = ServerUpdate.keep
+    errors: list[ConfigError] = []
+    check_servers(cfg, errors)
+    assert [e.key for e in errors] == ["rollout.servers.on_update"]
+    assert errors[0].value == "keep"
+    assert "rollout.servers.on_update=abort" in errors[0].message
+    assert "rollout.backend=vllm_server" in errors[0].message
+
+
 def test_a_bad_on_failure_value_names_the_key_and_the_choices():
     from rlbatch.config.load import check_structure
 
