@@ -97,11 +97,15 @@ assert that no sandbox process is left anywhere on the host, which another file'
 running at the same moment would break, so they share one worker and run one after the other."""
 
 
-def pytest_collection_modifyitems(config, items):
-    """The test command's workers (``-n 2``, ``--dist loadgroup``) take whole files: a file's
-    module-scoped fixtures (servers, reference runs) are made once, on one worker; the files
-    that run sandboxes form one group (:data:`SANDBOX_FILES`)."""
-    for item in items:
-        path = Path(str(item.path))
-        group = "sandbox" if path.name in SANDBOX_FILES else str(path.relative_to(REPO))
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    """The test command's workers (``-n 2``) take whole files: a file's module-scoped fixtures
+    (servers, reference runs) are made once, on one worker; the files that run sandboxes form
+    one unit (:data:`SANDBOX_FILES`), run one after the other on one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = str(nodeid).split("::", 1)[0]
+            return "sandbox" if Path(path).name in SANDBOX_FILES else path
+
+    return FileGroups(config, log)
