@@ -1,4 +1,4 @@
-"""Two gloo ranks, a 2 s timeout: rank 1 stays away while rank 0 waits in collectives (torch's
+"""Two gloo ranks, a group with a 2 s timeout: rank 1 stays away while rank 0 waits in collectives (torch's
 and rlbatch's), then rank 0 raises user errors that mention a timeout. Prints one JSON line:
 which of them as_collective_timeout takes for a timed-out collective."""
 
@@ -32,13 +32,16 @@ def _env_timeout() -> None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+    # the ranks meet without a hurry (a loaded machine starts them seconds apart), then rank 0's
+    # collectives time out after 2 s on a group of their own
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    short = dist.new_group(timeout=datetime.timedelta(seconds=2))
     if dist.get_rank() == 1:
         time.sleep(10)
         return
     out = {
-        "all_reduce": _classified(lambda: dist.all_reduce(torch.ones(1))),
-        "all_gather_object": _classified(lambda: all_gather_object(1)),
+        "all_reduce": _classified(lambda: dist.all_reduce(torch.ones(1), group=short)),
+        "all_gather_object": _classified(lambda: all_gather_object(1, group=short)),
         "user_runtime_error": _classified(_user_call),
         "environment_timeout": _classified(_env_timeout),
     }
