@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlbatch.config.schema import RunConfig
+from rlbatch.config.schema import RolloutBackend, RunConfig
 from rlbatch.distributed import as_collective_timeout, local_peak_memory_gb, reset_peak_memory
 from rlbatch.eval.settings import eval_due
 from rlbatch.rollout.protocol import RolloutUnavailableError
@@ -186,12 +186,13 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
         cfg.grpo.max_zero_advantage_steps, state.metrics_history if state is not None else None
     )
     last_saved = resumed_step if state is not None else -1
+    servers = _on_servers(cfg)  # the only backend whose generation can be unavailable
     saved_at = time.monotonic()
     try:
         if state is None and _eval_due(cfg, comps, 0):
             logger.log({"step": 0, **_evaluate(cfg, comps, heartbeat, 0)})
         for step in range(resumed_step + 1, cfg.trainer.max_steps + 1):
-            before = _unsaved_state(comps, step, last_saved)
+            before = _unsaved_state(comps, step, last_saved) if servers else None
             try:
                 record = _guarded(
                     cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
@@ -334,6 +335,12 @@ def _guarded(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int,
         ) from exc
 
 
+def _on_servers(cfg: RunConfig) -> bool:
+    """Generation runs on rollout servers, which can be down (RolloutUnavailableError): only
+    then does each step keep the last completed step's state and agree on the outcome."""
+    return RolloutBackend(cfg.rollout.backend) == RolloutBackend.vllm_server
+
+
 def _unsaved_state(comps: Components, step: int, last_saved: int) -> TrainState | None:
     """The state of the last completed step (step - 1) when no checkpoint holds it yet and the
     producer does not generate ahead: what a failed generation saves before the run stops
@@ -378,7 +385,10 @@ def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int
     start_time = time.perf_counter()
     comps.dist.reset_peak_memory()
     heartbeat.beat(step, "batch")
-    batch = _agreed_batch(comps, step)
+    if _on_servers(cfg):
+        batch = _agreed_batch(comps, step)
+    else:
+        batch = comps.producer.batch_for_step(step)
     if comps.release_rollout is not None:
         comps.release_rollout()
     inject_nan = inject_fault(cfg.debug, step, rank)  # mid-step: generation done, no update yet

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from rlbatch.config.schema import FailKind, RunConfig
+from rlbatch.config.schema import FailKind, RolloutBackend, RunConfig
 from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.protocol import RolloutUnavailableError
 from rlbatch.rollout.schedule import PromptSampler, derive_schedule
@@ -189,6 +189,7 @@ def test_a_failed_generation_saves_the_last_step_and_resumes_exactly(tmp_path):
         cfg = _cfg(path)
         cfg.grpo.num_steps_async = 0
         cfg.trainer.checkpoint.every_steps = 6
+        cfg.rollout.backend = RolloutBackend.vllm_server  # the backend whose servers can fail
         return cfg
 
     ref_cfg = cfg_of(tmp_path / "ref")
@@ -244,10 +245,9 @@ class TwoRankView(LocalDist):
 
 def test_rank_disagreeing_on_the_step_is_named(tmp_path):
     cfg = _cfg(tmp_path)
-    # the peer answers the step's plan digest (a str) wrongly from step 2 on (call 6: calls are
-    # resume, step 1's generation outcome, digest and save/stop decision, step 2's generation
-    # outcome, step 2's digest)
-    dist = TwoRankView(lambda obj, n: obj if n < 6 or not isinstance(obj, str) else "deadbeef")
+    # the peer answers the step's plan digest (a str) wrongly from step 2 on (call 4: calls are
+    # resume, step 1's digest, step 1's save/stop decision, step 2's digest)
+    dist = TwoRankView(lambda obj, n: obj if n < 4 or not isinstance(obj, str) else "deadbeef")
     with pytest.raises(RankDisagreementError, match=r"rank\(s\) \[1\] disagree"):
         train(cfg, _components(cfg, dist=dist))
 
@@ -256,8 +256,7 @@ def test_silent_rank_is_named_on_timeout(tmp_path):
     cfg = _cfg(tmp_path)
 
     def peer(obj, n):
-        if n >= 6:  # step 2's digest (after resume, step 1's outcome, digest and decision, and
-            # step 2's generation outcome)
+        if n >= 4:  # step 2's digest (after resume, step 1's digest and decision)
             # what NCCL raises (torch's own error type; gloo's plain RuntimeError counts only when
             # raised inside torch: tests/dist/test_collective_timeout.py)
             raise torch.distributed.DistBackendError("Watchdog caught collective operation timeout")
