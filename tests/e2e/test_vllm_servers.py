@@ -6,10 +6,11 @@ log-probs the trainer's own at every step, evaluation on the same servers; an un
 is a configuration error before launch; rollout.servers.count=1 starts its server beside
 training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
 than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
-resumed exactly) run on the servers; a server killed mid-run, or relabelled by another client,
-stops the run naming it after saving the last completed step, or with
-rollout.servers.on_failure=continue leaves the pool while the run finishes on the other one
-with the metrics of a run on that one alone; async run-ahead overlaps training at dp 2 with the
+resumed exactly, its weights broadcast over a gloo group with the servers) run on the servers;
+a server killed mid-run, or relabelled by another client, stops the run naming it after saving
+the last completed step, or with rollout.servers.on_failure=continue leaves the pool (and the
+broadcast group) while the run finishes on the other one with the metrics of a run on that
+one alone with the file transfer; async run-ahead overlaps training at dp 2 with the
 inline run's samples; partial rollouts continue rows across weight updates (abort:
 bit-identical to the in-process vLLM stream, resumed exactly; keep: on the old prefix cache).
 The servers (two shared, two spares to kill) are started once for the module."""
@@ -296,11 +297,11 @@ def test_multi_turn_episodes_run_on_the_servers(servers, bin_dir, subprocess_env
 DP2 = (
     "parallel.dp=2", "trainer.max_steps=2", "trainer.checkpoint.every_steps=1",
     "eval.every_steps=2", "eval.at_start=true", "eval.max_prompts=1", "eval.num_samples=2",
-    "eval.max_new_tokens=6",
+    "eval.max_new_tokens=6", "rollout.servers.transfer=broadcast",
 )  # fmt: skip
 """Two data-parallel replicas (each sends its own rows to the servers; the first one pushes
-the weights, the second waits for them) and an evaluation of one prompt, which only the first
-replica has rows for."""
+the weights, broadcast over one group with both servers, the second waits for them) and an
+evaluation of one prompt, which only the first replica has rows for."""
 
 
 def test_a_killed_dp2_run_on_servers_resumes_with_identical_metrics(
@@ -310,8 +311,9 @@ def test_a_killed_dp2_run_on_servers_resumes_with_identical_metrics(
     replica has no rows then): on-policy at every step (the second replica generates only
     once the servers hold the weights the first pushed). Killed (SIGKILL) during step 2 and
     resumed with trainer.resume=auto while the servers keep running with the killed run's
-    weights: the resumed trainer pushes the checkpoint's weights before it generates, and
-    the metrics equal the uninterrupted run's exactly."""
+    weights (and its broadcast group, whose trainer end is gone): the resumed trainer forms a
+    new group, pushes the checkpoint's weights before it generates, and the metrics equal the
+    uninterrupted run's exactly."""
     ref_dir = tmp_path / "ref"
     ref = _train(bin_dir, subprocess_env, ref_dir, _urls(servers), *DP2)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
@@ -426,14 +428,28 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(
 CONTINUED = ("trainer.max_steps=4", "rollout.servers.on_failure=continue")
 
 
+def _requests_running(url: str) -> float:
+    """Requests the server is decoding now (vLLM's /metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running{")
+    )
+
+
 def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_finishes(
     servers, second_spare_server, bin_dir, subprocess_env, tmp_path
 ):
-    """rollout.servers.on_failure=continue on a shared server and a spare one, the spare
-    SIGKILLed once step 1 is recorded: a warning names it, its rows go to the other server,
-    weight syncs skip it, rollout/servers_alive falls from 2 to 1, and the run finishes with
-    the metrics of the same run on the other server alone (each row carries its own seed, so
-    the row a dead server would have sampled is the one the other server samples)."""
+    """rollout.servers.on_failure=continue on a shared server and a spare one, with the weights
+    broadcast over one group of the trainer and both servers (rollout.servers.transfer=
+    broadcast); the spare SIGKILLed while it decodes a round after step 1 is recorded: a warning
+    names it, its rows go to the other server, the next sync forms the group again without
+    it, rollout/servers_alive falls from 2 to 1, and the run finishes with the metrics of the
+    same run on the other server alone with the file transfer (each row carries its own seed,
+    so the row a dead server would have sampled is the one the other server samples; the
+    broadcast delivers the same weights as the file)."""
     ref_dir = tmp_path / "ref"
     ref = _train(bin_dir, subprocess_env, ref_dir, _urls([servers[0]]), *CONTINUED)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
@@ -442,13 +458,19 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
     launcher = subprocess.Popen(
         [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
          _urls([servers[0], second_spare_server]), *CONTINUED, "rollout.servers.timeout_s=60",
+         "rollout.servers.transfer=broadcast",
          f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
          "trainer.checkpoint.export_hf=false"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
         cwd=tmp_path,
     )  # fmt: skip
     try:
-        _first_step(launcher, run_dir)
+        deadline = _first_step(launcher, run_dir)
+        # during a generation round, not a weight sync: a server that fails in the middle of a
+        # broadcast stops the run in either mode (the group's other servers wait for it)
+        while _requests_running(second_spare_server) == 0:
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
         os.killpg(pgid, signal.SIGKILL)
         out, _ = launcher.communicate(timeout=300)
     finally:

@@ -1,7 +1,8 @@
 """rlbatch-bench servers: GRPO steps with colocated vLLM against vLLM rollout servers.
 
     rlbatch-bench servers [--models tiny,qwen0.5b] [--layers 2] [--steps 3] [--warmup 1]
-                          [--servers 1] [--async N] [--json] [-- KEY=VALUE ...]
+                          [--servers 1] [--transfer file[,broadcast]] [--async N] [--json]
+                          [-- KEY=VALUE ...]
 
 Each variant is one real ``rlbatch-train`` run (``+recipe=grpo_qwen``, a child process: the
 launcher, its workers and, for servers, the ``--servers`` vLLM servers it starts on this
@@ -9,7 +10,9 @@ machine with rollout.servers.count), and its figures come from the run's metrics
 the steps after ``--warmup``:
 
 - ``colocated``: rollout.backend=vllm (an engine inside every training rank);
-- ``servers``: rollout.backend=vllm_server, rollout.servers.count=``--servers``;
+- ``servers``: rollout.backend=vllm_server, rollout.servers.count=``--servers``, weights by
+  file (rollout.servers.transfer=file); ``servers_broadcast``: the same with
+  rollout.servers.transfer=broadcast, when ``--transfer`` names it;
 - with ``--async N`` > 0, each of them again with grpo.num_steps_async=N (generation of the
   next round while the current one trains). A variant the config refuses (async on servers
   before it is supported) is reported as refused, with the reason.
@@ -58,24 +61,45 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the figures")
     p.add_argument("--servers", type=int, default=1, help="servers of the servers variant")
+    p.add_argument(
+        "--transfer",
+        default="file",
+        help="comma list of rollout.servers.transfer values for the servers variants",
+    )
     p.add_argument("--async", dest="num_async", type=int, default=0,
                    help="grpo.num_steps_async of the async variants (0: none)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
     unknown = set(args.models.split(",")) - set(MODELS)
-    if unknown or args.steps <= args.warmup or args.servers < 1:
-        p.error(f"--models from {sorted(MODELS)}, --steps > --warmup, --servers >= 1")
+    transfers = [t for t in args.transfer.split(",") if t]
+    if (
+        unknown
+        or args.steps <= args.warmup
+        or args.servers < 1
+        or not transfers
+        or (set(transfers) - {"file", "broadcast"})
+    ):
+        p.error(
+            f"--models from {sorted(MODELS)}, --steps > --warmup, --servers >= 1, --transfer"
+            " from file,broadcast"
+        )
     return args, extra
 
 
 def variants(args: argparse.Namespace) -> dict[str, list[str]]:
     """name -> rlbatch-train overrides of one model's runs (the plan, no process started)."""
+    plans = {"colocated": [*BACKENDS["colocated"]]}
+    for transfer in args.transfer.split(","):
+        name = "servers" if transfer == "file" else f"servers_{transfer}"
+        plans[name] = [
+            *BACKENDS["servers"], f"rollout.servers.count={args.servers}",
+            f"rollout.servers.transfer={transfer}",
+        ]  # fmt: skip
     out = {}
-    for name, backend in BACKENDS.items():
-        servers = [f"rollout.servers.count={args.servers}"] if name == "servers" else []
-        out[name] = [*backend, *servers, "grpo.num_steps_async=0"]
+    for name, overrides in plans.items():
+        out[name] = [*overrides, "grpo.num_steps_async=0"]
         if args.num_async > 0:
-            out[f"{name}_async"] = [*backend, *servers, f"grpo.num_steps_async={args.num_async}"]
+            out[f"{name}_async"] = [*overrides, f"grpo.num_steps_async={args.num_async}"]
     return out
 
 
@@ -143,13 +167,13 @@ def _cell(value: Any) -> str:
 
 def render(table: dict[str, dict[str, Any]]) -> str:
     keys = ("step_time_s", "weight_sync_s", "wait_s", "hidden_share")
-    lines = [f"{'model':<9} {'variant':<16} " + " ".join(f"{k:>14}" for k in keys)]
+    lines = [f"{'model':<9} {'variant':<24} " + " ".join(f"{k:>14}" for k in keys)]
     for row in table.values():
         if row["refused"]:
-            lines.append(f"{row['model']:<9} {row['variant']:<16} refused: {row['refused']}")
+            lines.append(f"{row['model']:<9} {row['variant']:<24} refused: {row['refused']}")
             continue
         cells = " ".join(f"{_cell(row.get(k)):>14}" for k in keys)
-        lines.append(f"{row['model']:<9} {row['variant']:<16} {cells}")
+        lines.append(f"{row['model']:<9} {row['variant']:<24} {cells}")
     return "\n".join(lines)
 
 

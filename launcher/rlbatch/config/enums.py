@@ -262,6 +262,15 @@ class ServerUpdate(str, Enum):
     keep = "keep"
 
 
+class ServerTransfer(str, Enum):
+    """How a weight sync reaches the rollout servers (rollout.servers.transfer): ``file``, one
+    safetensors file every server reads; ``broadcast``, one process group of the trainer's
+    first rank and every server's workers (NCCL on GPUs, gloo on CPU)."""
+
+    file = "file"
+    broadcast = "broadcast"
+
+
 class BestMode(str, Enum):
     """Whether a higher or a lower value of trainer.checkpoint.keep_best is better."""
 

@@ -43,6 +43,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     RopeScaling,
     ScaleRewards,
     ServerFailure,
+    ServerTransfer,
     ServerUpdate,
     TokenizerSource,
     WandbMode,

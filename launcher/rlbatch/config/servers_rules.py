@@ -7,7 +7,13 @@ rollout.servers.on_update=keep without partial rollouts)."""
 from __future__ import annotations
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RolloutBackend, RunConfig, ServerFailure, ServerUpdate
+from rlbatch.config.schema import (
+    RolloutBackend,
+    RunConfig,
+    ServerFailure,
+    ServerTransfer,
+    ServerUpdate,
+)
 from rlbatch.config.streaming import overlaps_generation
 
 
@@ -18,6 +24,8 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
         for key, value, unset in (
             ("rollout.servers.urls", s.urls, "[]"),
             ("rollout.servers.count", s.count, "0"),
+            ("rollout.servers.transfer_dir", s.transfer_dir, "null"),
+            ("rollout.servers.transfer_host", s.transfer_host, "null"),
         ):
             if value:
                 errors.append(
@@ -44,6 +52,15 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     ServerUpdate(s.on_update).value,
                     f"applies to rollout.backend=vllm_server, not {cfg.rollout.backend}: set"
                     " rollout.backend=vllm_server, or rollout.servers.on_update=abort",
+                )
+            )
+        if ServerTransfer(s.transfer) != ServerTransfer.file:
+            errors.append(
+                ConfigError(
+                    "rollout.servers.transfer",
+                    ServerTransfer(s.transfer).value,
+                    f"applies to rollout.backend=vllm_server, not {cfg.rollout.backend}: set"
+                    " rollout.backend=vllm_server, or rollout.servers.transfer=file",
                 )
             )
         return
@@ -116,6 +133,27 @@ def _check_ranges(cfg: RunConfig, errors: list[ConfigError]) -> None:
     for key, (value, ok, wanted) in ranges.items():
         if not ok:
             errors.append(ConfigError(key, value, f"must be {wanted}"))
+    _check_transfer(cfg, errors)
+
+
+def _check_transfer(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """transfer_dir belongs to the file transfer, transfer_host to the broadcast: set with the
+    other one, it would be ignored without a word."""
+    s = cfg.rollout.servers
+    transfer = ServerTransfer(s.transfer)
+    for key, value, needs in (
+        ("rollout.servers.transfer_dir", s.transfer_dir, ServerTransfer.file),
+        ("rollout.servers.transfer_host", s.transfer_host, ServerTransfer.broadcast),
+    ):
+        if value is not None and transfer != needs:
+            errors.append(
+                ConfigError(
+                    key,
+                    value,
+                    f"applies to rollout.servers.transfer={needs.value}, not {transfer.value}:"
+                    f" set rollout.servers.transfer={needs.value}, or {key}=null",
+                )
+            )
 
 
 def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:

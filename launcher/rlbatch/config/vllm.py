@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rlbatch.config.enums import ServerFailure, ServerUpdate
+from rlbatch.config.enums import ServerFailure, ServerTransfer, ServerUpdate
 
 
 @dataclass
@@ -93,10 +93,25 @@ class ServersConfig:
     probe) stops the run either way."""
     max_concurrency: int = 64
     """Requests in flight at once from one issuing rank (spread over the servers)."""
+    transfer: ServerTransfer = ServerTransfer.file
+    """How a weight sync reaches the servers. ``file``: the trainer's first rank writes the
+    Hugging Face-named tensors to one safetensors file (``transfer_dir``) that every server
+    reads; needs a directory every server can read (one machine's /dev/shm, or a shared
+    filesystem). ``broadcast``: the trainer's first rank and every server's workers form one
+    process group (rendezvous at ``transfer_host``) and each tensor is broadcast to all
+    servers at once, with nothing written to disk: NCCL between GPUs (the servers run vLLM's
+    own ``nccl`` transfer backend; rlbatch-serve starts them so), gloo on CPU (rlbatch's
+    transfer plugin). rlbatch-serve starts servers with the backend the config's transfer
+    needs. A server that fails in the middle of a broadcast stops the run in either
+    ``on_failure`` mode (the group's other servers cannot finish without it)."""
     transfer_dir: Optional[str] = None
-    """Where the weights file of a sync is written for the servers to read (a directory every
-    server can read: the same machine, or a shared filesystem); null: /dev/shm when it exists,
-    else the system's temporary directory."""
+    """``transfer=file``: where the weights file of a sync is written for the servers to read
+    (a directory every server can read: the same machine, or a shared filesystem); null:
+    /dev/shm when it exists, else the system's temporary directory."""
+    transfer_host: Optional[str] = None
+    """``transfer=broadcast``: the address at which the servers reach the trainer's first rank
+    (it hosts the group's rendezvous on a free port); null: 127.0.0.1 when every server is on
+    this machine's loopback, else this machine's host name."""
     probe_tokens: int = 4
     """After each weight sync every server samples this many tokens of a fixed prompt and
     their log-probabilities are compared with the trainer's own; 0: no probe."""

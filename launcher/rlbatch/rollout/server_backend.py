@@ -11,12 +11,11 @@ its own share at the same time, with no extra hop through one client.
 
 Weight sync (whenever the policy version changes): the first replica's group streams the
 Hugging Face-named full tensors once from its tp / pp shards (rlbatch.rollout.weights); its
-first rank, global rank 0, writes them to one safetensors file (``rollout.servers.transfer_dir``,
-/dev/shm by default: shared memory) and drives vLLM's RL lifecycle on every server: pause
-(waiting for requests in flight), start_weight_update, update_weights (the server reads the
-file through rlbatch's transfer backend, rlbatch.rollout.server_transfer), finish_weight_update
-with a label of this sync, reset_prefix_cache (vLLM keeps the cache across updates; partial
-rollouts with rollout.servers.on_update=keep leave it, so rows continue on the old KV), resume.
+first rank, global rank 0, hands them to every server through vLLM's RL lifecycle, as a file or
+a broadcast over one process group (``rollout.servers.transfer``, rlbatch.rollout.server_sync),
+labelling the weights of this sync (finish_weight_update) and dropping the prefix cache (vLLM
+keeps it across updates; partial rollouts with rollout.servers.on_update=keep leave it, so rows
+continue on the old KV).
 The other replicas' first ranks wait until every server reports that label (GET /weight_info)
 before they decode. Then a probe: every server samples a few tokens of a fixed prompt, and
 their log-probabilities must equal the trainer's own forward of the same tokens within
@@ -40,31 +39,26 @@ updated the server).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Optional
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RunConfig, ServerFailure, ServerUpdate
+from rlbatch.config.schema import RunConfig, ServerFailure, ServerTransfer, ServerUpdate
 from rlbatch.rollout.protocol import (
     DecodedRow,
-    RolloutUnavailableError,
     SyncedRolloutEngine,
     TokenSampling,
     TurnDecoder,
     decode_on_group_leader,
     token_sampling,
 )
+from rlbatch.rollout.server_http import ServerDownError, ServerError, call
 
 URLS_ENV = "RLBATCH_ROLLOUT_SERVER_URLS"
 """The URLs of the servers the launcher started (rollout.servers.count), comma-separated."""
@@ -73,15 +67,6 @@ PROBE_PROMPT = (3, 14, 15, 92, 65, 35, 89, 79)
 
 
 log = logging.getLogger("rlbatch.rollout")
-
-
-class ServerError(RolloutUnavailableError):
-    """A rollout server refused a request, did not answer in time, or answered wrongly."""
-
-
-class ServerDownError(ServerError):
-    """A rollout server refused a request (no connection, HTTP 5xx) or did not answer in time:
-    the failures rollout.servers.on_failure=continue drops a server for."""
 
 
 def server_urls(cfg: RunConfig) -> list[str]:
@@ -96,28 +81,6 @@ def server_urls(cfg: RunConfig) -> list[str]:
             " this process (rlbatch-train and rlbatch-eval start them before the workers)"
         )
     return started.split(",")
-
-
-def call(url: str, path: str, body: Any = None, *, timeout_s: float, get: bool = False) -> Any:
-    """One request to a server, its JSON answer; ServerError naming the server otherwise."""
-    data = None if get else json.dumps({} if body is None else body).encode()
-    req = urllib.request.Request(
-        url + path, data=data, headers={"Content-Type": "application/json"},
-        method="GET" if get else "POST",
-    )  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as answer:
-            raw = answer.read()
-    except urllib.error.HTTPError as err:
-        detail = err.read().decode(errors="replace")[:800]
-        kind = ServerDownError if err.code >= 500 else ServerError
-        raise kind(f"rollout server {url}: {path} failed ({err.code}): {detail}") from err
-    except (urllib.error.URLError, OSError) as err:
-        raise ServerDownError(
-            f"rollout server {url} did not answer {path} within {timeout_s:g} s"
-            f" (rollout.servers.timeout_s): {getattr(err, 'reason', err)}; is it still running?"
-        ) from err
-    return json.loads(raw) if raw else None
 
 
 class _Servers:
@@ -146,6 +109,8 @@ class _Servers:
         self.model_id: Optional[int] = None
         self.version: Optional[int] = None
         self.outstanding = dict.fromkeys(urls, 0)
+        self.group: Any = None
+        """rollout.servers.transfer=broadcast: the weight group (rlbatch.rollout.server_sync)."""
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rlbatch-rollout")
 
@@ -221,7 +186,11 @@ def shutdown_engine() -> None:
     """Close this process's connection (the servers themselves belong to whoever started
     them: rlbatch-serve, or the launcher)."""
     if _SERVERS:
-        _SERVERS.pop().pool.shutdown(wait=False, cancel_futures=True)
+        from rlbatch.rollout.server_sync import close_group
+
+        servers = _SERVERS.pop()
+        close_group(servers)
+        servers.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def release_memory() -> None:
@@ -281,44 +250,15 @@ class ServerBackend:
         self._probe()
 
     def _push(self, tensors: dict[str, Any], label: str) -> None:
-        from safetensors.torch import save_file
+        from rlbatch.rollout.server_sync import push
 
-        s = self.cfg.rollout.servers
-        folder = Path(
-            s.transfer_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
-        )
-        path = folder / f"rlbatch-weights-{self.servers.nonce}-{os.getpid()}.safetensors"
-        save_file(tensors, str(path))
-        try:
-            drop = self._drops_cache()
-            for url in list(self.servers.urls):
-                try:
-                    self._update(url, str(path), label, drop=drop)
-                except ServerError as err:
-                    self.servers.drop(url, err)
-        finally:
-            path.unlink(missing_ok=True)
+        push(self.servers, self.cfg, tensors, label, self._drops_cache())
 
     def _drops_cache(self) -> bool:
         """Whether this sync drops the servers' prefix cache: always but with
         rollout.servers.on_update=keep, and then still at the process's first sync (the cache
         may hold KV of weights another run pushed)."""
         return self.drops_cache or self.servers.syncs == 1
-
-    def _update(self, url: str, path: str, label: str, *, drop: bool) -> None:
-        t = self.servers.timeout_s
-        # vLLM's pause drops the prefix cache unless told otherwise (clear_cache)
-        pause = "/pause?mode=wait" + ("" if drop else "&clear_cache=false")
-        call(url, pause, timeout_s=t)
-        try:
-            call(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=t)
-            call(url, "/start_weight_update", timeout_s=t)
-            call(url, "/update_weights", {"update_info": {"path": path}}, timeout_s=t)
-            call(url, "/finish_weight_update", {"weight_version": label}, timeout_s=t)
-            if drop:
-                call(url, "/reset_prefix_cache", timeout_s=t)
-        finally:
-            call(url, "/resume", timeout_s=t)
 
     def _await_label(self, label: str) -> None:
         deadline = time.monotonic() + self.servers.timeout_s
@@ -526,6 +466,7 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
             continue
         _check_server_length(cfg, url, errors)
+        _check_server_transfer(cfg, url, errors)
 
 
 def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
@@ -548,5 +489,33 @@ def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) ->
                 f" {needed} (the longest prompt + rollout.max_new_tokens, or the evaluation's):"
                 " restart it with rlbatch-serve and the run's recipe and overrides (or"
                 f" rollout.vllm.max_model_len>={needed}), or shorten the run's sequences",
+            )
+        )
+
+
+def _check_server_transfer(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
+    """The server runs the weight-transfer backend rollout.servers.transfer needs from this
+    trainer (a server of another config would fail the first sync, after the workers started)."""
+    import torch
+
+    from rlbatch.rollout.server_process import TRANSFER_BACKEND
+    from rlbatch.rollout.server_sync import expected_backend, server_transfer
+
+    try:
+        backend, _ = server_transfer(url, timeout_s=10.0)
+    except (ServerError, KeyError, TypeError, ValueError):
+        return  # a server that does not report it: the first sync names the server
+    transfer = ServerTransfer(cfg.rollout.servers.transfer)
+    broadcast = transfer == ServerTransfer.broadcast
+    want = expected_backend(torch.cuda.is_available()) if broadcast else TRANSFER_BACKEND
+    if backend != want:
+        errors.append(
+            ConfigError(
+                "rollout.servers.urls",
+                url,
+                f"runs the {backend!r} weight-transfer backend, but rollout.servers.transfer="
+                f"{transfer.value} from this trainer needs {want!r}: restart it with"
+                " rlbatch-serve and the run's recipe and overrides (rlbatch-serve picks the"
+                " backend from rollout.servers.transfer), or change rollout.servers.transfer",
             )
         )

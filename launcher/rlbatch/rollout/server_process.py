@@ -8,7 +8,8 @@ the ``vllm`` console script of the CPU build does not start) with: token ids in 
 (``--skip-tokenizer-init --tokens-only``), the sampled token's log-probability at the sampling
 temperature (``--logprobs-mode processed_logprobs``, the trainer's convention), the RL endpoints
 (``VLLM_SERVER_DEV_MODE=1``: pause / resume / weight updates) and rlbatch's weight-transfer
-backend (rlbatch.rollout.server_transfer). Its model directory holds the config.json rlbatch's
+backend (rlbatch.rollout.server_transfer; vLLM's own NCCL one for GPU servers with
+rollout.servers.transfer=broadcast). Its model directory holds the config.json rlbatch's
 model config describes (architecture, dtype, EOS / BOS ids) and, when ``model.hf_path`` is a
 local checkpoint, links to its safetensors files; otherwise the server starts from dummy
 weights, which the trainer replaces before the first generation.
@@ -38,8 +39,22 @@ from typing import Any, Optional
 
 from rlbatch.config.schema import RunConfig
 
-TRANSFER_BACKEND = "rlbatch_file"
+TRANSFER_BACKEND = "rlbatch"
 """rlbatch.rollout.server_transfer.BACKEND (not imported here: that module imports vLLM)."""
+NCCL_BACKEND = "nccl"
+"""vLLM's own transfer backend: GPU servers with rollout.servers.transfer=broadcast."""
+
+
+def transfer_backend(cfg: RunConfig, *, cpu: bool) -> str:
+    """The transfer backend a server of ``cfg`` runs: vLLM's NCCL broadcast on GPUs with
+    rollout.servers.transfer=broadcast, rlbatch's plugin otherwise (a file, or a gloo
+    broadcast on the CPU build)."""
+    from rlbatch.config.schema import ServerTransfer
+
+    broadcast = ServerTransfer(cfg.rollout.servers.transfer) == ServerTransfer.broadcast
+    return NCCL_BACKEND if broadcast and not cpu else TRANSFER_BACKEND
+
+
 WEIGHTS = "model.safetensors"
 
 
@@ -101,7 +116,7 @@ def server_spec(
         "--max-num-seqs", str(settings.max_num_seqs), "--seed", "0",
         "--load-format", "auto" if real else "dummy",
         "--tensor-parallel-size", str(cfg.rollout.vllm.tensor_parallel_size),
-        "--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
+        "--weight-transfer-config", json.dumps({"backend": transfer_backend(cfg, cpu=cpu)}),
         "--enable-prefix-caching" if settings.enable_prefix_caching else "--no-enable-prefix-caching",
         "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
     ]  # fmt: skip

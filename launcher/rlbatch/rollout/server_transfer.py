@@ -1,53 +1,94 @@
 """rlbatch's weight-transfer backend for vLLM servers, loaded into every server process as a
 vLLM plugin (entry point group ``vllm.general_plugins``, :func:`register`).
 
-vLLM's RL lifecycle (``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update``)
-needs a transfer backend; the ones vLLM ships move tensors over NCCL or CUDA IPC and do not run
-on its CPU build. This one reads the weights from a safetensors file the trainer wrote (on one
-machine a file in /dev/shm, i.e. shared memory; across machines a shared filesystem), named in
-each ``update_info`` as ``{"path": ...}``. The update runs inside vLLM's layer-wise reload
-(started by ``start_weight_update``, finished by ``finish_weight_update``): the CPU build
-repacks linear weights, which only the reload path rebuilds. The trainer sends ``lm_head.weight``
-for a tied model (the CPU head keeps its own copy).
+vLLM's RL lifecycle (``init_weight_transfer_engine``, then per update ``start_weight_update`` ->
+``update_weights`` -> ``finish_weight_update``) needs a transfer backend; the ones vLLM ships
+move tensors over NCCL or CUDA IPC and do not run on its CPU build. This one takes the weights
+either way rollout.servers.transfer names, chosen by what the trainer sends:
+
+- ``file``: an empty ``init_info``; each ``update_info`` names a safetensors file the trainer
+  wrote (``{"path": ...}``; on one machine a file in /dev/shm, i.e. shared memory; across
+  machines a shared filesystem);
+- ``broadcast``: ``init_info`` is the rendezvous of one gloo process group of the trainer's
+  first rank (rank 0, which hosts the TCP store) and every server's workers (``rank_offset``:
+  the first rank of this server's workers); each ``update_info`` lists the tensors' names,
+  dtypes and shapes, and the tensors arrive one by one, broadcast from rank 0, in that order:
+  the protocol of vLLM's own ``nccl`` backend (unpacked), which GPU servers run instead.
+
+The update runs inside vLLM's layer-wise reload (started by ``start_weight_update``, finished by
+``finish_weight_update``): the CPU build repacks linear weights, which only the reload path
+rebuilds. The trainer sends ``lm_head.weight`` for a tied model (the CPU head keeps its own
+copy).
 
 This module imports vLLM: only a server process loads it (vLLM resolves the backend's class by
-name when a server starts with ``--weight-transfer-config '{"backend": "rlbatch_file"}'``).
+name when a server starts with ``--weight-transfer-config '{"backend": "rlbatch"}'``).
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-BACKEND = "rlbatch_file"
+BACKEND = "rlbatch"
 """The name servers are started with (--weight-transfer-config)."""
 
 
 @dataclass
-class FileInitInfo(WeightTransferInitInfo):
-    """Nothing to set up: every update names its own file."""
+class TransferInitInfo(WeightTransferInitInfo):
+    """Empty for the file transfer; the gloo group's rendezvous for the broadcast."""
+
+    master_address: Optional[str] = None
+    master_port: Optional[int] = None
+    rank_offset: int = 1
+    world_size: int = 0
+    timeout_s: float = 300.0
 
 
 @dataclass
-class FileUpdateInfo(WeightTransferUpdateInfo):
-    path: str
-    """A safetensors file of Hugging Face-named full tensors the server can read."""
+class TransferUpdateInfo(WeightTransferUpdateInfo):
+    path: Optional[str] = None
+    """file: a safetensors file of Hugging Face-named full tensors the server can read."""
+    names: Optional[list[str]] = None
+    """broadcast: the tensors' names, dtypes (torch names) and shapes, in broadcast order."""
+    dtype_names: Optional[list[str]] = None
+    shapes: Optional[list[list[int]]] = None
 
 
-class FileTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
-    """Weights from a safetensors file into the model, inside vLLM's layer-wise reload."""
+class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdateInfo]):
+    """Weights from a file, or broadcast over a gloo group, into the model, inside vLLM's
+    layer-wise reload."""
 
-    init_info_cls = FileInitInfo
-    update_info_cls = FileUpdateInfo
+    init_info_cls = TransferInitInfo
+    update_info_cls = TransferUpdateInfo
 
-    def init_transfer_engine(self, init_info: FileInitInfo) -> None:
-        return None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: Any = None
+
+    def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
+        self.shutdown()  # a new group (the trainer restarted, or left a server out)
+        if init_info.master_address is None:
+            return
+        import torch.distributed as dist
+
+        # this worker's rank: as vLLM's nccl backend counts it (data-parallel index, then the
+        # worker's rank in its engine, after the trainer's rank_offset ranks)
+        p = self.parallel_config
+        rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
+        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        store = dist.TCPStore(
+            init_info.master_address, int(init_info.master_port), init_info.world_size,
+            is_master=False, timeout=timeout,
+        )  # fmt: skip
+        self.group = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -61,18 +102,34 @@ class FileTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class synchronises the accelerator (torch.accelerator), which the CPU build
-        # lacks; a file read is synchronous
+        # lacks; a file read and a gloo broadcast are synchronous
         self.receive_weights(self.parse_update_info(update_info))
 
-    def receive_weights(self, update_info: FileUpdateInfo) -> None:
-        from safetensors import safe_open
+    def receive_weights(self, update_info: TransferUpdateInfo) -> None:
+        if update_info.path is not None:
+            from safetensors import safe_open
 
-        with safe_open(update_info.path, framework="pt", device="cpu") as f:
-            weights = [(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118
-        self.model.load_weights(weights)  # type: ignore[operator]
+            with safe_open(update_info.path, framework="pt", device="cpu") as f:
+                weights = [(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118
+            self.model.load_weights(weights)  # type: ignore[operator]
+            return
+        if self.group is None:
+            raise RuntimeError(
+                "a broadcast weight update arrived before init_weight_transfer_engine joined"
+                " the trainer's group"
+            )
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        names, dtypes, shapes = update_info.names or [], update_info.dtype_names, update_info.shapes
+        for name, dtype, shape in zip(names, dtypes or [], shapes or [], strict=True):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            self.group.broadcast([tensor], opts).wait()
+            self.model.load_weights([(name, tensor)])  # type: ignore[operator]
 
     def shutdown(self) -> None:
-        return None
+        self.group = None
 
 
 def register() -> None:
@@ -81,4 +138,4 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, FileTransferEngine)
+        WeightTransferEngineFactory.register_engine(BACKEND, RlbatchTransferEngine)

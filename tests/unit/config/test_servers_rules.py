@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RolloutBackend, RunConfig, ServerFailure, ServerUpdate
+from rlbatch.config.schema import (
+    RolloutBackend,
+    RunConfig,
+    ServerFailure,
+    ServerTransfer,
+    ServerUpdate,
+)
 from rlbatch.config.servers_rules import check_servers
 
 
@@ -168,3 +174,49 @@ def test_a_bad_on_failure_value_names_the_key_and_the_choices():
     (error,) = errors
     assert error.key == "rollout.servers.on_failure" and error.value == "retry"
     assert "stop" in error.message and "continue" in error.message
+
+
+def test_each_transfer_key_belongs_to_its_transfer():
+    """transfer_dir is the file transfer's, transfer_host the broadcast's: set with the other
+    transfer (or on another backend) it would be ignored, so it is an error naming the key,
+    its value and both fixes; the broadcast itself takes no other key."""
+    assert _errors(urls=["http://a:1"], transfer=ServerTransfer.broadcast) == {}
+    assert _errors(urls=["http://a:1"], transfer_dir="/shared/w") == {}
+    errors = _errors(
+        urls=["http://a:1"], transfer=ServerTransfer.broadcast, transfer_dir="/shared/w"
+    )
+    (error,) = errors.values()
+    assert error.key == "rollout.servers.transfer_dir" and error.value == "/shared/w"
+    assert "rollout.servers.transfer=file" in error.message
+    assert "rollout.servers.transfer_dir=null" in error.message
+    errors = _errors(urls=["http://a:1"], transfer_host="node3")
+    assert set(errors) == {"rollout.servers.transfer_host"}
+    assert "rollout.servers.transfer=broadcast" in errors["rollout.servers.transfer_host"].message
+
+
+def test_transfer_keys_on_another_backend_are_errors():
+    cfg = RunConfig()
+    cfg.rollout.servers.transfer = ServerTransfer.broadcast
+    cfg.rollout.servers.transfer_host = "node3"
+    errors: list[ConfigError] = []
+    check_servers(cfg, errors)
+    assert [e.key for e in errors] == [
+        "rollout.servers.transfer_host", "rollout.servers.transfer",
+    ]  # fmt: skip
+    assert all("rollout.backend=vllm_server" in e.message for e in errors)
+
+
+def test_transfer_takes_file_or_broadcast_from_the_command_line(capsys):
+    from rlbatch.cli.common import compose
+
+    base = [
+        "+recipe=grpo_qwen", "model.num_attention_heads=2", "model.num_query_groups=2",
+        "rollout.backend=vllm_server", "rollout.servers.urls=[http://a:1]",
+    ]  # fmt: skip
+    cfg = compose([*base, "rollout.servers.transfer=broadcast"], "t")
+    assert cfg.rollout.servers.transfer == ServerTransfer.broadcast
+    with pytest.raises(SystemExit):
+        compose([*base, "rollout.servers.transfer=nccl"], "t")
+    assert (
+        "rollout.servers.transfer=nccl: is not one of: file, broadcast" in capsys.readouterr().err
+    )

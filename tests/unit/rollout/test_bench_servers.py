@@ -19,6 +19,17 @@ def test_async_variants_follow_the_sync_ones_of_each_backend():
     assert list(variants(_parse([])[0])) == ["colocated", "servers"]
 
 
+def test_each_transfer_is_a_servers_variant_of_its_own():
+    plan = variants(_parse(["--transfer", "file,broadcast", "--async", "1"])[0])
+    assert list(plan) == [
+        "colocated", "colocated_async", "servers", "servers_async", "servers_broadcast",
+        "servers_broadcast_async",
+    ]  # fmt: skip
+    assert "rollout.servers.transfer=file" in plan["servers"]
+    assert "rollout.servers.transfer=broadcast" in plan["servers_broadcast_async"]
+    assert "grpo.num_steps_async=1" in plan["servers_broadcast_async"]
+
+
 def test_figures_leave_the_warmup_out_and_the_hidden_share_compares_waits():
     records = [
         {"step": 1, "step_time_s": 9.0, "rollout/weight_sync_s": 5.0, "batch_seconds": 8.0},

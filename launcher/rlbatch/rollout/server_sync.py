@@ -1,0 +1,336 @@
+"""A weight sync to the rollout servers, driven by the trainer's global rank 0 over vLLM's RL
+lifecycle, in the way ``rollout.servers.transfer`` names.
+
+- ``file``: the Hugging Face-named tensors go to one safetensors file (``transfer_dir``,
+  /dev/shm by default: shared memory), then each server in turn: pause (waiting for requests in
+  flight), init (nothing to set up), start_weight_update, update_weights (the server reads the
+  file), finish_weight_update with the sync's label, reset_prefix_cache, resume.
+- ``broadcast``: the trainer's first rank and every server's workers form one process group
+  (the trainer is rank 0 and hosts the rendezvous; each server's workers follow at their
+  ``rank_offset``): NCCL when the trainer is on a GPU (servers run vLLM's own ``nccl``
+  backend), gloo on CPU (rlbatch's plugin). A sync pauses every server, starts the update on
+  each, then asks every server to receive (update_weights, one request per server, in flight
+  together) while rank 0 broadcasts each tensor once to all of them, then finishes, resets the
+  prefix cache and resumes each. The group is formed at the first sync and formed again
+  whenever the pool changes (a server left it under rollout.servers.on_failure=continue); a
+  server that fails in the middle of a broadcast leaves every other one waiting for tensors
+  that will not come, so that stops the run in either on_failure mode, naming the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from rlbatch.config.schema import RunConfig, ServerTransfer
+from rlbatch.rollout.server_http import ServerError, call
+
+if TYPE_CHECKING:
+    from rlbatch.rollout.server_backend import _Servers
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def push(
+    servers: _Servers, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
+) -> None:
+    """Every server of the pool takes ``tensors`` under ``label`` (``drop``: and drops its
+    prefix cache); a server that is down leaves the pool or stops the run (on_failure)."""
+    if ServerTransfer(cfg.rollout.servers.transfer) == ServerTransfer.broadcast:
+        _push_broadcast(servers, cfg, tensors, label, drop)
+    else:
+        _push_file(servers, cfg, tensors, label, drop)
+
+
+def _pause(drop: bool) -> str:
+    # vLLM's pause drops the prefix cache unless told otherwise (clear_cache)
+    return "/pause?mode=wait" + ("" if drop else "&clear_cache=false")
+
+
+def _finish(url: str, label: str, drop: bool, timeout_s: float) -> None:
+    call(url, "/finish_weight_update", {"weight_version": label}, timeout_s=timeout_s)
+    if drop:
+        call(url, "/reset_prefix_cache", timeout_s=timeout_s)
+
+
+def _push_file(
+    servers: _Servers, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
+) -> None:
+    from safetensors.torch import save_file
+
+    s = cfg.rollout.servers
+    folder = Path(
+        s.transfer_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
+    )
+    path = folder / f"rlbatch-weights-{servers.nonce}-{os.getpid()}.safetensors"
+    save_file(tensors, str(path))
+    t = servers.timeout_s
+    try:
+        for url in list(servers.urls):
+            try:
+                call(url, _pause(drop), timeout_s=t)
+                try:
+                    call(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=t)
+                    call(url, "/start_weight_update", timeout_s=t)
+                    call(url, "/update_weights", {"update_info": {"path": str(path)}}, timeout_s=t)
+                    _finish(url, label, drop, t)
+                finally:
+                    call(url, "/resume", timeout_s=t)
+            except ServerError as err:
+                servers.drop(url, err)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _push_broadcast(
+    servers: _Servers, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
+) -> None:
+    t = servers.timeout_s
+    paused = []
+    try:
+        for url in list(servers.urls):
+            try:
+                call(url, _pause(drop), timeout_s=t)
+                paused.append(url)
+            except ServerError as err:
+                servers.drop(url, err)
+        urls = list(servers.urls)
+        try:
+            if servers.group is None or servers.group.urls != urls:
+                close_group(servers)
+                servers.group = BroadcastGroup.join(urls, cfg, t)
+            for url in urls:
+                call(url, "/start_weight_update", timeout_s=t)
+            servers.group.send(tensors)
+            for url in urls:
+                _finish(url, label, drop, t)
+        except ServerError as err:
+            close_group(servers)
+            # not ServerDownError: the other servers of the group cannot go on without it
+            raise ServerError(
+                f"the weight broadcast to the rollout servers failed"
+                f" (rollout.servers.transfer=broadcast): {err}"
+            ) from err
+    finally:
+        for url in paused:  # one that is down now is found by its next request
+            with contextlib.suppress(ServerError):
+                call(url, "/resume", timeout_s=t)
+
+
+def close_group(servers: _Servers) -> None:
+    if servers.group is not None:
+        servers.group.close()
+        servers.group = None
+
+
+def transfer_host(cfg: RunConfig, urls: list[str]) -> str:
+    """Where the servers reach the trainer's first rank (rollout.servers.transfer_host)."""
+    host = cfg.rollout.servers.transfer_host
+    if host:
+        return str(host)
+    if all(urlsplit(u).hostname in LOOPBACK for u in urls):
+        return "127.0.0.1"
+    return socket.getfqdn()
+
+
+def server_transfer(url: str, timeout_s: float) -> tuple[str, int]:
+    """A server's weight-transfer backend and its number of workers (GET /server_info)."""
+    info = call(url, "/server_info?config_format=json", timeout_s=timeout_s, get=True)
+    config = info["vllm_config"]
+    backend = str((config.get("weight_transfer_config") or {}).get("backend"))
+    p = config["parallel_config"]
+    return backend, int(p["world_size"]) * int(p.get("data_parallel_size", 1))
+
+
+def expected_backend(cuda: bool) -> str:
+    """The servers' backend a broadcast from this trainer needs: vLLM's NCCL one from a GPU,
+    rlbatch's gloo plugin from the CPU."""
+    from rlbatch.rollout.server_process import NCCL_BACKEND, TRANSFER_BACKEND
+
+    return NCCL_BACKEND if cuda else TRANSFER_BACKEND
+
+
+class BroadcastGroup:
+    """The trainer's end (rank 0) of one process group with every server's workers."""
+
+    def __init__(self, urls: list[str], comm: Any, store: Any, timeout_s: float) -> None:
+        self.urls = list(urls)
+        self.comm = comm
+        self.store = store
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="rlbatch-sync")
+
+    @classmethod
+    def join(cls, urls: list[str], cfg: RunConfig, timeout_s: float) -> BroadcastGroup:
+        """Form the group: every server joins at its rank offset while rank 0 opens its end
+        (both block until the whole group has met)."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        want = expected_backend(cuda)
+        sizes = []
+        for url in urls:
+            backend, workers = server_transfer(url, timeout_s)
+            if backend != want:
+                raise ServerError(
+                    f"rollout server {url} runs the {backend!r} weight-transfer backend, but a"
+                    f" broadcast from this {'GPU' if cuda else 'CPU'} trainer needs {want!r}:"
+                    " start the servers with rlbatch-serve and the run's config"
+                    " (rollout.servers.transfer=broadcast), or set rollout.servers.transfer=file"
+                )
+            sizes.append(workers)
+        host = transfer_host(cfg, urls)
+        port = _free_port()
+        world = 1 + sum(sizes)
+        opened: Future = Future()
+
+        def open_end() -> None:  # a thread of its own: it blocks until every server joined
+            try:
+                opened.set_result(_open(host, port, world, timeout_s, cuda))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                opened.set_exception(err)
+
+        threading.Thread(target=open_end, name="rlbatch-sync-rendezvous", daemon=True).start()
+        offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
+        ex = ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="rlbatch-sync-join")
+        try:
+            joins = {
+                url: ex.submit(
+                    call,
+                    url,
+                    "/init_weight_transfer_engine",
+                    {
+                        "init_info": {
+                            "master_address": host,
+                            "master_port": port,
+                            "rank_offset": offset,
+                            "world_size": world,
+                            **({} if cuda else {"timeout_s": timeout_s}),
+                        }
+                    },
+                    timeout_s=timeout_s,
+                )  # fmt: skip
+                for url, offset in zip(urls, offsets, strict=True)
+            }
+            # a server that refuses is reported at once, not after the others' timeout
+            wait(joins.values(), return_when=FIRST_EXCEPTION)
+            for url, joined in joins.items():
+                err = joined.exception() if joined.done() else None
+                if err is not None:
+                    raise ServerError(
+                        f"rollout server {url} did not join the weight broadcast group at"
+                        f" {host}:{port}: {err}"
+                    ) from err
+        finally:
+            ex.shutdown(wait=False)
+        try:
+            comm, store = opened.result(timeout=timeout_s)
+        except Exception as err:
+            raise ServerError(
+                f"the weight broadcast group at {host}:{port} did not form within"
+                f" {timeout_s:g} s (rollout.servers.timeout_s): {err}; can the servers"
+                f" {', '.join(urls)} reach {host} (rollout.servers.transfer_host)?"
+            ) from err
+        return cls(urls, comm, store, timeout_s)
+
+    def send(self, tensors: dict[str, Any]) -> None:
+        """Every server receives ``tensors`` (its update_weights request) while rank 0
+        broadcasts them, one by one, in the order the request lists them."""
+        update = {
+            "names": list(tensors),
+            "dtype_names": [str(v.dtype).removeprefix("torch.") for v in tensors.values()],
+            "shapes": [list(v.shape) for v in tensors.values()],
+        }
+        receives = {
+            url: self.pool.submit(
+                call, url, "/update_weights", {"update_info": update}, timeout_s=self.timeout_s
+            )
+            for url in self.urls
+        }
+        start = time.monotonic()
+        try:
+            for tensor in tensors.values():
+                self._fail_fast(receives)
+                self._broadcast(tensor)
+            if self.comm_is_nccl:
+                import torch
+
+                torch.cuda.current_stream().synchronize()
+        except ServerError:
+            raise
+        except Exception as err:
+            self._fail_fast(receives)
+            raise ServerError(
+                f"broadcasting the weights failed after {time.monotonic() - start:.1f} s: {err}"
+            ) from err
+        for url, received in receives.items():
+            try:
+                received.result()
+            except ServerError:
+                raise
+            except Exception as err:  # noqa: BLE001 - named with the server
+                raise ServerError(f"rollout server {url}: update_weights failed: {err}") from err
+
+    @staticmethod
+    def _fail_fast(receives: dict[str, Future]) -> None:
+        """A server whose update_weights failed already: its error, rather than a broadcast
+        that waits for it until the timeout."""
+        for received in receives.values():
+            if received.done() and received.exception() is not None:
+                received.result()
+
+    @property
+    def comm_is_nccl(self) -> bool:
+        return self.store is None
+
+    def _broadcast(self, tensor: Any) -> None:
+        if self.comm_is_nccl:
+            import torch
+
+            send = tensor if tensor.is_contiguous() else tensor.contiguous()
+            self.comm.broadcast(send, src=0, stream=torch.cuda.current_stream())
+            return
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.comm.broadcast([tensor.contiguous()], opts).wait()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        destroy = getattr(self.comm, "destroy", None)
+        if self.comm_is_nccl and destroy is not None:
+            destroy()
+        self.comm = self.store = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _open(host: str, port: int, world: int, timeout_s: float, cuda: bool) -> tuple[Any, Any]:
+    """Rank 0's end of the group: (communicator, store); the store is None for NCCL (vLLM's
+    stateless group holds its own)."""
+    if cuda:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        info = {"master_address": host, "master_port": port, "world_size": world}
+        return trainer_init(info, rank=0), None
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        host, port, world, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+    return dist.ProcessGroupGloo(store, 0, world, timeout), store
