@@ -15,7 +15,6 @@ torch fakes; :mod:`rlbatch.train.build` assembles the real Megatron components.
 
 from __future__ import annotations
 
-import copy
 import errno
 import hashlib
 import json
@@ -38,6 +37,7 @@ from rlbatch.train.checkpoint import (
     TrainState,
     apply_payload,
     build_payload,
+    capture_train_state,
     latest_checkpoint,
     load_checkpoint,
     resume_candidates,
@@ -349,16 +349,8 @@ def _unsaved_state(comps: Components, step: int, last_saved: int) -> TrainState 
     otherwise."""
     if step - 1 <= max(last_saved, 0) or comps.producer.lag > 0:
         return None
-    producer = comps.producer.state_dict()  # its lists are copies; the cursor is copied here
-    producer["sampler"] = copy.deepcopy(producer["sampler"])
-    return TrainState(
-        step=step - 1,
-        policy_version=step - 1,
-        producer=producer,
-        planner=copy.deepcopy(_state_of(comps.planner)),
-        aggregator=copy.deepcopy(_state_of(comps.aggregator)),
-        rng=capture_rng_state(),
-        metrics_history=[],
+    return capture_train_state(
+        step - 1, comps.producer, comps.planner, comps.aggregator, detached=True
     )
 
 
@@ -487,10 +479,6 @@ def _record(
 # ------------------------------------------------------------------------------------------
 
 
-def _state_of(obj: Any) -> dict[str, Any]:
-    return obj.state_dict() if obj is not None else {}
-
-
 def _save(
     cfg: RunConfig,
     comps: Components,
@@ -500,15 +488,7 @@ def _save(
 ) -> Path:
     """Checkpoint the state after ``step`` (the live one, or ``taken`` earlier at that step)."""
     state = (
-        TrainState(
-            step=step,
-            policy_version=step,
-            producer=comps.producer.state_dict(),
-            planner=_state_of(comps.planner),
-            aggregator=_state_of(comps.aggregator),
-            rng=capture_rng_state(),
-            metrics_history=[],
-        )
+        capture_train_state(step, comps.producer, comps.planner, comps.aggregator)
         if taken is None
         else taken
     )
