@@ -196,7 +196,7 @@ class TurnDecoder(Protocol):
 class RolloutUnavailableError(RuntimeError):
     """Generation could not be done because a service it runs on (a rollout server) failed:
     raised before the step trains anything, so the last completed step is still whole (the
-    loop saves it before stopping; rlbatch.train.loop)."""
+    loop saves it before stopping; rlbatch.train.generation_failure)."""
 
 
 @dataclass

@@ -34,6 +34,7 @@ Needs a file system shared by all ranks (one node, or a shared mount).
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import os
@@ -46,6 +47,7 @@ from typing import Any
 
 import torch
 
+from rlbatch.runtime.rng import capture_rng_state
 from rlbatch.train import integrity
 from rlbatch.train.integrity import CheckpointSpaceError, resume_candidates
 
@@ -87,6 +89,36 @@ class TrainState:
         if unknown:
             raise ValueError(f"unknown TrainState fields in checkpoint: {sorted(unknown)}")
         return cls(**data)
+
+
+def capture_train_state(
+    step: int, producer: Any, planner: Any, aggregator: Any, *, detached: bool = False
+) -> TrainState:
+    """The TrainState after ``step`` optimizer steps: the run-ahead producer's, the planner's
+    and the aggregator's state_dict() (None: no state) and the RNG streams, as they are now.
+    ``detached``: a state kept while the run goes on (saved later, if at all) owns copies of
+    what those objects keep changing: the sampler's cursor, the planner's pool and the LCM
+    buffers (the producer's lists are copies already)."""
+    producer_state = producer.state_dict()
+    planner_state = _state_of(planner)
+    aggregator_state = _state_of(aggregator)
+    if detached:
+        producer_state["sampler"] = copy.deepcopy(producer_state["sampler"])
+        planner_state = copy.deepcopy(planner_state)
+        aggregator_state = copy.deepcopy(aggregator_state)
+    return TrainState(
+        step=step,
+        policy_version=step,
+        producer=producer_state,
+        planner=planner_state,
+        aggregator=aggregator_state,
+        rng=capture_rng_state(),
+        metrics_history=[],
+    )
+
+
+def _state_of(obj: Any) -> dict[str, Any]:
+    return obj.state_dict() if obj is not None else {}
 
 
 # ------------------------------------------------------------------------------------------

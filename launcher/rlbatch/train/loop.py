@@ -15,7 +15,6 @@ torch fakes; :mod:`rlbatch.train.build` assembles the real Megatron components.
 
 from __future__ import annotations
 
-import copy
 import errno
 import hashlib
 import json
@@ -27,17 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlbatch.config.schema import RolloutBackend, RunConfig
+from rlbatch.config.schema import RunConfig
 from rlbatch.distributed import as_collective_timeout, local_peak_memory_gb, reset_peak_memory
 from rlbatch.eval.settings import eval_due
 from rlbatch.rollout.protocol import RolloutUnavailableError
 from rlbatch.runtime import preempt
 from rlbatch.runtime.rng import capture_rng_state, restore_rng_state
-from rlbatch.train import integrity
+from rlbatch.train import generation_failure, integrity
 from rlbatch.train.checkpoint import (
     TrainState,
     apply_payload,
     build_payload,
+    capture_train_state,
     latest_checkpoint,
     load_checkpoint,
     resume_candidates,
@@ -186,13 +186,13 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
         cfg.grpo.max_zero_advantage_steps, state.metrics_history if state is not None else None
     )
     last_saved = resumed_step if state is not None else -1
-    servers = _on_servers(cfg)  # the only backend whose generation can be unavailable
+    servers = generation_failure.on_servers(cfg)
     saved_at = time.monotonic()
     try:
         if state is None and _eval_due(cfg, comps, 0):
             logger.log({"step": 0, **_evaluate(cfg, comps, heartbeat, 0)})
         for step in range(resumed_step + 1, cfg.trainer.max_steps + 1):
-            before = _unsaved_state(comps, step, last_saved) if servers else None
+            before = generation_failure.unsaved_state(comps, step, last_saved) if servers else None
             try:
                 record = _guarded(
                     cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
@@ -335,58 +335,13 @@ def _guarded(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int,
         ) from exc
 
 
-def _on_servers(cfg: RunConfig) -> bool:
-    """Generation runs on rollout servers, which can be down (RolloutUnavailableError): only
-    then does each step keep the last completed step's state and agree on the outcome."""
-    return RolloutBackend(cfg.rollout.backend) == RolloutBackend.vllm_server
-
-
-def _unsaved_state(comps: Components, step: int, last_saved: int) -> TrainState | None:
-    """The state of the last completed step (step - 1) when no checkpoint holds it yet and the
-    producer does not generate ahead: what a failed generation saves before the run stops
-    (the model and optimizer are still that step's; the producer, the aggregator, the planner
-    and the RNG streams are taken here, before the step's generation moves them). None
-    otherwise."""
-    if step - 1 <= max(last_saved, 0) or comps.producer.lag > 0:
-        return None
-    producer = comps.producer.state_dict()  # its lists are copies; the cursor is copied here
-    producer["sampler"] = copy.deepcopy(producer["sampler"])
-    return TrainState(
-        step=step - 1,
-        policy_version=step - 1,
-        producer=producer,
-        planner=copy.deepcopy(_state_of(comps.planner)),
-        aggregator=copy.deepcopy(_state_of(comps.aggregator)),
-        rng=capture_rng_state(),
-        metrics_history=[],
-    )
-
-
-def _agreed_batch(comps: Components, step: int) -> StepBatch:
-    """The step's batch, once every rank has its own: a generation that failed on one rank (a
-    rollout server down) is raised on every rank, so all of them save the last completed step
-    and stop together, none left waiting in the training pass's collectives."""
-    batch, failure = None, None
-    try:
-        batch = comps.producer.batch_for_step(step)
-    except RolloutUnavailableError as err:
-        failure = ("rollout failed", str(err))
-    votes = comps.dist.all_gather_object(failure)
-    failed = [(r, v[1]) for r, v in enumerate(votes) if v is not None]
-    if failed:
-        rank, text = failed[0]
-        raise RolloutUnavailableError(f"step {step}: generation failed on rank {rank}: {text}")
-    assert batch is not None
-    return batch
-
-
 def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int):
     rank = comps.dist.rank
     start_time = time.perf_counter()
     comps.dist.reset_peak_memory()
     heartbeat.beat(step, "batch")
-    if _on_servers(cfg):
-        batch = _agreed_batch(comps, step)
+    if generation_failure.on_servers(cfg):
+        batch = generation_failure.agreed_batch(comps, step)
     else:
         batch = comps.producer.batch_for_step(step)
     if comps.release_rollout is not None:
@@ -487,10 +442,6 @@ def _record(
 # ------------------------------------------------------------------------------------------
 
 
-def _state_of(obj: Any) -> dict[str, Any]:
-    return obj.state_dict() if obj is not None else {}
-
-
 def _save(
     cfg: RunConfig,
     comps: Components,
@@ -500,15 +451,7 @@ def _save(
 ) -> Path:
     """Checkpoint the state after ``step`` (the live one, or ``taken`` earlier at that step)."""
     state = (
-        TrainState(
-            step=step,
-            policy_version=step,
-            producer=comps.producer.state_dict(),
-            planner=_state_of(comps.planner),
-            aggregator=_state_of(comps.aggregator),
-            rng=capture_rng_state(),
-            metrics_history=[],
-        )
+        capture_train_state(step, comps.producer, comps.planner, comps.aggregator)
         if taken is None
         else taken
     )
