@@ -36,33 +36,20 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
                         f" set rollout.backend=vllm_server, or {key}={unset}",
                     )
                 )
-        if ServerFailure(s.on_failure) != ServerFailure["stop"]:
-            errors.append(
-                ConfigError(
-                    "rollout.servers.on_failure",
-                    ServerFailure(s.on_failure).value,
-                    f"applies to rollout.backend=vllm_server, not {cfg.rollout.backend}: set"
-                    " rollout.backend=vllm_server, or rollout.servers.on_failure=stop",
+        for key, value, default in (
+            ("rollout.servers.on_failure", ServerFailure(s.on_failure), ServerFailure["stop"]),
+            ("rollout.servers.on_update", ServerUpdate(s.on_update), ServerUpdate.abort),
+            ("rollout.servers.transfer", ServerTransfer(s.transfer), ServerTransfer.file),
+        ):
+            if value != default:
+                errors.append(
+                    ConfigError(
+                        key,
+                        value.value,
+                        f"applies to rollout.backend=vllm_server, not {cfg.rollout.backend}: set"
+                        f" rollout.backend=vllm_server, or {key}={default.value}",
+                    )
                 )
-            )
-        if ServerUpdate(s.on_update) != ServerUpdate.abort:
-            errors.append(
-                ConfigError(
-                    "rollout.servers.on_update",
-                    ServerUpdate(s.on_update).value,
-                    f"applies to rollout.backend=vllm_server, not {cfg.rollout.backend}: set"
-                    " rollout.backend=vllm_server, or rollout.servers.on_update=abort",
-                )
-            )
-        if ServerTransfer(s.transfer) != ServerTransfer.file:
-            errors.append(
-                ConfigError(
-                    "rollout.servers.transfer",
-                    ServerTransfer(s.transfer).value,
-                    f"applies to rollout.backend=vllm_server, not {cfg.rollout.backend}: set"
-                    " rollout.backend=vllm_server, or rollout.servers.transfer=file",
-                )
-            )
         return
     _check_source(cfg, errors)
     _check_ranges(cfg, errors)
