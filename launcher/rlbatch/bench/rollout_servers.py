@@ -154,7 +154,7 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict[str, dict[str, A
                 row: dict[str, Any] = {"model": model, "variant": name, "refused": why or None}
                 row.update(figures(records, args.warmup) if records else {})
                 sync = table.get(f"{model}/{name.removesuffix('_async')}")
-                row["hidden_share"] = 0.0 if name in BACKENDS else hidden_share(row, sync)
+                row["hidden_share"] = hidden_share(row, sync) if name.endswith("_async") else 0.0
                 table[f"{model}/{name}"] = row
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -36,16 +36,16 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
                         f" set rollout.backend=vllm_server, or {key}={unset}",
                     )
                 )
-        for key, value, default in (
+        for key, choice, default in (
             ("rollout.servers.on_failure", ServerFailure(s.on_failure), ServerFailure["stop"]),
             ("rollout.servers.on_update", ServerUpdate(s.on_update), ServerUpdate.abort),
             ("rollout.servers.transfer", ServerTransfer(s.transfer), ServerTransfer.file),
         ):
-            if value != default:
+            if choice != default:
                 errors.append(
                     ConfigError(
                         key,
-                        value.value,
+                        choice.value,
                         f"applies to rollout.backend=vllm_server, not {cfg.rollout.backend}: set"
                         f" rollout.backend=vllm_server, or {key}={default.value}",
                     )

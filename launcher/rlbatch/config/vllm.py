@@ -102,8 +102,9 @@ class ServersConfig:
     servers at once, with nothing written to disk: NCCL between GPUs (the servers run vLLM's
     own ``nccl`` transfer backend; rlbatch-serve starts them so), gloo on CPU (rlbatch's
     transfer plugin). rlbatch-serve starts servers with the backend the config's transfer
-    needs. A server that fails in the middle of a broadcast stops the run in either
-    ``on_failure`` mode (the group's other servers cannot finish without it)."""
+    needs. A server that fails before or after the tensors travel is one server's failure
+    (``on_failure``); the group not forming, or a broadcast that breaks in the middle, stops the
+    run in either mode (the group's other servers cannot finish without it)."""
     transfer_dir: Optional[str] = None
     """``transfer=file``: where the weights file of a sync is written for the servers to read
     (a directory every server can read: the same machine, or a shared filesystem); null:

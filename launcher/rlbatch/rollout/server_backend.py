@@ -439,6 +439,7 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
     naming each one that does not, before any worker starts."""
     from rlbatch.rollout.server_process import healthy
 
+    _check_transfer_host(cfg, errors)
     for url in cfg.rollout.servers.urls:
         url = str(url).rstrip("/")
         if not healthy(url, timeout_s=10.0):
@@ -517,5 +518,27 @@ def _check_server_transfer(cfg: RunConfig, url: str, errors: list[ConfigError]) 
                 f"{transfer.value} from this trainer needs {want!r}: restart it with"
                 " rlbatch-serve and the run's recipe and overrides (rlbatch-serve picks the"
                 " backend from rollout.servers.transfer), or change rollout.servers.transfer",
+            )
+        )
+
+
+def _check_transfer_host(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """rollout.servers.transfer_host names an address this machine has a name for (the
+    servers' side of it shows only at the first sync, as a rendezvous that does not form)."""
+    import socket
+
+    host = cfg.rollout.servers.transfer_host
+    if not host or ServerTransfer(cfg.rollout.servers.transfer) != ServerTransfer.broadcast:
+        return
+    try:
+        socket.getaddrinfo(str(host), None)
+    except (OSError, UnicodeError) as err:
+        errors.append(
+            ConfigError(
+                "rollout.servers.transfer_host",
+                host,
+                f"does not resolve ({err}): give an address of this machine that every server"
+                " can reach (a host name or IP), or null (127.0.0.1 for servers on this"
+                " machine, else this machine's host name)",
             )
         )

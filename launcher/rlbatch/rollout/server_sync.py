@@ -12,9 +12,11 @@ lifecycle, in the way ``rollout.servers.transfer`` names.
   each, then asks every server to receive (update_weights, one request per server, in flight
   together) while rank 0 broadcasts each tensor once to all of them, then finishes, resets the
   prefix cache and resumes each. The group is formed at the first sync and formed again
-  whenever the pool changes (a server left it under rollout.servers.on_failure=continue); a
-  server that fails in the middle of a broadcast leaves every other one waiting for tensors
-  that will not come, so that stops the run in either on_failure mode, naming the server.
+  whenever the pool changes (a server left it under rollout.servers.on_failure=continue). A
+  server that fails before the first tensor is sent or after the last one arrived is that
+  server's failure (on_failure); the group not forming, or a broadcast that breaks in the
+  middle (every member of the group fails with it), stops the run in either mode, naming the
+  server.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -94,8 +98,12 @@ def _push_file(
 def _push_broadcast(
     servers: _Servers, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
 ) -> None:
+    """Pause, (re)form the group, start, broadcast, finish, resume. A server that fails before
+    the first tensor is sent (pause, start) or after the last one arrived (finish) is one
+    server's failure (on_failure: dropped, and the group formed again without it, or the run
+    stops); forming the group or the broadcast itself failing stops the run."""
     t = servers.timeout_s
-    paused = []
+    paused, started = [], set()
     try:
         for url in list(servers.urls):
             try:
@@ -103,27 +111,44 @@ def _push_broadcast(
                 paused.append(url)
             except ServerError as err:
                 servers.drop(url, err)
-        urls = list(servers.urls)
-        try:
+        while True:
+            urls = list(servers.urls)
             if servers.group is None or servers.group.urls != urls:
                 close_group(servers)
-                servers.group = BroadcastGroup.join(urls, cfg, t)
+                servers.group = _group_step(servers, partial(BroadcastGroup.join, urls, cfg, t))
             for url in urls:
-                call(url, "/start_weight_update", timeout_s=t)
-            servers.group.send(tensors)
-            for url in urls:
+                if url not in started:
+                    try:
+                        call(url, "/start_weight_update", timeout_s=t)
+                        started.add(url)
+                    except ServerError as err:
+                        servers.drop(url, err)
+            if servers.urls == urls:
+                break
+        _group_step(servers, partial(servers.group.send, tensors))
+        for url in urls:
+            try:
                 _finish(url, label, drop, t)
-        except ServerError as err:
-            close_group(servers)
-            # not ServerDownError: the other servers of the group cannot go on without it
-            raise ServerError(
-                f"the weight broadcast to the rollout servers failed"
-                f" (rollout.servers.transfer=broadcast): {err}"
-            ) from err
+            except ServerError as err:  # the next sync forms the group without it
+                servers.drop(url, err)
     finally:
         for url in paused:  # one that is down now is found by its next request
             with contextlib.suppress(ServerError):
                 call(url, "/resume", timeout_s=t)
+
+
+def _group_step(servers: _Servers, step: Callable[[], Any]) -> Any:
+    """Forming the group or broadcasting over it: a failure stops the run in either on_failure
+    mode (not a ServerDownError: the group's other servers cannot go on without the one that
+    failed, and whatever they received of this sync is incomplete)."""
+    try:
+        return step()
+    except ServerError as err:
+        close_group(servers)
+        raise ServerError(
+            f"the weight broadcast to the rollout servers failed"
+            f" (rollout.servers.transfer=broadcast): {err}"
+        ) from err
 
 
 def close_group(servers: _Servers) -> None:
@@ -217,7 +242,8 @@ class BroadcastGroup:
                             **({} if cuda else {"timeout_s": timeout_s}),
                         }
                     },
-                    timeout_s=timeout_s,
+                    # the server gives up on the rendezvous after timeout_s and says why
+                    timeout_s=2 * timeout_s,
                 )  # fmt: skip
                 for url, offset in zip(urls, offsets, strict=True)
             }
@@ -228,7 +254,9 @@ class BroadcastGroup:
                 if err is not None:
                     raise ServerError(
                         f"rollout server {url} did not join the weight broadcast group at"
-                        f" {host}:{port}: {err}"
+                        f" {host}:{port}: {err}; can it reach {host}"
+                        " (rollout.servers.transfer_host: an address of this machine that every"
+                        " server can reach)?"
                     ) from err
         finally:
             ex.shutdown(wait=False)

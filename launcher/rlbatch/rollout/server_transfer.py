@@ -75,7 +75,8 @@ class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdat
 
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
         self.shutdown()  # a new group (the trainer restarted, or left a server out)
-        if init_info.master_address is None:
+        address, port = init_info.master_address, init_info.master_port
+        if address is None or port is None:  # the file transfer: nothing to join
             return
         import torch.distributed as dist
 
@@ -85,7 +86,7 @@ class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdat
         rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         store = dist.TCPStore(
-            init_info.master_address, int(init_info.master_port), init_info.world_size,
+            address, port, init_info.world_size,
             is_master=False, timeout=timeout,
         )  # fmt: skip
         self.group = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)

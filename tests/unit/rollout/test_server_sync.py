@@ -1,0 +1,118 @@
+"""rollout.servers.transfer=broadcast: which failure of a sync is one server's and which stops
+the run, whatever on_failure says. A server that fails before the first tensor is sent
+(pause, start_weight_update) or after the last one arrived (finish_weight_update) leaves the
+pool under on_failure=continue, and the group is formed again without it; forming the group
+or the broadcast itself failing stops the run. The servers here answer from a script (a
+failure at a chosen step of the lifecycle cannot be timed with a real server's kill); the
+lifecycle with real servers, a dp 2 trainer and a server killed while decoding runs in
+tests/e2e/test_vllm_servers.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlbatch.config.schema import RunConfig, ServerTransfer
+from rlbatch.rollout import server_sync
+from rlbatch.rollout.server_backend import ServerDownError, ServerError, _Servers
+
+A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
+
+
+class _Group:
+    """The trainer's end of a group: the servers it was formed with and what it sent."""
+
+    formed: list[list[str]] = []
+
+    def __init__(self, urls: list[str], fail_send: bool) -> None:
+        self.urls, self.fail_send, self.sent, self.closed = list(urls), fail_send, [], False
+
+    def send(self, tensors: dict) -> None:
+        if self.fail_send:
+            raise ServerDownError(f"rollout server {B}: update_weights failed: reset by peer")
+        self.sent.append(list(tensors))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def servers(monkeypatch):
+    """Two servers under on_failure=continue; ``fail`` maps (url, endpoint) to the error its
+    call raises; ``calls`` records every call made."""
+    pool = _Servers([A, B], timeout_s=1.0, concurrency=1, nonce="n", keep_going=True)
+    pool.fail, pool.calls, pool.fail_send = {}, [], False
+    _Group.formed = []
+
+    def call(url, path, body=None, *, timeout_s, get=False):
+        pool.calls.append((url, path.split("?")[0]))
+        if (url, path.split("?")[0]) in pool.fail:
+            raise pool.fail[(url, path.split("?")[0])]
+
+    def join(urls, cfg, timeout_s):
+        _Group.formed.append(list(urls))
+        return _Group(urls, pool.fail_send)
+
+    monkeypatch.setattr(server_sync, "call", call)
+    monkeypatch.setattr(server_sync.BroadcastGroup, "join", staticmethod(join))
+    return pool
+
+
+def _push(servers) -> None:
+    cfg = RunConfig()
+    cfg.rollout.servers.transfer = ServerTransfer.broadcast
+    server_sync.push(servers, cfg, {"w": object()}, "n-1", drop=True)
+
+
+def _down(url: str) -> ServerDownError:
+    return ServerDownError(f"rollout server {url} did not answer")
+
+
+def test_a_sync_forms_the_group_once_and_every_server_takes_the_label(servers):
+    _push(servers)
+    _push(servers)
+    assert _Group.formed == [[A, B]]  # the second sync reuses the group
+    assert servers.group.sent == [["w"], ["w"]]
+    for url in (A, B):
+        steps = [p for u, p in servers.calls if u == url]
+        assert steps == 2 * [
+            "/pause", "/start_weight_update", "/finish_weight_update", "/reset_prefix_cache",
+            "/resume",
+        ]  # fmt: skip
+
+
+def test_a_server_down_at_finish_leaves_the_pool_and_the_next_sync_forms_the_group_without_it(
+    servers,
+):
+    servers.fail[(B, "/finish_weight_update")] = _down(B)
+    _push(servers)
+    assert servers.urls == [A] and B in servers.dropped
+    assert (A, "/finish_weight_update") in servers.calls and (B, "/resume") in servers.calls
+    servers.fail.clear()
+    _push(servers)
+    assert _Group.formed == [[A, B], [A]]
+
+
+def test_a_server_down_at_start_leaves_the_pool_before_any_tensor_is_sent(servers):
+    """The group is formed again without it; the server that started already is not started
+    a second time."""
+    servers.fail[(B, "/start_weight_update")] = _down(B)
+    _push(servers)
+    assert _Group.formed == [[A, B], [A]]
+    assert servers.group.urls == [A] and servers.group.sent == [["w"]]
+    assert servers.calls.count((A, "/start_weight_update")) == 1
+
+
+def test_a_failed_broadcast_stops_the_run_even_with_on_failure_continue(servers):
+    servers.fail_send = True
+    with pytest.raises(ServerError) as err:
+        _push(servers)
+    assert not isinstance(err.value, ServerDownError)  # on_failure=continue does not drop it
+    assert "rollout.servers.transfer=broadcast" in str(err.value) and B in str(err.value)
+    assert servers.group is None  # closed: the next run forms a new one
+    assert {u for u, p in servers.calls if p == "/resume"} == {A, B}
+
+
+def test_a_wrong_answer_at_finish_stops_the_run_in_either_mode(servers):
+    servers.fail[(B, "/finish_weight_update")] = ServerError(f"rollout server {B}: 400")
+    with pytest.raises(ServerError):
+        _push(servers)
