@@ -116,3 +116,20 @@ def test_a_wrong_answer_at_finish_stops_the_run_in_either_mode(servers):
     servers.fail[(B, "/finish_weight_update")] = ServerError(f"rollout server {B}: 400")
     with pytest.raises(ServerError):
         _push(servers)
+
+
+def test_a_transfer_host_this_machine_cannot_resolve_is_refused_before_launch():
+    from rlbatch.config.errors import ConfigError
+    from rlbatch.rollout.server_backend import check_servers
+
+    cfg = RunConfig()
+    cfg.rollout.servers.transfer = ServerTransfer.broadcast
+    errors: list[ConfigError] = []
+    cfg.rollout.servers.transfer_host = "localhost"
+    check_servers(cfg, errors)
+    assert errors == []
+    cfg.rollout.servers.transfer_host = "no-such-host.invalid"
+    check_servers(cfg, errors)
+    (error,) = errors
+    assert error.key == "rollout.servers.transfer_host" and error.value == "no-such-host.invalid"
+    assert "does not resolve" in error.message and "null" in error.message
