@@ -59,6 +59,7 @@ from rlbatch.rollout.protocol import (
     token_sampling,
 )
 from rlbatch.rollout.server_http import ServerDownError, ServerError, call
+from rlbatch.rollout.server_sync import close_group, expected_backend, push, server_transfer
 
 URLS_ENV = "RLBATCH_ROLLOUT_SERVER_URLS"
 """The URLs of the servers the launcher started (rollout.servers.count), comma-separated."""
@@ -186,8 +187,6 @@ def shutdown_engine() -> None:
     """Close this process's connection (the servers themselves belong to whoever started
     them: rlbatch-serve, or the launcher)."""
     if _SERVERS:
-        from rlbatch.rollout.server_sync import close_group
-
         servers = _SERVERS.pop()
         close_group(servers)
         servers.pool.shutdown(wait=False, cancel_futures=True)
@@ -250,8 +249,6 @@ class ServerBackend:
         self._probe()
 
     def _push(self, tensors: dict[str, Any], label: str) -> None:
-        from rlbatch.rollout.server_sync import push
-
         push(self.servers, self.cfg, tensors, label, self._drops_cache())
 
     def _drops_cache(self) -> bool:
@@ -500,7 +497,6 @@ def _check_server_transfer(cfg: RunConfig, url: str, errors: list[ConfigError]) 
     import torch
 
     from rlbatch.rollout.server_process import TRANSFER_BACKEND
-    from rlbatch.rollout.server_sync import expected_backend, server_transfer
 
     try:
         backend, _ = server_transfer(url, timeout_s=10.0)

@@ -32,20 +32,31 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from rlbatch.config.schema import RunConfig, ServerTransfer
 from rlbatch.rollout.server_http import ServerError, call
 
-if TYPE_CHECKING:
-    from rlbatch.rollout.server_backend import _Servers
-
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+class ServerPool(Protocol):
+    """What a sync needs of a process's connection to the servers
+    (rlbatch.rollout.server_backend's pool)."""
+
+    urls: list[str]
+    nonce: str
+    timeout_s: float
+    group: Any
+    """The broadcast group, or None."""
+
+    def drop(self, url: str, error: ServerError) -> None:
+        """Leave ``url`` out of the pool (on_failure=continue) or raise ``error``."""
+
+
 def push(
-    servers: _Servers, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
+    servers: ServerPool, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
 ) -> None:
     """Every server of the pool takes ``tensors`` under ``label`` (``drop``: and drops its
     prefix cache); a server that is down leaves the pool or stops the run (on_failure)."""
@@ -67,7 +78,7 @@ def _finish(url: str, label: str, drop: bool, timeout_s: float) -> None:
 
 
 def _push_file(
-    servers: _Servers, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
+    servers: ServerPool, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
 ) -> None:
     from safetensors.torch import save_file
 
@@ -96,7 +107,7 @@ def _push_file(
 
 
 def _push_broadcast(
-    servers: _Servers, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
+    servers: ServerPool, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
 ) -> None:
     """Pause, (re)form the group, start, broadcast, finish, resume. A server that fails before
     the first tensor is sent (pause, start) or after the last one arrived (finish) is one
@@ -137,7 +148,7 @@ def _push_broadcast(
                 call(url, "/resume", timeout_s=t)
 
 
-def _group_step(servers: _Servers, step: Callable[[], Any]) -> Any:
+def _group_step(servers: ServerPool, step: Callable[[], Any]) -> Any:
     """Forming the group or broadcasting over it: a failure stops the run in either on_failure
     mode (not a ServerDownError: the group's other servers cannot go on without the one that
     failed, and whatever they received of this sync is incomplete)."""
@@ -151,7 +162,7 @@ def _group_step(servers: _Servers, step: Callable[[], Any]) -> Any:
         ) from err
 
 
-def close_group(servers: _Servers) -> None:
+def close_group(servers: ServerPool) -> None:
     if servers.group is not None:
         servers.group.close()
         servers.group = None

@@ -9,15 +9,12 @@ kept state, if any, before the error is raised (trainer.resume=auto continues fr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rlbatch.config.schema import RolloutBackend, RunConfig
 from rlbatch.rollout.protocol import RolloutUnavailableError
 from rlbatch.train.checkpoint import TrainState, capture_train_state
-from rlbatch.train.producer import StepBatch
-
-if TYPE_CHECKING:
-    from rlbatch.train.loop import Components
+from rlbatch.train.producer import RunAheadProducer, StepBatch
 
 
 def on_servers(cfg: RunConfig) -> bool:
@@ -26,29 +23,29 @@ def on_servers(cfg: RunConfig) -> bool:
     return RolloutBackend(cfg.rollout.backend) == RolloutBackend.vllm_server
 
 
-def unsaved_state(comps: Components, step: int, last_saved: int) -> TrainState | None:
+def unsaved_state(
+    producer: RunAheadProducer, planner: Any, aggregator: Any, step: int, last_saved: int
+) -> TrainState | None:
     """The state of the last completed step (step - 1) when no checkpoint holds it yet and the
     producer does not generate ahead: what a failed generation saves before the run stops
     (the model and optimizer are still that step's; the producer, the aggregator, the planner
     and the RNG streams are taken here, before the step's generation moves them). None
     otherwise."""
-    if step - 1 <= max(last_saved, 0) or comps.producer.lag > 0:
+    if step - 1 <= max(last_saved, 0) or producer.lag > 0:
         return None
-    return capture_train_state(
-        step - 1, comps.producer, comps.planner, comps.aggregator, detached=True
-    )
+    return capture_train_state(step - 1, producer, planner, aggregator, detached=True)
 
 
-def agreed_batch(comps: Components, step: int) -> StepBatch:
+def agreed_batch(producer: RunAheadProducer, dist: Any, step: int) -> StepBatch:
     """The step's batch, once every rank has its own: a generation that failed on one rank (a
     rollout server down) is raised on every rank, so all of them save the last completed step
     and stop together, none left waiting in the training pass's collectives."""
     batch, failure = None, None
     try:
-        batch = comps.producer.batch_for_step(step)
+        batch = producer.batch_for_step(step)
     except RolloutUnavailableError as err:
         failure = ("rollout failed", str(err))
-    votes = comps.dist.all_gather_object(failure)
+    votes = dist.all_gather_object(failure)
     failed = [(r, v[1]) for r, v in enumerate(votes) if v is not None]
     if failed:
         rank, text = failed[0]

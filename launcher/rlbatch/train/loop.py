@@ -192,7 +192,13 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
         if state is None and _eval_due(cfg, comps, 0):
             logger.log({"step": 0, **_evaluate(cfg, comps, heartbeat, 0)})
         for step in range(resumed_step + 1, cfg.trainer.max_steps + 1):
-            before = generation_failure.unsaved_state(comps, step, last_saved) if servers else None
+            before = (
+                generation_failure.unsaved_state(
+                    comps.producer, comps.planner, comps.aggregator, step, last_saved
+                )
+                if servers
+                else None
+            )
             try:
                 record = _guarded(
                     cfg, comps, heartbeat, step, lambda s=step: _one_step(cfg, comps, heartbeat, s)
@@ -341,7 +347,7 @@ def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int
     comps.dist.reset_peak_memory()
     heartbeat.beat(step, "batch")
     if generation_failure.on_servers(cfg):
-        batch = generation_failure.agreed_batch(comps, step)
+        batch = generation_failure.agreed_batch(comps.producer, comps.dist, step)
     else:
         batch = comps.producer.batch_for_step(step)
     if comps.release_rollout is not None:
