@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from rlbatch.config.schema import RunConfig, ServerTransfer
 from rlbatch.rollout.server_http import ServerError, call
+from rlbatch.rollout.server_process import NCCL_BACKEND, TRANSFER_BACKEND, free_port
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -190,18 +191,19 @@ def server_transfer(url: str, timeout_s: float) -> tuple[str, int]:
 def expected_backend(cuda: bool) -> str:
     """The servers' backend a broadcast from this trainer needs: vLLM's NCCL one from a GPU,
     rlbatch's gloo plugin from the CPU."""
-    from rlbatch.rollout.server_process import NCCL_BACKEND, TRANSFER_BACKEND
-
     return NCCL_BACKEND if cuda else TRANSFER_BACKEND
 
 
 class BroadcastGroup:
     """The trainer's end (rank 0) of one process group with every server's workers."""
 
-    def __init__(self, urls: list[str], comm: Any, store: Any, timeout_s: float) -> None:
+    def __init__(
+        self, urls: list[str], comm: Any, store: Any, timeout_s: float, *, nccl: bool
+    ) -> None:
         self.urls = list(urls)
         self.comm = comm
-        self.store = store
+        self.store = store  # gloo: the rendezvous store the group's connections came from
+        self.nccl = nccl
         self.timeout_s = timeout_s
         self.pool = ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="rlbatch-sync")
 
@@ -225,7 +227,7 @@ class BroadcastGroup:
                 )
             sizes.append(workers)
         host = transfer_host(cfg, urls)
-        port = _free_port()
+        port = free_port("")  # every interface: the servers may be on other machines
         world = 1 + sum(sizes)
         opened: Future = Future()
 
@@ -279,7 +281,7 @@ class BroadcastGroup:
                 f" {timeout_s:g} s (rollout.servers.timeout_s): {err}; can the servers"
                 f" {', '.join(urls)} reach {host} (rollout.servers.transfer_host)?"
             ) from err
-        return cls(urls, comm, store, timeout_s)
+        return cls(urls, comm, store, timeout_s, nccl=cuda)
 
     def send(self, tensors: dict[str, Any]) -> None:
         """Every server receives ``tensors`` (its update_weights request) while rank 0
@@ -300,7 +302,7 @@ class BroadcastGroup:
             for tensor in tensors.values():
                 self._fail_fast(receives)
                 self._broadcast(tensor)
-            if self.comm_is_nccl:
+            if self.nccl:
                 import torch
 
                 torch.cuda.current_stream().synchronize()
@@ -327,12 +329,8 @@ class BroadcastGroup:
             if received.done() and received.exception() is not None:
                 received.result()
 
-    @property
-    def comm_is_nccl(self) -> bool:
-        return self.store is None
-
     def _broadcast(self, tensor: Any) -> None:
-        if self.comm_is_nccl:
+        if self.nccl:
             import torch
 
             send = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -347,15 +345,9 @@ class BroadcastGroup:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         destroy = getattr(self.comm, "destroy", None)
-        if self.comm_is_nccl and destroy is not None:
+        if self.nccl and destroy is not None:
             destroy()
         self.comm = self.store = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _open(host: str, port: int, world: int, timeout_s: float, cuda: bool) -> tuple[Any, Any]:
