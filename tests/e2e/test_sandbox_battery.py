@@ -1,8 +1,10 @@
 """The reward-hacking battery (tests/sandbox_battery.py) through rlbatch-score, as root and as
 an unprivileged user: every hostile program scores 0 with the reason it must fail with, the
-honest answers around them score 1, the command carries on, and no process of any execution
-outlives it. The dataset itself (the battery, with every test's expected output) lies in a
-world-readable file, where a program that could see the machine's files would find it."""
+honest answers around them score 1 (correct programs returning standard-library values and
+their own types, tested with asserts, unittest or pytest-style functions), the command carries
+on, and no process of any execution outlives it. The dataset itself (the battery, with every
+test's expected output) lies in a world-readable file, where a program that could see the
+machine's files would find it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from rlbatch.rewards.sandbox_plan import cgroup_kind
-from sandbox_battery import as_unprivileged, battery, honest, leftover_sandbox_processes
+from sandbox_battery import (
+    as_unprivileged,
+    battery,
+    correct_programs,
+    hacks_of_test_code,
+    honest,
+    leftover_sandbox_processes,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +44,9 @@ def test_reward_hacks_score_zero_through_rlbatch_score(user, bin_dir, subprocess
         os.chmod(work, 0o777)
         as_root = user == "root"
         hacks = battery(memory_cgroup=as_root and cgroup_kind()[0] != "none", as_root=as_root)
-        rows = [h.row() for h in hacks] + honest()
+        hacks += hacks_of_test_code()
+        good = honest() + correct_programs()
+        rows = [h.row() for h in hacks] + good
         data = work / "battery.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.chmod(data, 0o644)
@@ -53,7 +64,9 @@ def test_reward_hacks_score_zero_through_rlbatch_score(user, bin_dir, subprocess
             reasons = {f["reason"] for f in scored["failures"]}
             assert scored["reward"] == 0.0, (hack.name, hack.why, scored)
             assert reasons == {hack.reason}, (hack.name, hack.why, scored["failures"])
-        assert [r["reward"] for r in out[len(hacks) :]] == [1.0] * len(honest())
+        wrong = [(row["prompt"], r["failures"]) for row, r in zip(good, out[len(hacks) :],
+                 strict=True) if r["reward"] != 1.0]  # fmt: skip
+        assert wrong == []
         assert leftover_sandbox_processes() == []
         assert not Path("/tmp/fill").exists() and not Path("/dev/shm/fill").exists()
     finally:
