@@ -183,6 +183,80 @@ for pid in kids:
 """
 
 
+PYTEST_STYLE = "def test_add():\n    assert add(2, 3) == 5\n\ndef test_negative():\n    assert add(-1, 1) == 0\n"
+UNITTEST = """import unittest
+
+class TestAdd(unittest.TestCase):
+    def test_small(self):
+        self.assertEqual(add(2, 3), 5)
+
+    def test_negative(self):
+        self.assertEqual(add(-1, 1), 0)
+
+"""
+UNITTEST_MAIN = UNITTEST + "if __name__ == '__main__':\n    unittest.main()\n"
+UNITTEST_NO_EXIT = UNITTEST + "unittest.main(exit=False)\n"
+MAP_ASSERTS = "cases = [((2, 3), 5), ((-1, 1), 0)]\nassert all(map(lambda c: add(*c[0]) == c[1], cases))\nassert sum(map(lambda c: add(*c[0]) != c[1], cases)) == 0"
+OBJECT_ASSERTS = "assert add(2, 3) != 4\nassert add(2, 3) is not None"
+
+
+def hacks_of_test_code() -> list[Hack]:
+    """Programs that solve nothing against test code that ran nothing, a loop a program's
+    StopIteration ended early, and an object compared as "not equal" to a wrong answer."""
+    return [
+        Hack("print('hello') against pytest-style tests", "print('hello')", "crash",
+             "the test functions are collected and called: add is not defined",
+             test_code=PYTEST_STYLE),
+        Hack("a wrong add against pytest-style tests", WRONG, "wrong_answer",
+             "each test function runs; its failed assert counts", test_code=PYTEST_STYLE),
+        Hack("print('hello') against unittest.main(exit=False)", "print('hello')", "crash",
+             "the TestCase classes are collected and run: add is not defined",
+             test_code=UNITTEST_NO_EXIT),
+        Hack("a wrong add against unittest.main()", WRONG, "wrong_answer",
+             "the TestCase classes are collected and run, each failure counted",
+             test_code=UNITTEST_MAIN),
+        Hack("raise StopIteration inside all(map(...))", "def add(a, b):\n    raise StopIteration",
+             "crash", "a StopIteration out of a call is an error, not the end of the tests' loop",
+             test_code=MAP_ASSERTS),
+        Hack("an object unequal to everything", "class Never:\n    def __ne__(self, o):\n        return True\ndef add(a, b):\n    return Never()",
+             "crash", "a value of the program's own class refuses to be compared",
+             test_code=OBJECT_ASSERTS),
+    ]  # fmt: skip
+
+
+CORRECT = [
+    ("Counter", "from collections import Counter\ndef count(s):\n    return Counter(s)",
+     "from collections import Counter\nassert count('abca') == Counter({'a': 2, 'b': 1, 'c': 1})\nassert count('abca').most_common(1) == [('a', 2)]"),
+    ("OrderedDict", "from collections import OrderedDict\ndef first_seen(xs):\n    d = OrderedDict()\n    for x in xs:\n        d.setdefault(x, len(d))\n    return d",
+     "from collections import OrderedDict\nassert first_seen('bab') == OrderedDict([('b', 0), ('a', 1)])\nassert list(first_seen('bab')) == ['b', 'a']"),
+    ("defaultdict and deque", "from collections import defaultdict, deque\ndef groups(ws):\n    d = defaultdict(list)\n    for w in ws:\n        d[len(w)].append(w)\n    return d\ndef last(xs, n):\n    return deque(xs, maxlen=n)",
+     "from collections import deque\nassert groups(['a', 'bb', 'c']) == {1: ['a', 'c'], 2: ['bb']}\nassert groups([])[3] == []\nassert last(range(5), 2) == deque([3, 4])"),
+    ("namedtuple", "from collections import namedtuple\nPoint = namedtuple('Point', 'x y')\ndef mid(a, b):\n    return Point((a.x + b.x) / 2, (a.y + b.y) / 2)",
+     "assert mid(Point(0, 0), Point(2, 4)) == Point(1, 2)\nassert mid(Point(0, 0), Point(2, 4)) == (1, 2)\nassert mid(Point(0, 0), Point(2, 4)).y == 2"),
+    ("Fraction", "from fractions import Fraction\ndef harmonic(n):\n    return sum(Fraction(1, k) for k in range(1, n + 1))",
+     "from fractions import Fraction\nassert harmonic(3) == Fraction(11, 6)"),
+    ("Decimal", "from decimal import Decimal\ndef total(prices):\n    return sum(Decimal(p) for p in prices)",
+     "from decimal import Decimal\nassert total(['0.10', '0.20']) == Decimal('0.30')"),
+    ("IntEnum", "from enum import IntEnum\nclass Color(IntEnum):\n    RED = 1\n    GREEN = 2\ndef brightest():\n    return Color.GREEN",
+     "assert brightest() == Color.GREEN\nassert brightest() == 2\nassert brightest() != Color.RED\nassert brightest().name == 'GREEN'"),
+    ("datetime.date", "import datetime\ndef next_day(d):\n    return d + datetime.timedelta(days=1)",
+     "import datetime\nassert next_day(datetime.date(2024, 2, 28)) == datetime.date(2024, 2, 29)"),
+    ("dataclass", "from dataclasses import dataclass\n@dataclass\nclass Box:\n    w: int\n    h: int\n    def area(self):\n        return self.w * self.h\ndef grow(b):\n    return Box(b.w + 1, b.h + 1)",
+     "assert grow(Box(1, 2)) == Box(2, 3)\nassert grow(Box(1, 2)) != Box(3, 2)\nassert grow(Box(1, 2)).area() == 6"),
+    ("unittest.main()", "def add(a, b):\n    return a + b", UNITTEST_MAIN),
+    ("pytest-style tests", "def add(a, b):\n    return a + b", PYTEST_STYLE),
+    ("all(map(...))", "def add(a, b):\n    return a + b", MAP_ASSERTS),
+]  # fmt: skip
+"""(what it returns, a correct program, its tests): standard-library values, the program's own
+types and test code in unittest or pytest style, each scored 1."""
+
+
+def correct_programs() -> list[dict]:
+    """Rows of correct programs whose answers are more than plain data (reward 1)."""
+    return [Hack(f"correct: {name}", program, "", "", test_code=tests).row()
+            for name, program, tests in CORRECT]  # fmt: skip
+
+
 def battery(memory_cgroup: bool, as_root: bool = True) -> list[Hack]:
     """The hostile programs (``memory_cgroup``: whether executions get one on this machine;
     ``as_root``: whether rlbatch runs as root)."""
@@ -196,7 +270,7 @@ def battery(memory_cgroup: bool, as_root: bool = True) -> list[Hack]:
         Hack("sys.excepthook os._exit(0)", WRONG + "import os, sys\nsys.excepthook = lambda *a: os._exit(0)",
              "wrong_answer", "the failed assert is raised in the asserts' process"),
         Hack("__eq__ always true", "class Yes:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n    def __sub__(self, o):\n        return 0\n    def __abs__(self):\n        return 0\ndef add(a, b):\n    return Yes()",
-             "wrong_answer", "only plain data crosses: the object is a handle equal only to itself"),
+             "crash", "only data crosses: the object is a handle that refuses to be compared"),
         Hack("replace sys.stdout", WRONG + "import io, sys\nsys.stdout = io.StringIO()\nprint('All tests passed')",
              "wrong_answer", "nothing the program prints is read for test_code"),
         Hack("patch builtins", WRONG + "import builtins\nbuiltins.abs = lambda x: 0",

@@ -1,8 +1,13 @@
 """The reward-hacking battery (tests/sandbox_battery.py) through rlbatch-score, as root and as
 an unprivileged user: every hostile program scores 0 with the reason it must fail with, the
-honest answers around them score 1, the command carries on, and no process of any execution
-outlives it. The dataset itself (the battery, with every test's expected output) lies in a
-world-readable file, where a program that could see the machine's files would find it."""
+honest answers around them score 1 (correct programs returning standard-library values and
+their own types, tested with asserts, unittest or pytest-style functions), the command carries
+on, and no process of any execution outlives it. The dataset itself (the battery, with every
+test's expected output) lies in a world-readable file, where a program that could see the
+machine's files would find it.
+
+Stub programs against weak tests: rlbatch-score names the rows a stub passes, and rlbatch-train
+warns before launch, with counts."""
 
 from __future__ import annotations
 
@@ -16,7 +21,16 @@ from pathlib import Path
 import pytest
 
 from rlbatch.rewards.sandbox_plan import cgroup_kind
-from sandbox_battery import as_unprivileged, battery, honest, leftover_sandbox_processes
+from sandbox_battery import (
+    ASSERTS,
+    CASES,
+    as_unprivileged,
+    battery,
+    correct_programs,
+    hacks_of_test_code,
+    honest,
+    leftover_sandbox_processes,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -35,12 +49,15 @@ def test_reward_hacks_score_zero_through_rlbatch_score(user, bin_dir, subprocess
         os.chmod(work, 0o777)
         as_root = user == "root"
         hacks = battery(memory_cgroup=as_root and cgroup_kind()[0] != "none", as_root=as_root)
-        rows = [h.row() for h in hacks] + honest()
+        hacks += hacks_of_test_code()
+        good = honest() + correct_programs()
+        rows = [h.row() for h in hacks] + good
         data = work / "battery.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.chmod(data, 0o644)
         command = [str(bin_dir / "rlbatch-score"), "+recipe=grpo_code", *LIMITS,
-                   f"score.input={data}", f"score.output={work / 'out.jsonl'}"]  # fmt: skip
+                   f"score.input={data}", f"score.output={work / 'out.jsonl'}",
+                   "score.stubs=false"]  # fmt: skip
         if user != "root":
             command = as_unprivileged(command)
         env = {**subprocess_env, "HOME": str(work)}
@@ -53,8 +70,75 @@ def test_reward_hacks_score_zero_through_rlbatch_score(user, bin_dir, subprocess
             reasons = {f["reason"] for f in scored["failures"]}
             assert scored["reward"] == 0.0, (hack.name, hack.why, scored)
             assert reasons == {hack.reason}, (hack.name, hack.why, scored["failures"])
-        assert [r["reward"] for r in out[len(hacks) :]] == [1.0] * len(honest())
+        wrong = [(row["prompt"], r["failures"]) for row, r in zip(good, out[len(hacks) :],
+                 strict=True) if r["reward"] != 1.0]  # fmt: skip
+        assert wrong == []
         assert leftover_sandbox_processes() == []
         assert not Path("/tmp/fill").exists() and not Path("/dev/shm/fill").exists()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+WEAK = [
+    # (row fields, a correct completion, the stubs that earn a reward on it, worked out by hand)
+    ({"test_code": "assert square(3) is not None"}, "def square(x):\n    return x * x",
+     {"returns NaN": 1.0, "returns an opaque object": 1.0, "echoes its input": 1.0}),
+    ({"test_code": "assert all(map(is_even, [2, 4]))"}, "def is_even(x):\n    return x % 2 == 0",
+     {"returns NaN": 1.0, "echoes its input": 1.0}),
+    ({"tests": [{"input": "abc\n", "output": "cba\n"}, {"input": "aba\n", "output": "aba\n"}]},
+     "print(input()[::-1])", {"echoes its input": 0.5}),
+    ({"tests": [{"input": "5\n", "output": ""}]}, "input()", {"prints nothing": 1.0}),
+    ({"test_code": ASSERTS}, "def add(a, b):\n    return a + b", {}),
+    ({"tests": CASES}, "a, b = map(int, input().split())\nprint(a + b)", {}),
+]  # fmt: skip
+"""Rows whose tests a stub program passes (or partly passes), and two that no stub passes."""
+
+
+def _weak_rows(path: Path) -> Path:
+    rows = [{"prompt": f"task {i}", "answer": "", "completion": f"```python\n{program}\n```",
+             **fields} for i, (fields, program, _) in enumerate(WEAK)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_rlbatch_score_names_the_rows_a_stub_passes(bin_dir, subprocess_env, tmp_path):
+    data = _weak_rows(tmp_path / "weak.jsonl")
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-score"), "+recipe=grpo_code", *LIMITS, f"score.input={data}",
+         f"score.output={tmp_path / 'out.jsonl'}"],
+        capture_output=True, text=True, cwd=tmp_path, env=subprocess_env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["reward"] for r in out] == [1.0] * len(WEAK)  # the completions are correct
+    assert [r["stubs"] for r in out] == [want for _, _, want in WEAK]
+    said = proc.stdout
+    assert "warning: stub programs pass the tests of 3 of 6 rows (line 1: returns NaN," in said
+    assert "line 4: prints nothing)" in said
+    assert "and earn part of the reward on 1 more (line 3: echoes its input 0.50)" in said
+    assert leftover_sandbox_processes() == []
+
+
+def test_rlbatch_train_warns_before_launch_with_counts(bin_dir, subprocess_env, tmp_path):
+    """One short run: the warning is printed before launch, the run trains as asked."""
+    data = _weak_rows(tmp_path / "weak.jsonl")
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "data=jsonl", f"data.path={data}",
+         "data.reward=code_exec", *LIMITS, "data.code_exec.stub_check_rows=6", "model=tiny",
+         "parallel.dp=1", "grpo.num_generations=2", "grpo.global_batch_size=8",
+         "rollout.max_new_tokens=8", "trainer.max_steps=1", "logging.tensorboard=false",
+         "hydra.run.dir=run"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+        env={**subprocess_env, "COLUMNS": "1000"},  # the warning on one line
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert (
+        "rlbatch-train: warning: data.reward=code_exec: stub programs pass the tests of 3 of"
+        in said
+    )
+    assert f"6 sampled rows of data.path={data} (line 1: returns NaN" in said
+    assert "and earn part of the reward on 1 more (line 3: echoes its input 0.50)" in said
+    assert "data.code_exec.stub_check_rows=6" in said
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+    assert leftover_sandbox_processes() == []

@@ -8,6 +8,11 @@ same ``data.*`` keys would compute (``data.reward`` or ``data.reward_fn`` with w
 sandbox, served rewards, the reward model); the prompt is taken as written (no chat template).
 Each output line, in input order: ``{"index", "reward", "parts", "failures"}``; a summary (mean
 reward, failures by reason) goes to stdout. Checks before launch are rlbatch-train's.
+
+With code_exec among the rewards, stub programs (returning None, NaN or an opaque object,
+raising StopIteration, printing nothing, echoing the input) also run against every row's tests
+(``score.stubs=true``, the default): each output line carries ``"stubs"`` (stub -> reward, the
+stubs that earned one) and the summary names the rows a stub passes: tests a policy can game.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from rlbatch.config.schema import RunConfig
 
 USAGE = (
     "score completions with the configured reward. rlbatch-score score.input=ROWS.jsonl "
-    "score.output=OUT.jsonl [+recipe=NAME] [data.reward=...] [KEY=VALUE ...]"
+    "score.output=OUT.jsonl [score.stubs=true|false] [+recipe=NAME] [data.reward=...]"
+    " [KEY=VALUE ...]"
 )
 SCORE_SCOPE = frozenset({"data.reward"})
 """The data keys of the rewards (data.reward*, served, judge, ...): the dataset (data.path,
@@ -140,6 +146,30 @@ def score_rows(cfg: RunConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any
     return records
 
 
+def stub_report(
+    cfg: RunConfig, rows: list[dict[str, Any]], lines: list[int], records: list[dict[str, Any]]
+) -> str | None:
+    """code_exec's stub programs against every row's tests: ``records[i]["stubs"]`` (stub ->
+    reward above 0) and the summary line (None without code_exec or a finding)."""
+    from rlbatch.config.enums import RewardKind
+    from rlbatch.grpo.rewards import brought_kinds
+    from rlbatch.rewards.code_exec import row_test_problems
+    from rlbatch.rewards.sandbox import probe_isolation
+    from rlbatch.rewards.sandbox_stubs import describe, run_stubs
+
+    if RewardKind.code_exec not in brought_kinds(cfg.data):
+        return None
+    isolation, _ = probe_isolation(cfg.data.code_exec.isolation)
+    usable = [i for i, row in enumerate(rows) if not row_test_problems(row)]
+    if isolation is None or not usable:
+        return None
+    where = [f"line {lines[i]}" for i in usable]
+    found = run_stubs(cfg.data.code_exec, isolation, [rows[i] for i in usable], where)
+    for i, result in zip(usable, found, strict=True):
+        records[i]["stubs"] = result.rewards
+    return describe(found, len(usable), "rows")
+
+
 def _score_or_exit(cfg: RunConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """score_rows, or the reason a reward stopped it as one message (exit 1, no traceback): a
     served request that failed with data.served.on_error=raise_error, a reward function that
@@ -163,11 +193,17 @@ def main(argv: list[str] | None = None) -> None:
     source = own.get("input")
     cfg = compose(overrides, "rlbatch-score", SCORE_SCOPE, extra=_checks(source))
     errors = []
-    unknown = sorted(set(own) - {"input", "output"})
+    unknown = sorted(set(own) - {"input", "output", "stubs"})
     errors += [
-        ConfigError(f"score.{k}", own[k], "unknown key; valid: score.input, score.output")
+        ConfigError(
+            f"score.{k}", own[k], "unknown key; valid: score.input, score.output, score.stubs"
+        )
         for k in unknown
     ]
+    stubs = own.get("stubs", "true").lower()
+    if stubs not in ("true", "false"):
+        why = "true (run stub programs against every row's tests, with code_exec) or false"
+        errors.append(ConfigError("score.stubs", own["stubs"], why))
     if not source or not Path(source).is_file():
         errors.append(
             ConfigError("score.input", source, "set an existing JSONL of rows with a 'completion'")
@@ -175,9 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     if not own.get("output"):
         errors.append(ConfigError("score.output", None, "set the output JSONL path"))
     rows: list[dict[str, Any]] = []
+    lines: list[int] = []
     if source and Path(source).is_file():
         found, bad = read_rows(source)
         rows = [r for _, r in found]
+        lines = [n for n, _ in found]
         if bad:
             errors.append(
                 ConfigError(
@@ -187,10 +225,13 @@ def main(argv: list[str] | None = None) -> None:
     if errors:
         fail_config(ConfigErrors(errors), "rlbatch-score")
     records = _score_or_exit(cfg, rows)
+    weak = stub_report(cfg, rows, lines, records) if stubs == "true" else None
     Path(own["output"]).write_text("".join(json.dumps(r) + "\n" for r in records))
     reasons = Counter(f["reason"] for r in records for f in r["failures"])
     mean = sum(r["reward"] for r in records) / max(len(records), 1)
     print(f"rlbatch-score: {len(records)} rows, mean reward {mean:.4f}, failures {dict(reasons)}")
+    if weak is not None:
+        print(f"rlbatch-score: warning: {weak}")
     print(f"rlbatch-score: wrote {own['output']}")
 
 

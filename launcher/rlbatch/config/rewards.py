@@ -86,6 +86,12 @@ class CodeExecConfig:
     """Executions at once (per trainer process)."""
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     """Per execution limits."""
+    stub_check_rows: int = 4
+    """Rows of the training dataset (a sample drawn with trainer.seed) whose tests rlbatch-train
+    runs against stub programs before launch (returning None, NaN or an opaque object, raising
+    StopIteration, printing nothing, echoing the input): a warning names the rows a stub
+    passes, whose tests a policy can game. 0 turns the check off; rlbatch-score checks every
+    row it scores."""
 
 
 @dataclass

@@ -41,11 +41,14 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     errors += tokenizer_errors(cfg.model)
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
-    check_brought_rewards(cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer)
+    warnings: list[str] = []
+    check_brought_rewards(
+        cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer, warnings=warnings
+    )
     _check_environment(cfg, errors)
     if eval_enabled(cfg):
         check_eval_inputs(cfg, errors)
-    return errors, tracking_warnings(cfg) + objective_warnings(cfg)
+    return errors, warnings + tracking_warnings(cfg) + objective_warnings(cfg)
 
 
 def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -309,12 +312,14 @@ def check_brought_rewards(
     key: str = "data.path",
     infer: BatchingPassConfig | None = None,
     rows: DatasetRows | None = None,
+    warnings: list[str] | None = None,
 ) -> None:
     """The brought kinds among the rewards (code_exec, http, judge, reward_model): each one's
     check (rlbatch.rewards.kinds.CHECKS) over the rows of ``data``'s dataset, whose file is
     config key ``key`` (data.path, or eval.data.path for the held-out set), or over ``rows``
     when given (rlbatch-score's input: the dataset is not read then); with ``infer``
-    (batching.infer), the reward model's longest text against that budget."""
+    (batching.infer), the reward model's longest text against that budget; with ``warnings``,
+    code_exec's stub check over a sample of the rows (rlbatch.rewards.kinds.stub_warnings)."""
     from rlbatch.grpo.rewards import brought_kinds
     from rlbatch.rewards.kinds import CHECKS
 
@@ -337,8 +342,14 @@ def check_brought_rewards(
             rows = DatasetRows(key, data.path, fields, [ex.where for ex in examples])
         except ValueError:
             rows = None  # the dataset check reports it
+    found: list[ConfigError] = []
     for kind in dict.fromkeys(kinds):
-        errors += CHECKS[kind](data, rows)
+        found += CHECKS[kind](data, rows)
+    errors += found
+    if warnings is not None and RewardKind.code_exec in kinds and not found:
+        from rlbatch.rewards.kinds import stub_warnings
+
+        warnings += stub_warnings(data, rows, seed)
 
 
 def _absolute_spec(spec: str) -> str:

@@ -157,7 +157,39 @@ def _check_code_exec(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigEr
         errors += _row_tests(rows)
     limits = {f"data.code_exec.limits.{k}": v for k, v in vars(cfg.code_exec.limits).items()}
     errors += _positive({"data.code_exec.num_workers": cfg.code_exec.num_workers, **limits})
+    if cfg.code_exec.stub_check_rows < 0:
+        why = "must be >= 0: the rows checked against stub programs before launch (0: off)"
+        errors.append(
+            ConfigError("data.code_exec.stub_check_rows", cfg.code_exec.stub_check_rows, why)
+        )
     return errors + _unit_bound(cfg, RewardKind.code_exec, "every test passed")
+
+
+def stub_warnings(cfg: DataConfig, rows: DatasetRows | None, seed: int) -> list[str]:
+    """code_exec's stub check before launch: stub programs against the tests of a seeded
+    sample of data.code_exec.stub_check_rows usable rows; a warning naming the rows a stub
+    passes or earns part of the reward on (none when the check is off or no sandbox works)."""
+    from rlbatch.rewards.code_exec import row_test_problems
+    from rlbatch.rewards.sandbox import probe_isolation
+    from rlbatch.rewards.sandbox_stubs import describe, run_stubs, sample_rows
+
+    count = cfg.code_exec.stub_check_rows
+    if rows is None or count <= 0:
+        return []
+    isolation, _ = probe_isolation(cfg.code_exec.isolation)
+    usable = [i for i, row in enumerate(rows.rows) if not row_test_problems(row)]
+    picked = [usable[i] for i in sample_rows(len(usable), count, seed)]
+    if isolation is None or not picked:
+        return []  # the code_exec check reports it
+    found = run_stubs(
+        cfg.code_exec, isolation, [rows.rows[i] for i in picked], [rows.where[i] for i in picked]
+    )
+    line = describe(found, len(picked), f"sampled rows of {rows.key}={rows.path}")
+    if line is None:
+        return []
+    return [
+        f"data.reward=code_exec: {line} (data.code_exec.stub_check_rows={count}; rlbatch-score checks every row)"
+    ]
 
 
 def _unit_bound(cfg: DataConfig, kind: RewardKind, best: str) -> list[ConfigError]:

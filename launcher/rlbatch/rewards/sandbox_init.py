@@ -11,8 +11,8 @@ per-execution token. Steps:
    nothing else, then ``pivot_root``;
 3. forks the program with no capabilities (a fresh uid as root; capability-less uid 0 of the
    user namespace otherwise), no new privileges, rlimits, an isolated interpreter;
-   for ``test_code`` it also forks the asserts' process (:mod:`sandbox_harness`), which talks
-   to the program over two pipes and alone holds the pipe that carries the verdict;
+   for ``test_code`` it also forks the asserts' process (:mod:`sandbox_asserts`), which talks
+   to the program (:mod:`sandbox_harness`) over two pipes and alone holds the pipe that carries the verdict;
 4. waits until the program ends (the asserts' verdict for ``test_code``), or until the wall
    limit, counted on the time its processes ran or slept but not the time they waited for a
    CPU or were all blocked on the disk (a busy machine does not make a correct program time
@@ -32,10 +32,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import sandbox_asserts  # noqa: E402
+import sandbox_codec  # noqa: E402
 import sandbox_harness  # noqa: E402
 import sandbox_root  # noqa: E402
 
 HARNESS = "/.rlbatch/harness.py"
+CODEC = "/.rlbatch/sandbox_codec.py"
 _RESET = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ)
 
 
@@ -94,7 +97,7 @@ def _asserts(job, ctx, fds, verdict_w):
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (4 * job["memory_mb"] * mb,) * 2)
     channel = sandbox_harness.Channel(*fds)
-    verdict = sandbox_harness.run_asserts(channel, job["test_code"], job["token"])
+    verdict = sandbox_asserts.run_asserts(channel, job["test_code"], job["token"])
     os.write(verdict_w, json.dumps(verdict).encode())
 
 
@@ -271,10 +274,11 @@ def _setup(job, mount_point):
     ctx["cgroup_fd"] = os.open(cgroup["procs"], os.O_WRONLY) if cgroup else None
     ctx["oom_fd"] = os.open(cgroup["events"], os.O_RDONLY) if cgroup else None
     harness_source = open(sandbox_harness.__file__).read()
+    codec_source = open(sandbox_codec.__file__).read()
     if isolated:  # only ever inside the mount namespace: never on the host's root
         if os.getpid() != 1:
             raise SystemExit("sandbox_init: not PID 1 of a new PID namespace; refusing to mount")
-        files = {HARNESS: harness_source}
+        files = {HARNESS: harness_source, CODEC: codec_source}
         ctx["scratch"] = sandbox_root.build_root(mount_point, job["plan"], job["scratch_mb"], files)
         ctx["harness"] = HARNESS
     else:

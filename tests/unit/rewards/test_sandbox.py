@@ -213,3 +213,34 @@ def test_sleeping_is_not_blocked_on_the_disk():
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@pytest.mark.parametrize(
+    "program, asserts, outcome, detail",
+    [
+        ("def add(a, b):\n    return a + b if a > 0 else 0",
+         "def test_pos():\n    assert add(1, 2) == 3\n\ndef test_neg():\n    assert add(-1, -2) == -3\n\ndef test_zero():\n    assert add(0, 5) == 5",
+         Outcome.wrong_answer, "2 of 3 tests failed (test_neg: AssertionError"),
+        ("def add(a, b):\n    return a + b if a > 0 else 0",
+         "import unittest\nclass T(unittest.TestCase):\n    def test_pos(self):\n        self.assertEqual(add(1, 2), 3)\n    def test_neg(self):\n        self.assertEqual(add(-1, -2), -3)\nunittest.main()",
+         Outcome.wrong_answer, "1 of 2 tests failed (T.test_neg: AssertionError: 0 != -3)"),
+        ("print('hello')", "import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n        self.assertEqual(add(1, 2), 3)\nunittest.main(exit=False)",
+         Outcome.crash, "1 of 1 tests failed (T.test_a: NameError: name 'add' is not defined)"),
+        ("def add(a, b):\n    return a + b", "def test_cases(a, b):\n    assert add(a, b) == a + b",
+         Outcome.crash, "test_cases takes arguments: pytest fixtures and parametrize do not exist here"),
+        ("def f(x):\n    raise StopIteration", "assert all(map(f, [1, 2]))\nassert sum(map(f, [1])) == 0",
+         Outcome.crash, "the program raised StopIteration () out of call"),
+        ("def gen():\n    yield 1", "g = gen()\nassert next(g) == 1\ntry:\n    next(g)\nexcept StopIteration:\n    pass\nelse:\n    raise AssertionError",
+         Outcome.ok, ""),
+        ("class A:\n    def __ne__(self, o):\n        return True\ndef f():\n    return A()", "assert f() != 3",
+         Outcome.crash, "cannot be compared"),
+    ],
+)  # fmt: skip
+def test_the_test_codes_own_tests_run_and_count(program, asserts, outcome, detail):
+    """Test functions and TestCase classes are collected and run (they passed any program when
+    they were only defined), a StopIteration out of a call is an error (not the end of the
+    tests' loop) while next() of a generator still ends, and an object of the program's own
+    class refuses to be compared."""
+    run = execute(program, "", LIMITS, Isolation.unshare, asserts)
+    assert run.outcome == outcome, run
+    assert detail in run.detail, run
