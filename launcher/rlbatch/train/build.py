@@ -245,15 +245,23 @@ def _warn_env(warnings: list[str], rank: int, warned: set[str]) -> None:
 def run(cfg: RunConfig) -> None:
     """Worker entry of rlbatch-train (inside each torchrun process): build, then train; the
     producer (and its generation worker, if any) and the evaluation's environment driver are
-    closed at the end."""
-    components = build_components(cfg)
+    closed at the end. The run sets the process's torch threads (trainer.num_threads; half of
+    them when generation overlaps training) and gives back the count it found, however it
+    ends: runs one after another in one process (tests, notebooks) each start from the same."""
+    import torch
+
+    threads = torch.get_num_threads()
     try:
-        train(cfg, components)
+        components = build_components(cfg)
+        try:
+            train(cfg, components)
+        finally:
+            components.producer.close()
+            close_evaluation = getattr(components.evaluate, "close", None)
+            if callable(close_evaluation):
+                close_evaluation()
     finally:
-        components.producer.close()
-        close_evaluation = getattr(components.evaluate, "close", None)
-        if callable(close_evaluation):
-            close_evaluation()
+        torch.set_num_threads(threads)
 
 
 def build_generation(
