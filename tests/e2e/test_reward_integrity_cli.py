@@ -2,8 +2,11 @@
 127.0.0.1 (tests/reward_servers.py).
 
 - rlbatch-score reads a judge's reply for its score, not its scale: replies that restate the
-  scale, a degenerate one, one over the range are failed requests counted as ``no_score``, or,
-  under data.served.on_error=raise_error, one message (exit 1, no traceback).
+  scale, a degenerate one, one over the range score 0, counted as ``no_score``, under either
+  data.served.on_error (it governs requests that failed).
+- rlbatch-train, a judge quoting a score the completion wrote beside its own: that sample
+  scores 0 and the run goes on; a step where more than data.served.max_error_fraction of the
+  samples failed so stops the run before it trains.
 - A scorer that trickles its answer a byte a second is cut at data.served.timeout_s, before
   launch and while scoring; one answering 1e300 is a failure of its own (``out_of_range``).
 - rlbatch-score checks the rows it scores, not the training data (data.path, a recipe's
@@ -17,12 +20,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from reward_servers import Judge, Misbehaving, Scorer, save_tiny_reward_model
+from reward_servers import Judge, Misbehaving, Scorer, judge_rule, save_tiny_reward_model
 
 pytestmark = pytest.mark.e2e
 
@@ -82,14 +86,12 @@ def test_score_reads_a_judges_score_not_its_scale(bin_dir, subprocess_env, tmp_p
             else:
                 assert r["reward"] == 0.0 and [f["reason"] for f in r["failures"]] == ["no_score"]
         assert "'no_score': 5" in proc.stdout
-        # the default on_error stops at the first such reply: one message, no traceback
+        # the default on_error (raise_error) governs failed requests, not replies it read: the
+        # same scores (it stopped at the first such reply)
         proc = _run(bin_dir, subprocess_env, tmp_path, *base)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "rlbatch-score: error: reward request for sample 0 (prompt index 0) failed:" in (
-        proc.stderr
-    )
-    assert "replied '7 out of 10': no score in the form data.judge.score_pattern" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _out(tmp_path / "out.jsonl") == out
+    assert "'no_score': 5" in proc.stdout
 
 
 def test_a_trickling_scorer_is_cut_at_the_deadline_before_launch_and_while_scoring(
@@ -188,7 +190,7 @@ def test_a_run_whose_advantages_are_all_zero_stops_saying_why(bin_dir, subproces
         proc = _run(
             bin_dir, subprocess_env, tmp_path, "rlbatch-train", "+recipe=grpo_qwen",
             "data.reward=http", f"data.reward_url={server.url}",
-            "data.served.on_error=zero_reward", "data.served.check=false",
+            "data.served.check=false", "data.served.max_error_fraction=1",
             "grpo.num_generations=4", "grpo.global_batch_size=16", "grpo.max_zero_advantage_steps=2",
             "trainer.max_steps=4", "hydra.run.dir=run", "logging.plot=false",
             "logging.tensorboard=false", "trainer.checkpoint.export_hf=false",
@@ -202,3 +204,58 @@ def test_a_run_whose_advantages_are_all_zero_stops_saying_why(bin_dir, subproces
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["advantage_zero_frac"] == 1.0 and r["grad_norm"] == 0.0 for r in records)
     assert all(r["reward_fail/out_of_range"] == 16 for r in records)
+
+
+class QuotingJudge:
+    """The judge's replies during a run (request 1 is the check before launch, then 16 per
+    step): "Score: N/10" (reward_servers.judge_rule), except that it quotes a score the
+    completion wrote beside its own for the first sample of step 1 and every sample of step 2."""
+
+    QUOTE = 'The answer ends with "Score: 10", which it may not award itself.\nScore: 2/10'
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seen = 0
+
+    def __call__(self, message: str) -> str:
+        with self.lock:
+            self.seen += 1
+            n = self.seen - 1  # the request's number among the training ones
+        return self.QUOTE if n == 1 or n > 16 else f"Score: {judge_rule(message)}/10"
+
+
+def test_a_judge_quoting_a_score_scores_that_sample_zero_and_too_many_stop_the_step(
+    bin_dir, subprocess_env, tmp_path
+):
+    """With the default data.served.on_error=raise_error one such reply stopped the whole run.
+    Now it scores 0 (reward_fail/no_score) and step 1 trains; step 2, every reply such, is over
+    data.served.max_error_fraction and stops the run before it trains."""
+    with Judge(reply=QuotingJudge()) as judge:
+        proc = _run(
+            bin_dir, subprocess_env, tmp_path, "rlbatch-train", "+recipe=grpo_qwen",
+            "data.reward=judge", f"data.judge.url={judge.url}",
+            "data.served.max_error_fraction=0.25", "grpo.num_generations=4",
+            "grpo.global_batch_size=16", "trainer.max_steps=2", "logging.samples=true",
+            "hydra.run.dir=run", "logging.plot=false", "logging.tensorboard=false",
+            "trainer.checkpoint.export_hf=false",
+        )  # fmt: skip
+        requests = judge.requests
+    err = " ".join(proc.stderr.split())
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert metrics.exists(), err[-3000:]
+    records = _out(metrics)
+    assert [r["step"] for r in records] == [1], err[-3000:]
+    assert records[0]["reward_fail/no_score"] == 1
+    assert records[0]["reward_served_fail_frac"] == 1 / 16
+    samples = _out(tmp_path / "run" / "samples" / "step_00001.jsonl")
+    quoted = [s for s in samples if s["reward_failures"]]
+    assert len(quoted) == 1 and quoted[0]["reward_parts"]["judge"] == 0.0
+    [failure] = quoted[0]["reward_failures"]
+    assert failure.startswith("judge: no_score: ") and "several different scores" in failure
+    others = [round(s["reward_parts"]["judge"] * 10) for s in samples if not s["reward_failures"]]
+    assert len(others) == 15 and all(0 <= x <= 10 for x in others)
+    assert requests == 1 + 16 + 16
+    assert proc.returncode not in (0, 2), err[-3000:]
+    assert "step 2: 16 of the 16 samples had a served reward failure (1.00, over" in err
+    assert "data.served.max_error_fraction=0.25); the step was not trained" in err
+    assert "judge: no_score:" in err

@@ -215,6 +215,7 @@ def test_bad_reward_setup_is_refused_before_launch_all_at_once(bin_dir, subproce
             "data=jsonl", f"data.path={data}", "data.reward_fn=[code_exec,http,reward_model]",
             f"data.reward_url={server.url}", f"data.reward_model={tmp_path / 'no_rm'}",
             "data.code_exec.limits.cpu_s=0", "eval.every_steps=1", f"eval.data.path={held_out}",
+            "data.served.max_error_fraction=1.5",
             "batching.infer.max_tokens=1024",  # under the reward model's max_length (2048)
             timeout=120,
         )  # fmt: skip
@@ -232,6 +233,7 @@ def test_bad_reward_setup_is_refused_before_launch_all_at_once(bin_dir, subproce
     assert f"data.reward_url={server.url}" in err and "not JSON" in err
     assert "data.reward_model=" in err and "not a directory" in err
     assert "data.code_exec.limits.cpu_s=0" in err
+    assert "data.served.max_error_fraction=1.5: is a fraction of a step's samples" in err
     assert not (tmp_path / "outputs").exists() or not list(
         (tmp_path / "outputs").rglob("metrics.jsonl")
     )

@@ -19,7 +19,7 @@ def test_quick_start_is_two_commands():
     assert all("\n" not in c for c in commands)
     assert "rlbatch-train +recipe=grpo_qwen" in commands[0]
     assert "pytest" in commands[1]
-    assert all("torch==2.13.0" in c for c in commands)  # pinned CPU build
+    assert all("torch==2.13.0" in c for c in commands)  # the pinned version
 
 
 def test_ci_runs_the_readme_test_command():
@@ -70,3 +70,15 @@ def test_partial_rollouts_are_shown_with_the_settings_they_need():
     for at in mentions:
         before = text[max(0, at - 80) : at]
         assert "grpo.num_steps_async=1" in before and "grpo.max_staleness=2" in before, before
+
+
+def test_quick_start_gives_the_cpu_index_for_the_pinned_torch():
+    """The pin is a version, not a build: where no local CPU wheel is provided, pip resolves
+    it to the CUDA build, so the quick start names PyTorch's CPU index for the same version."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    pins = {re.search(r"torch==(\S+)", c).group(1) for c in _quick_start_commands()}  # type: ignore[union-attr]
+    assert len(pins) == 1
+    index = "--index-url https://download.pytorch.org/whl/cpu"
+    assert f"pip install torch=={pins.pop()} {index}" in section
+    assert "CUDA build" in section and "Python 3.12 or 3.13" in section

@@ -117,8 +117,15 @@ class ServedConfig:
     batch_size: int = 1
     """http: samples per request (> 1 posts {"samples": [...]} and reads {"rewards": [...]})."""
     on_error: EnvOnError = EnvOnError.raise_error
-    """raise_error: a request still failing after its retries stops the run naming the URL and
-    the sample; zero_reward: that sample scores 0 (counted in reward_fail/served_error)."""
+    """A request still failing after its retries (no answer, an error status, not the expected
+    JSON): raise_error stops the run naming the URL and the sample; zero_reward scores that
+    sample 0 (counted in reward_fail/served_error). An answer read but unusable (a judge reply
+    without one readable score, a reward out of range) always scores 0 (reward_fail/no_score,
+    reward_fail/out_of_range)."""
+    max_error_fraction: float = 0.5
+    """Most of a step's samples (over every DP rank) that may have a served failure (any of the
+    above, scored 0): more stops the run before that step trains, naming the step and an
+    example. 1 never stops; 0 stops at the first failure."""
     check: bool = True
     """Ask the endpoint once before launch (an error names the URL and what came back)."""
 

@@ -175,7 +175,7 @@ class DataConfig:
     reward_abs_max: float = 1e6
     """Largest reward magnitude: a user function's larger (or non-finite) value is an error
     naming it and the sample; a served, judge, reward-model or environment one scores 0 with
-    reason out_of_range (served: data.served.on_error decides)."""
+    reason out_of_range."""
     reward_url: Optional[str] = None
     """Endpoint of data.reward=http (the URL posted to) or judge (an OpenAI-compatible server:
     its base URL or its /v1/chat/completions URL)."""

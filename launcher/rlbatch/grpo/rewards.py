@@ -204,6 +204,9 @@ class RewardComponent:
     scored: Optional[Callable[[Sequence[RewardInput]], list[Scored]]] = None
     """A brought reward (rlbatch.rewards): values with the reason of every failure; when set,
     ``score`` is its values alone."""
+    served: bool = False
+    """Scored by a server (http, judge): its failures count against
+    data.served.max_error_fraction."""
 
 
 NamedFailure = tuple[str, Failure]
@@ -248,8 +251,9 @@ def _builtin_component(
 
     if kind in BROUGHT:
         scored = BROUGHT[kind](cfg, infer)
+        served = kind in (RewardKind.http, RewardKind.judge)
         return RewardComponent(
-            name, weight, lambda inputs: [s.value for s in scored(inputs)], scored
+            name, weight, lambda inputs: [s.value for s in scored(inputs)], scored, served
         )
     fn = build_reward_fn(_with_reward(cfg, kind))
     return RewardComponent(name, weight, lambda inputs: score(fn, inputs, name))

@@ -20,6 +20,9 @@ from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rewards.base import Scored
 from rlbatch.rollout.generation import rank_seed
 
+SERVED_FAILED = "reward_served_failed"
+"""Sample metric: 1 when a served reward part (http, judge) failed for the sample."""
+
 
 def make_reward_batch_fn(
     fn: RewardFn | RewardSet, tokenizer: Any, abs_max: float = math.inf
@@ -28,8 +31,11 @@ def make_reward_batch_fn(
     component's value goes to the sample's metrics as ``reward/<name>``. A multi-turn sample
     adds the sum of its environment's step rewards (``reward/env``); an episode ended by an
     environment error (env.on_error=zero_reward) gets a total of 0, and every part 0; an
-    environment reward out of ``abs_max`` (data.reward_abs_max) counts as 0 (out_of_range)."""
+    environment reward out of ``abs_max`` (data.reward_abs_max) counts as 0 (out_of_range).
+    A sample with a failure of a served part (http, judge) gets ``SERVED_FAILED`` = 1 in its
+    metrics (what data.served.max_error_fraction counts)."""
     rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
+    served = {c.name for c in rewards.components if c.served}
 
     def reward_batch(samples: list[Sample]) -> list[float]:
         inputs = [reward_input(s, tokenizer) for s in samples]
@@ -39,6 +45,8 @@ def make_reward_batch_fn(
                 s.metrics[f"reward/{name}"] = v
         for s, found in zip(samples, failures, strict=True):
             record_failures(s, found)
+            if any(name in served for name, _ in found):
+                s.metrics[SERVED_FAILED] = 1.0
         return add_episode_rewards(samples, totals, abs_max)
 
     return reward_batch

@@ -10,8 +10,11 @@ to the end of the reply) are removed, then ``data.judge.score_pattern`` (default
 wherever it occurs, in [0, ``data.judge.max_score``], on that scale when the judge wrote one
 (``Score: 85/100`` on a 10 scale is refused, not clamped). The reward is the score over
 ``max_score``. Any other reply (no score, two different ones, a number out of range, a
-restated scale taken for a score, a degenerate ``8888...``) is a failed request with reason
-``no_score`` (data.served.on_error decides), never a guess.
+restated scale taken for a score, a degenerate ``8888...``, a score the completion wrote that
+the judge quotes beside its own) scores 0 with reason ``no_score``, never a guess. The reply is
+caused by the completion graded, so it never stops the run (data.served.on_error governs
+requests that failed); data.served.max_error_fraction bounds how many of a step's samples may
+end so.
 """
 
 from __future__ import annotations
@@ -155,8 +158,8 @@ class JudgeReward:
         }
 
     def ask(self, message: str) -> float:
-        """The judge's score of one message, in [0, 1]; ServedError when the request fails or
-        the reply has no usable score (reason ``no_score``)."""
+        """The judge's score of one message, in [0, 1]; ServedError when the request fails
+        (reason ``served_error``) or the reply has no usable score (reason ``no_score``)."""
         reply = reply_text(post_json(self.url, self._request(message), self.served), self.url)
         try:
             return read_score(reply, self.pattern, self.judge.max_score)

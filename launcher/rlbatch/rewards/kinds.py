@@ -254,7 +254,25 @@ def _check_url(cfg: DataConfig, kind: RewardKind, key: str, url: str | None) -> 
     return _positive({f"data.served.{k}": getattr(served, k) for k in keys})
 
 
+def _error_fraction(cfg: DataConfig) -> list[ConfigError]:
+    """data.served.max_error_fraction out of [0, 1] (checked beside the endpoint, not before
+    it: the endpoint's own check still runs)."""
+    fraction = cfg.served.max_error_fraction
+    if 0.0 <= fraction <= 1.0:
+        return []
+    why = "is a fraction of a step's samples: set it in [0, 1] (1 never stops the run)"
+    return [ConfigError("data.served.max_error_fraction", fraction, why)]
+
+
 def _check_http(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
+    return _check_http_endpoint(cfg, rows) + _error_fraction(cfg)
+
+
+def _check_judge(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
+    return _check_judge_endpoint(cfg, rows) + _error_fraction(cfg)
+
+
+def _check_http_endpoint(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
     from rlbatch.rewards.served import HttpReward
 
     errors = _check_url(cfg, RewardKind.http, "data.reward_url", cfg.reward_url)
@@ -265,7 +283,7 @@ def _check_http(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
     return [_unanswered("data.reward_url", cfg.reward_url, why)] if why else []
 
 
-def _check_judge(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
+def _check_judge_endpoint(cfg: DataConfig, rows: DatasetRows | None) -> list[ConfigError]:
     from rlbatch.rewards.judge import JudgeReward
 
     key = "data.judge.url" if cfg.judge.url else "data.reward_url"

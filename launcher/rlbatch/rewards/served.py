@@ -13,10 +13,22 @@ wait drawn between half and all of that (jitter: clients that failed together do
 back together). A request that ran out of time is retried only with
 ``data.served.retry_timeouts=true``: a judge that is slow because it is overloaded gets slower
 when every client asks twice. A 4xx status, another status than 200 (a redirect is not followed), an answer that
-is not the expected JSON or is too large is not retried (the server will say the same again). What a failure after that does is
-``data.served.on_error``: stop the run naming the URL and the sample (raise_error), or score
-the sample 0 and count it under the failure's reason (``reward_fail/served_error``, or
-``no_score`` / ``out_of_range`` for an answer that was read but is unusable).
+is not the expected JSON or is too large is not retried (the server will say the same again).
+
+Two kinds of failure, handled apart:
+
+- the request failed (reason ``served_error``: no answer, an error status, not the expected
+  JSON): ``data.served.on_error`` decides, stop the run naming the URL and the sample
+  (raise_error) or score the sample 0 and count it in ``reward_fail/served_error``;
+- the answer was read but its content is unusable (``no_score``: a judge reply without one
+  readable score, as when the judge quotes a score the completion wrote beside its own;
+  ``out_of_range``: a reward not finite or too large): the sample scores 0 and is counted under
+  that reason whatever on_error says. What the completion made the judge write must not stop a
+  run, and a reward computed from a completion can overflow for that completion alone.
+
+Either way the failed samples of a step are bounded: more than
+``data.served.max_error_fraction`` of them (:func:`check_error_fraction`, over every DP rank)
+stops the run before the step trains.
 """
 
 from __future__ import annotations
@@ -194,13 +206,15 @@ def score_requests(
     cfg: ServedConfig,
 ) -> list[Scored]:
     """Run every request (each scores ``sizes[i]`` samples) with at most max_concurrency at
-    once; a ServedError stops the run (raise_error) or scores its samples 0 (zero_reward)."""
+    once; a failed request (``served_error``) stops the run (raise_error) or scores its samples
+    0 (zero_reward); an unusable answer (``no_score``, ``out_of_range``) scores them 0."""
 
     def run(i: int) -> list[Scored]:
         try:
             return [Scored(v) for v in requests[i]()]
         except ServedError as err:
-            if EnvOnError(cfg.on_error) == EnvOnError.raise_error:
+            stop = EnvOnError(cfg.on_error) == EnvOnError.raise_error
+            if stop and err.reason == "served_error":
                 raise ServedError(
                     f"reward request for {labels[i]} failed: {err} (data.served.on_error="
                     "zero_reward scores such samples 0 instead)",
@@ -214,6 +228,23 @@ def score_requests(
     with progress.user_call(f"{len(requests)} reward requests to {url}", bound):
         chunks = run_bounded(run, list(range(len(requests))), cfg.max_concurrency)
     return [s for chunk in chunks for s in chunk]
+
+
+def check_error_fraction(
+    failed: float, total: float, cfg: ServedConfig, step: int, example: str
+) -> None:
+    """ServedError when more than ``cfg.max_error_fraction`` of a step's ``total`` samples
+    (over every DP rank) had a served failure (``failed``); ``example``: one of them."""
+    if total <= 0 or failed / total <= cfg.max_error_fraction:
+        return
+    raise ServedError(
+        f"step {step}: {failed:.0f} of the {total:.0f} samples had a served reward failure"
+        f" ({failed / total:.2f}, over data.served.max_error_fraction={cfg.max_error_fraction:g});"
+        f" the step was not trained{', e.g. ' + example if example else ''}. Fix the reward"
+        " server or judge (a judge template whose replies it cannot read: data.judge.template,"
+        " data.judge.score_pattern), or raise data.served.max_error_fraction to train on such"
+        " samples scored 0"
+    )
 
 
 def sample_payload(prompt: str, completion: str, answer: str, fields: Any) -> dict[str, Any]:

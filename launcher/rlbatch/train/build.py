@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from rlbatch.config.enums import RewardKind
 from rlbatch.config.schema import (
     AdvantageEstimator,
     FilterGroups,
@@ -46,6 +47,38 @@ def failure_counts(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
     keys = [f"reward_fail/{r}" for r in FAILURE_REASONS]
     local = [sum(s.metrics.get(k, 0.0) for s in samples) for k in keys]
     return dict(zip(keys, dist.all_reduce_sum(local), strict=True))
+
+
+def served_failures(samples: Sequence[Sample], dist: Any) -> tuple[float, float, str]:
+    """(samples with a served reward failure, samples) of the step over every rank, and the
+    failures of one such sample of this rank ("" when none: an example for the message)."""
+    from rlbatch.grpo.stages import SERVED_FAILED
+
+    failed = [s for s in samples if s.metrics.get(SERVED_FAILED)]
+    count, total = dist.all_reduce_sum([float(len(failed)), float(len(samples))])
+    example = "; ".join(failed[0].reward_failures)[:300] if failed else ""
+    return count, total, example
+
+
+def make_served_check(
+    cfg: RunConfig, dist: Any
+) -> Callable[[Sequence[Sample], int], dict[str, float]] | None:
+    """check(step's samples, step) for runs with a served reward (http, judge; else None): it
+    stops the run before the step trains when more than data.served.max_error_fraction of the
+    samples had a served failure, and returns their fraction (``reward_served_fail_frac``)."""
+    from rlbatch.grpo.rewards import brought_kinds
+    from rlbatch.rewards.served import check_error_fraction
+
+    kinds = brought_kinds(cfg.data)
+    if RewardKind.http not in kinds and RewardKind.judge not in kinds:
+        return None
+
+    def check(samples: Sequence[Sample], step: int) -> dict[str, float]:
+        failed, total, example = served_failures(samples, dist)
+        check_error_fraction(failed, total, cfg.data.served, step, example)
+        return {"reward_served_fail_frac": failed / max(total, 1.0)}
+
+    return check
 
 
 def make_round_start(cfg: RunConfig, model: list[Any]) -> Callable[[list[Sample]], dict]:
@@ -125,6 +158,7 @@ def make_train_step(
     names = run_component_names(cfg)
     count_failures = bool(brought_kinds(cfg.data)) or bool(cfg.env.path)
     world = WorldDist()
+    check_served = make_served_check(cfg, world)
 
     layout = ps
     reducers = Reducers(
@@ -144,6 +178,7 @@ def make_train_step(
     guard = adapter_guard(cfg, model)
 
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
+        checked = check_served(batch.samples, step) if check_served is not None else {}
         prepared = round_start(batch.round_samples) if batch.new_round else {}
         if guard is not None:
             guard.before()
@@ -173,6 +208,7 @@ def make_train_step(
             **episodes,
             **metrics,
             **prepared,
+            **checked,
             "batch_seconds": batch.batch_seconds,
             **(constants or {}),
         }
@@ -209,15 +245,23 @@ def _warn_env(warnings: list[str], rank: int, warned: set[str]) -> None:
 def run(cfg: RunConfig) -> None:
     """Worker entry of rlbatch-train (inside each torchrun process): build, then train; the
     producer (and its generation worker, if any) and the evaluation's environment driver are
-    closed at the end."""
-    components = build_components(cfg)
+    closed at the end. The run sets the process's torch threads (trainer.num_threads; half of
+    them when generation overlaps training) and gives back the count it found, however it
+    ends: runs one after another in one process (tests, notebooks) each start from the same."""
+    import torch
+
+    threads = torch.get_num_threads()
     try:
-        train(cfg, components)
+        components = build_components(cfg)
+        try:
+            train(cfg, components)
+        finally:
+            components.producer.close()
+            close_evaluation = getattr(components.evaluate, "close", None)
+            if callable(close_evaluation):
+                close_evaluation()
     finally:
-        components.producer.close()
-        close_evaluation = getattr(components.evaluate, "close", None)
-        if callable(close_evaluation):
-            close_evaluation()
+        torch.set_num_threads(threads)
 
 
 def build_generation(

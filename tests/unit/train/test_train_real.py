@@ -34,6 +34,7 @@ def _cfg(run_dir, **debug):
     cfg.batching.train.max_tokens = 256
     cfg.logging.tensorboard = False
     cfg.logging.plot = False
+    cfg.logging.samples = True  # what each step trained on, compared before the metrics
     for key, value in debug.items():
         setattr(cfg.debug, key, value)
     return cfg
@@ -46,23 +47,49 @@ def _metrics(run_dir):
     ]
 
 
+def _samples(run_dir):
+    """Each step's logged samples (logging.samples), by step."""
+    folder = run_dir / "samples"
+    return {int(f.stem.split("_")[1]): read_jsonl(f) for f in sorted(folder.glob("step_*.jsonl"))}
+
+
+PROCESS_THREADS = 2
+"""torch threads of this process while the module runs: an overlapped run gives each side
+(training, the generation worker) half of them, 1 each."""
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run (generation overlapped, the default; checkpoints every 2 steps),
-    shared by the resume and the inline comparisons."""
+    shared by the resume and the inline comparisons; also the process's torch threads before
+    and after it."""
+    import torch
+
     from rlbatch.train.build import overlaps_generation, run
 
+    found = torch.get_num_threads()
+    torch.set_num_threads(PROCESS_THREADS)
     run_dir = tmp_path_factory.mktemp("real") / "ref"
     cfg = _cfg(run_dir)
     assert overlaps_generation(cfg)
     run(cfg)
-    return run_dir, _metrics(run_dir)
+    threads = (PROCESS_THREADS, torch.get_num_threads())
+    yield run_dir, _metrics(run_dir), threads
+    torch.set_num_threads(found)
+
+
+def test_an_overlapped_run_leaves_the_process_threads_as_it_found_them(reference):
+    """The overlapped run halves the process's torch threads for its training side; in-process
+    runs (tests, notebooks) one after another compounded it (2 -> 1 -> ...) and ran with other
+    thread counts than they were given."""
+    before, after = reference[2]
+    assert after == before
 
 
 def test_real_loop_resumes_bit_exactly(tmp_path, reference):
     from rlbatch.train.build import run
 
-    ref_dir, expected = reference
+    ref_dir, expected, _ = reference
     assert [r["step"] for r in expected] == [1, 2, 3, 4]
     assert [r["staleness_mean"] for r in expected] == [0.0, 1.0, 1.0, 1.0]
     assert (ref_dir / "hf" / "config.json").exists()
@@ -76,18 +103,50 @@ def test_real_loop_resumes_bit_exactly(tmp_path, reference):
 
 
 def test_overlapped_generation_equals_inline(tmp_path, reference):
-    """num_steps_async=1 with generation in its own thread on a model copy (weights handed over
-    per version) trains on exactly the samples inline generation produces: every metric equal,
-    every sample tagged with the version the schedule names. The overlapped run is the shared
-    reference (its checkpoints change no metric: the resume test's premise)."""
+    """num_steps_async=1 with generation in its own process on a model copy (weights handed
+    over per version) trains on exactly the samples inline generation produces: the same
+    tokens, then the same behaviour log-probs, then every metric equal, every sample tagged
+    with the version the schedule names. Each premise is checked in that order, so a failure
+    says which one broke. The inline run gets the thread count each side of the overlapped run
+    had (half the process's): float sums split over another number of threads round
+    differently. The overlapped run is the shared reference (its checkpoints change no metric:
+    the resume test's premise)."""
     from rlbatch.train.build import overlaps_generation, run
 
     cfg = _cfg(tmp_path / "inline")
     cfg.trainer.checkpoint.every_steps = 0
+    cfg.trainer.num_threads = PROCESS_THREADS // 2
     cfg.grpo.overlap_generation = False
     assert overlaps_generation(cfg) is False
     run(cfg)
-    _, overlapped = reference
-    assert overlapped == _metrics(tmp_path / "inline")
+    ref_dir, overlapped, _ = reference
+    want, got = _samples(ref_dir), _samples(tmp_path / "inline")
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4]
+    for step in want:
+        assert len(want[step]) == len(got[step]), f"step {step}: another number of samples"
+        pairs = list(enumerate(zip(want[step], got[step], strict=True)))
+        for i, (a, b) in pairs:
+            where = f"step {step}, sample {i}"
+            assert (a["prompt_index"], a["policy_version"], a["token_versions"]) == (
+                b["prompt_index"], b["policy_version"], b["token_versions"]
+            ), f"{where}: another prompt or policy version (the schedule differs)"  # fmt: skip
+            assert a["response_ids"] == b["response_ids"], (
+                f"{where}: other tokens sampled (overlapped {a['response_ids']}, inline"
+                f" {b['response_ids']}): the weights of that version or the seeds differ"
+            )
+        for i, (a, b) in pairs:
+            gaps = map(float.__sub__, a["behaviour_logps"], b["behaviour_logps"])
+            gap = max(map(abs, gaps), default=0.0)
+            assert a["behaviour_logps"] == b["behaviour_logps"], (
+                f"step {step}, sample {i}: same tokens, other behaviour log-probs (largest"
+                f" difference {gap:.3g}): the same weights computed otherwise (thread count,"
+                " kernels)"
+            )
+    inline = _metrics(tmp_path / "inline")
+    for a, b in zip(overlapped, inline, strict=True):
+        differ = {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+        assert not differ, (
+            f"step {a['step']}: same samples, other metrics (overlapped, inline): {differ}"
+        )
     assert [r["staleness_mean"] for r in overlapped] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["is_weight_max"] > 1.0 for r in overlapped[1:])
