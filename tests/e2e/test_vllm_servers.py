@@ -2,16 +2,19 @@
 (the ``vllm`` extra): rlbatch-serve starts one server per run config and prints its URL once
 /health answers; rlbatch-train learns on two of them (rollout.servers.urls), the weights pushed
 through vLLM's RL lifecycle by rlbatch's transfer plugin before every step, vLLM's behaviour
-log-probs the trainer's own at every step, evaluation on the same servers; an unreachable URL
-is a configuration error before launch; rollout.servers.count=1 starts its server beside
+log-probs the trainer's own at every step, evaluation on the same servers; an unreachable URL,
+one that is no vLLM server and one without a scheme are configuration errors before launch; rollout.servers.count=1 starts its server beside
 training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
 than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
 resumed exactly, its weights broadcast over a gloo group with the servers) run on the servers;
-a server killed mid-run, or relabelled by another client, stops the run naming it after saving
-the last completed step, or with rollout.servers.on_failure=continue leaves the pool (and the
-broadcast group) while the run finishes on the other one with the metrics of a run on that
-one alone with the file transfer; async run-ahead overlaps training at dp 2 with the
-inline run's samples; partial rollouts continue rows across weight updates (abort:
+an rlbatch-serve SIGKILLed with its process group takes its vLLM server with it, and the run
+on it stops within seconds naming the server, after saving the last completed step, with the
+command that continues it; a server relabelled by another client stops the run (inline, or
+from the generation worker of an overlapping run); a server whose engine stopped behind a
+live HTTP server fails its requests within seconds and, with
+rollout.servers.on_failure=continue, leaves the pool (and the broadcast group) while the run
+finishes on the other one with the metrics of a run on that one alone with the file transfer;
+async run-ahead overlaps training at dp 2 with the inline run's samples; partial rollouts continue rows across weight updates (abort:
 bit-identical to the in-process vLLM stream, resumed exactly; keep: on the old prefix cache).
 The servers (two shared, two spares to kill) are started once for the module."""
 
@@ -23,6 +26,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -105,7 +109,7 @@ def all_servers(bin_dir, subprocess_env, tmp_path_factory):
             [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
              f"rollout.vllm.max_model_len={SERVED_LEN}", f"rollout.vllm.block_size={BLOCK}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
-            cwd=cwd,
+            cwd=cwd, start_new_session=True,  # a process group of its own, as a shell job has
         ))  # fmt: skip
     try:
         for proc in procs:
@@ -185,14 +189,24 @@ def test_training_on_two_servers_is_on_policy_at_every_step(
     weights are pushed to both (rollout/weight_sync_s) and checked by the probe, and the
     servers' behaviour log-probs equal the training forward's to float32 rounding (a missed
     sync, a stale tied head or a stale prefix cache would show as importance weights far from
-    1); the policy moves (kl > 0), and the evaluation after step 2 runs on the same servers."""
+    1); the policy moves (kl > 0), and the evaluation after step 2 runs on the same servers.
+    The weights file of a trainer killed mid-sync (a whole model, in rollout.servers.transfer_dir)
+    is swept by the next sync on the machine; the run leaves none of its own."""
     run_dir = tmp_path / "run"
+    transfer_dir = tmp_path / "transfer"
+    transfer_dir.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = transfer_dir / f"rlbatch-weights-{gone.pid}-0123abcd-{socket.gethostname()}.safetensors"
+    left.write_bytes(b"a whole model")
     urls = "[" + ",".join(servers) + "]"
     proc = _train(
         bin_dir, subprocess_env, run_dir, f"rollout.servers.urls={urls}", "trainer.max_steps=2",
         "rollout.temperature=0.7", "grpo.epsilon_low=0.01", "grpo.epsilon_high=0.01", *EVAL,
+        f"rollout.servers.transfer_dir={transfer_dir}",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert list(transfer_dir.iterdir()) == []
     records = _records(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
@@ -206,14 +220,46 @@ def test_training_on_two_servers_is_on_policy_at_every_step(
 
 
 def test_an_unreachable_server_is_refused_before_launch(bin_dir, subprocess_env, tmp_path):
-    """A URL nobody answers at: an error naming the key and the URL, before any worker."""
+    """Before any worker, one error per bad URL naming the key, the URL and what is wrong with
+    it: nobody answers at the first (refused), the second answers HTTP but is no vLLM server
+    (a plain file server: GET /health is 404), and the third has no scheme (said once, as
+    such, not also as unreachable)."""
     pytest.importorskip("vllm")
-    url = f"http://127.0.0.1:{_free_port()}"
-    proc = _train(bin_dir, subprocess_env, tmp_path / "run", f"rollout.servers.urls=[{url}]")
+    refused = f"http://127.0.0.1:{_free_port()}"
+    port = _free_port()
+    other = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path, env=subprocess_env,
+    )  # fmt: skip
+    try:
+        not_vllm = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while not _answers(not_vllm):
+            assert time.monotonic() < deadline, "python -m http.server did not start"
+            time.sleep(0.2)
+        no_scheme = f"127.0.0.1:{port}"
+        urls = f"rollout.servers.urls=[{refused},{not_vllm},{no_scheme}]"
+        proc = _train(bin_dir, subprocess_env, tmp_path / "run", urls)
+    finally:
+        other.terminate()
+        other.wait()
     assert proc.returncode != 0
-    out = proc.stdout + proc.stderr
-    assert f"rollout.servers.urls={url}" in out and "unreachable" in out and "rlbatch-serve" in out
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert f"rollout.servers.urls={refused}: is unreachable" in out, out[-3000:]
+    assert "refused the connection" in out and "rlbatch-serve" in out
+    assert f"rollout.servers.urls={not_vllm}: answers, but not as a vLLM rollout server" in out
+    assert "GET /health answered 404" in out
+    assert f"rollout.servers.urls={no_scheme}: is not an http:// or https:// URL" in out
+    assert out.count(f"rollout.servers.urls={no_scheme}") == 1, out[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+    except OSError:
+        return False
+    return True
 
 
 def test_a_server_shorter_than_the_run_is_refused_before_launch(
@@ -355,15 +401,20 @@ def _first_step(launcher: subprocess.Popen, run_dir) -> float:
     return deadline
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlap"])
 def test_weights_another_process_put_on_a_server_stop_the_run(
-    spare_server, bin_dir, subprocess_env, tmp_path
+    spare_server, bin_dir, subprocess_env, tmp_path, overlap
 ):
     """Once step 1 is recorded, another client keeps relabelling the server's weights (the last
     call of its own weight update, as a second run or rlbatch-eval sharing the server would
     make): the run stops naming the server and both labels, instead of training on samples of
-    a policy it never had."""
+    a policy it never had. With generation overlapping training (grpo.num_steps_async=1: the
+    failure arrives from the generation worker's process) it reaches the loop as a rollout
+    failure all the same: the ranks agree on it, and the launcher prints the command that
+    continues the run."""
     run_dir = tmp_path / "run"
-    launcher = _start_long_run(bin_dir, subprocess_env, run_dir, _urls([spare_server]))
+    extra = ("grpo.num_steps_async=1",) if overlap else ()
+    launcher = _start_long_run(bin_dir, subprocess_env, run_dir, _urls([spare_server]), *extra)
     try:
         deadline = _first_step(launcher, run_dir)
         body = json.dumps({"new_version": "intruder"}).encode()
@@ -381,6 +432,8 @@ def test_weights_another_process_put_on_a_server_stop_the_run(
     assert launcher.returncode != 0
     expected = f"rollout server {spare_server} sampled with weights labelled 'intruder'"
     assert expected in out, out[-3000:]
+    assert "generation failed on rank 0" in out, out[-3000:]  # the ranks' agreement
+    assert "Continue this run with:" in out, out[-3000:]
     assert len(_records(run_dir)) < 20
 
 
@@ -391,32 +444,51 @@ def _server_group(url: str) -> int:
     return os.getpgid(int(server.split(":")[0]))
 
 
+def _serve_group(url: str) -> int:
+    """The process group of the rlbatch-serve command that serves ``url`` (a group of its own,
+    as a shell job has)."""
+    port = url.rsplit(":", 1)[1]
+    (serve,) = [
+        p for p in _processes_mentioning(f"rollout.servers.port={port}") if "rlbatch-serve" in p
+    ]
+    return os.getpgid(int(serve.split(":")[0]))
+
+
 def test_a_server_killed_mid_run_stops_the_run_naming_it(
     servers, spare_server, bin_dir, subprocess_env, tmp_path
 ):
-    """Training on a shared server and the spare one, saving every 50 steps; the spare's vLLM
-    (its whole process group) SIGKILLed once step 1 is recorded: the run stops well within
-    rollout.servers.timeout_s with an error naming the dead server, leaves no worker behind,
-    and the last step it completed was saved before it stopped (trainer.resume=auto continues
-    there)."""
+    """Training on a shared server and the spare one (rollout.servers.timeout_s at its default
+    of 300 s), saving every 50 steps; the spare's rlbatch-serve SIGKILLed with its whole
+    process group once step 1 is recorded (what a closed terminal or a job scheduler sends):
+    the vLLM server it started, in a session of its own, dies with it at once (API server and
+    engine core), the run stops within seconds with an error naming the dead server and the
+    command that continues it, leaves no worker behind, and the last step it completed was
+    saved before it stopped (trainer.resume=auto continues there)."""
     run_dir = tmp_path / "run"
     pgid = _server_group(spare_server)
-    launcher = _start_long_run(
-        bin_dir, subprocess_env, run_dir, _urls([servers[0], spare_server]),
-        "rollout.servers.timeout_s=60",
-    )  # fmt: skip
+    assert len(_group_members(pgid)) >= 2  # the API server and its engine core
+    launcher = _start_long_run(bin_dir, subprocess_env, run_dir, _urls([servers[0], spare_server]))
     try:
         _first_step(launcher, run_dir)
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(_serve_group(spare_server), signal.SIGKILL)
         killed_at = time.monotonic()
-        out, _ = launcher.communicate(timeout=120)
+        while _group_members(pgid) and time.monotonic() - killed_at < 30:
+            time.sleep(0.1)
+        server_gone_after = time.monotonic() - killed_at
+        out, _ = launcher.communicate(timeout=400)
         stopped_after = time.monotonic() - killed_at
     finally:
         launcher.kill()
         launcher.wait()
+    print(f"vLLM gone {server_gone_after:.1f} s, run stopped {stopped_after:.1f} s after the kill")
+    assert _group_members(pgid) == [], "vLLM outlived the rlbatch-serve that started it"
+    assert server_gone_after < 5
     assert launcher.returncode != 0
     assert f"rollout server {spare_server}" in out, out[-3000:]
-    assert stopped_after < 60, f"the run took {stopped_after:.0f} s to stop"
+    # seconds (the save of the last step included), not rollout.servers.timeout_s (300 s)
+    assert stopped_after < 90, f"the run took {stopped_after:.0f} s to stop"
+    assert "Continue this run with:" in out and "trainer.resume=auto" in out, out[-3000:]
+    assert f"hydra.run.dir={run_dir.resolve()}" in out.split("Continue this run with:")[1]
     done = len(_records(run_dir))
     assert 1 <= done < 20
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{done:08d}"]
@@ -445,21 +517,23 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
 ):
     """rollout.servers.on_failure=continue on a shared server and a spare one, with the weights
     broadcast over one group of the trainer and both servers (rollout.servers.transfer=
-    broadcast); the spare SIGKILLed while it decodes a round after step 1 is recorded: a warning
-    names it, its rows go to the other server, the next sync forms the group again without
-    it, rollout/servers_alive falls from 2 to 1, and the run finishes with the metrics of the
-    same run on the other server alone with the file transfer (each row carries its own seed,
-    so the row a dead server would have sampled is the one the other server samples; the
-    broadcast delivers the same weights as the file)."""
+    broadcast); the spare's vLLM API server SIGTERMed while it decodes a round after step 1 is
+    recorded (vLLM then shuts its engine down but holds the requests in flight, unanswered, and
+    stops listening): within seconds, not rollout.servers.timeout_s (300 s here), a warning
+    names it and the requests it held, its rows go to the other server, the next sync forms
+    the group again without it, rollout/servers_alive falls from 2 to 1, and the run finishes
+    with the metrics of the same run on the other server alone with the file transfer (each
+    row carries its own seed, so the row a dead server would have sampled is the one the other
+    server samples; the broadcast delivers the same weights as the file)."""
     ref_dir = tmp_path / "ref"
     ref = _train(bin_dir, subprocess_env, ref_dir, _urls([servers[0]]), *CONTINUED)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     run_dir = tmp_path / "run"
-    pgid = _server_group(second_spare_server)
+    port = second_spare_server.rsplit(":", 1)[1]
+    (api,) = [p for p in _processes_mentioning(f"--port {port} ") if "-m vllm.entrypoints" in p]
     launcher = subprocess.Popen(
         [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
-         _urls([servers[0], second_spare_server]), *CONTINUED, "rollout.servers.timeout_s=60",
-         "rollout.servers.transfer=broadcast",
+         _urls([servers[0], second_spare_server]), *CONTINUED, "rollout.servers.transfer=broadcast",
          f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
          "trainer.checkpoint.export_hf=false"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
@@ -472,13 +546,18 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
         while _requests_running(second_spare_server) == 0:
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
-        os.killpg(pgid, signal.SIGKILL)
-        out, _ = launcher.communicate(timeout=300)
+        os.kill(int(api.split(":")[0]), signal.SIGTERM)
+        killed_at = time.monotonic()
+        out, _ = launcher.communicate(timeout=600)
+        finished_after = time.monotonic() - killed_at
     finally:
         launcher.kill()
         launcher.wait()
+    print(f"the run finished {finished_after:.1f} s after the server's engine stopped")
     assert launcher.returncode == 0, out[-3000:]
     assert f"rollout server {second_spare_server} left the pool" in out, out[-3000:]
+    assert "/inference/v1/generate was in flight" in out, out[-3000:]
+    assert finished_after < 150
     records = _records(run_dir)
     alive = [r["rollout/servers_alive"] for r in records]
     assert alive[0] == 2 and alive[-1] == 1, alive

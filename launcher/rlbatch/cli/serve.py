@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = server_config(args)
     s = cfg.rollout.servers
+    from rlbatch.rollout.server_sync import sweep_weight_files, transfer_folder
+
+    sweep_weight_files(transfer_folder(cfg))  # what trainers killed mid-sync left here
     root = Path(tempfile.mkdtemp(prefix="rlbatch-serve-"))
     try:
         real = write_server_model_dir(cfg, root / "model")

@@ -80,7 +80,10 @@ class ServersConfig:
     """How long a server rlbatch starts may take to answer /health."""
     timeout_s: float = 300.0
     """How long one request to a server may take (a generation, or a step of a weight update)
-    before the server counts as failed (``on_failure``)."""
+    before the server counts as failed (``on_failure``): a hung server. A server that dies
+    counts as failed at once (its connection refused or closed), and so does one whose engine
+    died behind a live HTTP server (its /health, read every few seconds while requests wait
+    on it, fails)."""
     on_failure: ServerFailure = ServerFailure.stop  # type: ignore[attr-defined]
     """A server that refuses a request (connection refused, an HTTP 5xx answer) or does not
     answer within ``timeout_s``: ``stop`` ends the run with an error naming it, after saving a
@@ -108,7 +111,9 @@ class ServersConfig:
     transfer_dir: Optional[str] = None
     """``transfer=file``: where the weights file of a sync is written for the servers to read
     (a directory every server can read: the same machine, or a shared filesystem); null:
-    /dev/shm when it exists, else the system's temporary directory."""
+    /dev/shm when it exists, else the system's temporary directory. The file is removed once
+    every server has read it; one that a killed trainer left (a whole model) is removed by the
+    next sync or rlbatch-serve on that machine."""
     transfer_host: Optional[str] = None
     """``transfer=broadcast``: the address at which the servers reach the trainer's first rank
     (it hosts the group's rendezvous on a free port); null: 127.0.0.1 when every server is on

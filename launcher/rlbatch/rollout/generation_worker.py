@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from rlbatch.config.schema import RunConfig
 from rlbatch.env.protocol import EnvCallError
-from rlbatch.rollout.protocol import GenerationRequest, PolicySnapshot
+from rlbatch.rollout.protocol import GenerationRequest, PolicySnapshot, RolloutUnavailableError
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -92,6 +92,8 @@ class GenerationWorker:
         kind, payload = self._conn.recv()
         if kind == "env_error":
             raise EnvCallError(payload)
+        if kind == "unavailable":  # a rollout server failed: the loop's agreement handles it
+            raise RolloutUnavailableError(payload)
         if kind == "error":
             raise GenerationWorkerError(f"generation worker failed:\n{payload}")
         return payload
@@ -206,6 +208,8 @@ def _serve(
                 conn.send(("ok", (samples, aggregator.state_dict())))
         except EnvCallError as err:  # the user's environment: its message, no traceback
             conn.send(("env_error", str(err)))
+        except RolloutUnavailableError as err:  # a rollout server failed, named in err
+            conn.send(("unavailable", str(err)))
         except BaseException:  # noqa: BLE001 - reported to the trainer
             conn.send(("error", traceback.format_exc()))
 

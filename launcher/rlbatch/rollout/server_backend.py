@@ -58,7 +58,7 @@ from rlbatch.rollout.protocol import (
     decode_on_group_leader,
     token_sampling,
 )
-from rlbatch.rollout.server_http import ServerDownError, ServerError, call
+from rlbatch.rollout.server_http import ServerDownError, ServerError, call, health
 from rlbatch.rollout.server_sync import close_group, expected_backend, push, server_transfer
 
 URLS_ENV = "RLBATCH_ROLLOUT_SERVER_URLS"
@@ -434,21 +434,22 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """Every server of rollout.servers.urls answers GET /health and has vLLM's RL endpoints
     (GET /is_paused: a server started without VLLM_SERVER_DEV_MODE=1 lacks them); an error
     naming each one that does not, before any worker starts."""
-    from rlbatch.rollout.server_process import healthy
-
     _check_transfer_host(cfg, errors)
     for url in cfg.rollout.servers.urls:
         url = str(url).rstrip("/")
-        if not healthy(url, timeout_s=10.0):
+        if not url.startswith(("http://", "https://")):  # not "unreachable": no URL at all
             errors.append(
                 ConfigError(
                     "rollout.servers.urls",
                     url,
-                    "is unreachable (GET /health did not answer 200): start the server with"
-                    " rlbatch-serve (the run's recipe and overrides, rollout.servers.port=PORT),"
-                    " wait for it to print its URL, or fix the URL",
+                    "is not an http:// or https:// URL: write it as http://HOST:PORT",
                 )
             )
+            continue
+        why = health(url, timeout_s=10.0)
+        if why is not None:
+            why = why.replace(f"rollout server {url} ", "")
+            errors.append(ConfigError("rollout.servers.urls", url, _unhealthy(why)))
             continue
         try:
             call(url, "/is_paused", timeout_s=10.0, get=True)
@@ -465,6 +466,20 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
             continue
         _check_server_length(cfg, url, errors)
         _check_server_transfer(cfg, url, errors)
+
+
+def _unhealthy(why: str) -> str:
+    """The fix for a server whose GET /health failed (server_http.health's words)."""
+    if "GET /health answered" in why:
+        return (
+            f"answers, but not as a vLLM rollout server ({why}): is it the URL rlbatch-serve"
+            " printed? Start the server with rlbatch-serve (the run's recipe and overrides,"
+            " rollout.servers.port=PORT), or fix the URL"
+        )
+    return (
+        f"is unreachable ({why}): start the server with rlbatch-serve (the run's recipe and"
+        " overrides, rollout.servers.port=PORT), wait for it to print its URL, or fix the URL"
+    )
 
 
 def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:

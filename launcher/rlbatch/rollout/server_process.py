@@ -16,9 +16,11 @@ weights, which the trainer replaces before the first generation.
 
 No orphans: vLLM runs in a process group of its own (its engine core is a child process), and
 the process that started it, a small watcher (:func:`main`), kills that whole group when it is
-asked to stop, when the server exits, or when the watcher's own parent (the trainer's launcher)
-dies, even by SIGKILL (rlbatch.runtime.lifeline binds the watcher to it). The server itself gets
-SIGTERM if the watcher dies.
+asked to stop, when the server exits, or when the watcher's own parent (the trainer's launcher,
+or rlbatch-serve) dies, even by SIGKILL (rlbatch.runtime.lifeline binds the watcher to it). The
+watcher itself can die by SIGKILL too (a terminal or a job scheduler kills rlbatch-serve's
+whole process group): the first process of the server's group, a guard (:func:`guard`), then
+SIGKILLs the group, API server and engine core alike.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -146,11 +146,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
     """Whether GET {url}/health answers 200."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+    from rlbatch.rollout.server_http import health
+
+    return health(url, timeout_s) is None
 
 
 class ServerProcess:
@@ -265,9 +263,10 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 
 
 def watch(argv: list[str]) -> int:
-    """Run ``argv`` (vLLM's server) in a process group of its own and kill the group when this
-    process is asked to stop (SIGTERM / SIGINT, or its parent died: rlbatch.runtime.lifeline
-    sends SIGTERM) or when the server exits; the server's exit code."""
+    """Run ``argv`` (vLLM's server) in a process group of its own, under a guard
+    (:func:`guard`), and kill the group when this process is asked to stop (SIGTERM / SIGINT,
+    or its parent died: rlbatch.runtime.lifeline sends SIGTERM) or when the server exits; the
+    server's exit code."""
     from rlbatch.runtime.lifeline import _arm_parent_death_signal
 
     stopping: list[int] = []
@@ -280,9 +279,13 @@ def watch(argv: list[str]) -> int:
 
     def child_setup() -> None:
         os.setsid()
-        _arm_parent_death_signal(signal.SIGTERM)  # the watcher killed: the server stops
+        _arm_parent_death_signal(signal.SIGTERM)  # the watcher killed: the guard kills all
 
-    proc = subprocess.Popen(argv, preexec_fn=child_setup)  # noqa: PLW1509 - no threads yet
+    proc = subprocess.Popen(  # noqa: PLW1509 - no threads yet
+        [sys.executable, "-m", "rlbatch.rollout.server_process", GUARD, str(os.getpid()),
+         json.dumps(argv)],
+        preexec_fn=child_setup,
+    )  # fmt: skip
     try:
         while proc.poll() is None and not stopping:
             time.sleep(0.2)
@@ -291,7 +294,34 @@ def watch(argv: list[str]) -> int:
     return 0 if stopping else proc.returncode
 
 
+GUARD = "--guard"
+
+
+def guard(watcher: int, argv: list[str]) -> int:
+    """The first process of the server's group: runs ``argv`` (vLLM's API server, which starts
+    its engine core in the same group) and outlives it only to report its exit code. A SIGTERM
+    while the watcher lives is the watcher stopping the group (vLLM shuts down on its own
+    SIGTERM; the watcher kills what is left after a grace period). Once the watcher is gone,
+    whatever killed it (SIGKILL of rlbatch-serve's process group, as a terminal or a job
+    scheduler sends), the guard SIGKILLs the whole group at once: the API server and the
+    engine core, with nobody left to wait for a graceful stop (which, with requests in flight,
+    can keep vLLM's HTTP server open on a dead engine)."""
+    from rlbatch.runtime.lifeline import _arm_parent_death_signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # wake the loop below (not inherited by vLLM)
+        signal.signal(sig, lambda signum, frame: None)
+    _arm_parent_death_signal(signal.SIGTERM)
+    proc = subprocess.Popen(argv)
+    while proc.poll() is None:
+        if os.getppid() != watcher:
+            os.killpg(0, signal.SIGKILL)
+        time.sleep(0.2)
+    return proc.returncode
+
+
 def main() -> None:
+    if sys.argv[1] == GUARD:
+        sys.exit(guard(int(sys.argv[2]), json.loads(sys.argv[3])))
     from rlbatch.runtime.lifeline import die_with_parent
 
     if os.environ.get("RLBATCH_PARENT_PID"):

@@ -2,9 +2,11 @@
 lifecycle, in the way ``rollout.servers.transfer`` names.
 
 - ``file``: the Hugging Face-named tensors go to one safetensors file (``transfer_dir``,
-  /dev/shm by default: shared memory), then each server in turn: pause (waiting for requests in
-  flight), init (nothing to set up), start_weight_update, update_weights (the server reads the
-  file), finish_weight_update with the sync's label, reset_prefix_cache, resume.
+  /dev/shm by default: shared memory), then every server at once: pause (waiting for requests
+  in flight), init (nothing to set up), start_weight_update, update_weights (the server reads
+  the file), finish_weight_update with the sync's label, reset_prefix_cache, resume. The file
+  is removed once every server has read it; files that killed trainers left behind are swept
+  at the next sync on the machine (:func:`sweep_weight_files`).
 - ``broadcast``: the trainer's first rank and every server's workers form one process group
   (the trainer is rank 0 and hosts the rendezvous; each server's workers follow at their
   ``rank_offset``): NCCL when the trainer is on a GPU (servers run vLLM's own ``nccl``
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -81,30 +84,78 @@ def _finish(url: str, label: str, drop: bool, timeout_s: float) -> None:
 def _push_file(
     servers: ServerPool, cfg: RunConfig, tensors: dict[str, Any], label: str, drop: bool
 ) -> None:
+    """Write the weights file, then every server of the pool takes it, all at once (each its
+    own pause ... resume); the file is removed once they all have (and so are the files of
+    this machine's trainers that died before they could remove theirs)."""
     from safetensors.torch import save_file
 
-    s = cfg.rollout.servers
-    folder = Path(
-        s.transfer_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
-    )
-    path = folder / f"rlbatch-weights-{servers.nonce}-{os.getpid()}.safetensors"
+    folder = transfer_folder(cfg)
+    sweep_weight_files(folder)
+    path = folder / weight_file_name(os.getpid(), servers.nonce)
     save_file(tensors, str(path))
-    t = servers.timeout_s
     try:
-        for url in list(servers.urls):
-            try:
-                call(url, _pause(drop), timeout_s=t)
-                try:
-                    call(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=t)
-                    call(url, "/start_weight_update", timeout_s=t)
-                    call(url, "/update_weights", {"update_info": {"path": str(path)}}, timeout_s=t)
-                    _finish(url, label, drop, t)
-                finally:
-                    call(url, "/resume", timeout_s=t)
-            except ServerError as err:
-                servers.drop(url, err)
+        urls = list(servers.urls)
+        with ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="rlbatch-push") as ex:
+            pushes = [ex.submit(_push_file_to, servers, url, path, label, drop) for url in urls]
+        for pushed in pushes:  # every server has finished: the first failure, in pool order
+            pushed.result()
     finally:
         path.unlink(missing_ok=True)
+
+
+def _push_file_to(servers: ServerPool, url: str, path: Path, label: str, drop: bool) -> None:
+    t = servers.timeout_s
+    try:
+        call(url, _pause(drop), timeout_s=t)
+        try:
+            call(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=t)
+            call(url, "/start_weight_update", timeout_s=t)
+            call(url, "/update_weights", {"update_info": {"path": str(path)}}, timeout_s=t)
+            _finish(url, label, drop, t)
+        finally:
+            call(url, "/resume", timeout_s=t)
+    except ServerError as err:
+        servers.drop(url, err)
+
+
+def transfer_folder(cfg: RunConfig) -> Path:
+    """Where the file transfer writes: rollout.servers.transfer_dir, else /dev/shm."""
+    d = cfg.rollout.servers.transfer_dir
+    return Path(d or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
+
+
+WEIGHT_FILE = re.compile(r"rlbatch-weights-(?P<pid>\d+)-(?P<nonce>\w+)-(?P<host>.+)\.safetensors")
+"""The name of a file-transfer weights file: the trainer's pid, the run's nonce, its machine."""
+
+
+def weight_file_name(pid: int, nonce: str) -> str:
+    return f"rlbatch-weights-{pid}-{nonce}-{socket.gethostname()}.safetensors"
+
+
+def sweep_weight_files(folder: Path) -> list[Path]:
+    """Remove the weights files in ``folder`` that trainers of this machine left when they were
+    killed in the middle of a sync (a whole model each, in shared memory by default): those of
+    processes that no longer run. Files of other machines (a shared transfer_dir) are left
+    alone. The files removed."""
+    host = socket.gethostname()
+    removed = []
+    for path in folder.glob("rlbatch-weights-*.safetensors"):
+        m = WEIGHT_FILE.fullmatch(path.name)
+        if m is None or m["host"] != host or _running(int(m["pid"])):
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _push_broadcast(

@@ -220,7 +220,14 @@ def _run_workers(
     if code == preempt.EXIT_PREEMPTED:
         _report_preemption(run_dir, signal.Signals(received[0]).name if received else None, ending)
     elif code != 0:
-        _report_failure(run_dir, code)
+        if _report_failure(run_dir, code) in ROLLOUT_FAILURES and ending.resume_command:
+            _console().print(
+                "A rollout server failed (the error above names it); the last completed step"
+                " was saved. Once the server is back (or with other servers in"
+                f" rollout.servers.urls), {ending.how_to_continue()}",
+                markup=False,
+                soft_wrap=True,
+            )
     else:
         log.info("workers finished in %.1f s", time.monotonic() - started)
     return code
@@ -357,10 +364,15 @@ SECONDARY = (
 """What a rank reports when a peer failed first: shown after the peers' own errors."""
 
 
-def _report_failure(run_dir: Path, code: int) -> None:
+ROLLOUT_FAILURES = ("RolloutUnavailableError", "ServerError", "ServerDownError")
+"""The error types of a rollout server that failed (rlbatch.rollout.server_http), as a rank's
+report names them."""
+
+
+def _report_failure(run_dir: Path, code: int) -> str | None:
     """Show the failing rank's own error (written by the worker) in a panel: reports caused by a
     peer's failure (a closed connection, a timed-out collective) come after the others. Never
-    reads markup in what it shows."""
+    reads markup in what it shows. The type of the error shown (its class name), if any."""
     from rich.panel import Panel
     from rich.text import Text
 
@@ -368,13 +380,20 @@ def _report_failure(run_dir: Path, code: int) -> None:
     reports = sorted((run_dir / ERRORS_DIR).glob("rank*.txt"), key=_report_order)
     if not reports:
         console.print(f"workers failed (exit code {code}); no rank reported an error", style="red")
-        return
+        return None
     first = reports[0]
     others = ", ".join(p.stem for p in reports[1:])
     title = f"{first.stem} failed first" + (f" (also: {others})" if others else "")
     body = Text(first.read_text(errors="replace").rstrip())
     console.print(Panel(body, title=Text(title), border_style="red"))
     console.print(Text(f"full reports: {run_dir / ERRORS_DIR}"))
+    return _error_type(body.plain)
+
+
+def _error_type(report: str) -> str | None:
+    """The class name of the error a rank report starts with ("rank N: module.Class: ...")."""
+    head = report.split("\n", 1)[0].split(": ")
+    return head[1].rsplit(".", 1)[-1] if len(head) > 2 else None
 
 
 def _report_order(path: Path) -> tuple[bool, float]:

@@ -39,7 +39,9 @@ def unsaved_state(
 def agreed_batch(producer: RunAheadProducer, dist: Any, step: int) -> StepBatch:
     """The step's batch, once every rank has its own: a generation that failed on one rank (a
     rollout server down) is raised on every rank, so all of them save the last completed step
-    and stop together, none left waiting in the training pass's collectives."""
+    and stop together, none left waiting in the training pass's collectives. With generation
+    overlapping training the failure comes from the generation worker's process, passed on as
+    the same error type (rlbatch.rollout.generation_worker, rlbatch.train.producer)."""
     batch, failure = None, None
     try:
         batch = producer.batch_for_step(step)

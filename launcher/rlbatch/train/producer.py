@@ -42,7 +42,7 @@ from typing import Any
 
 from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Sample
-from rlbatch.rollout.protocol import GenerateFn, PolicySnapshot
+from rlbatch.rollout.protocol import GenerateFn, PolicySnapshot, RolloutUnavailableError
 from rlbatch.rollout.schedule import (
     GenerationRequest,
     GenerationSchedule,
@@ -449,6 +449,8 @@ class _GenerationThread:
             ok = self.cond.wait_for(lambda: self.error is not None or predicate(), self.timeout_s)
             if isinstance(self.error, EnvCallError):
                 raise self.error  # the user's environment: its own message, no wrapping
+            if isinstance(self.error, RolloutUnavailableError):  # the ranks agree on it, save
+                raise RolloutUnavailableError(str(self.error)) from self.error
             if self.error is not None:
                 raise RuntimeError(f"generation thread failed: {self.error}") from self.error
             if not ok:

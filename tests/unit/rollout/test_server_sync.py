@@ -133,3 +133,50 @@ def test_a_transfer_host_this_machine_cannot_resolve_is_refused_before_launch():
     (error,) = errors
     assert error.key == "rollout.servers.transfer_host" and error.value == "no-such-host.invalid"
     assert "does not resolve" in error.message and "null" in error.message
+
+
+def test_the_file_transfer_pushes_to_every_server_at_once(servers, tmp_path):
+    """Each server's pause ... resume runs beside the others' (one sync takes the slowest
+    server's time, not the sum): both servers are in their pause at the same moment."""
+    import threading
+
+    import torch
+
+    both = threading.Barrier(2, timeout=10)
+    inner = server_sync.call
+
+    def call(url, path, body=None, *, timeout_s, get=False):
+        if path.startswith("/pause"):
+            both.wait()  # one server after the other never gets past this
+        return inner(url, path, body, timeout_s=timeout_s, get=get)
+
+    server_sync.call = call  # restored by the fixture's monkeypatch
+    cfg = RunConfig()
+    cfg.rollout.servers.transfer_dir = str(tmp_path)
+    server_sync.push(servers, cfg, {"w": torch.zeros(2)}, "n-1", drop=True)
+    for url in (A, B):
+        assert [p for u, p in servers.calls if u == url] == [
+            "/pause", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+            "/finish_weight_update", "/reset_prefix_cache", "/resume",
+        ]  # fmt: skip
+    assert list(tmp_path.iterdir()) == []  # the file is removed once both have read it
+
+
+def test_weight_files_of_dead_trainers_of_this_machine_are_swept(tmp_path):
+    """A trainer killed mid-sync leaves its whole-model file (in /dev/shm by default): the next
+    sync on the machine removes the files of processes that no longer run, and only those."""
+    import os
+    import socket
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    dead = tmp_path / f"rlbatch-weights-{gone.pid}-abc123-{host}.safetensors"
+    alive = tmp_path / f"rlbatch-weights-{os.getpid()}-abc123-{host}.safetensors"
+    elsewhere = tmp_path / f"rlbatch-weights-{gone.pid}-abc123-not-{host}.safetensors"
+    other = tmp_path / "model.safetensors"
+    for path in (dead, alive, elsewhere, other):
+        path.write_bytes(b"x")
+    assert server_sync.sweep_weight_files(tmp_path) == [dead]
+    assert sorted(tmp_path.iterdir()) == sorted([alive, elsewhere, other])
