@@ -7,7 +7,8 @@ A program's answer crosses as **data** rebuilt by the receiving side's own decod
 - plain data: None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset;
 - standard-library values rebuilt from the receiving side's own standard library (:data:`STD`:
   ``Counter``, ``OrderedDict``, ``defaultdict``, ``deque``, ``Fraction``, ``Decimal``,
-  ``date``, ``time``, ``datetime``, ``timedelta``, ``bytearray``, ``range``), in containers
+  ``date``, ``time``, ``datetime``, ``timedelta``, ``timezone``, ``SimpleNamespace``,
+  ``array``, ``bytearray``, ``range``), in containers
   or alone;
 - the program's own named tuples, rebuilt as named tuples of the standard library (type name
   and fields: equal to a tuple of the same items, as in Python); its enum members and
@@ -208,7 +209,8 @@ def _namedtuple(type_name, fields, cache={}):  # noqa: B006 - one cache per proc
 
         if len(cache) > 1000:
             cache.clear()
-        cache[key] = collections.namedtuple(type_name, fields)
+        # rename: the program's own named tuple may have been made with rename=True ('_1')
+        cache[key] = collections.namedtuple(type_name, fields, rename=True)
     return cache[key]
 
 
@@ -230,6 +232,14 @@ def _tz(value):
         raise TypeError("a tzinfo other than datetime.timezone")
     offset = value.utcoffset()
     return [offset.days, offset.seconds, offset.microseconds]
+
+
+def _tz_parts(zone):
+    """A timezone as its offset and its name (None: the name its offset gives it)."""
+    offset = zone.utcoffset(None)
+    name = zone.tzname(None)
+    unnamed = type(zone)(offset).tzname(None)
+    return [offset.days, offset.seconds, offset.microseconds, None if name == unnamed else name]
 
 
 def _tz_of(data):
@@ -285,6 +295,27 @@ def _time(data):
 
     fields = _ints(data[:5], 5)
     return datetime.time(*fields[:4], fold=fields[4], tzinfo=_tz_of(data[5]))
+
+
+def _timezone(data):
+    import datetime
+
+    days, seconds, micro, name = _list(data, 4)
+    offset = datetime.timedelta(*_ints([days, seconds, micro], 3))
+    return datetime.timezone(offset) if name is None else datetime.timezone(offset, _str(name))
+
+
+def _namespace(data, remote_of):
+    import types
+
+    return types.SimpleNamespace(**{_str(k): v for k, v in _decoded_pairs(data, remote_of)})
+
+
+def _array(data, remote_of):
+    import array
+
+    typecode, items = _list(data, 2)
+    return array.array(_str(typecode), [decode(x, remote_of) for x in _list(items)])
 
 
 def _module_object(module, name):
@@ -347,6 +378,15 @@ STD = {
         lambda v, h: [v.days, v.seconds, v.microseconds],
         lambda d, r: _module_object("datetime", "timedelta")(*_ints(d, 3)),
     ),
+    ("datetime", "timezone"): (
+        lambda v, h: _tz_parts(v),
+        lambda d, r: _timezone(d),
+    ),
+    ("types", "SimpleNamespace"): (
+        lambda v, h: [[k, encode(x, h)] for k, x in vars(v).items()],
+        _namespace,
+    ),
+    ("array", "array"): (lambda v, h: [v.typecode, [encode(x, h) for x in v]], _array),
     ("builtins", "bytearray"): (lambda v, h: v.hex(), lambda d, r: bytearray.fromhex(_str(d))),
     ("builtins", "range"): (
         lambda v, h: [encode(v.start), encode(v.stop), encode(v.step)],
