@@ -136,7 +136,8 @@ class Remote:
     """A value of the program that crosses as none of the data above (an object of a plain
     class of the program, a generator, a function): callable, iterable, indexable and printable
     through the program, but it refuses to be compared (``==``, ``!=``, ``<``: an always-equal
-    or never-equal object proves nothing) and has no truth value."""
+    or never-equal object proves nothing) or hashed (``f(x) not in {4, 5}``) and has no truth
+    value."""
 
     __slots__ = ("_client", "_handle")
 
@@ -193,7 +194,12 @@ class Remote:
         )
 
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
-    __hash__ = object.__hash__
+
+    def __hash__(self):
+        # a set or dict lookup compares by hash first: an opaque object is "not in" any set
+        raise TypeError(
+            "a value of the program that is not data cannot be hashed (a set or dict key)"
+        )
 
     def __bool__(self):
         raise TypeError("a value of the program that is not data has no truth value")

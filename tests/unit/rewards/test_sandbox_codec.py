@@ -156,6 +156,9 @@ def test_a_plain_object_is_a_handle_that_refuses_comparison():
             compare()
     with pytest.raises(TypeError, match="no truth value"):
         bool(back)
+    for lookup in (lambda: back not in {4, 6}, lambda: back in {1: "x"}, lambda: hash(back)):
+        with pytest.raises(TypeError, match="cannot be hashed"):
+            lookup()
 
 
 @pytest.mark.parametrize(
