@@ -267,6 +267,8 @@ CORRECT = [
      "assert root(4) == 2\ntry:\n    root(-1)\nexcept ValueError:\n    pass\nelse:\n    assert False"),
     ("timezone, SimpleNamespace, array", "import array, datetime, types\ndef utc():\n    return datetime.timezone.utc\ndef point(x):\n    return types.SimpleNamespace(x=x)\ndef ints(xs):\n    return array.array('i', xs)",
      "import array, datetime, types\nassert utc() == datetime.timezone.utc\nassert point(1) == types.SimpleNamespace(x=1)\nassert ints([1, 2]) == array.array('i', [1, 2])"),
+    ("a dict's views", "def keys(d):\n    return d.keys()\ndef pairs(d):\n    return d.items()\ndef values(d):\n    return d.values()",
+     "assert keys({1: 2, 3: 4}) == {1, 3}\nassert list(keys({3: 0, 1: 0})) == [3, 1]\nassert pairs({1: 2}) == {(1, 2)}\nassert sorted(values({1: 5, 2: 4})) == [4, 5]"),
     ("a named tuple with renamed fields", "from collections import namedtuple\nRow = namedtuple('Row', ['id', 'class'], rename=True)\ndef row():\n    return Row(1, 'a')",
      "assert row() == (1, 'a')\nassert row().id == 1"),
 ]  # fmt: skip

@@ -4,7 +4,8 @@ library only (it runs inside the sandbox, on both sides).
 A program's answer crosses as **data** rebuilt by the receiving side's own decoder
 (:func:`decode`):
 
-- plain data: None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset;
+- plain data: None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset,
+  and a dict's ``keys()`` / ``values()`` / ``items()`` views;
 - standard-library values rebuilt from the receiving side's own standard library (:data:`STD`:
   ``Counter``, ``OrderedDict``, ``defaultdict``, ``deque``, ``Fraction``, ``Decimal``,
   ``date``, ``time``, ``datetime``, ``timedelta``, ``timezone``, ``SimpleNamespace``,
@@ -33,6 +34,9 @@ MAX_TEXT = 100_000
 
 _PLAIN_SCALARS = (type(None), bool, int, float, str)
 _NO_BASE = object()
+_VIEWS = {type({}.keys()): "keys", type({}.values()): "values", type({}.items()): "items"}
+"""A dict's views (``d.keys()``, ``d.values()``, ``d.items()``), rebuilt as views of a dict of
+the same items in the same order (a keys or items view equals a set, as in Python)."""
 _FACTORIES = ("int", "float", "str", "list", "dict", "set", "tuple", "frozenset", "bytes")
 """Built-in types a ``defaultdict`` crosses with as its default factory (by name)."""
 
@@ -467,6 +471,10 @@ def encode(value, handle_of=None):
 
 
 def _encode_other(value, kind, handle_of):
+    view = _VIEWS.get(kind)
+    if view is not None:
+        items = value if view != "items" else ([k, v] for k, v in value)
+        return {"v": [view, [encode(x, handle_of) for x in items]]}
     key = _std_key(kind)
     if key is not None:
         try:
@@ -540,7 +548,19 @@ def _decode_tagged(tag, body, remote_of):
             return _namedtuple(name, fields)(*[decode(v, remote_of) for v in _list(values)])
     if tag in ("e", "dc"):
         return _value(tag, _list(body), remote_of)
+    if tag == "v" and type(body) is list and len(body) == 2:
+        return _view(body[0], [decode(x, remote_of) for x in _list(body[1])])
     raise ProtocolError(f"not a value: {str({tag: body})[:80]}")
+
+
+def _view(view, items):
+    if view == "keys":
+        return dict.fromkeys(items).keys()
+    if view == "values":
+        return dict(enumerate(items)).values()
+    if view == "items":
+        return dict(map(tuple, map(_pair, items))).items()
+    raise ProtocolError(f"not a dict view: {str(view)[:40]}")
 
 
 def _value(tag, body, remote_of):

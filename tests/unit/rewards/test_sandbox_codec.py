@@ -108,6 +108,16 @@ def test_named_tuples_are_named_tuples_equal_to_tuples():
     assert back is not Pair  # rebuilt by the standard library, not the sender's class
 
 
+def test_dict_views_come_back_as_views_in_order():
+    d = {(1, 2): [3], "a": Color.RED}
+    keys, values, items = _cross(d.keys()), _cross(d.values()), _cross(d.items())
+    assert type(keys) is type(d.keys()) and list(keys) == [(1, 2), "a"]
+    assert keys == {(1, 2), "a"}  # a keys view equals a set, as in Python
+    assert type(values) is type(d.values()) and list(values) == [[3], Color.RED]
+    assert type(items) is type(d.items()) and list(items) == [((1, 2), [3]), ("a", 1)]
+    assert _cross({1: "x"}.items()) == {(1, "x")}
+
+
 def test_a_named_tuple_with_renamed_fields_crosses():
     row = collections.namedtuple("Row", ["id", "class", "id"], rename=True)(1, "a", 2)
     back = _cross(row)
