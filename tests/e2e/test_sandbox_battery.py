@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -141,4 +142,39 @@ def test_rlbatch_train_warns_before_launch_with_counts(bin_dir, subprocess_env, 
     assert "and earn part of the reward on 1 more (line 3: echoes its input 0.50)" in said
     assert "data.code_exec.stub_check_rows=6" in said
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+    assert leftover_sandbox_processes() == []
+
+
+LOOP = "i = 0\nwhile step(i) != 5:\n    i += 1"
+"""Tests that loop for as long as a stub's answer is not 5: None and NaN keep them looping."""
+
+
+def test_stub_check_is_bounded_and_runs_under_code_whole(bin_dir, subprocess_env, tmp_path):
+    """data.code_exec.code=whole (the stubs are programs, not fenced completions) with generous
+    limits: the stubs run and are found as under last_block, and the tests that loop on a
+    stub's answer hold each stub execution seconds, not the whole limit."""
+    rows = [
+        {"prompt": "loop", "completion": "def step(i):\n    return i", "test_code": LOOP},
+        {"prompt": "weak", "completion": "def square(x):\n    return x * x",
+         "test_code": "assert square(3) is not None"},
+    ]  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"answer": "", **r}) + "\n" for r in rows))
+    started = time.monotonic()
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-score"), "+recipe=grpo_code", "data.code_exec.code=whole",
+         "data.code_exec.limits.cpu_s=120", "data.code_exec.limits.wall_s=120",
+         f"score.input={data}", f"score.output={tmp_path / 'out.jsonl'}"],
+        capture_output=True, text=True, cwd=tmp_path, env=subprocess_env, timeout=600,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["reward"] for r in out] == [1.0, 1.0]
+    assert [r["stubs"] for r in out] == [
+        {"echoes its input": 1.0},  # step(i) == i reaches 5
+        {"returns NaN": 1.0, "returns an opaque object": 1.0, "echoes its input": 1.0},
+    ]
+    # the two looping stubs of the first row would hold 120 s each (two workers: 120 s at least)
+    assert took < 100, f"rlbatch-score took {took:.0f} s"
     assert leftover_sandbox_processes() == []

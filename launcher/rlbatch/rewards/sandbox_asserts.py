@@ -10,7 +10,8 @@ functions named ``test*`` and the ``test*`` methods of classes named ``Test*`` (
 called: the common shape of a row's tests). Each failing test counts; the verdict names how many
 failed of how many and the first failures.
 
-The program's exceptions are raised here as the built-in exception of the same name, except
+The program's exceptions are raised here as the built-in exception of the same name (or, for its
+own exception classes, the built-in one they derive from), except
 ``StopIteration`` from anything but ``next()``: it would end the tests' own loop over the
 program's answers (``all(map(f, cases))``) as if every case had passed, so it is an error.
 """
@@ -20,6 +21,7 @@ import sys
 import types
 
 from sandbox_codec import ProtocolError, Remote, decode, encode
+from sandbox_harness import add_site_exits
 
 _ENDS_A_LOOP = ("StopIteration", "StopAsyncIteration")
 
@@ -61,14 +63,19 @@ class _Client:
             raise ProtocolError("an answer that does not match the request")
         if "ok" in reply:
             return decode(reply["ok"], self.remote)
-        name, message = reply.get("raise"), reply.get("message")
-        kind = getattr(builtins, name, None) if type(name) is str else None
+        name, base, message = reply.get("raise"), reply.get("base"), reply.get("message")
+        kind = _builtin_exception(name) or _builtin_exception(base)
         text = message if type(message) is str else ""
-        if op != "next" and name in _ENDS_A_LOOP:
+        if op != "next" and (name in _ENDS_A_LOOP or base in _ENDS_A_LOOP):
             raise ProgramError(f"the program raised {name} ({text[:200]}) out of {op}")
         if isinstance(kind, type) and issubclass(kind, Exception):
             raise kind(text)
         raise ProgramError(f"{name}: {text}")
+
+
+def _builtin_exception(name):
+    kind = getattr(builtins, name, None) if type(name) is str else None
+    return kind if isinstance(kind, type) and issubclass(kind, BaseException) else None
 
 
 def _taken_from_python(test_code):
@@ -158,13 +165,29 @@ def _defined_here(value):
     return getattr(getattr(value, "__code__", None), "co_filename", None) == "test_code"
 
 
-def _collected(scope):
-    """(name, callable) of every test the test code defined, in definition order."""
+def _used_names(test_code):
+    """The names ``test_code`` reads: a ``test*`` function it calls (or passes on) is a helper
+    of its own (``def test(candidate)`` then ``test(add)``), run as the code asked."""
+    import ast
+
+    return {
+        node.id
+        for node in ast.walk(ast.parse(test_code))
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+    }
+
+
+def _collected(scope, test_code):
+    """(name, callable) of every test the test code defined, in definition order: its
+    TestCase and ``Test*`` classes (run again if it ran them itself: their results are not
+    always checked), its ``test*`` functions that it does not call itself."""
     tests = []
     unittest = sys.modules.get("unittest")
+    used = _used_names(test_code)
     for name, value in list(scope.items()):
         if type(value) is types.FunctionType and name.startswith("test") and _defined_here(value):
-            tests.append((name, value))
+            if name not in used:
+                tests.append((name, value))
         elif isinstance(value, type) and value.__module__ == "__main__":
             if unittest is not None and issubclass(value, unittest.TestCase):
                 loaded = unittest.defaultTestLoader.loadTestsFromTestCase(value)
@@ -175,14 +198,59 @@ def _collected(scope):
 
 
 def _pytest_methods(name, cls):
+    import functools
+
     methods = [m for m in vars(cls) if m.startswith("test") and callable(vars(cls)[m])]
-    return [(f"{name}.{m}", lambda m=m: getattr(cls(), m)()) for m in methods]
+    return [(f"{name}.{m}", functools.partial(_run_method, cls, m)) for m in methods]
+
+
+def _run_method(cls, name):
+    """One test method of a pytest-style class, on a fresh instance, between the class's
+    ``setup_method`` and ``teardown_method`` as pytest calls them."""
+    instance = cls()
+    method = getattr(instance, name)
+    refused = _takes_arguments(method, name)
+    if refused is not None:
+        raise refused
+    setup = getattr(instance, "setup_method", None)
+    if setup is not None:
+        setup(method)
+    try:
+        _check_ran(method(), name)
+    finally:
+        teardown = getattr(instance, "teardown_method", None)
+        if teardown is not None:
+            teardown(method)
+
+
+def _takes_arguments(test, name):
+    """The error for a test that needs arguments (None: it needs none)."""
+    import inspect
+
+    required = [
+        p
+        for p in inspect.signature(test).parameters.values()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if not required:
+        return None
+    return TypeError(
+        f"{name} takes arguments: pytest fixtures and parametrize do not exist here; write the"
+        " cases inside the test"
+    )
+
+
+def _check_ran(result, name):
+    """A test that is a coroutine or a generator ran none of its body: an error, not a pass."""
+    import inspect
+
+    if inspect.iscoroutine(result) or inspect.isgenerator(result):
+        result.close()
+        raise TypeError(f"{name} is async or a generator: its body never runs here")
 
 
 def _run_one(test):
     """The exception a test ended with (None: it passed)."""
-    import inspect
-
     unittest = sys.modules.get("unittest")
     if unittest is not None and isinstance(test, unittest.TestCase):
         result = unittest.TestResult()
@@ -190,13 +258,12 @@ def _run_one(test):
         bad = result.errors + result.failures + [(t, "unexpected success")
                                                  for t in result.unexpectedSuccesses]  # fmt: skip
         return _FromUnittest(bad[0][1]) if bad else None
-    if type(test) is types.FunctionType and inspect.signature(test).parameters:
-        return TypeError(
-            f"{test.__name__} takes arguments: pytest fixtures and parametrize do not exist"
-            " here; write the cases inside the test"
-        )
+    if type(test) is types.FunctionType:
+        refused = _takes_arguments(test, test.__name__)
+        if refused is not None:
+            return refused
     try:
-        test()
+        _check_ran(test(), getattr(test, "__name__", "the test"))
     except (EOFError, ProtocolError, OSError):
         raise  # the program's process is gone: that is the verdict
     except Exception as err:  # noqa: BLE001 - the test's failure, counted
@@ -213,9 +280,9 @@ class _FromUnittest(Exception):
         self.is_assertion = bool(lines) and lines[-1].startswith(("AssertionError", "Tests"))
 
 
-def _run_collected(scope):
+def _run_collected(scope, test_code):
     """Run every collected test; raise TestsFailed / TestsErred naming how many failed."""
-    tests = _collected(scope)
+    tests = _collected(scope, test_code)
     failed = [(name, err) for name, test in tests if (err := _run_one(test)) is not None]
     if not failed:
         return
@@ -231,16 +298,27 @@ def _described(err):
     return str(err) if type(err) is _FromUnittest else f"{type(err).__name__}: {err}".rstrip(": ")
 
 
+def _exec_test_code(test_code, scope):
+    """Run the test code's module. ``sys.exit(0)`` (or ``exit()``) ends it as a script's end
+    does, and its tests are still collected; any other status is the tests' failure."""
+    try:
+        exec(compile(test_code, "test_code", "exec"), scope)
+    except SystemExit as err:
+        if err.code not in (None, 0):
+            raise TestsFailed(f"the test code exited with status {err.code!r}") from None
+
+
 def run_asserts(channel, test_code, token):
     """Run ``test_code`` against the program over ``channel``; the verdict (a dict with the token).
     Kinds: ``assert`` (an assertion failed), ``program`` (the program's process ended or broke
     the protocol before the asserts finished), ``error`` (any other exception)."""
     client = _Client(channel)
+    add_site_exits()
     try:
         _hold_unittest_main(test_code)
         scope = _globals(client, channel.receive(), test_code)
-        exec(compile(test_code, "test_code", "exec"), scope)
-        _run_collected(scope)
+        _exec_test_code(test_code, scope)
+        _run_collected(scope, test_code)
     except TestsFailed as err:
         return _verdict(token, "assert", f"TestsFailed: {err}", None)
     except AssertionError as err:

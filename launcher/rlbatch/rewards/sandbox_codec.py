@@ -4,10 +4,12 @@ library only (it runs inside the sandbox, on both sides).
 A program's answer crosses as **data** rebuilt by the receiving side's own decoder
 (:func:`decode`):
 
-- plain data: None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset;
+- plain data: None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset,
+  and a dict's ``keys()`` / ``values()`` / ``items()`` views;
 - standard-library values rebuilt from the receiving side's own standard library (:data:`STD`:
   ``Counter``, ``OrderedDict``, ``defaultdict``, ``deque``, ``Fraction``, ``Decimal``,
-  ``date``, ``time``, ``datetime``, ``timedelta``, ``bytearray``, ``range``), in containers
+  ``date``, ``time``, ``datetime``, ``timedelta``, ``timezone``, ``SimpleNamespace``,
+  ``array``, ``bytearray``, ``range``), in containers
   or alone;
 - the program's own named tuples, rebuilt as named tuples of the standard library (type name
   and fields: equal to a tuple of the same items, as in Python); its enum members and
@@ -32,6 +34,9 @@ MAX_TEXT = 100_000
 
 _PLAIN_SCALARS = (type(None), bool, int, float, str)
 _NO_BASE = object()
+_VIEWS = {type({}.keys()): "keys", type({}.values()): "values", type({}.items()): "items"}
+"""A dict's views (``d.keys()``, ``d.values()``, ``d.items()``), rebuilt as views of a dict of
+the same items in the same order (a keys or items view equals a set, as in Python)."""
 _FACTORIES = ("int", "float", "str", "list", "dict", "set", "tuple", "frozenset", "bytes")
 """Built-in types a ``defaultdict`` crosses with as its default factory (by name)."""
 
@@ -135,7 +140,8 @@ class Remote:
     """A value of the program that crosses as none of the data above (an object of a plain
     class of the program, a generator, a function): callable, iterable, indexable and printable
     through the program, but it refuses to be compared (``==``, ``!=``, ``<``: an always-equal
-    or never-equal object proves nothing) and has no truth value."""
+    or never-equal object proves nothing) or hashed (``f(x) not in {4, 5}``) and has no truth
+    value."""
 
     __slots__ = ("_client", "_handle")
 
@@ -192,7 +198,12 @@ class Remote:
         )
 
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
-    __hash__ = object.__hash__
+
+    def __hash__(self):
+        # a set or dict lookup compares by hash first: an opaque object is "not in" any set
+        raise TypeError(
+            "a value of the program that is not data cannot be hashed (a set or dict key)"
+        )
 
     def __bool__(self):
         raise TypeError("a value of the program that is not data has no truth value")
@@ -208,7 +219,8 @@ def _namedtuple(type_name, fields, cache={}):  # noqa: B006 - one cache per proc
 
         if len(cache) > 1000:
             cache.clear()
-        cache[key] = collections.namedtuple(type_name, fields)
+        # rename: the program's own named tuple may have been made with rename=True ('_1')
+        cache[key] = collections.namedtuple(type_name, fields, rename=True)
     return cache[key]
 
 
@@ -230,6 +242,14 @@ def _tz(value):
         raise TypeError("a tzinfo other than datetime.timezone")
     offset = value.utcoffset()
     return [offset.days, offset.seconds, offset.microseconds]
+
+
+def _tz_parts(zone):
+    """A timezone as its offset and its name (None: the name its offset gives it)."""
+    offset = zone.utcoffset(None)
+    name = zone.tzname(None)
+    unnamed = type(zone)(offset).tzname(None)
+    return [offset.days, offset.seconds, offset.microseconds, None if name == unnamed else name]
 
 
 def _tz_of(data):
@@ -285,6 +305,27 @@ def _time(data):
 
     fields = _ints(data[:5], 5)
     return datetime.time(*fields[:4], fold=fields[4], tzinfo=_tz_of(data[5]))
+
+
+def _timezone(data):
+    import datetime
+
+    days, seconds, micro, name = _list(data, 4)
+    offset = datetime.timedelta(*_ints([days, seconds, micro], 3))
+    return datetime.timezone(offset) if name is None else datetime.timezone(offset, _str(name))
+
+
+def _namespace(data, remote_of):
+    import types
+
+    return types.SimpleNamespace(**{_str(k): v for k, v in _decoded_pairs(data, remote_of)})
+
+
+def _array(data, remote_of):
+    import array
+
+    typecode, items = _list(data, 2)
+    return array.array(_str(typecode), [decode(x, remote_of) for x in _list(items)])
 
 
 def _module_object(module, name):
@@ -347,6 +388,15 @@ STD = {
         lambda v, h: [v.days, v.seconds, v.microseconds],
         lambda d, r: _module_object("datetime", "timedelta")(*_ints(d, 3)),
     ),
+    ("datetime", "timezone"): (
+        lambda v, h: _tz_parts(v),
+        lambda d, r: _timezone(d),
+    ),
+    ("types", "SimpleNamespace"): (
+        lambda v, h: [[k, encode(x, h)] for k, x in vars(v).items()],
+        _namespace,
+    ),
+    ("array", "array"): (lambda v, h: [v.typecode, [encode(x, h) for x in v]], _array),
     ("builtins", "bytearray"): (lambda v, h: v.hex(), lambda d, r: bytearray.fromhex(_str(d))),
     ("builtins", "range"): (
         lambda v, h: [encode(v.start), encode(v.stop), encode(v.step)],
@@ -421,6 +471,10 @@ def encode(value, handle_of=None):
 
 
 def _encode_other(value, kind, handle_of):
+    view = _VIEWS.get(kind)
+    if view is not None:
+        items = value if view != "items" else ([k, v] for k, v in value)
+        return {"v": [view, [encode(x, handle_of) for x in items]]}
     key = _std_key(kind)
     if key is not None:
         try:
@@ -494,7 +548,19 @@ def _decode_tagged(tag, body, remote_of):
             return _namedtuple(name, fields)(*[decode(v, remote_of) for v in _list(values)])
     if tag in ("e", "dc"):
         return _value(tag, _list(body), remote_of)
+    if tag == "v" and type(body) is list and len(body) == 2:
+        return _view(body[0], [decode(x, remote_of) for x in _list(body[1])])
     raise ProtocolError(f"not a value: {str({tag: body})[:80]}")
+
+
+def _view(view, items):
+    if view == "keys":
+        return dict.fromkeys(items).keys()
+    if view == "values":
+        return dict(enumerate(items)).values()
+    if view == "items":
+        return dict(map(tuple, map(_pair, items))).items()
+    raise ProtocolError(f"not a dict view: {str(view)[:40]}")
 
 
 def _value(tag, body, remote_of):

@@ -11,6 +11,10 @@ own interpreter (exit early, replace ``sys.stdout``, patch builtins, rewrite thi
 changes what it answers, and the verdict is written by the asserts' process, with a
 per-execution token the program never sees, on a pipe only that process holds.
 
+A stdin/stdout program runs through this file too (``harness.py --script program.py``), only
+so that ``exit()`` and ``quit()``, which ``site`` defines and ``-S`` leaves out, end it as they
+end ``python program.py``.
+
 Arguments are passed by value: a test that relies on the program mutating an argument in place,
 or that passes a function of its own to the program, cannot be run this way (documented).
 """
@@ -58,7 +62,14 @@ class Channel:
 
 
 def _exception(err):
-    return {"raise": type(err).__name__, "message": str(err)[:500]}
+    """The exception as its type's name and the nearest built-in exception it derives from (a
+    program's ``class InvalidInput(ValueError)`` is caught by the tests' ``except ValueError``)."""
+    import builtins
+
+    base = next(
+        (k.__name__ for k in type(err).__mro__ if getattr(builtins, k.__name__, None) is k), None
+    )
+    return {"raise": type(err).__name__, "base": base, "message": str(err)[:500]}
 
 
 class _Server:
@@ -122,20 +133,50 @@ def _manifest(namespace, server):
     return {"names": names, "modules": modules}
 
 
-def serve(program_path, read_fd, write_fd):
-    """The program's process: run the program, then answer the asserts' requests (pipes)."""
+def add_site_exits():
+    """``exit`` and ``quit``, which ``site`` defines and an interpreter run with ``-S`` lacks:
+    a script (the program, the tests) that ends with ``exit()`` ends, it does not fail."""
+    import builtins
+
+    def _exit(code=None):
+        raise SystemExit(code)
+
+    for name in ("exit", "quit"):
+        if not hasattr(builtins, name):
+            setattr(builtins, name, _exit)
+
+
+def _main_module(program_path):
+    """A fresh ``__main__`` for the program."""
     import types
 
-    channel = Channel(read_fd, write_fd)
     module = types.ModuleType("__main__")
     module.__file__ = program_path
     sys.modules["__main__"] = module
     sys.argv = [program_path]
-    server = _Server(channel, module.__dict__)
-    with open(program_path, "rb") as f:
+    return module
+
+
+def _run(module):
+    with open(module.__file__, "rb") as f:
         source = f.read()
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+
+
+def run_script(program_path):
+    """A stdin/stdout program, run as ``python program.py`` would run it (with ``exit``)."""
+    add_site_exits()
+    _run(_main_module(program_path))
+
+
+def serve(program_path, read_fd, write_fd):
+    """The program's process: run the program, then answer the asserts' requests (pipes)."""
+    add_site_exits()
+    channel = Channel(read_fd, write_fd)
+    module = _main_module(program_path)
+    server = _Server(channel, module.__dict__)
     try:
-        exec(compile(source, program_path, "exec"), module.__dict__)
+        _run(module)
     except SystemExit:
         pass  # sys.exit() at the end of a script: its functions are still there to test
     except BaseException as err:  # noqa: BLE001 - reported to the asserts, then exit
@@ -156,4 +197,8 @@ def serve(program_path, read_fd, write_fd):
 
 
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1], 3, 4))
+    if sys.argv[1] == "--script":
+        del sys.argv[1]
+        run_script(sys.argv[1])
+    else:
+        sys.exit(serve(sys.argv[1], 3, 4))

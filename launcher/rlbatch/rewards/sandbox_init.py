@@ -62,7 +62,7 @@ def _program(job, ctx):
     keep = [ctx["stdin"], ctx["stdout"], ctx["stderr"]]
     for target, fd in enumerate(keep):
         os.dup2(fd, target)
-    argv = [ctx["python"], "-I", "-S", "-B", "program.py"]
+    argv = [ctx["python"], "-I", "-S", "-B", ctx["harness"], "--script", "program.py"]
     if ctx["rpc"] is not None:  # requests in on 3, answers out on 4
         requests, answers = ctx["rpc"]
         os.dup2(answers, 1000)  # out of the way of the two targets

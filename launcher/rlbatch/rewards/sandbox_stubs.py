@@ -18,10 +18,15 @@ import json
 import random
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rlbatch.config.rewards import CodeExecConfig, Isolation
+
+STUB_LIMIT_S = 2.0
+"""The most CPU and wall seconds a stub execution gets (less when data.code_exec.limits gives
+less): a stub computes nothing, so tests still running after that loop on its answer (``while
+f(i) != 5``); they would otherwise hold the check for the whole limit, row after row."""
 
 _OPAQUE = """class _Opaque:
     def __call__(self, *args, **kwargs):
@@ -123,10 +128,15 @@ def run_stubs(
     completions, fields, owners = [], [], []
     for key, row in unique.items():
         for stub, program in stub_programs(row).items():
-            completions.append(f"```python\n{program}```")
+            completions.append(program)  # no fence: the program under either data.code_exec.code
             fields.append(row)
             owners.append((key, stub))
-    scored = CodeExecReward(cfg, isolation).score(completions, fields)
+    limits = replace(
+        cfg.limits,
+        cpu_s=min(cfg.limits.cpu_s, STUB_LIMIT_S),
+        wall_s=min(cfg.limits.wall_s, STUB_LIMIT_S),
+    )
+    scored = CodeExecReward(replace(cfg, limits=limits), isolation).score(completions, fields)
     earned: dict[str, dict[str, float]] = {key: {} for key in unique}
     for (key, stub), result in zip(owners, scored, strict=True):
         if result.value > 0:

@@ -5,6 +5,7 @@ by type name and fields, and data the decoder cannot trust is a protocol error."
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import datetime
@@ -12,6 +13,7 @@ import decimal
 import enum
 import fractions
 import json
+import types
 
 import pytest
 
@@ -75,6 +77,11 @@ class Box:
         datetime.timedelta(days=-1, seconds=5),
         bytearray(b"\x00\xff"),
         range(1, 10, 3),
+        datetime.UTC,
+        datetime.timezone(datetime.timedelta(hours=5, minutes=30), "IST"),
+        types.SimpleNamespace(x=1, items=[fractions.Fraction(1, 3)]),
+        array.array("d", [1.5, -0.0]),
+        array.array("u", "hi"),
         [collections.Counter("ab"), {"k": fractions.Fraction(1, 2)}, (datetime.date(2000, 1, 1),)],
     ],
 )  # fmt: skip
@@ -99,6 +106,22 @@ def test_named_tuples_are_named_tuples_equal_to_tuples():
     assert back == (1, [2]) and back.a == 1 and back.b == [2]
     assert type(back).__name__ == "Pair" and back._fields == ("a", "b")
     assert back is not Pair  # rebuilt by the standard library, not the sender's class
+
+
+def test_dict_views_come_back_as_views_in_order():
+    d = {(1, 2): [3], "a": Color.RED}
+    keys, values, items = _cross(d.keys()), _cross(d.values()), _cross(d.items())
+    assert type(keys) is type(d.keys()) and list(keys) == [(1, 2), "a"]
+    assert keys == {(1, 2), "a"}  # a keys view equals a set, as in Python
+    assert type(values) is type(d.values()) and list(values) == [[3], Color.RED]
+    assert type(items) is type(d.items()) and list(items) == [((1, 2), [3]), ("a", 1)]
+    assert _cross({1: "x"}.items()) == {(1, "x")}
+
+
+def test_a_named_tuple_with_renamed_fields_crosses():
+    row = collections.namedtuple("Row", ["id", "class", "id"], rename=True)(1, "a", 2)
+    back = _cross(row)
+    assert back == (1, "a", 2) and back._fields == ("id", "_1", "_2") and back._1 == "a"
 
 
 def test_enums_compare_by_type_member_and_mixed_in_value():
@@ -143,6 +166,9 @@ def test_a_plain_object_is_a_handle_that_refuses_comparison():
             compare()
     with pytest.raises(TypeError, match="no truth value"):
         bool(back)
+    for lookup in (lambda: back not in {4, 6}, lambda: back in {1: "x"}, lambda: hash(back)):
+        with pytest.raises(TypeError, match="cannot be hashed"):
+            lookup()
 
 
 @pytest.mark.parametrize(
@@ -153,7 +179,7 @@ def test_a_plain_object_is_a_handle_that_refuses_comparison():
         {"std": ["os.system", "true"]},  # not a value type of the table
         {"std": ["decimal.Decimal", "1" * 200_000]},  # over the text limit
         {"std": ["collections.deque", [-1, [1]]]},  # a negative maxlen
-        {"n": ["Pair", ["a", "def"], [1, 2]]},  # a keyword as a field name
+        {"n": ["no such", ["a"], [1]]},  # a type name that is not an identifier
         {"n": ["Pair", ["a"], [1, 2]]},  # more values than fields
         {"e": ["Color", "RED", "1", "int", None]},  # claims an int mixin, carries a str
         {"e": ["Color", "RED", 1, "object", None]},  # a mixin outside int, str, float
