@@ -49,7 +49,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RunConfig, ServerFailure, ServerTransfer, ServerUpdate
+from rlbatch.config.schema import (
+    RunConfig,
+    ServerFailure,
+    ServerTransfer,
+    ServerUpdate,
+    SyncFault,
+)
 from rlbatch.rollout.protocol import (
     DecodedRow,
     SyncedRolloutEngine,
@@ -59,12 +65,11 @@ from rlbatch.rollout.protocol import (
     token_sampling,
 )
 from rlbatch.rollout.server_http import ServerDownError, ServerError, call
+from rlbatch.rollout.server_probe import NOISE, SEPARATION, judge_probe, probe_sequence
 from rlbatch.rollout.server_sync import close_group, expected_backend, push, server_transfer
 
 URLS_ENV = "RLBATCH_ROLLOUT_SERVER_URLS"
 """The URLs of the servers the launcher started (rollout.servers.count), comma-separated."""
-PROBE_PROMPT = (3, 14, 15, 92, 65, 35, 89, 79)
-"""The probe's prompt (ids below every vocabulary rlbatch trains)."""
 
 
 log = logging.getLogger("rlbatch.rollout")
@@ -112,6 +117,10 @@ class _Servers:
         self.outstanding = dict.fromkeys(urls, 0)
         self.group: Any = None
         """rollout.servers.transfer=broadcast: the weight group (rlbatch.rollout.server_sync)."""
+        self.probe_logps: Optional[list[float]] = None
+        """The trainer's log-probabilities of the probe's fixed tokens at the last sync."""
+        self.pushed: Optional[dict[str, Any]] = None
+        """debug.fail_sync=stale: the weights of the previous sync."""
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rlbatch-rollout")
 
@@ -244,9 +253,28 @@ class ServerBackend:
         for name, tensor in stream_hf_weights(self.model, self.model_cfg):
             if self.leader:  # a tied head is the embedding's tensor: saved as its own copy
                 tensors[name] = tensor.detach().clone().contiguous()
+        if self.leader:
+            tensors = self._faulty(tensors)
         call_ = (lambda: self._push(tensors, label)) if self.leader else None
         from_first_in_model_parallel_group(call_)
         self._probe()
+
+    def _faulty(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """debug.fail_sync=omit_tensor / stale at the sync for step debug.fail_at_step: all
+        tensors but one (a norm's), or the previous sync's tensors (tests of the checks)."""
+        from rlbatch.runtime import progress
+
+        d = self.cfg.debug
+        fault = None if d.fail_sync is None else SyncFault(d.fail_sync)
+        if fault not in (SyncFault.omit_tensor, SyncFault.stale):
+            return tensors
+        previous, self.servers.pushed = self.servers.pushed, tensors
+        if progress.current.step != d.fail_at_step:
+            return tensors
+        if fault == SyncFault.stale:
+            return previous if previous is not None else tensors
+        left_out = next((name for name in tensors if "norm" in name), next(iter(tensors)))
+        return {name: t for name, t in tensors.items() if name != left_out}
 
     def _push(self, tensors: dict[str, Any], label: str) -> None:
         push(self.servers, self.cfg, tensors, label, self._drops_cache())
@@ -284,39 +312,88 @@ class ServerBackend:
         return {"rollout/servers_alive": n, "rollout/server_pools": float(self.leader)}
 
     def _probe(self) -> None:
-        """Every server's log-probabilities of a few sampled tokens equal the trainer's."""
+        """Every server holds this sync's weights (rlbatch.rollout.server_probe): its
+        log-probabilities of the probe's fixed tokens (and of one token it samples after them)
+        equal the trainer's within the tolerance, and are nearer the trainer's current ones than
+        the previous sync's."""
+        from rlbatch.config.vllm_rules import engine_dtype
         from rlbatch.distributed import from_first_in_model_parallel_group
 
         n = self.cfg.rollout.servers.probe_tokens
         if n <= 0:
             return
-        vocab = self.model_cfg.vocab_size
-        prompt = [t % vocab for t in PROBE_PROMPT]
-        sampling = TokenSampling(max_new_tokens=n, temperature=1.0, eos_id=-1)
+        sequence, prompt_len = probe_sequence(n, self.model_cfg.vocab_size)
 
-        def ask() -> list[tuple[str, DecodedRow]]:
+        def ask() -> list[tuple[str, list[float], int, float]]:
             answers = []
             for url in list(self.servers.urls):
                 try:
-                    answers.append((url, self._request(url, prompt, 0, sampling, n)))
+                    answers.append((url, *self._score(url, sequence, prompt_len)))
                 except ServerError as err:
                     self.servers.drop(url, err)
             return answers
 
         answers = from_first_in_model_parallel_group(ask if self.leader else None)
         ours = trainer_logprobs(
-            self.model, self.cfg, [prompt + r.tokens for _, r in answers], len(prompt)
+            self.model, self.cfg, [sequence + [a[2]] for a in answers] or [sequence], prompt_len
         )
+        current = ours[0][:n]
+        previous, self.servers.probe_logps = self.servers.probe_logps, current
         tol = self.cfg.rollout.servers.probe_tolerance
-        for (url, row), mine in zip(answers, ours, strict=True):
-            diff = max((abs(a - b) for a, b in zip(row.logps, mine, strict=True)), default=0.0)
-            if diff > tol:
+        noise = NOISE.get(engine_dtype(self.cfg), NOISE["float32"])
+        for (url, fixed, _, sampled), mine in zip(answers, ours, strict=True):
+            verdict = judge_probe(fixed + [sampled], mine, None, noise)
+            if verdict.off > tol:
                 raise RuntimeError(
                     f"rollout server {url} holds other weights than the trainer after the sync:"
-                    f" its log-probabilities of the probe's tokens are {diff:.3g} off the"
+                    f" its log-probabilities of the probe's tokens are {verdict.off:.3g} off the"
                     f" trainer's (rollout.servers.probe_tolerance={tol:g}); is it serving this"
                     " run's model and dtype?"
                 )
+            version = judge_probe(fixed, current, previous, noise)
+            if version.undecided:
+                log.info(
+                    "the probe cannot tell this sync's weights from the previous one's: the step"
+                    " moved its log-probabilities by %.3g, within the engine's noise (%g x %g);"
+                    " checked against rollout.servers.probe_tolerance only",
+                    version.moved, SEPARATION, noise,
+                )  # fmt: skip
+            if version.behind:
+                raise RuntimeError(
+                    f"rollout server {url} holds the previous sync's weights, not this one's:"
+                    f" its log-probabilities of the probe's fixed tokens are {version.off:.3g}"
+                    f" off the trainer's current ones but {version.off_previous:.3g} off the"
+                    f" previous sync's (the step moved them by {version.moved:.3g}); the sync"
+                    " did not reach it whole"
+                )
+
+    def _score(
+        self, url: str, sequence: list[int], prompt_len: int
+    ) -> tuple[list[float], int, float]:
+        """The server's log-probabilities (temperature 1) of ``sequence``'s tokens after the
+        first ``prompt_len``, and the token it samples after them with its log-probability."""
+        params = {
+            "max_tokens": 1, "temperature": 1.0, "seed": 0, "logprobs": 0,
+            "prompt_logprobs": 0,
+        }  # fmt: skip
+        body = {"token_ids": sequence, "sampling_params": params, "return_token_ids": True}
+        answer = call(url, "/inference/v1/generate", body, timeout_s=self.servers.timeout_s)
+        choice = answer["choices"][0]
+        self._check_version(url, choice)
+        try:
+            scored = answer["prompt_logprobs"]
+            fixed = [
+                float(scored[i][str(sequence[i])]["logprob"])
+                for i in range(prompt_len, len(sequence))
+            ]
+            token = int(choice["token_ids"][0])
+            sampled = float(choice["logprobs"]["content"][0]["logprob"])
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise ServerError(
+                f"rollout server {url} answered the probe without the log-probabilities it"
+                f" asked for ({type(err).__name__}: {err})"
+            ) from err
+        return fixed, token, sampled
 
     def decode(
         self,
@@ -465,6 +542,31 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
             continue
         _check_server_length(cfg, url, errors)
         _check_server_transfer(cfg, url, errors)
+        _check_server_model(cfg, url, errors)
+
+
+def _check_server_model(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
+    """The server serves the run's model (rlbatch.rollout.server_model) and holds no weight
+    update of another live run (rlbatch.rollout.server_claim)."""
+    from rlbatch.rollout.server_claim import describe_live_owner
+    from rlbatch.rollout.server_model import check_server_model
+
+    try:
+        info = call(url, "/server_info?config_format=json", timeout_s=10.0, get=True)
+        label = call(url, "/weight_info", timeout_s=10.0, get=True).get("weight_version")
+    except (ServerError, AttributeError):
+        return  # a server that does not say: the first sync names it
+    check_server_model(cfg, url, info, errors)
+    owner = describe_live_owner(label, cfg.rollout.servers.timeout_s)
+    if owner:
+        errors.append(
+            ConfigError(
+                "rollout.servers.urls",
+                url,
+                f"holds a weight update of another live run ({owner}): two runs cannot update"
+                " one server; give each run servers of its own, or wait until that run ends",
+            )
+        )
 
 
 def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
