@@ -48,11 +48,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import (
     RunConfig,
     ServerFailure,
-    ServerTransfer,
     ServerUpdate,
     SyncFault,
 )
@@ -64,9 +62,10 @@ from rlbatch.rollout.protocol import (
     decode_on_group_leader,
     token_sampling,
 )
+from rlbatch.rollout.server_checks import check_servers  # noqa: F401  (rollout.protocol's)
 from rlbatch.rollout.server_http import ServerDownError, ServerError, call
 from rlbatch.rollout.server_probe import NOISE, SEPARATION, judge_probe, probe_sequence
-from rlbatch.rollout.server_sync import close_group, expected_backend, push, server_transfer
+from rlbatch.rollout.server_sync import close_group, push
 
 URLS_ENV = "RLBATCH_ROLLOUT_SERVER_URLS"
 """The URLs of the servers the launcher started (rollout.servers.count), comma-separated."""
@@ -505,138 +504,3 @@ def build_server_engine(
     """The RolloutEngine of rollout.backend=vllm_server on this rank's policy chunks."""
     backend = ServerBackend(model, cfg)
     return SyncedRolloutEngine(backend, token_sampling(cfg.rollout, eos_ids), turns=turns)
-
-
-def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """Every server of rollout.servers.urls answers GET /health and has vLLM's RL endpoints
-    (GET /is_paused: a server started without VLLM_SERVER_DEV_MODE=1 lacks them); an error
-    naming each one that does not, before any worker starts."""
-    from rlbatch.rollout.server_process import healthy
-
-    _check_transfer_host(cfg, errors)
-    for url in cfg.rollout.servers.urls:
-        url = str(url).rstrip("/")
-        if not healthy(url, timeout_s=10.0):
-            errors.append(
-                ConfigError(
-                    "rollout.servers.urls",
-                    url,
-                    "is unreachable (GET /health did not answer 200): start the server with"
-                    " rlbatch-serve (the run's recipe and overrides, rollout.servers.port=PORT),"
-                    " wait for it to print its URL, or fix the URL",
-                )
-            )
-            continue
-        try:
-            call(url, "/is_paused", timeout_s=10.0, get=True)
-        except ServerError:
-            errors.append(
-                ConfigError(
-                    "rollout.servers.urls",
-                    url,
-                    "answers but has no weight-update endpoints (GET /is_paused failed): start"
-                    " it with rlbatch-serve, which enables them (VLLM_SERVER_DEV_MODE=1) and"
-                    " rlbatch's weight-transfer backend",
-                )
-            )
-            continue
-        _check_server_length(cfg, url, errors)
-        _check_server_transfer(cfg, url, errors)
-        _check_server_model(cfg, url, errors)
-
-
-def _check_server_model(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
-    """The server serves the run's model (rlbatch.rollout.server_model) and holds no weight
-    update of another live run (rlbatch.rollout.server_claim)."""
-    from rlbatch.rollout.server_claim import describe_live_owner
-    from rlbatch.rollout.server_model import check_server_model
-
-    try:
-        info = call(url, "/server_info?config_format=json", timeout_s=10.0, get=True)
-        label = call(url, "/weight_info", timeout_s=10.0, get=True).get("weight_version")
-    except (ServerError, AttributeError):
-        return  # a server that does not say: the first sync names it
-    check_server_model(cfg, url, info, errors)
-    owner = describe_live_owner(label, cfg.rollout.servers.timeout_s)
-    if owner:
-        errors.append(
-            ConfigError(
-                "rollout.servers.urls",
-                url,
-                f"holds a weight update of another live run ({owner}): two runs cannot update"
-                " one server; give each run servers of its own, or wait until that run ends",
-            )
-        )
-
-
-def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
-    """The server holds the run's longest sequence (prompt + rollout.max_new_tokens, and the
-    evaluation's): vLLM's token endpoint silently stops a request at the server's own
-    --max-model-len (finish_reason "length"), which the run would train as a truncated row."""
-    from rlbatch.rollout.vllm_engine import longest_served
-
-    try:
-        served = int(call(url, "/v1/models", timeout_s=10.0, get=True)["data"][0]["max_model_len"])
-    except (ServerError, KeyError, IndexError, TypeError, ValueError):
-        return  # a server that does not report its length: the backend's own check catches it
-    needed = longest_served(cfg)
-    if served < needed:
-        errors.append(
-            ConfigError(
-                "rollout.servers.urls",
-                url,
-                f"serves sequences of at most {served} tokens, but this run's longest is"
-                f" {needed} (the longest prompt + rollout.max_new_tokens, or the evaluation's):"
-                " restart it with rlbatch-serve and the run's recipe and overrides (or"
-                f" rollout.vllm.max_model_len>={needed}), or shorten the run's sequences",
-            )
-        )
-
-
-def _check_server_transfer(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
-    """The server runs the weight-transfer backend rollout.servers.transfer needs from this
-    trainer (a server of another config would fail the first sync, after the workers started)."""
-    import torch
-
-    from rlbatch.rollout.server_process import TRANSFER_BACKEND
-
-    try:
-        backend, _ = server_transfer(url, timeout_s=10.0)
-    except (ServerError, KeyError, TypeError, ValueError):
-        return  # a server that does not report it: the first sync names the server
-    transfer = ServerTransfer(cfg.rollout.servers.transfer)
-    broadcast = transfer == ServerTransfer.broadcast
-    want = expected_backend(torch.cuda.is_available()) if broadcast else TRANSFER_BACKEND
-    if backend != want:
-        errors.append(
-            ConfigError(
-                "rollout.servers.urls",
-                url,
-                f"runs the {backend!r} weight-transfer backend, but rollout.servers.transfer="
-                f"{transfer.value} from this trainer needs {want!r}: restart it with"
-                " rlbatch-serve and the run's recipe and overrides (rlbatch-serve picks the"
-                " backend from rollout.servers.transfer), or change rollout.servers.transfer",
-            )
-        )
-
-
-def _check_transfer_host(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """rollout.servers.transfer_host names an address this machine has a name for (the
-    servers' side of it shows only at the first sync, as a rendezvous that does not form)."""
-    import socket
-
-    host = cfg.rollout.servers.transfer_host
-    if not host or ServerTransfer(cfg.rollout.servers.transfer) != ServerTransfer.broadcast:
-        return
-    try:
-        socket.getaddrinfo(str(host), None)
-    except (OSError, UnicodeError) as err:
-        errors.append(
-            ConfigError(
-                "rollout.servers.transfer_host",
-                host,
-                f"does not resolve ({err}): give an address of this machine that every server"
-                " can reach (a host name or IP), or null (127.0.0.1 for servers on this"
-                " machine, else this machine's host name)",
-            )
-        )
