@@ -17,9 +17,10 @@ labelling the weights of this sync (finish_weight_update) and dropping the prefi
 keeps it across updates; partial rollouts with rollout.servers.on_update=keep leave it, so rows
 continue on the old KV).
 The other replicas' first ranks wait until every server reports that label (GET /weight_info)
-before they decode. Then a probe: every server samples a few tokens of a fixed prompt, and
-their log-probabilities must equal the trainer's own forward of the same tokens within
-``rollout.servers.probe_tolerance``, or the run stops naming the server.
+before they decode. Then a probe (rlbatch.rollout.server_probe): every server scores a fixed
+sequence, whose log-probabilities must equal the trainer's own forward of the same tokens
+within ``rollout.servers.probe_tolerance`` and be nearer the trainer's current ones than the
+previous sync's, or the run stops naming the server.
 
 Failures: a server that refuses a request (no connection, an HTTP 5xx answer) or does not
 answer within ``rollout.servers.timeout_s`` stops the run with an error naming it
