@@ -56,11 +56,11 @@ def _check_server_model(cfg: RunConfig, url: str, errors: list[ConfigError]) -> 
     from rlbatch.rollout.server_model import check_server_model
 
     try:
-        info = call(url, "/server_info?config_format=json", timeout_s=10.0, get=True)
+        models = call(url, "/v1/models", timeout_s=10.0, get=True)
         label = call(url, "/weight_info", timeout_s=10.0, get=True).get("weight_version")
     except (ServerError, AttributeError):
         return  # a server that does not say: the first sync names it
-    check_server_model(cfg, url, info, errors)
+    check_server_model(cfg, url, models, errors)
     owner = describe_live_owner(label, cfg.rollout.servers.timeout_s)
     if owner:
         errors.append(

@@ -6,10 +6,13 @@ error, or loads and leaves the server with weights of no model. So rlbatch-train
 server what it serves and compares it, field by field, with the model the run's config
 describes (the config.json rlbatch-serve writes for it), naming each field that differs.
 
-What the server serves comes from ``GET /server_info?config_format=json`` (vLLM's model
-config: the served dtype, its model directory and the Hugging Face config it loaded); when the
-model directory is readable from here (a server of this machine), its config.json is read too.
-The longest sequence the server holds is rlbatch.rollout.server_backend's own check.
+What the server serves: ``GET /v1/models`` names its model directory (``root``), whose
+config.json (the one rlbatch-serve wrote, with the dtype it serves in) is read when this
+machine can read it, i.e. for a server of this machine or on a shared filesystem; a server
+whose directory cannot be read here is left to the first sync's checks (an incomplete update,
+the probe). vLLM's /server_info does not carry the model's config, and collecting its system
+report can take longer than a pre-launch check may wait. The longest sequence the server holds
+is rlbatch.rollout.server_checks' own check.
 """
 
 from __future__ import annotations
@@ -35,23 +38,18 @@ FIELDS = (
 """The Hugging Face config fields compared, and the run's config key each comes from."""
 
 
-def served_model(server_info: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The Hugging Face config a server serves (its model directory's config.json when it is
-    readable here, else the config vLLM reports), with its ``dtype``; None when the server does
-    not report one."""
-    model = (server_info.get("vllm_config") or {}).get("model_config") or {}
-    config: Optional[dict[str, Any]] = None
-    folder = model.get("model")
-    if isinstance(folder, str) and (Path(folder) / "config.json").is_file():
-        try:
-            config = json.loads((Path(folder) / "config.json").read_text())
-        except (OSError, ValueError):
-            config = None
-    if config is None and isinstance(model.get("hf_config"), dict):
-        config = dict(model["hf_config"])
-    if config is None:
+def served_model(models: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The Hugging Face config a server serves, from its answer to ``GET /v1/models`` (the
+    config.json of the model directory it names, when this machine can read it), with the
+    ``dtype`` it serves in; None when that cannot be read."""
+    try:
+        folder = Path(str(models["data"][0]["root"]))
+        config = json.loads((folder / "config.json").read_text())
+    except (KeyError, IndexError, TypeError, OSError, ValueError):
         return None
-    config["dtype"] = str(model.get("dtype", config.get("torch_dtype"))).removeprefix("torch.")
+    if not isinstance(config, dict):
+        return None
+    config["dtype"] = str(config.get("torch_dtype", config.get("dtype"))).removeprefix("torch.")
     return config
 
 
@@ -70,13 +68,14 @@ def model_differences(
 
 
 def check_server_model(
-    cfg: RunConfig, url: str, server_info: dict[str, Any], errors: list[ConfigError]
+    cfg: RunConfig, url: str, models: dict[str, Any], errors: list[ConfigError]
 ) -> None:
-    """An error naming every field in which the model ``url`` serves differs from the run's."""
+    """An error naming every field in which the model ``url`` serves (``models``: its answer
+    to GET /v1/models) differs from the run's."""
     from rlbatch.config.vllm_rules import engine_dtype
     from rlbatch.engine.hf_config import hf_config_dict
 
-    served = served_model(server_info)
+    served = served_model(models)
     if served is None:
         return  # a server that does not say: the first sync's checks name it
     dtype = engine_dtype(cfg)

@@ -24,14 +24,19 @@ def test_each_differing_field_is_named_with_the_runs_key():
     ]
 
 
+def _models(folder) -> dict:
+    """A server's answer to GET /v1/models."""
+    return {"data": [{"id": str(folder), "root": str(folder), "max_model_len": 64}]}
+
+
 def test_the_served_model_is_read_from_the_servers_model_directory(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(RUN))
-    info = {"vllm_config": {"model_config": {"model": str(tmp_path), "dtype": "torch.float32"}}}
-    assert served_model(info) == dict(RUN, dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(dict(RUN, torch_dtype="float32")))
+    assert served_model(_models(tmp_path)) == dict(RUN, torch_dtype="float32", dtype="float32")
 
 
-def test_a_server_that_does_not_say_is_not_judged():
-    assert served_model({"vllm_config": {"model_config": {"model": "/nowhere"}}}) is None
+def test_a_server_whose_directory_cannot_be_read_here_is_not_judged(tmp_path):
+    assert served_model(_models(tmp_path / "elsewhere")) is None
+    assert served_model({"data": []}) is None
 
 
 def test_a_server_of_more_layers_is_an_error_naming_the_field(tmp_path):
@@ -40,9 +45,8 @@ def test_a_server_of_more_layers_is_an_error_naming_the_field(tmp_path):
     cfg = RunConfig()
     served = hf_config_dict(cfg.model) | {"num_hidden_layers": cfg.model.num_layers + 1}
     (tmp_path / "config.json").write_text(json.dumps(served))
-    info = {"vllm_config": {"model_config": {"model": str(tmp_path), "dtype": "float32"}}}
     errors: list = []
-    check_server_model(cfg, "http://h:1", info, errors)
+    check_server_model(cfg, "http://h:1", _models(tmp_path), errors)
     assert len(errors) == 1
     text = str(errors[0])
     assert "rollout.servers.urls" in text and "http://h:1" in text
