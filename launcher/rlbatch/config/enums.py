@@ -200,6 +200,22 @@ class FailKind(str, Enum):
     kill = "kill"
 
 
+class SyncFault(str, Enum):
+    """Fault injection in a weight sync to rollout servers (debug.fail_sync): the trainer
+    SIGKILLs itself right after one phase of the sync (``pause``, ``start``, ``update``: with
+    rollout.servers.transfer=broadcast in the middle of the broadcast, ``finish``,
+    ``resume``), or pushes an incomplete set of weights (``omit_tensor``: all but one tensor)
+    or the previous sync's weights under the new label (``stale``)."""
+
+    pause = "pause"
+    start = "start"
+    update = "update"
+    finish = "finish"
+    resume = "resume"
+    omit_tensor = "omit_tensor"
+    stale = "stale"
+
+
 class PolicyLoss(str, Enum):
     """Per-token policy-gradient term of the loss (docs/grpo_loss.md, "Policy losses")."""
 

@@ -45,6 +45,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     ServerFailure,
     ServerTransfer,
     ServerUpdate,
+    SyncFault,
     TokenizerSource,
     WandbMode,
     Workload,
@@ -511,6 +512,12 @@ class DebugConfig:
     """Rank that fails."""
     fail_kind: FailKind = FailKind.raise_error
     """How it fails."""
+    fail_sync: Optional[SyncFault] = None
+    """Fault injection for tests of rollout.backend=vllm_server: the fault happens in the
+    weight sync made for step ``fail_at_step`` instead (rank 0, which pushes): the trainer
+    SIGKILLs itself right after a phase of the sync (pause, start, update, finish, resume),
+    or pushes all tensors but one (omit_tensor) or the previous sync's weights under the new
+    label (stale); null: no sync fault."""
     perturb_behaviour_logps: float = 0.0
     """Add Gaussian noise of this std to the behaviour log-probs the rollout returns (seeded per
     token): makes the rollout-mismatch correction and its diagnostics visible on CPU (0 = off)."""

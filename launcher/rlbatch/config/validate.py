@@ -24,6 +24,7 @@ from rlbatch.config.schema import (
     ParallelConfig,
     RolloutBackend,
     RunConfig,
+    SyncFault,
 )
 from rlbatch.config.streaming import check_partial_rollouts
 from rlbatch.config.vllm_rules import check_vllm
@@ -343,6 +344,26 @@ def _check_debug(cfg: RunConfig, errors: list[ConfigError]) -> None:
     total = world_size(cfg)
     if not 0 <= cfg.debug.fail_rank < max(total, 1):
         errors.append(ConfigError("debug.fail_rank", cfg.debug.fail_rank, f"must be < {total}"))
+    d = cfg.debug
+    if d.fail_sync is not None:
+        fault = SyncFault(d.fail_sync).value
+        if RolloutBackend(cfg.rollout.backend) != RolloutBackend.vllm_server:
+            errors.append(
+                ConfigError(
+                    "debug.fail_sync",
+                    fault,
+                    "is a fault in a weight sync to rollout servers: set"
+                    " rollout.backend=vllm_server, or debug.fail_sync=null",
+                )
+            )
+        if d.fail_at_step is None:
+            errors.append(
+                ConfigError(
+                    "debug.fail_sync",
+                    fault,
+                    "needs the step whose sync fails: set debug.fail_at_step",
+                )
+            )
 
 
 def _check_grpo(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -551,7 +572,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"parallel"}), _check_world),
     Rule(frozenset({"model"}), _check_model_shape),
     Rule(frozenset({"model", "parallel"}), _check_model_split),
-    Rule(frozenset({"debug", "parallel"}), _check_debug),
+    Rule(frozenset({"debug", "parallel", "rollout"}), _check_debug),
     Rule(frozenset({"debug", "rollout", "env"}), check_response_lengths),
     Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),
     Rule(frozenset({"grpo", "rollout"}), lambda c, e: e.extend(objective_errors(c))),

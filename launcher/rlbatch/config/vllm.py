@@ -119,8 +119,11 @@ class ServersConfig:
     (it hosts the group's rendezvous on a free port); null: 127.0.0.1 when every server is on
     this machine's loopback, else this machine's host name."""
     probe_tokens: int = 4
-    """After each weight sync every server samples this many tokens of a fixed prompt and
-    their log-probabilities are compared with the trainer's own; 0: no probe."""
+    """After each weight sync every server scores a fixed prompt followed by this many fixed
+    tokens (and samples one token after them), and their log-probabilities are compared with
+    the trainer's own: within ``probe_tolerance``, and nearer the trainer's current ones than
+    the previous sync's (a server one sync behind is refused even when a step moved them by
+    less than the tolerance); 0: no probe."""
     probe_tolerance: float = 1e-3
     """Largest log-probability difference the probe accepts (float32 engines agree to ~1e-6;
     raise it for bfloat16 / float16 engines)."""

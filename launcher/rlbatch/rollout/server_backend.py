@@ -17,9 +17,10 @@ labelling the weights of this sync (finish_weight_update) and dropping the prefi
 keeps it across updates; partial rollouts with rollout.servers.on_update=keep leave it, so rows
 continue on the old KV).
 The other replicas' first ranks wait until every server reports that label (GET /weight_info)
-before they decode. Then a probe: every server samples a few tokens of a fixed prompt, and
-their log-probabilities must equal the trainer's own forward of the same tokens within
-``rollout.servers.probe_tolerance``, or the run stops naming the server.
+before they decode. Then a probe (rlbatch.rollout.server_probe): every server scores a fixed
+sequence, whose log-probabilities must equal the trainer's own forward of the same tokens
+within ``rollout.servers.probe_tolerance`` and be nearer the trainer's current ones than the
+previous sync's, or the run stops naming the server.
 
 Failures: a server that refuses a request (no connection, an HTTP 5xx answer) or does not
 answer within ``rollout.servers.timeout_s`` stops the run with an error naming it
@@ -48,8 +49,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import RunConfig, ServerFailure, ServerTransfer, ServerUpdate
+from rlbatch.config.schema import (
+    RunConfig,
+    ServerFailure,
+    ServerUpdate,
+    SyncFault,
+)
 from rlbatch.rollout.protocol import (
     DecodedRow,
     SyncedRolloutEngine,
@@ -58,13 +63,13 @@ from rlbatch.rollout.protocol import (
     decode_on_group_leader,
     token_sampling,
 )
-from rlbatch.rollout.server_http import ServerDownError, ServerError, call, health
-from rlbatch.rollout.server_sync import close_group, expected_backend, push, server_transfer
+from rlbatch.rollout.server_checks import check_servers  # noqa: F401  (rollout.protocol's)
+from rlbatch.rollout.server_http import ServerDownError, ServerError, call
+from rlbatch.rollout.server_probe import NOISE, SEPARATION, judge_probe, probe_sequence
+from rlbatch.rollout.server_sync import close_group, push
 
 URLS_ENV = "RLBATCH_ROLLOUT_SERVER_URLS"
 """The URLs of the servers the launcher started (rollout.servers.count), comma-separated."""
-PROBE_PROMPT = (3, 14, 15, 92, 65, 35, 89, 79)
-"""The probe's prompt (ids below every vocabulary rlbatch trains)."""
 
 
 log = logging.getLogger("rlbatch.rollout")
@@ -112,6 +117,10 @@ class _Servers:
         self.outstanding = dict.fromkeys(urls, 0)
         self.group: Any = None
         """rollout.servers.transfer=broadcast: the weight group (rlbatch.rollout.server_sync)."""
+        self.probe_logps: Optional[list[float]] = None
+        """The trainer's log-probabilities of the probe's fixed tokens at the last sync."""
+        self.pushed: Optional[dict[str, Any]] = None
+        """debug.fail_sync=stale: the weights of the previous sync."""
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rlbatch-rollout")
 
@@ -244,9 +253,28 @@ class ServerBackend:
         for name, tensor in stream_hf_weights(self.model, self.model_cfg):
             if self.leader:  # a tied head is the embedding's tensor: saved as its own copy
                 tensors[name] = tensor.detach().clone().contiguous()
+        if self.leader:
+            tensors = self._faulty(tensors)
         call_ = (lambda: self._push(tensors, label)) if self.leader else None
         from_first_in_model_parallel_group(call_)
         self._probe()
+
+    def _faulty(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """debug.fail_sync=omit_tensor / stale at the sync for step debug.fail_at_step: all
+        tensors but one (a norm's), or the previous sync's tensors (tests of the checks)."""
+        from rlbatch.runtime import progress
+
+        d = self.cfg.debug
+        fault = None if d.fail_sync is None else SyncFault(d.fail_sync)
+        if fault not in (SyncFault.omit_tensor, SyncFault.stale):
+            return tensors
+        previous, self.servers.pushed = self.servers.pushed, tensors
+        if progress.current.step != d.fail_at_step:
+            return tensors
+        if fault == SyncFault.stale:
+            return previous if previous is not None else tensors
+        left_out = next((name for name in tensors if "norm" in name), next(iter(tensors)))
+        return {name: t for name, t in tensors.items() if name != left_out}
 
     def _push(self, tensors: dict[str, Any], label: str) -> None:
         push(self.servers, self.cfg, tensors, label, self._drops_cache())
@@ -284,39 +312,88 @@ class ServerBackend:
         return {"rollout/servers_alive": n, "rollout/server_pools": float(self.leader)}
 
     def _probe(self) -> None:
-        """Every server's log-probabilities of a few sampled tokens equal the trainer's."""
+        """Every server holds this sync's weights (rlbatch.rollout.server_probe): its
+        log-probabilities of the probe's fixed tokens (and of one token it samples after them)
+        equal the trainer's within the tolerance, and are nearer the trainer's current ones than
+        the previous sync's."""
+        from rlbatch.config.vllm_rules import engine_dtype
         from rlbatch.distributed import from_first_in_model_parallel_group
 
         n = self.cfg.rollout.servers.probe_tokens
         if n <= 0:
             return
-        vocab = self.model_cfg.vocab_size
-        prompt = [t % vocab for t in PROBE_PROMPT]
-        sampling = TokenSampling(max_new_tokens=n, temperature=1.0, eos_id=-1)
+        sequence, prompt_len = probe_sequence(n, self.model_cfg.vocab_size)
 
-        def ask() -> list[tuple[str, DecodedRow]]:
+        def ask() -> list[tuple[str, list[float], int, float]]:
             answers = []
             for url in list(self.servers.urls):
                 try:
-                    answers.append((url, self._request(url, prompt, 0, sampling, n)))
+                    answers.append((url, *self._score(url, sequence, prompt_len)))
                 except ServerError as err:
                     self.servers.drop(url, err)
             return answers
 
         answers = from_first_in_model_parallel_group(ask if self.leader else None)
         ours = trainer_logprobs(
-            self.model, self.cfg, [prompt + r.tokens for _, r in answers], len(prompt)
+            self.model, self.cfg, [sequence + [a[2]] for a in answers] or [sequence], prompt_len
         )
+        current = ours[0][:n]
+        previous, self.servers.probe_logps = self.servers.probe_logps, current
         tol = self.cfg.rollout.servers.probe_tolerance
-        for (url, row), mine in zip(answers, ours, strict=True):
-            diff = max((abs(a - b) for a, b in zip(row.logps, mine, strict=True)), default=0.0)
-            if diff > tol:
+        noise = NOISE.get(engine_dtype(self.cfg), NOISE["float32"])
+        for (url, fixed, _, sampled), mine in zip(answers, ours, strict=True):
+            verdict = judge_probe(fixed + [sampled], mine, None, noise)
+            if verdict.off > tol:
                 raise RuntimeError(
                     f"rollout server {url} holds other weights than the trainer after the sync:"
-                    f" its log-probabilities of the probe's tokens are {diff:.3g} off the"
+                    f" its log-probabilities of the probe's tokens are {verdict.off:.3g} off the"
                     f" trainer's (rollout.servers.probe_tolerance={tol:g}); is it serving this"
                     " run's model and dtype?"
                 )
+            version = judge_probe(fixed, current, previous, noise)
+            if version.undecided:
+                log.info(
+                    "the probe cannot tell this sync's weights from the previous one's: the step"
+                    " moved its log-probabilities by %.3g, within the engine's noise (%g x %g);"
+                    " checked against rollout.servers.probe_tolerance only",
+                    version.moved, SEPARATION, noise,
+                )  # fmt: skip
+            if version.behind:
+                raise RuntimeError(
+                    f"rollout server {url} holds the previous sync's weights, not this one's:"
+                    f" its log-probabilities of the probe's fixed tokens are {version.off:.3g}"
+                    f" off the trainer's current ones but {version.off_previous:.3g} off the"
+                    f" previous sync's (the step moved them by {version.moved:.3g}); the sync"
+                    " did not reach it whole"
+                )
+
+    def _score(
+        self, url: str, sequence: list[int], prompt_len: int
+    ) -> tuple[list[float], int, float]:
+        """The server's log-probabilities (temperature 1) of ``sequence``'s tokens after the
+        first ``prompt_len``, and the token it samples after them with its log-probability."""
+        params = {
+            "max_tokens": 1, "temperature": 1.0, "seed": 0, "logprobs": 0,
+            "prompt_logprobs": 0,
+        }  # fmt: skip
+        body = {"token_ids": sequence, "sampling_params": params, "return_token_ids": True}
+        answer = call(url, "/inference/v1/generate", body, timeout_s=self.servers.timeout_s)
+        choice = answer["choices"][0]
+        self._check_version(url, choice)
+        try:
+            scored = answer["prompt_logprobs"]
+            fixed = [
+                float(scored[i][str(sequence[i])]["logprob"])
+                for i in range(prompt_len, len(sequence))
+            ]
+            token = int(choice["token_ids"][0])
+            sampled = float(choice["logprobs"]["content"][0]["logprob"])
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise ServerError(
+                f"rollout server {url} answered the probe without the log-probabilities it"
+                f" asked for ({type(err).__name__}: {err})"
+            ) from err
+        return fixed, token, sampled
 
     def decode(
         self,
@@ -428,128 +505,3 @@ def build_server_engine(
     """The RolloutEngine of rollout.backend=vllm_server on this rank's policy chunks."""
     backend = ServerBackend(model, cfg)
     return SyncedRolloutEngine(backend, token_sampling(cfg.rollout, eos_ids), turns=turns)
-
-
-def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """Every server of rollout.servers.urls answers GET /health and has vLLM's RL endpoints
-    (GET /is_paused: a server started without VLLM_SERVER_DEV_MODE=1 lacks them); an error
-    naming each one that does not, before any worker starts."""
-    _check_transfer_host(cfg, errors)
-    for url in cfg.rollout.servers.urls:
-        url = str(url).rstrip("/")
-        if not url.startswith(("http://", "https://")):  # not "unreachable": no URL at all
-            errors.append(
-                ConfigError(
-                    "rollout.servers.urls",
-                    url,
-                    "is not an http:// or https:// URL: write it as http://HOST:PORT",
-                )
-            )
-            continue
-        why = health(url, timeout_s=10.0)
-        if why is not None:
-            why = why.replace(f"rollout server {url} ", "")
-            errors.append(ConfigError("rollout.servers.urls", url, _unhealthy(why)))
-            continue
-        try:
-            call(url, "/is_paused", timeout_s=10.0, get=True)
-        except ServerError:
-            errors.append(
-                ConfigError(
-                    "rollout.servers.urls",
-                    url,
-                    "answers but has no weight-update endpoints (GET /is_paused failed): start"
-                    " it with rlbatch-serve, which enables them (VLLM_SERVER_DEV_MODE=1) and"
-                    " rlbatch's weight-transfer backend",
-                )
-            )
-            continue
-        _check_server_length(cfg, url, errors)
-        _check_server_transfer(cfg, url, errors)
-
-
-def _unhealthy(why: str) -> str:
-    """The fix for a server whose GET /health failed (server_http.health's words)."""
-    if "GET /health answered" in why:
-        return (
-            f"answers, but not as a vLLM rollout server ({why}): is it the URL rlbatch-serve"
-            " printed? Start the server with rlbatch-serve (the run's recipe and overrides,"
-            " rollout.servers.port=PORT), or fix the URL"
-        )
-    return (
-        f"is unreachable ({why}): start the server with rlbatch-serve (the run's recipe and"
-        " overrides, rollout.servers.port=PORT), wait for it to print its URL, or fix the URL"
-    )
-
-
-def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
-    """The server holds the run's longest sequence (prompt + rollout.max_new_tokens, and the
-    evaluation's): vLLM's token endpoint silently stops a request at the server's own
-    --max-model-len (finish_reason "length"), which the run would train as a truncated row."""
-    from rlbatch.rollout.vllm_engine import longest_served
-
-    try:
-        served = int(call(url, "/v1/models", timeout_s=10.0, get=True)["data"][0]["max_model_len"])
-    except (ServerError, KeyError, IndexError, TypeError, ValueError):
-        return  # a server that does not report its length: the backend's own check catches it
-    needed = longest_served(cfg)
-    if served < needed:
-        errors.append(
-            ConfigError(
-                "rollout.servers.urls",
-                url,
-                f"serves sequences of at most {served} tokens, but this run's longest is"
-                f" {needed} (the longest prompt + rollout.max_new_tokens, or the evaluation's):"
-                " restart it with rlbatch-serve and the run's recipe and overrides (or"
-                f" rollout.vllm.max_model_len>={needed}), or shorten the run's sequences",
-            )
-        )
-
-
-def _check_server_transfer(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
-    """The server runs the weight-transfer backend rollout.servers.transfer needs from this
-    trainer (a server of another config would fail the first sync, after the workers started)."""
-    import torch
-
-    from rlbatch.rollout.server_process import TRANSFER_BACKEND
-
-    try:
-        backend, _ = server_transfer(url, timeout_s=10.0)
-    except (ServerError, KeyError, TypeError, ValueError):
-        return  # a server that does not report it: the first sync names the server
-    transfer = ServerTransfer(cfg.rollout.servers.transfer)
-    broadcast = transfer == ServerTransfer.broadcast
-    want = expected_backend(torch.cuda.is_available()) if broadcast else TRANSFER_BACKEND
-    if backend != want:
-        errors.append(
-            ConfigError(
-                "rollout.servers.urls",
-                url,
-                f"runs the {backend!r} weight-transfer backend, but rollout.servers.transfer="
-                f"{transfer.value} from this trainer needs {want!r}: restart it with"
-                " rlbatch-serve and the run's recipe and overrides (rlbatch-serve picks the"
-                " backend from rollout.servers.transfer), or change rollout.servers.transfer",
-            )
-        )
-
-
-def _check_transfer_host(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """rollout.servers.transfer_host names an address this machine has a name for (the
-    servers' side of it shows only at the first sync, as a rendezvous that does not form)."""
-    import socket
-
-    host = cfg.rollout.servers.transfer_host
-    if not host or ServerTransfer(cfg.rollout.servers.transfer) != ServerTransfer.broadcast:
-        return
-    try:
-        socket.getaddrinfo(str(host), None)
-    except (OSError, UnicodeError) as err:
-        errors.append(
-            ConfigError(
-                "rollout.servers.transfer_host",
-                host,
-                f"does not resolve ({err}): give an address of this machine that every server"
-                " can reach (a host name or IP), or null (127.0.0.1 for servers on this"
-                " machine, else this machine's host name)",
-            )
-        )

@@ -19,14 +19,26 @@ lifecycle, in the way ``rollout.servers.transfer`` names.
   server's failure (on_failure); the group not forming, or a broadcast that breaks in the
   middle (every member of the group fails with it), stops the run in either mode, naming the
   server.
+
+Either way, each server is first asked whose update it holds (rlbatch.rollout.server_claim):
+once paused, it is labelled with this process as the update's owner until the sync's own label
+replaces it at finish; an update that this run or a run that is gone left open is ended
+before this one starts, and another live run's stops the run naming it. An update the server
+finds incomplete (a layer received fewer elements than it holds) fails at finish, naming the
+layers, and the server keeps the owner's label: its weights are not the sync's.
+
+``debug.fail_sync`` (tests only) kills the trainer right after a phase of the sync (pause,
+start, update: mid-broadcast with the broadcast transfer, finish, resume).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import re
+import signal
 import socket
 import tempfile
 import threading
@@ -38,11 +50,20 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from rlbatch.config.schema import RunConfig, ServerTransfer
+from rlbatch.config.schema import RunConfig, ServerTransfer, SyncFault
+from rlbatch.rollout.server_claim import (
+    ACTIVE_MARK,
+    Verdict,
+    parse_owner,
+    this_process,
+    verdict_of,
+)
 from rlbatch.rollout.server_http import ServerError, call
 from rlbatch.rollout.server_process import NCCL_BACKEND, TRANSFER_BACKEND, free_port
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+log = logging.getLogger("rlbatch.rollout")
 
 
 class ServerPool(Protocol):
@@ -68,6 +89,66 @@ def push(
         _push_broadcast(servers, cfg, tensors, label, drop)
     else:
         _push_file(servers, cfg, tensors, label, drop)
+
+
+def _fault(cfg: RunConfig, phase: SyncFault) -> None:
+    """debug.fail_sync: SIGKILL this process right after ``phase`` of the sync made for step
+    debug.fail_at_step."""
+    from rlbatch.runtime import progress
+
+    d = cfg.debug
+    if d.fail_sync is None or SyncFault(d.fail_sync) != phase:
+        return
+    if progress.current.step == d.fail_at_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _claim(servers: ServerPool, url: str) -> bool:
+    """Whose update ``url`` holds (its weight label): True when it is one to take over (this
+    run's own, or of a run that is gone); a ServerError naming the owner when it belongs to
+    another live run."""
+    info = call(url, "/weight_info", timeout_s=servers.timeout_s, get=True)
+    owner = parse_owner((info or {}).get("weight_version"))
+    verdict = verdict_of(owner, servers.nonce, servers.timeout_s)
+    if owner is not None and verdict == Verdict.refuse:
+        raise ServerError(
+            f"rollout server {url} holds a weight update of another live run"
+            f" ({owner.describe()}): two runs cannot update one server; give each run servers"
+            " of its own (rollout.servers.urls), or wait until that run ends"
+        )
+    if owner is not None:
+        log.warning(
+            "rollout server %s holds an unfinished or failed weight update of %s: taking it"
+            " over (the whole weights are pushed and probed)", url, owner.describe(),
+        )  # fmt: skip
+    return verdict == Verdict.recover
+
+
+def _own(servers: ServerPool, url: str) -> None:
+    """Label the paused server with this process as its update's owner."""
+    label = this_process(servers.nonce).label()
+    call(url, "/update_weight_version", {"new_version": label}, timeout_s=servers.timeout_s)
+
+
+def _start(url: str, taken_over: bool, timeout_s: float) -> None:
+    """start_weight_update; an update left open by the owner this run takes over is ended
+    first (closed without its weights), one nobody claims is refused naming the server."""
+    try:
+        call(url, "/start_weight_update", timeout_s=timeout_s)
+        return
+    except ServerError as err:
+        if ACTIVE_MARK not in str(err):
+            raise
+        if not taken_over:
+            raise ServerError(
+                f"rollout server {url} is in the middle of a weight update that no rlbatch run"
+                " claims (another client started it): restart the server with rlbatch-serve,"
+                " or give this run servers of its own"
+            ) from err
+    abandon = {"update_info": {"abandon": True}}
+    call(url, "/update_weights", abandon, timeout_s=timeout_s)
+    call(url, "/finish_weight_update", timeout_s=timeout_s)  # no label: the owner's stays
+    call(url, "/start_weight_update", timeout_s=timeout_s)
 
 
 def _pause(drop: bool) -> str:
@@ -96,24 +177,35 @@ def _push_file(
     try:
         urls = list(servers.urls)
         with ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="rlbatch-push") as ex:
-            pushes = [ex.submit(_push_file_to, servers, url, path, label, drop) for url in urls]
+            pushes = [
+                ex.submit(_push_file_to, servers, cfg, url, path, label, drop) for url in urls
+            ]
         for pushed in pushes:  # every server has finished: the first failure, in pool order
             pushed.result()
     finally:
         path.unlink(missing_ok=True)
 
 
-def _push_file_to(servers: ServerPool, url: str, path: Path, label: str, drop: bool) -> None:
+def _push_file_to(
+    servers: ServerPool, cfg: RunConfig, url: str, path: Path, label: str, drop: bool
+) -> None:
     t = servers.timeout_s
     try:
+        taken_over = _claim(servers, url)
         call(url, _pause(drop), timeout_s=t)
+        _fault(cfg, SyncFault.pause)
         try:
+            _own(servers, url)
             call(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=t)
-            call(url, "/start_weight_update", timeout_s=t)
+            _start(url, taken_over, t)
+            _fault(cfg, SyncFault.start)
             call(url, "/update_weights", {"update_info": {"path": str(path)}}, timeout_s=t)
+            _fault(cfg, SyncFault.update)
             _finish(url, label, drop, t)
+            _fault(cfg, SyncFault.finish)
         finally:
             call(url, "/resume", timeout_s=t)
+        _fault(cfg, SyncFault.resume)
     except ServerError as err:
         servers.drop(url, err)
 
@@ -166,14 +258,18 @@ def _push_broadcast(
     server's failure (on_failure: dropped, and the group formed again without it, or the run
     stops); forming the group or the broadcast itself failing stops the run."""
     t = servers.timeout_s
-    paused, started = [], set()
+    paused, started, taken_over = [], set(), set()
     try:
         for url in list(servers.urls):
             try:
+                if _claim(servers, url):
+                    taken_over.add(url)
                 call(url, _pause(drop), timeout_s=t)
                 paused.append(url)
+                _own(servers, url)
             except ServerError as err:
                 servers.drop(url, err)
+        _fault(cfg, SyncFault.pause)
         while True:
             urls = list(servers.urls)
             if servers.group is None or servers.group.urls != urls:
@@ -182,22 +278,26 @@ def _push_broadcast(
             for url in urls:
                 if url not in started:
                     try:
-                        call(url, "/start_weight_update", timeout_s=t)
+                        _start(url, url in taken_over, t)
                         started.add(url)
                     except ServerError as err:
                         servers.drop(url, err)
             if servers.urls == urls:
                 break
-        _group_step(servers, partial(servers.group.send, tensors))
+        _fault(cfg, SyncFault.start)
+        sent_one = partial(_fault, cfg, SyncFault.update)  # mid-broadcast
+        _group_step(servers, partial(servers.group.send, tensors, sent_one))
         for url in urls:
             try:
                 _finish(url, label, drop, t)
             except ServerError as err:  # the next sync forms the group without it
                 servers.drop(url, err)
+        _fault(cfg, SyncFault.finish)
     finally:
         for url in paused:  # one that is down now is found by its next request
             with contextlib.suppress(ServerError):
                 call(url, "/resume", timeout_s=t)
+    _fault(cfg, SyncFault.resume)
 
 
 def _group_step(servers: ServerPool, step: Callable[[], Any]) -> Any:
@@ -334,9 +434,10 @@ class BroadcastGroup:
             ) from err
         return cls(urls, comm, store, timeout_s, nccl=cuda)
 
-    def send(self, tensors: dict[str, Any]) -> None:
+    def send(self, tensors: dict[str, Any], sent_one: Callable[[], None] = lambda: None) -> None:
         """Every server receives ``tensors`` (its update_weights request) while rank 0
-        broadcasts them, one by one, in the order the request lists them."""
+        broadcasts them, one by one, in the order the request lists them (``sent_one`` is
+        called once the first one went out)."""
         update = {
             "names": list(tensors),
             "dtype_names": [str(v.dtype).removeprefix("torch.") for v in tensors.values()],
@@ -350,9 +451,11 @@ class BroadcastGroup:
         }
         start = time.monotonic()
         try:
-            for tensor in tensors.values():
+            for i, tensor in enumerate(tensors.values()):
                 self._fail_fast(receives)
                 self._broadcast(tensor)
+                if i == 0:
+                    sent_one()
             if self.nccl:
                 import torch
 

@@ -20,6 +20,22 @@ The update runs inside vLLM's layer-wise reload (started by ``start_weight_updat
 rebuilds. The trainer sends ``lm_head.weight`` for a tied model (the CPU head keeps its own
 copy).
 
+An update is whole or it fails: vLLM's reload counts the elements each layer received, and a
+layer that got fewer than its parameters hold would keep its old weights (or, partly loaded,
+a mix) with only a warning in the server's log. ``finish_weight_update`` therefore lists every
+such layer before the reload is finalised and fails the update naming them (the reload is
+still closed, so the server keeps serving, but it never takes the update's label: the trainer
+finds the failed push by the label it set when it started, below). vLLM's own weight checker
+cannot stand in for this: it hashes the fused, repacked tensors, which the trainer cannot
+compute.
+
+Ending an update someone else left open (a trainer killed mid-sync): ``update_weights`` with
+``{"abandon": true}`` closes the reload without the completeness check (layers that received
+nothing keep their tensors), and the ``finish_weight_update`` after it ends vLLM's update
+session, so the next ``start_weight_update`` is accepted. ``start_weight_update`` also closes
+a reload that an update which failed mid-transfer left open (vLLM ends its session on such a
+failure, not the reload), so the next update counts every layer afresh.
+
 This module imports vLLM: only a server process loads it (vLLM resolves the backend's class by
 name when a server starts with ``--weight-transfer-config '{"backend": "rlbatch"}'``).
 """
@@ -60,6 +76,8 @@ class TransferUpdateInfo(WeightTransferUpdateInfo):
     """broadcast: the tensors' names, dtypes (torch names) and shapes, in broadcast order."""
     dtype_names: Optional[list[str]] = None
     shapes: Optional[list[list[int]]] = None
+    abandon: bool = False
+    """End the open update without taking its weights (recovering a stale update)."""
 
 
 class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdateInfo]):
@@ -72,6 +90,7 @@ class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdat
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group: Any = None
+        self.abandoned = False
 
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
         self.shutdown()  # a new group (the trainer restarted, or left a server out)
@@ -94,17 +113,39 @@ class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdat
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._close_reload()  # one a failed update left open: count every layer afresh
+        self.abandoned = False
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self.abandoned:  # closed already, without its weights: end vLLM's session only
+            self.abandoned = False
+            return
+        short = incomplete_layers(self.model)  # before finalising, which resets the counts
+        self._close_reload()
+        if short:
+            raise RuntimeError(
+                f"the weight update is incomplete: {len(short)} layer(s) of the served model"
+                f" received fewer elements than they hold: {'; '.join(short[:8])}"
+                f"{' ...' if len(short) > 8 else ''}; the trainer's weights do not cover this"
+                " server's model (is it serving another model?); the update's label is not set"
+            )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class synchronises the accelerator (torch.accelerator), which the CPU build
         # lacks; a file read and a gloo broadcast are synchronous
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        if info.abandon:
+            self._close_reload()
+            self.abandoned = True
+            return
+        self.receive_weights(info)
+
+    def _close_reload(self) -> None:
+        """Finalise the layer-wise reload (a no-op when none is open)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: TransferUpdateInfo) -> None:
         if update_info.path is not None:
@@ -131,6 +172,41 @@ class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdat
 
     def shutdown(self) -> None:
         self.group = None
+
+
+def incomplete_layers(model: torch.nn.Module) -> list[str]:
+    """Every layer of ``model`` still waiting in vLLM's layer-wise reload for elements of its
+    parameters, as 'name (received of held elements)': vLLM processes a layer as soon as all
+    of its elements arrived, so the ones still open at the end of an update are short.
+    Attention layers, which vLLM processes only when the reload is finalised and whose tensors
+    are not checkpoint weights, are left out."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+
+    short = []
+    for name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load() or is_deferred_attention_layer(layer):
+            continue
+        held = sum(
+            _held(layer, p, get_tensor_load_numel(p))
+            for key, p in layer._parameters.items()
+            if p is not None and key not in SKIP_LOAD_TENSORS
+        )
+        if info.load_numel < held:
+            short.append(f"{name} ({info.load_numel} of {held} elements)")
+    return short
+
+
+def _held(layer: torch.nn.Module, param: torch.Tensor, numel: int) -> int:
+    """The elements of ``param`` a checkpoint fills: a vocabulary layer (embedding, output
+    layer) pads its rows to a multiple vLLM chooses, and no checkpoint has the padding rows."""
+    rows = getattr(layer, "shard_indices", None)
+    if rows is None or param.dim() < 1 or param.shape[0] != rows.num_elements_padded:
+        return numel
+    return numel // param.shape[0] * (rows.num_org_elements + rows.num_added_elements)
 
 
 def register() -> None:

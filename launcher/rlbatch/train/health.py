@@ -41,6 +41,8 @@ def inject_fault(debug: DebugConfig, step: int, rank: int, *, hang_s: float = 1e
     """
     if debug.fail_at_step is None or step != debug.fail_at_step or rank != debug.fail_rank:
         return False
+    if debug.fail_sync is not None:  # the fault is in that step's weight sync
+        return False
     kind = FailKind(debug.fail_kind)
     if kind == FailKind.nan_loss:
         return True

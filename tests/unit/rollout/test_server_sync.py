@@ -26,7 +26,7 @@ class _Group:
     def __init__(self, urls: list[str], fail_send: bool) -> None:
         self.urls, self.fail_send, self.sent, self.closed = list(urls), fail_send, [], False
 
-    def send(self, tensors: dict) -> None:
+    def send(self, tensors: dict, sent_one=lambda: None) -> None:
         if self.fail_send:
             raise ServerDownError(f"rollout server {B}: update_weights failed: reset by peer")
         self.sent.append(list(tensors))
@@ -75,8 +75,8 @@ def test_a_sync_forms_the_group_once_and_every_server_takes_the_label(servers):
     for url in (A, B):
         steps = [p for u, p in servers.calls if u == url]
         assert steps == 2 * [
-            "/pause", "/start_weight_update", "/finish_weight_update", "/reset_prefix_cache",
-            "/resume",
+            "/weight_info", "/pause", "/update_weight_version", "/start_weight_update",
+            "/finish_weight_update", "/reset_prefix_cache", "/resume",
         ]  # fmt: skip
 
 
@@ -156,8 +156,9 @@ def test_the_file_transfer_pushes_to_every_server_at_once(servers, tmp_path):
     server_sync.push(servers, cfg, {"w": torch.zeros(2)}, "n-1", drop=True)
     for url in (A, B):
         assert [p for u, p in servers.calls if u == url] == [
-            "/pause", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-            "/finish_weight_update", "/reset_prefix_cache", "/resume",
+            "/weight_info", "/pause", "/update_weight_version", "/init_weight_transfer_engine",
+            "/start_weight_update", "/update_weights", "/finish_weight_update",
+            "/reset_prefix_cache", "/resume",
         ]  # fmt: skip
     assert list(tmp_path.iterdir()) == []  # the file is removed once both have read it
 

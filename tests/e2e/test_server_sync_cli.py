@@ -1,0 +1,188 @@
+"""Weight syncs to a rollout server are whole and current, and no failed or interrupted sync
+leaves the server broken: through the real commands (rlbatch-serve, rlbatch-train) with one
+real vLLM server shared by the module.
+
+- a server of another model (layers, widths) is refused before launch, naming each field;
+- a push that misses a tensor fails at the server, naming the layer, and the next run on the
+  same server trains normally;
+- a server one sync behind (the previous sync's weights under the new label) is caught by the
+  probe at a learning rate whose step moves the probe's log-probabilities by less than the
+  probe's tolerance;
+- a trainer SIGKILLed after each phase of a sync (pause, start, update, finish, resume), with
+  the file and the gloo broadcast transfers, resumes with trainer.resume=auto on the same
+  server and ends with the uninterrupted run's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.optional_extra]
+
+MODEL = (
+    "+recipe=grpo_qwen", "model.num_attention_heads=2", "model.num_query_groups=2",
+    "rollout.vllm.kv_cache_space_gb=0.25", "rollout.vllm.max_model_len=64",
+)  # fmt: skip
+"""The tiny model with heads of width 32 (the smallest vLLM's CPU attention supports); the
+server and the trainer are composed from the same recipe and overrides."""
+
+SMALL = (
+    "grpo.global_batch_size=16", "grpo.num_generations=4", "rollout.max_new_tokens=8",
+    "trainer.checkpoint.every_steps=1",
+)  # fmt: skip
+"""A small step: 4 prompts x 4 samples of 8 tokens."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(bin_dir, subprocess_env, tmp_path_factory):
+    """One rlbatch-serve server for the module (stopped with SIGTERM after it)."""
+    pytest.importorskip("vllm")
+    proc = subprocess.Popen(
+        [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={_free_port()}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
+        cwd=tmp_path_factory.mktemp("server"),
+    )  # fmt: skip
+    try:
+        url = proc.stdout.readline().strip()  # the URL, once /health answers
+        assert url.startswith("http://127.0.0.1:"), f"rlbatch-serve printed {url!r}"
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def _train(bin_dir, env, run_dir, url, *overrides):
+    return subprocess.run(
+        [str(bin_dir / "rlbatch-train"), *MODEL, *SMALL, "rollout.backend=vllm_server",
+         f"rollout.servers.urls=[{url}]", f"hydra.run.dir={run_dir}", "logging.plot=false",
+         "logging.tensorboard=false", "trainer.checkpoint.export_hf=false", *overrides],
+        capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600,
+    )  # fmt: skip
+
+
+def _records(run_dir):
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _untimed(records):
+    """The records without their clock and memory figures (which differ between two runs)."""
+    return [
+        {k: v for k, v in r.items()
+         if not k.endswith(("_s", "seconds", "memory_gb")) and "per_s" not in k}
+        for r in records
+    ]  # fmt: skip
+
+
+def _out(proc) -> str:
+    return proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def test_a_server_of_another_model_is_refused_before_launch(
+    server, bin_dir, subprocess_env, tmp_path
+):
+    """A run of 3 layers and width 128 against a server of 2 layers and width 64: an error
+    naming the URL, each field with both values and the run's key, before any worker (the
+    server would otherwise fail the first sync with a raw HTTP 500, or take it in part)."""
+    run_dir = tmp_path / "run"
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, server, "model.num_layers=3", "model.hidden_size=128"
+    )
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert f"rollout.servers.urls={server}: serves another model than this run's" in out, out
+    assert "num_hidden_layers: the run's 3 (model.num_layers), the server's 2" in out, out
+    assert "hidden_size: the run's 128 (model.hidden_size), the server's 64" in out, out
+    assert "rlbatch-serve" in out
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_push_missing_a_tensor_fails_and_leaves_the_server_usable(
+    server, bin_dir, subprocess_env, tmp_path
+):
+    """The sync for step 2 leaves one norm's weight out: the server refuses the update at its
+    end, naming the layer that received nothing (vLLM alone would keep that layer's old
+    weights with a warning in its log and take the label), and the run stops. A run started
+    next on the same server takes it over and trains on-policy."""
+    broken = _train(
+        bin_dir, subprocess_env, tmp_path / "broken", server, "trainer.max_steps=2",
+        "debug.fail_at_step=2", "debug.fail_sync=omit_tensor",
+    )  # fmt: skip
+    assert broken.returncode != 0, _out(broken)
+    out = broken.stdout + broken.stderr
+    assert "the weight update is incomplete" in out, out[-4000:]
+    assert "layernorm (0 of 64 elements)" in out, out[-4000:]
+    assert [r["step"] for r in _records(tmp_path / "broken")] == [1]
+    after = _train(bin_dir, subprocess_env, tmp_path / "after", server, "trainer.max_steps=1")
+    assert after.returncode == 0, _out(after)
+    assert abs(_records(tmp_path / "after")[0]["mismatch_kl_k1"]) < 1e-6
+
+
+def test_a_server_one_sync_behind_is_caught_by_the_probe(server, bin_dir, subprocess_env, tmp_path):
+    """At lr 1e-5 one step moves the probe's log-probabilities by less than its tolerance
+    (1e-3): the sync for step 2 pushes step 1's weights under step 2's label, and the run stops
+    because the server's log-probabilities of the probe's fixed tokens are nearer the previous
+    sync's than the current ones. Without the probe this run would finish, one version
+    behind."""
+    run_dir = tmp_path / "run"
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, server, "trainer.max_steps=2", "trainer.optim.lr=1e-5",
+        "debug.fail_at_step=2", "debug.fail_sync=stale",
+    )  # fmt: skip
+    assert proc.returncode != 0, _out(proc)
+    out = proc.stdout + proc.stderr
+    assert f"rollout server {server} holds the previous sync's weights" in out, out[-4000:]
+    assert [r["step"] for r in _records(run_dir)] == [1]
+
+
+PHASES = ("pause", "start", "update", "finish", "resume")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(server, bin_dir, subprocess_env, tmp_path_factory):
+    """The records of two uninterrupted steps on the server (the file transfer)."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    ref = _train(bin_dir, subprocess_env, run_dir, server, "trainer.max_steps=2")
+    assert ref.returncode == 0, _out(ref)
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    return records
+
+
+@pytest.mark.parametrize("transfer", ["file", "broadcast"])
+def test_a_trainer_killed_at_each_phase_of_a_sync_resumes_on_its_server(
+    server, uninterrupted, bin_dir, subprocess_env, tmp_path, transfer
+):
+    """The trainer SIGKILLs itself during the sync for step 2, right after one of its phases,
+    and is resumed (trainer.resume=auto, from step 1's checkpoint) on the same server, which
+    the killed trainer left paused, mid-update (its update begun, half received over the
+    broadcast, or received but not finished) or labelled with the killed run's weights; each
+    resumed run is killed after the next phase, and the last one finishes: it takes the
+    server's update over, pushes its whole weights, and its metrics equal the uninterrupted
+    run's (which is the same for either transfer)."""
+    overrides = ("trainer.max_steps=2", f"rollout.servers.transfer={transfer}")
+    run_dir = tmp_path / "killed"
+    for i, phase in enumerate(PHASES):
+        resume = ("trainer.resume=auto",) if i else ()
+        killed = _train(
+            bin_dir, subprocess_env, run_dir, server, *overrides, *resume,
+            "debug.fail_at_step=2", f"debug.fail_sync={phase}",
+        )  # fmt: skip
+        assert killed.returncode != 0, (phase, _out(killed))
+        assert [r["step"] for r in _records(run_dir)] == [1], (phase, _out(killed))
+    resumed = _train(bin_dir, subprocess_env, run_dir, server, *overrides, "trainer.resume=auto")
+    assert resumed.returncode == 0, _out(resumed)
+    assert _untimed(_records(run_dir)) == _untimed(uninterrupted)
