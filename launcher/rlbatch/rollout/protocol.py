@@ -96,6 +96,10 @@ class DecodedRow:
     tokens: list[int]
     logps: list[float]
     truncated: bool
+    kv_version: Optional[int] = None
+    """The oldest policy version whose KV the tokens may have been sampled on, when older than
+    the weights that sampled them (rollout servers keeping their prefix cache across weight
+    updates, rollout.servers.on_update=keep); None: the sampling weights' own."""
 
 
 class TokenBackend(Protocol):
@@ -104,9 +108,9 @@ class TokenBackend(Protocol):
     version: Optional[int]
     """The policy version of the weights it holds (None: none pushed yet)."""
 
-    def sync_weights(self) -> None:
-        """Take the policy's current weights (every rank of a model-parallel group calls it at
-        the same point: the transfer may be collective)."""
+    def sync_weights(self, version: int) -> None:
+        """Take the policy's current weights, policy ``version`` (every rank of a model-parallel
+        group calls it at the same point: the transfer may be collective)."""
         ...
 
     def decode(
@@ -257,7 +261,7 @@ class SyncedRolloutEngine:
         if self.backend.version == version:
             return
         started = time.perf_counter()
-        self.backend.sync_weights()
+        self.backend.sync_weights(version)
         self.figures.seconds += time.perf_counter() - started
         self.figures.count += 1
         self.backend.version = version

@@ -15,8 +15,8 @@ Hugging Face-named full tensors once from its tp / pp shards (rlbatch.rollout.we
 first rank, global rank 0, hands them to every server through vLLM's RL lifecycle, as a file or
 a broadcast over one process group (``rollout.servers.transfer``, rlbatch.rollout.server_sync),
 labelling the weights of this sync (finish_weight_update) and dropping the prefix cache (vLLM
-keeps it across updates; partial rollouts with rollout.servers.on_update=keep leave it, so rows
-continue on the old KV).
+keeps it across updates; partial rollouts with rollout.servers.on_update=keep leave it, within
+grpo.max_staleness versions, so rows continue on the old KV: rlbatch.rollout.server_cache).
 The other replicas' first ranks wait until every server reports that label (GET /weight_info)
 before they decode. Then a probe: every server samples a few tokens of a fixed prompt, and
 their log-probabilities must equal the trainer's own forward of the same tokens within
@@ -61,6 +61,7 @@ from rlbatch.rollout.protocol import (
     token_sampling,
 )
 from rlbatch.rollout.server_answers import RowAborted, read_row, request_body
+from rlbatch.rollout.server_cache import drops_cache
 from rlbatch.rollout.server_http import ServerDownError, ServerError, call
 from rlbatch.rollout.server_sync import close_group, expected_backend, push, server_transfer
 
@@ -113,6 +114,8 @@ class _Servers:
         self.model_id: Optional[int] = None
         self.version: Optional[int] = None
         self.outstanding = dict.fromkeys(urls, 0)
+        self.cache_version: Optional[int] = None
+        """The policy version at which a sync last dropped the servers' prefix cache."""
         self.group: Any = None
         """rollout.servers.transfer=broadcast: the weight group (rlbatch.rollout.server_sync)."""
         self.resubmits = 0
@@ -242,7 +245,13 @@ class ServerBackend:
     def version(self, value: Optional[int]) -> None:
         self.servers.model_id, self.servers.version = id(self.model), value
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, version: int) -> None:
+        drop = self._drops_cache(version)
+        self._sync(drop)
+        if drop:  # every process of the run follows the same rule
+            self.servers.cache_version = version
+
+    def _sync(self, drop: bool) -> None:
         self.servers.version = None
         self.servers.syncs += 1
         label = self.servers.label()
@@ -259,18 +268,18 @@ class ServerBackend:
         for name, tensor in stream_hf_weights(self.model, self.model_cfg):
             if self.leader:  # a tied head is the embedding's tensor: saved as its own copy
                 tensors[name] = tensor.detach().clone().contiguous()
-        call_ = (lambda: self._push(tensors, label)) if self.leader else None
+        call_ = (
+            (lambda: push(self.servers, self.cfg, tensors, label, drop)) if self.leader else None
+        )
         from_first_in_model_parallel_group(call_)
         self._probe()
 
-    def _push(self, tensors: dict[str, Any], label: str) -> None:
-        push(self.servers, self.cfg, tensors, label, self._drops_cache())
-
-    def _drops_cache(self) -> bool:
-        """Whether this sync drops the servers' prefix cache: always but with
-        rollout.servers.on_update=keep, and then still at the process's first sync (the cache
-        may hold KV of weights another run pushed)."""
-        return self.drops_cache or self.servers.syncs == 1
+    def _drops_cache(self, version: int) -> bool:
+        """Whether the sync to ``version`` drops the servers' prefix cache
+        (rlbatch.rollout.server_cache)."""
+        return drops_cache(
+            not self.drops_cache, self.servers.cache_version, version, self.cfg.grpo.max_staleness
+        )
 
     def _await_label(self, label: str) -> None:
         deadline = time.monotonic() + self.servers.timeout_s
@@ -363,7 +372,11 @@ class ServerBackend:
             self.servers.pool.submit(self._balanced, list(ids), seed, sampling, limit)
             for ids, seed, limit in zip(prompt_ids, seeds, limits, strict=True)
         ]
-        return [f.result() for f in futures]
+        rows = [f.result() for f in futures]
+        if not self.drops_cache:  # the tokens may rest on KV cached since the last drop
+            for row in rows:
+                row.kv_version = self.servers.cache_version
+        return rows
 
     def _balanced(self, ids: list[int], seed: int, sampling: TokenSampling, limit: int):
         """The row from the least loaded server; with on_failure=continue, from the next one
