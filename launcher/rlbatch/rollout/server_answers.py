@@ -20,8 +20,9 @@ row only when vLLM finished it:
 
 Every token must also carry the label of the weights this run pushed last (vLLM labels each
 span of tokens with the version of the weights that produced it): other labels mean another
-process updated the server; no label once the run has pushed means the server holds weights
-nobody labelled, its start-up weights (restarted at the same URL) or another client's.
+process updated the server; vLLM's start-up label ("default") or no label at all (a server that
+does not label its tokens) once the run has pushed means the server holds weights the run did
+not push: restarted at the same URL, it serves its start-up weights.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from typing import Any, Optional
 
 from rlbatch.rollout.protocol import DecodedRow
 from rlbatch.rollout.server_http import ServerError
+
+STARTUP_LABEL = "default"
+"""vLLM's label of the weights a server started with (none pushed since)."""
 
 
 class RowAborted(Exception):
@@ -101,6 +105,13 @@ def check_labels(
         return
     spans = spans or []
     for span in spans:
+        if str(span.get("version")) == STARTUP_LABEL:
+            raise ServerError(
+                f"rollout server {url} sampled with its start-up weights (labelled"
+                f" {STARTUP_LABEL!r}), not the ones this run pushed ({label!r}): it was"
+                " restarted at the same URL since the run's last push; restart the run"
+                " (trainer.resume=auto) to push its weights again"
+            )
         if str(span.get("version")) != label:
             raise ServerError(
                 f"rollout server {url} sampled with weights labelled"

@@ -111,3 +111,14 @@ def test_unlabelled_tokens_after_a_push_stop_the_run_naming_the_server(spans):
         _read(_choice([4, 5, 6, 258], "stop", 258, spans))
     message = str(err.value)
     assert URL in message and "unlabelled" in message and "'abc-2'" in message
+
+
+def test_start_up_weights_after_a_push_stop_the_run_naming_a_restart():
+    """vLLM labels the weights a server started with "default": restarted at the same URL,
+    it serves them."""
+    spans = [{"version": "default", "start": 0, "end": 4}]
+    with pytest.raises(ServerError) as err:
+        _read(_choice([4, 5, 6, 258], "stop", 258, spans))
+    message = str(err.value)
+    assert URL in message and "start-up weights" in message and "'abc-2'" in message
+    assert "restarted at the same URL" in message
