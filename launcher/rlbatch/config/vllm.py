@@ -138,7 +138,5 @@ class ServersConfig:
     versions that no single policy reproduces, their behaviour log-probs the ones that sampled
     them, corrected like any staleness (grpo.rollout_correction). Also fresh rows whose prompt
     blocks are cached reuse the old KV. The cache is still dropped whenever it would hold KV
-    grpo.max_staleness versions older than the new weights, and each token records the
-    version at its last drop (the oldest weights its KV may come from: Sample.token_versions
-    and the staleness metrics count the cache's age). docs/rollout.md, "Rollout servers", has
+    grpo.max_staleness versions older than the new weights. docs/rollout.md, "Rollout servers", has
     the figures behind the default."""

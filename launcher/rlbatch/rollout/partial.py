@@ -302,9 +302,7 @@ class PartialRolloutStream:
                 row.segments += 1
                 row.ids += d.tokens
                 row.logps += d.logps
-                # a server's kept prefix cache: the oldest weights the tokens may rest on
-                oldest = version if d.kv_version is None else min(version, d.kv_version)
-                row.versions += [oldest] * len(d.tokens)
+                row.versions += [version] * len(d.tokens)
                 if d.tokens and self._row_ends(row, d.tokens[-1]):
                     slots[slot] = None
                     self._finish(row, step + len(d.tokens) - 1)

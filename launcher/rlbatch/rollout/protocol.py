@@ -96,10 +96,6 @@ class DecodedRow:
     tokens: list[int]
     logps: list[float]
     truncated: bool
-    kv_version: Optional[int] = None
-    """The oldest policy version whose KV the tokens may have been sampled on, when older than
-    the weights that sampled them (rollout servers keeping their prefix cache across weight
-    updates, rollout.servers.on_update=keep); None: the sampling weights' own."""
 
 
 class TokenBackend(Protocol):

@@ -372,11 +372,7 @@ class ServerBackend:
             self.servers.pool.submit(self._balanced, list(ids), seed, sampling, limit)
             for ids, seed, limit in zip(prompt_ids, seeds, limits, strict=True)
         ]
-        rows = [f.result() for f in futures]
-        if not self.drops_cache:  # the tokens may rest on KV cached since the last drop
-            for row in rows:
-                row.kv_version = self.servers.cache_version
-        return rows
+        return [f.result() for f in futures]
 
     def _balanced(self, ids: list[int], seed: int, sampling: TokenSampling, limit: int):
         """The row from the least loaded server; with on_failure=continue, from the next one

@@ -7,8 +7,8 @@ at every sync, so each token is sampled by its own version's weights alone. ``ke
 and then the cache's KV is bounded in age by ``grpo.max_staleness``: a sync drops it when the
 oldest version it may hold is that many versions older than the new one, and at the first sync
 of a process (the cache may hold KV of weights another run pushed). A token sampled with
-``keep`` may then rest on KV of any version from the cache's last drop on: its recorded version
-(``Sample.token_versions``, the staleness metrics) is that oldest one.
+``keep`` may then rest on KV of any version from the cache's last drop on; its recorded version
+(``Sample.token_versions``) is still the one that sampled it.
 
 Why not a cache salt per version (vLLM's ``cache_salt`` keeps requests of different salts apart
 in the cache): blocks of an older version would never be reused by a newer one, so every request
