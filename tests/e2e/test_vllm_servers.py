@@ -7,6 +7,8 @@ one that is no vLLM server and one without a scheme are configuration errors bef
 training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
 than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
 resumed exactly, its weights broadcast over a gloo group with the servers) run on the servers;
+rows another client's pause aborts are sent again and train as on an undisturbed server; a
+server restarted at its URL (unlabelled start-up weights) stops the run naming it;
 an rlbatch-serve SIGKILLed with its process group takes its vLLM server with it, and the run
 on it stops within seconds naming the server, after saving the last completed step, with the
 command that continues it; a server relabelled by another client stops the run (inline, or
@@ -14,7 +16,8 @@ from the generation worker of an overlapping run); a server whose engine stopped
 live HTTP server fails its requests within seconds and, with
 rollout.servers.on_failure=continue, leaves the pool (and the broadcast group) while the run
 finishes on the other one with the metrics of a run on that one alone with the file transfer;
-async run-ahead overlaps training at dp 2 with the inline run's samples; partial rollouts continue rows across weight updates (abort:
+async run-ahead overlaps training at dp 2 with the inline run's samples; partial rollouts
+continue rows across weight updates (abort:
 bit-identical to the in-process vLLM stream, resumed exactly; keep: on the old prefix cache).
 The servers (two shared, two spares to kill) are started once for the module."""
 
@@ -27,7 +30,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -95,22 +100,31 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def _serve(bin_dir, env, cwd, port: int) -> subprocess.Popen:
+    """rlbatch-serve on ``port`` with the module's model and lengths (it prints its URL once
+    /health answers)."""
+    return subprocess.Popen(
+        [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
+         f"rollout.vllm.max_model_len={SERVED_LEN}", f"rollout.vllm.block_size={BLOCK}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=cwd,
+        start_new_session=True,  # a process group of its own, as a shell job has
+    )  # fmt: skip
+
+
+_SERVER_PROCS: list[subprocess.Popen] = []
+"""Every rlbatch-serve of the module (a test that restarts a server adds the new one)."""
+
+
 @pytest.fixture(scope="module")
 def all_servers(bin_dir, subprocess_env, tmp_path_factory):
     """Four rlbatch-serve servers, each on its own port, started at once: the two the run
-    tests share and two spares that the tests of a server killed mid-run kill; stopped
-    (SIGTERM) after the module."""
+    tests share and two spares that the tests of a server killed mid-run kill (or restart);
+    every one stopped (SIGTERM) after the module."""
     pytest.importorskip("vllm")
     cwd = tmp_path_factory.mktemp("servers")
-    procs, urls = [], []
-    for _ in range(4):
-        port = _free_port()
-        procs.append(subprocess.Popen(
-            [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
-             f"rollout.vllm.max_model_len={SERVED_LEN}", f"rollout.vllm.block_size={BLOCK}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
-            cwd=cwd, start_new_session=True,  # a process group of its own, as a shell job has
-        ))  # fmt: skip
+    procs = _SERVER_PROCS
+    procs[:] = [_serve(bin_dir, subprocess_env, cwd, _free_port()) for _ in range(4)]
+    urls = []
     try:
         for proc in procs:
             line = proc.stdout.readline().strip()  # the URL, once /health answers
@@ -217,6 +231,66 @@ def test_training_on_two_servers_is_on_policy_at_every_step(
     assert records[-1]["kl"] > 0
     assert any(k.startswith("eval/") for k in records[-1]), sorted(records[-1])
     assert (run_dir / "eval" / "step_00002.jsonl").exists()
+
+
+def _post(url: str, path: str) -> None:
+    request = urllib.request.Request(f"{url}{path}", data=b"", method="POST")
+    urllib.request.urlopen(request, timeout=60).close()
+
+
+def _keep_pausing(url: str, stop: threading.Event) -> None:
+    """Another client of the server: POST /pause (its default mode aborts the requests in
+    flight) and /resume, again and again until ``stop``."""
+    while not stop.is_set():
+        try:
+            _post(url, "/pause")
+            time.sleep(0.05)
+            _post(url, "/resume")
+        except urllib.error.HTTPError:  # refused during the run's own weight update
+            pass
+        stop.wait(0.25)
+
+
+PAUSED = ("trainer.max_steps=3", "logging.samples=true")
+
+
+def test_rows_another_client_aborts_are_sent_again_and_train_as_undisturbed(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """While another client keeps pausing the server (POST /pause aborts what is in flight,
+    and vLLM answers an aborted request with HTTP 200, the tokens so far and the run's own
+    label), every aborted row is sent again with its own seed (rollout/server_resubmits > 0):
+    each trained response that is not truncated ends in EOS, and the run trains exactly the
+    samples of the same run on an undisturbed server."""
+    from rlbatch.engine.tokenizer import ByteTokenizer
+
+    url = servers[0]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = _train(bin_dir, subprocess_env, ref_dir, _urls([url]), *PAUSED)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    stop = threading.Event()
+    pauser = threading.Thread(target=_keep_pausing, args=(url, stop), daemon=True)
+    pauser.start()
+    try:
+        proc = _train(bin_dir, subprocess_env, run_dir, _urls([url]), *PAUSED)
+    finally:
+        stop.set()
+        pauser.join(60)
+        _post(url, "/resume")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["step"] for r in _records(run_dir)] == [1, 2, 3]
+    eos = set(ByteTokenizer().eos_ids)
+    for step in (1, 2, 3):
+        samples, expected = _samples(run_dir, step), _samples(ref_dir, step)
+        for s in samples:
+            assert s["truncated"] or s["response_ids"][-1] in eos, (step, s["response_ids"])
+        assert [s["response_ids"] for s in samples] == [s["response_ids"] for s in expected]
+        assert [s["truncated"] for s in samples] == [s["truncated"] for s in expected]
+        for s, e in zip(samples, expected, strict=True):
+            assert s["behaviour_logps"] == pytest.approx(e["behaviour_logps"], abs=1e-5)
+    resubmits = [r["rollout/server_resubmits"] for r in _records(run_dir)]
+    assert sum(resubmits) > 0, "no row was aborted: the test shows nothing"
+    assert all(r["rollout/server_resubmits"] == 0 for r in _records(ref_dir))
 
 
 def test_an_unreachable_server_is_refused_before_launch(bin_dir, subprocess_env, tmp_path):
@@ -452,6 +526,77 @@ def _serve_group(url: str) -> int:
         p for p in _processes_mentioning(f"rollout.servers.port={port}") if "rlbatch-serve" in p
     ]
     return os.getpgid(int(serve.split(":")[0]))
+
+
+RESTARTING_ENV = """
+import pathlib
+import time
+
+from rlbatch.env.guess_number import GuessNumber
+
+
+class Restarting(GuessNumber):
+    def step(self, state, text):
+        done = pathlib.Path("restart.done")
+        if not done.exists():  # the test restarts the server meanwhile
+            pathlib.Path("restart.request").touch()
+            deadline = time.monotonic() + 500
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        return super().step(state, text)
+"""
+
+
+def _restart(url: str, bin_dir, env, cwd) -> None:
+    """Stop the vLLM server at ``url`` (SIGTERM to its process group) and start a fresh
+    rlbatch-serve on the same port, which serves its start-up weights."""
+    pgid = _server_group(url)
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if _group_members(pgid):
+        os.killpg(pgid, signal.SIGKILL)
+    proc = _serve(bin_dir, env, cwd, int(url.rsplit(":", 1)[1]))
+    _SERVER_PROCS.append(proc)
+    assert proc.stdout.readline().strip() == url
+
+
+def test_a_server_restarted_at_its_url_mid_run_stops_the_run_naming_it(
+    spare_server, bin_dir, subprocess_env, tmp_path
+):
+    """Multi-turn episodes on the spare server; while the environment steps the first turns
+    (no request in flight), the server is restarted at the same URL: the next turn's tokens
+    come from its start-up weights (vLLM labels them "default"), and the run stops naming the
+    server and the restart instead of training on a policy it never had. (The restarted server stays for the later tests.)"""
+    (tmp_path / "restarting.py").write_text(RESTARTING_ENV)
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "out.txt", "w") as out:
+        launcher = subprocess.Popen(
+            [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", *MODEL[1:],
+             "rollout.backend=vllm_server", _urls([spare_server]),
+             "env.path=restarting.py:Restarting", "env.timeout_s=900", "trainer.timeout_s=900",
+             "trainer.max_steps=2",
+             f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
+             "trainer.checkpoint.export_hf=false"],
+            stdout=out, stderr=subprocess.STDOUT, env=subprocess_env, cwd=tmp_path,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "restart.request").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        _restart(spare_server, bin_dir, subprocess_env, tmp_path)
+        (tmp_path / "restart.done").touch()
+        launcher.wait(300)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    text = (tmp_path / "out.txt").read_text()
+    assert launcher.returncode != 0, text[-3000:]
+    assert f"rollout server {spare_server} sampled with its start-up weights" in text, text[-3000:]
+    assert "restarted at the same URL" in text
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_a_server_killed_mid_run_stops_the_run_naming_it(

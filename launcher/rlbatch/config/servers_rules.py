@@ -116,6 +116,7 @@ def _check_ranges(cfg: RunConfig, errors: list[ConfigError]) -> None:
         "rollout.servers.max_concurrency": (s.max_concurrency, s.max_concurrency > 0, "> 0"),
         "rollout.servers.probe_tokens": (s.probe_tokens, s.probe_tokens >= 0, ">= 0"),
         "rollout.servers.probe_tolerance": (s.probe_tolerance, s.probe_tolerance > 0, "> 0"),
+        "rollout.servers.max_resubmits": (s.max_resubmits, s.max_resubmits >= 0, ">= 0"),
     }
     for key, (value, ok, wanted) in ranges.items():
         if not ok:

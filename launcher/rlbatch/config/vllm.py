@@ -94,6 +94,15 @@ class ServersConfig:
     run naming every dropped server when none is left. A dropped server is not taken back. A
     wrong answer (another process's weights, a response cut by the server's length, a failed
     probe) stops the run either way."""
+    max_resubmits: int = 4
+    """How many times a row is sent again after its server aborted it (vLLM answers an aborted
+    request with the tokens so far and finish_reason ``abort``: another client's ``POST
+    /pause``, whose default mode aborts the requests in flight, ``/abort_requests``, a server
+    shutting down). The row is sent whole with its own seed, so it is the row an undisturbed
+    server samples; nothing of the aborted answer is kept (with partial rollouts, the aborted
+    segment is sent again from the row's tokens before it). Counted in
+    rollout/server_resubmits; a row aborted once more than this stops the run naming the
+    server. 0: the first abort stops the run."""
     max_concurrency: int = 64
     """Requests in flight at once from one issuing rank (spread over the servers)."""
     transfer: ServerTransfer = ServerTransfer.file
@@ -136,5 +145,6 @@ class ServersConfig:
     computed by the old weights (no prefill recompute); their tokens are sampled by a mix of
     versions that no single policy reproduces, their behaviour log-probs the ones that sampled
     them, corrected like any staleness (grpo.rollout_correction). Also fresh rows whose prompt
-    blocks are cached reuse the old KV. docs/rollout.md, "Rollout servers", has the figures
-    behind the default."""
+    blocks are cached reuse the old KV. The cache is still dropped whenever it would hold KV
+    grpo.max_staleness versions older than the new weights. docs/rollout.md, "Rollout servers", has
+    the figures behind the default."""

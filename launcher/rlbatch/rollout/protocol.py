@@ -104,9 +104,9 @@ class TokenBackend(Protocol):
     version: Optional[int]
     """The policy version of the weights it holds (None: none pushed yet)."""
 
-    def sync_weights(self) -> None:
-        """Take the policy's current weights (every rank of a model-parallel group calls it at
-        the same point: the transfer may be collective)."""
+    def sync_weights(self, version: int) -> None:
+        """Take the policy's current weights, policy ``version`` (every rank of a model-parallel
+        group calls it at the same point: the transfer may be collective)."""
         ...
 
     def decode(
@@ -257,7 +257,7 @@ class SyncedRolloutEngine:
         if self.backend.version == version:
             return
         started = time.perf_counter()
-        self.backend.sync_weights()
+        self.backend.sync_weights(version)
         self.figures.seconds += time.perf_counter() - started
         self.figures.count += 1
         self.backend.version = version

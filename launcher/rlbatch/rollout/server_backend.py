@@ -3,19 +3,20 @@
 
 Where requests come from: the first rank of each model-parallel group (tp x pp ranks, one
 replica of the model) sends its own data-parallel shard's rows, one request per row
-(``POST /inference/v1/generate``: prompt ids, the row's own seed, the EOS ids as stop ids,
-log-probs of the sampled tokens), at most ``rollout.servers.max_concurrency`` in flight, each
-to the server with the fewest of this rank's requests outstanding; the decoded rows are
-broadcast to the group's other ranks, as with the colocated engines. Every replica thus sends
-its own share at the same time, with no extra hop through one client.
+(``POST /inference/v1/generate``: prompt ids, the row's own seed, the EOS ids as its only stop
+ids, log-probs of the sampled tokens; what an answer may be: rlbatch.rollout.server_answers), at
+most ``rollout.servers.max_concurrency`` in flight, each to the server with the fewest of this
+rank's requests outstanding; the decoded rows are broadcast to the group's other ranks, as with
+the colocated engines. Every replica thus sends its own share at the same time, with no extra
+hop through one client.
 
 Weight sync (whenever the policy version changes): the first replica's group streams the
 Hugging Face-named full tensors once from its tp / pp shards (rlbatch.rollout.weights); its
 first rank, global rank 0, hands them to every server through vLLM's RL lifecycle, as a file or
 a broadcast over one process group (``rollout.servers.transfer``, rlbatch.rollout.server_sync),
 labelling the weights of this sync (finish_weight_update) and dropping the prefix cache (vLLM
-keeps it across updates; partial rollouts with rollout.servers.on_update=keep leave it, so rows
-continue on the old KV).
+keeps it across updates; partial rollouts with rollout.servers.on_update=keep leave it, within
+grpo.max_staleness versions, so rows continue on the old KV: rlbatch.rollout.server_cache).
 The other replicas' first ranks wait until every server reports that label (GET /weight_info)
 before they decode. Then a probe (rlbatch.rollout.server_probe): every server scores a fixed
 sequence, whose log-probabilities must equal the trainer's own forward of the same tokens
@@ -31,11 +32,12 @@ naming every dropped server when none is left. The replicas agree on the pool th
 servers themselves: a replica that does not send the weights takes a server only once it holds
 the label of this sync, so a server the first replica dropped during its push is dropped by
 every replica at that sync, and one that dies later is dropped by each replica that reaches it.
-A wrong answer stops the run in either mode: so does a response
-the server stopped short of its limit (vLLM ends a request at its own --max-model-len with
-finish_reason "length": trained as a truncated row, it would be a wrong sample, not an error),
-and so does a token labelled with other weights than the run pushed last (another process
-updated the server).
+A row the server aborted (another client's pause) is sent again with its own seed. A wrong
+answer stops the run in either mode: a response the server stopped short of its limit (vLLM
+ends a request at its own --max-model-len with finish_reason "length": trained as a truncated
+row, it would be a wrong sample, not an error), any end but a stop at the run's EOS ids or the
+row's limit, and a token labelled with other weights than the run pushed last, or with none
+(another process updated the server, or it was restarted).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ from rlbatch.rollout.protocol import (
     decode_on_group_leader,
     token_sampling,
 )
+from rlbatch.rollout.server_answers import RowAborted, check_labels, read_row, request_body
+from rlbatch.rollout.server_cache import drops_cache
 from rlbatch.rollout.server_checks import check_servers  # noqa: F401  (rollout.protocol's)
 from rlbatch.rollout.server_http import ServerDownError, ServerError, call
 from rlbatch.rollout.server_probe import NOISE, SEPARATION, judge_probe, probe_sequence
@@ -115,12 +119,16 @@ class _Servers:
         self.model_id: Optional[int] = None
         self.version: Optional[int] = None
         self.outstanding = dict.fromkeys(urls, 0)
+        self.cache_version: Optional[int] = None
+        """The policy version at which a sync last dropped the servers' prefix cache."""
         self.group: Any = None
         """rollout.servers.transfer=broadcast: the weight group (rlbatch.rollout.server_sync)."""
         self.probe_logps: Optional[list[float]] = None
         """The trainer's log-probabilities of the probe's fixed tokens at the last sync."""
         self.pushed: Optional[dict[str, Any]] = None
         """debug.fail_sync=stale: the weights of the previous sync."""
+        self.resubmits = 0
+        """Rows sent again because a server aborted them, since the last round's figures."""
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rlbatch-rollout")
 
@@ -160,6 +168,16 @@ class _Servers:
     def done(self, url: str) -> None:
         with self.lock:
             self.outstanding[url] -= 1
+
+    def count_resubmit(self) -> None:
+        with self.lock:
+            self.resubmits += 1
+
+    def take_resubmits(self) -> int:
+        """Rows sent again since the last call (a server aborted them)."""
+        with self.lock:
+            taken, self.resubmits = self.resubmits, 0
+        return taken
 
 
 _SERVERS: list[_Servers] = []
@@ -236,7 +254,13 @@ class ServerBackend:
     def version(self, value: Optional[int]) -> None:
         self.servers.model_id, self.servers.version = id(self.model), value
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, version: int) -> None:
+        drop = self._drops_cache(version)
+        self._sync(drop)
+        if drop:  # every process of the run follows the same rule
+            self.servers.cache_version = version
+
+    def _sync(self, drop: bool) -> None:
         self.servers.version = None
         self.servers.syncs += 1
         label = self.servers.label()
@@ -255,7 +279,9 @@ class ServerBackend:
                 tensors[name] = tensor.detach().clone().contiguous()
         if self.leader:
             tensors = self._faulty(tensors)
-        call_ = (lambda: self._push(tensors, label)) if self.leader else None
+        call_ = (
+            (lambda: push(self.servers, self.cfg, tensors, label, drop)) if self.leader else None
+        )
         from_first_in_model_parallel_group(call_)
         self._probe()
 
@@ -276,14 +302,12 @@ class ServerBackend:
         left_out = next((name for name in tensors if "norm" in name), next(iter(tensors)))
         return {name: t for name, t in tensors.items() if name != left_out}
 
-    def _push(self, tensors: dict[str, Any], label: str) -> None:
-        push(self.servers, self.cfg, tensors, label, self._drops_cache())
-
-    def _drops_cache(self) -> bool:
-        """Whether this sync drops the servers' prefix cache: always but with
-        rollout.servers.on_update=keep, and then still at the process's first sync (the cache
-        may hold KV of weights another run pushed)."""
-        return self.drops_cache or self.servers.syncs == 1
+    def _drops_cache(self, version: int) -> bool:
+        """Whether the sync to ``version`` drops the servers' prefix cache
+        (rlbatch.rollout.server_cache)."""
+        return drops_cache(
+            not self.drops_cache, self.servers.cache_version, version, self.cfg.grpo.max_staleness
+        )
 
     def _await_label(self, label: str) -> None:
         deadline = time.monotonic() + self.servers.timeout_s
@@ -307,9 +331,14 @@ class ServerBackend:
 
     def figures(self) -> dict[str, float]:
         """rollout/servers_alive: the servers in this replica's pool (its first rank counts,
-        the loop averages over replicas)."""
+        the loop averages over replicas); rollout/server_resubmits: rows a server aborted and
+        this process sent again (summed over replicas)."""
         n = float(len(self.servers.urls)) if self.leader else 0.0
-        return {"rollout/servers_alive": n, "rollout/server_pools": float(self.leader)}
+        resubmits = float(self.servers.take_resubmits()) if self.leader else 0.0
+        return {
+            "rollout/servers_alive": n, "rollout/server_pools": float(self.leader),
+            "rollout/server_resubmits": resubmits,
+        }  # fmt: skip
 
     def _probe(self) -> None:
         """Every server holds this sync's weights (rlbatch.rollout.server_probe): its
@@ -379,7 +408,8 @@ class ServerBackend:
         body = {"token_ids": sequence, "sampling_params": params, "return_token_ids": True}
         answer = call(url, "/inference/v1/generate", body, timeout_s=self.servers.timeout_s)
         choice = answer["choices"][0]
-        self._check_version(url, choice)
+        tokens = choice.get("token_ids") or []
+        check_labels(url, choice.get("weight_versions"), len(tokens), self.servers.label())
         try:
             scored = answer["prompt_logprobs"]
             fixed = [
@@ -437,46 +467,28 @@ class ServerBackend:
     def _request(
         self, url: str, ids: list[int], seed: int, sampling: TokenSampling, limit: int
     ) -> DecodedRow:
-        params = {
-            "max_tokens": limit, "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "top_k": sampling.top_k, "seed": seed, "logprobs": 0,
-            "stop_token_ids": [i for i in sampling.eos_ids if i >= 0],
-        }  # fmt: skip
-        body = {"token_ids": ids, "sampling_params": params, "return_token_ids": True}
-        answer = call(url, "/inference/v1/generate", body, timeout_s=self.servers.timeout_s)
-        choice = answer["choices"][0]
-        tokens = [int(t) for t in choice["token_ids"]]
-        logps = [
-            float(step["logprob"]) for step in (choice.get("logprobs") or {}).get("content") or []
-        ]
-        if len(logps) != len(tokens):
-            raise ServerError(
-                f"rollout server {url} returned {len(tokens)} tokens but {len(logps)} log-probs"
-            )
-        self._check_version(url, choice)
-        truncated = choice.get("finish_reason") == "length"
-        if truncated and len(tokens) < limit:  # vLLM stops a request at its --max-model-len
-            raise ServerError(
-                f"rollout server {url} stopped a response after {len(tokens)} of {limit} tokens"
-                f" (prompt of {len(ids)}): its --max-model-len is shorter than this run's"
-                " sequences; restart it with rlbatch-serve and the run's recipe and overrides"
-            )
-        return DecodedRow(tokens, logps, truncated=truncated)
-
-    def _check_version(self, url: str, choice: dict[str, Any]) -> None:
-        """Every token came from the weights this run pushed last (the server labels each
-        span with the version of the weights that produced it): a server that another
-        process updated in between (a second run, rlbatch-eval) would otherwise sample from a
-        policy the run never had, without a word."""
-        label = self.servers.label()
-        for span in choice.get("weight_versions") or []:
-            if str(span.get("version")) != label:
-                raise ServerError(
-                    f"rollout server {url} sampled with weights labelled"
-                    f" {span.get('version')!r}, not the ones this run pushed ({label!r}):"
-                    " another process updated its weights; give each run (and rlbatch-eval)"
-                    " servers of its own"
-                )
+        """The row of one request (rlbatch.rollout.server_answers): a row the server aborted is
+        sent again with its own seed, up to rollout.servers.max_resubmits times."""
+        eos_ids = [i for i in sampling.eos_ids if i >= 0]
+        body = request_body(ids, seed, limit, sampling, eos_ids)
+        label = self.servers.label() if self.servers.syncs else None
+        most = self.cfg.rollout.servers.max_resubmits
+        for attempt in range(most + 1):
+            answer = call(url, "/inference/v1/generate", body, timeout_s=self.servers.timeout_s)
+            try:
+                return read_row(
+                    url, answer["choices"][0], eos_ids=eos_ids, limit=limit,
+                    prompt_len=len(ids), label=label,
+                )  # fmt: skip
+            except RowAborted:
+                if attempt < most:
+                    self.servers.count_resubmit()
+        raise ServerError(
+            f"rollout server {url} aborted the same row {most + 1} times"
+            f" (rollout.servers.max_resubmits={most}): another client keeps pausing it (POST"
+            " /pause aborts the requests in flight unless mode=wait or keep) or aborting its"
+            " requests; give the run servers of its own, or raise rollout.servers.max_resubmits"
+        )
 
 
 def trainer_logprobs(

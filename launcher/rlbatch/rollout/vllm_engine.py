@@ -404,7 +404,7 @@ class VllmBackend:
     def version(self, value: Optional[int]) -> None:
         self.running.model_id, self.running.version = id(self.model), value
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, version: int) -> None:
         """The policy's weights into the engine: all of them, or for a LoRA model the base
         (once) and the current adapters (docstring of the module)."""
         from rlbatch.engine import lora

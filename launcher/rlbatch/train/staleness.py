@@ -12,6 +12,8 @@
   ``rollout/waiting_groups`` (finished groups left for later rounds) and
   ``rollout/untrained_fraction`` (rows started and neither trained nor still in the stream, over
   the rows started: 0 by design, nothing is discarded);
+- rollout servers: ``rollout/servers_alive`` (each replica's pool, averaged) and
+  ``rollout/server_resubmits`` (rows a server aborted and the run sent again, summed);
 - ``rollout/weight_sync_s``: mean seconds one engine took to take the policy's weights, over
   the syncs of the round's generation on every rank (rollout.backend=vllm).
 """
@@ -34,6 +36,7 @@ ROLLOUT_COUNTERS = (
     "rollout/weight_syncs",
     "rollout/servers_alive",
     "rollout/server_pools",
+    "rollout/server_resubmits",
 )
 """A round's rank-local counters (GeneratedRound.filter_metrics), summed over ranks."""
 
@@ -87,6 +90,7 @@ def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
         )
     if sums.get("rollout/server_pools"):  # rollout servers: each replica's pool, averaged
         out["rollout/servers_alive"] = sums["rollout/servers_alive"] / sums["rollout/server_pools"]
+        out["rollout/server_resubmits"] = sums.get("rollout/server_resubmits", 0.0)
     if "rollout/started_rows" in sums:  # partial rollouts
         out["rollout/carried_rows"] = sums["rollout/carried_rows"]
         out["rollout/waiting_groups"] = sums["rollout/waiting_groups"]

@@ -40,7 +40,7 @@ class _Backend:
 
     version = None
 
-    def sync_weights(self):
+    def sync_weights(self, version):
         pass
 
     def decode(self, prompt_ids, seeds, sampling, max_tokens=None):
