@@ -22,6 +22,7 @@ import json
 import subprocess
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,46 @@ def test_a_judge_quoting_a_score_scores_that_sample_zero_and_too_many_stop_the_s
     assert "step 2: 16 of the 16 samples had a served reward failure (1.00, over" in err
     assert "data.served.max_error_fraction=0.25); the step was not trained" in err
     assert "judge: no_score:" in err
+
+
+def _group_judge(message: str) -> str:
+    """Every completion of one prompt in three is quoted beside the judge's own score (a whole
+    group scored 0, no_score: zero variance, the group dynamic sampling drops); the others get
+    "Score: N/10". The check before launch (the reference answer graded) gets its score."""
+    question = message.split("Question:\n", 1)[1].split("\n\nReference answer:", 1)[0]
+    answer = message.split("Reference answer:\n", 1)[1].split("\n\nAnswer to grade:", 1)[0]
+    graded = message.split("Answer to grade:\n", 1)[1].rsplit("\n\nGrade the answer", 1)[0]
+    if graded != answer and zlib.crc32(question.encode()) % 3 == 0:
+        return QuotingJudge.QUOTE
+    return f"Score: {judge_rule(message)}/10"
+
+
+def test_served_failures_in_groups_dynamic_sampling_drops_still_count(
+    bin_dir, subprocess_env, tmp_path
+):
+    """grpo.filter_groups=zero_variance drops a group whose every judge reply was unreadable
+    (all 0): its failures used to vanish with it, and data.served.max_error_fraction=0 let the
+    run train. The samples drawn and not trained count too: the run stops before step 1."""
+    with Judge(reply=_group_judge) as judge:
+        proc = _run(
+            bin_dir, subprocess_env, tmp_path, "rlbatch-train", "+recipe=grpo_qwen",
+            "data.reward=judge", f"data.judge.url={judge.url}",
+            "data.served.max_error_fraction=0", "grpo.filter_groups=zero_variance",
+            "grpo.max_generation_rounds=4", "grpo.num_generations=4",
+            "grpo.global_batch_size=16", "trainer.max_steps=1", "hydra.run.dir=run",
+            "logging.plot=false", "logging.tensorboard=false",
+            "trainer.checkpoint.export_hf=false",
+        )  # fmt: skip
+        quoted = sum(r == QuotingJudge.QUOTE for r in map(_group_judge, judge.messages))
+        drawn = len(judge.messages) - 1  # every sample drawn, graded once (1: the check)
+    err = " ".join(proc.stderr.split())
+    assert quoted >= 4, err[-3000:]  # at least one whole group was unreadable
+    assert proc.returncode not in (0, 2), err[-3000:]
+    # every one of them is in a dropped group (all 0): the count is of the round's draws
+    assert f"step 1: {quoted} of the {drawn} samples had a served reward failure" in err, err[
+        -3000:
+    ]
+    assert "data.served.max_error_fraction=0); the step was not trained" in err
+    assert f"e.g. {quoted} in groups grpo.filter_groups dropped, not trained" in err
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or _out(metrics) == []
