@@ -41,8 +41,13 @@ REPLIES = {
     "g": "8" * 300,
     "h": "<think>Score: 1?</think>The answer matches the reference.\nScore: 9",
     "i": "Score: 10",
+    "j": "Score: 5%",
+    "k": "Score: 7 \u2013 8",
+    "l": "Score: 7 points (out of 100)",
 }
-"""completion -> the judge's reply; what the default prompt asks for is the last two."""
+"""completion -> the judge's reply; what the default prompt asks for is "h" and "i". A
+percentage, a range written with an en dash, a scale in parentheses were once read as 0.5, 0.7,
+0.7."""
 WANT = {"b": 0.3, "d": 0.6, "h": 0.9, "i": 1.0}
 """The replies with one score in range; every other one is a failed request."""
 
@@ -86,13 +91,13 @@ def test_score_reads_a_judges_score_not_its_scale(bin_dir, subprocess_env, tmp_p
                 assert r["reward"] == pytest.approx(WANT[c]) and r["failures"] == [], c
             else:
                 assert r["reward"] == 0.0 and [f["reason"] for f in r["failures"]] == ["no_score"]
-        assert "'no_score': 5" in proc.stdout
+        assert "'no_score': 8" in proc.stdout
         # the default on_error (raise_error) governs failed requests, not replies it read: the
         # same scores (it stopped at the first such reply)
         proc = _run(bin_dir, subprocess_env, tmp_path, *base)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _out(tmp_path / "out.jsonl") == out
-    assert "'no_score': 5" in proc.stdout
+    assert "'no_score': 8" in proc.stdout
 
 
 def test_a_trickling_scorer_is_cut_at_the_deadline_before_launch_and_while_scoring(

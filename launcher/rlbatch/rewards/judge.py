@@ -35,13 +35,16 @@ DEFAULT_TEMPLATE = (
     " that starts with 'Score:'."
 )
 DEFAULT_SCORE_PATTERN = (
-    r"(?i)\bscore\**\s*[:=]\s*(?:\*+\s*)?(?P<score>[+-]?\d+(?:\.\d+)?)(?!\w|\.\d)"
-    r"(?:\s*(?:/|out\s+of|of)\s*(?P<max>\d+(?:\.\d+)?)(?!\w|\.\d))?(?!\s*(?:-|to)\s*\d)"
+    r"(?i)\bscore\**\s*[:=]\s*(?:\*+\s*)?(?P<score>[+-]?\d+(?:\.\d+)?)(?!\w|[.,]\d|\s*%)"
+    r"(?:\s*(?:points?\s*)?(?:\(\s*)?(?:/|out\s+of|of)\s*(?:a\s+possible\s+)?"
+    r"(?P<max>\d+(?:\.\d+)?)(?!\w|[.,]\d))?(?!\s*(?:[-\u2013\u2014~\u2026\u2192]|-+>|to|or)\s*\d)"
 )
-"""``Score: 7``, ``**Score:** 7``, ``score = 7.5``, ``Score: 7/10``, ``Score: 7 out of 10``
-(a range such as ``Score: 6-8`` is not a score, nor a number read in part: ``Score: 1e1``).
-Linear in the reply's length (no two adjacent repeats that can match the same text): a
-degenerate reply of a megabyte is read at once."""
+"""``Score: 7``, ``**Score:** 7``, ``score = 7.5``, ``Score: 7/10``, ``Score: 7 out of 10``,
+``Score: 7 points (out of 100)`` (a scale, refused unless it is data.judge.max_score). Not a
+score: a range or a revision (``Score: 6-8``, ``6 – 8``, ``6~8``, ``6 or 8``, ``6 -> 8``), a
+percentage (``Score: 5%``), a number read in part (``Score: 1e1``, the decimal comma of
+``Score: 7,5``). Linear in the reply's length (no two adjacent repeats that can match the same
+text): a degenerate reply of a megabyte is read at once."""
 CHAT_PATH = "/v1/chat/completions"
 
 
