@@ -308,3 +308,28 @@ def test_served_failures_in_groups_dynamic_sampling_drops_still_count(
     assert f"e.g. {quoted} in groups grpo.filter_groups dropped, not trained" in err
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or _out(metrics) == []
+
+
+def test_a_negative_weight_on_a_judge_that_failures_escape_is_refused(
+    bin_dir, subprocess_env, tmp_path
+):
+    """A judge weighed below 0 (a penalty) scores a sample 0 when its reply is unreadable,
+    which a completion can provoke (it writes a score the judge quotes beside its own): the
+    best value the penalty has, so a policy would learn to break the judge. Refused before
+    launch unless data.served.max_error_fraction=0 (any failure stops the run)."""
+    with Judge() as judge:
+        base = ["rlbatch-train", "+recipe=grpo_qwen", "data.reward_fn=[math,judge]",
+                "data.reward_weights=[1.0,-0.5]", f"data.judge.url={judge.url}",
+                "hydra.run.dir=run"]  # fmt: skip
+        proc = _run(bin_dir, subprocess_env, tmp_path, *base)
+        # with max_error_fraction=0 it is accepted (another bad key stops the run before launch)
+        zero = _run(bin_dir, subprocess_env, tmp_path, *base, "data.served.max_error_fraction=0",
+                    "data.served.max_concurrency=0")  # fmt: skip
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, err[-3000:]
+    assert "data.reward_weights[1]=-0.5: weighs data.reward_fn[1]=judge, a served reward" in err
+    assert "Set data.served.max_error_fraction=0" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    err = " ".join(zero.stderr.split())
+    assert zero.returncode == 2, err[-3000:]
+    assert "data.served.max_concurrency=0" in err and "data.reward_weights[1]" not in err
