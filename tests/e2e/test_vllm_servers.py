@@ -7,7 +7,8 @@ one that is no vLLM server and one without a scheme are configuration errors bef
 training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
 than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
 resumed exactly, its weights broadcast over a gloo group with the servers) run on the servers;
-an rlbatch-serve SIGKILLed with its process group takes its vLLM server with it, and the run
+an rlbatch-serve asked to stop (SIGTERM) while vLLM starts stops at once; an rlbatch-serve
+SIGKILLed with its process group takes its vLLM server with it, and the run
 on it stops within seconds naming the server, after saving the last completed step, with the
 command that continues it; a server relabelled by another client stops the run (inline, or
 from the generation worker of an overlapping run); a server whose engine stopped behind a
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -769,3 +771,41 @@ def test_partial_rollouts_on_servers_keep_continues_on_the_old_cache(
         f"keep computed abort's log-probs on a cached block (differences {offs}): was the "
         "cache dropped?"
     )
+
+
+def test_rlbatch_serve_asked_to_stop_while_vllm_starts_stops_within_seconds(
+    bin_dir, subprocess_env, tmp_path
+):
+    """SIGTERM to rlbatch-serve alone (``kill PID``, a service manager's stop) while its vLLM
+    server is still starting: it used to wait until the server answered /health (a minute or
+    two here) before stopping it. It stops at once, vLLM with it, and exits 0."""
+    pytest.importorskip("vllm")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
+         f"rollout.vllm.max_model_len={SERVED_LEN}", f"rollout.vllm.block_size={BLOCK}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
+        cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+    api = "vllm.entrypoints.openai.api_server --model"
+    try:
+        deadline = time.monotonic() + 120
+        while not [c for c in _processes_mentioning(api) if f"--port {port} " in c]:
+            assert time.monotonic() < deadline and proc.poll() is None, "vLLM never started"
+            time.sleep(0.2)
+        time.sleep(2.0)  # vLLM is importing, far from answering /health
+        with pytest.raises(urllib.error.URLError):
+            _health(f"http://127.0.0.1:{port}")
+        proc.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        code = proc.wait(300)
+        stopped_after = time.monotonic() - asked
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    left = [c for c in _processes_mentioning(f"--port {port} ")]
+    print(f"rlbatch-serve stopped {stopped_after:.1f} s after SIGTERM")
+    assert code == 0 and proc.stdout.read() == ""  # never printed its URL
+    assert stopped_after < 30, f"stopped {stopped_after:.0f} s after SIGTERM"
+    assert left == []
