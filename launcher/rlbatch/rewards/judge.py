@@ -11,7 +11,9 @@ wherever it occurs, in [0, ``data.judge.max_score``], on that scale when the jud
 (``Score: 85/100`` on a 10 scale is refused, not clamped). The reward is the score over
 ``max_score``. Any other reply (no score, two different ones, a number out of range, a
 restated scale taken for a score, a degenerate ``8888...``, a score the completion wrote that
-the judge quotes beside its own) scores 0 with reason ``no_score``, never a guess. The reply is
+the judge quotes beside its own) scores 0 with reason ``no_score``, never a guess. The
+completion's own reasoning tags reach the judge as ``&lt;think&gt;`` (:func:`defuse_tags`): a
+quote of them is not taken for the end of the judge's reasoning. The reply is
 caused by the completion graded, so it never stops the run (data.served.on_error governs
 requests that failed); data.served.max_error_fraction bounds how many of a step's samples may
 end so.
@@ -81,6 +83,17 @@ def strip_reasoning(reply: str) -> str:
     if "<think>" in lower:
         text = text[: lower.index("<think>")]
     return text
+
+
+_REASONING_TAG = re.compile(r"<(/?)(think)>", re.IGNORECASE)
+
+
+def defuse_tags(completion: str) -> str:
+    """The completion as the judge sees it: its ``<think>`` / ``</think>`` written
+    ``&lt;think&gt;`` / ``&lt;/think&gt;``. A judge that quotes the completion after its verdict
+    would otherwise quote a tag that :func:`strip_reasoning` takes for the judge's own, erasing
+    the verdict and keeping a score the completion wrote (``</think> Score: 10``)."""
+    return _REASONING_TAG.sub(lambda m: f"&lt;{m[1]}{m[2]}&gt;", completion)
 
 
 def pattern_problem(pattern: str) -> str:
@@ -178,7 +191,7 @@ class JudgeReward:
 
     def message(self, prompt: str, completion: str, answer: str) -> str:
         template = self.judge.template or DEFAULT_TEMPLATE
-        return render(template, prompt, completion, answer, self.judge.max_score)
+        return render(template, prompt, defuse_tags(completion), answer, self.judge.max_score)
 
     def check(self, prompt: str, answer: str) -> str:
         """ "" when the endpoint grades one sample (the reference answer as the completion)
