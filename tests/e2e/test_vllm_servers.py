@@ -809,3 +809,44 @@ def test_rlbatch_serve_asked_to_stop_while_vllm_starts_stops_within_seconds(
     assert code == 0 and proc.stdout.read() == ""  # never printed its URL
     assert stopped_after < 30, f"stopped {stopped_after:.0f} s after SIGTERM"
     assert left == []
+
+
+def test_rlbatch_serve_sweeps_dead_trainers_weight_files_not_live_ones(
+    bin_dir, subprocess_env, tmp_path
+):
+    """rlbatch-serve sweeps rollout.servers.transfer_dir before it starts vLLM. A live trainer
+    in another PID namespace (a container sharing /dev/shm and the host name) writes a pid this
+    machine cannot see: its file was removed while in use. A trainer holds its file's lock
+    while the file lives, so the sweep leaves it; a dead trainer's file and lock are removed."""
+    pytest.importorskip("vllm")
+    host = socket.gethostname()
+    unseen = int(open("/proc/sys/kernel/pid_max").read()) + 1  # no process of ours has it
+    live = tmp_path / f"rlbatch-weights-{unseen}-abc123-{host}.safetensors"
+    dead = tmp_path / f"rlbatch-weights-{unseen}-def456-{host}.safetensors"
+    for path in (live, dead):
+        path.write_bytes(b"weights")
+        path.with_name(path.name + ".lock").write_bytes(b"")
+    holder = subprocess.Popen(  # the live trainer: holds its lock until told to stop
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR);"
+         " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+         f"{live}.lock"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    proc = subprocess.Popen(
+        [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={_free_port()}",
+         f"rollout.servers.transfer_dir={tmp_path}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env,
+        cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+    try:
+        line = proc.stderr.readline()  # printed after the sweep, before vLLM starts
+        assert "rlbatch-serve: starting vLLM" in line, line
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        holder.stdin.close()
+        holder.wait(10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, f"{live.name}.lock"]
