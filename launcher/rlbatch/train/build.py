@@ -76,9 +76,14 @@ def make_served_check(cfg: RunConfig, dist: Any) -> Callable[[Any, int], dict[st
 
     def check(batch: Any, step: int) -> dict[str, float]:
         failed, total, example = served_failures(batch.samples, dist)
+        dropped = 0.0
         if batch.new_round:  # dynamic sampling's dropped groups count on the round's first step
             dropped = batch.filter_metrics.get(UNTRAINED_FAILED, 0.0)
             failed, total = failed + dropped, total + batch.filter_metrics.get(UNTRAINED, 0.0)
+        if total > 0 and failed / total > cfg.data.served.max_error_fraction:
+            # every rank stops here (the counts are the step's): each names the same example,
+            # the first rank's that has one, not its own (none when its samples all scored)
+            example = next((e for e in dist.all_gather_object(example) if e), "")
             if dropped and not example:
                 example = f"{dropped:.0f} in groups grpo.filter_groups dropped, not trained"
         check_error_fraction(failed, total, cfg.data.served, step, example)
