@@ -9,7 +9,8 @@ than the run is refused before launch; multi-turn episodes and a dp 2 trainer (k
 resumed exactly, its weights broadcast over a gloo group with the servers) run on the servers;
 rows another client's pause aborts are sent again and train as on an undisturbed server; a
 server restarted at its URL (unlabelled start-up weights) stops the run naming it;
-an rlbatch-serve SIGKILLed with its process group takes its vLLM server with it, and the run
+an rlbatch-serve asked to stop (SIGTERM) while vLLM starts stops at once; an rlbatch-serve
+SIGKILLed with its process group takes its vLLM server with it, and the run
 on it stops within seconds naming the server, after saving the last completed step, with the
 command that continues it; a server relabelled by another client stops the run (inline, or
 from the generation worker of an overlapping run); a server whose engine stopped behind a
@@ -914,3 +915,82 @@ def test_partial_rollouts_on_servers_keep_continues_on_the_old_cache(
         f"keep computed abort's log-probs on a cached block (differences {offs}): was the "
         "cache dropped?"
     )
+
+
+def test_rlbatch_serve_asked_to_stop_while_vllm_starts_stops_within_seconds(
+    bin_dir, subprocess_env, tmp_path
+):
+    """SIGTERM to rlbatch-serve alone (``kill PID``, a service manager's stop) while its vLLM
+    server is still starting: it used to wait until the server answered /health (a minute or
+    two here) before stopping it. It stops at once, vLLM with it, and exits 0."""
+    pytest.importorskip("vllm")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
+         f"rollout.vllm.max_model_len={SERVED_LEN}", f"rollout.vllm.block_size={BLOCK}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
+        cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+    api = "vllm.entrypoints.openai.api_server --model"
+    try:
+        deadline = time.monotonic() + 120
+        while not [c for c in _processes_mentioning(api) if f"--port {port} " in c]:
+            assert time.monotonic() < deadline and proc.poll() is None, "vLLM never started"
+            time.sleep(0.2)
+        time.sleep(2.0)  # vLLM is importing, far from answering /health
+        with pytest.raises(urllib.error.URLError):
+            _health(f"http://127.0.0.1:{port}")
+        proc.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        code = proc.wait(300)
+        stopped_after = time.monotonic() - asked
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    left = [c for c in _processes_mentioning(f"--port {port} ")]
+    print(f"rlbatch-serve stopped {stopped_after:.1f} s after SIGTERM")
+    assert code == 0 and proc.stdout.read() == ""  # never printed its URL
+    assert stopped_after < 30, f"stopped {stopped_after:.0f} s after SIGTERM"
+    assert left == []
+
+
+def test_rlbatch_serve_sweeps_dead_trainers_weight_files_not_live_ones(
+    bin_dir, subprocess_env, tmp_path
+):
+    """rlbatch-serve sweeps rollout.servers.transfer_dir before it starts vLLM. A live trainer
+    in another PID namespace (a container sharing /dev/shm and the host name) writes a pid this
+    machine cannot see: its file was removed while in use. A trainer holds its file's lock
+    while the file lives, so the sweep leaves it; a dead trainer's file and lock are removed."""
+    pytest.importorskip("vllm")
+    host = socket.gethostname()
+    unseen = int(open("/proc/sys/kernel/pid_max").read()) + 1  # no process of ours has it
+    live = tmp_path / f"rlbatch-weights-{unseen}-abc123-{host}.safetensors"
+    dead = tmp_path / f"rlbatch-weights-{unseen}-def456-{host}.safetensors"
+    for path in (live, dead):
+        path.write_bytes(b"weights")
+        path.with_name(path.name + ".lock").write_bytes(b"")
+    holder = subprocess.Popen(  # the live trainer: holds its lock until told to stop
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR);"
+         " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+         f"{live}.lock"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    proc = subprocess.Popen(
+        [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={_free_port()}",
+         f"rollout.servers.transfer_dir={tmp_path}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env,
+        cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+    try:
+        line = proc.stderr.readline()  # printed after the sweep, before vLLM starts
+        assert "rlbatch-serve: starting vLLM" in line, line
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        holder.stdin.close()
+        holder.wait(10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, f"{live.name}.lock"]

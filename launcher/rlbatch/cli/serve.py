@@ -59,6 +59,14 @@ def main(argv: list[str] | None = None) -> None:
     from rlbatch.rollout.server_sync import sweep_weight_files, transfer_folder
 
     sweep_weight_files(transfer_folder(cfg))  # what trainers killed mid-sync left here
+    stop: list[int] = []
+
+    def asked_to_stop(signum: int, frame: Any) -> None:
+        # at once, also while vLLM starts (wait_healthy would wait for /health first)
+        stop.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, asked_to_stop)
     root = Path(tempfile.mkdtemp(prefix="rlbatch-serve-"))
     try:
         real = write_server_model_dir(cfg, root / "model")
@@ -71,19 +79,20 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         server = ServerProcess(spec)
-        stop: list[int] = []
-        signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
         try:
             server.wait_healthy(s.start_timeout_s)
             print(spec.url, flush=True)
-            while not stop and server.proc.poll() is None:
+            while server.proc.poll() is None:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
         finally:
+            signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
             server.stop()
         if server.proc.returncode not in (0, None) and not stop:
             sys.exit(server.proc.returncode)
+    except KeyboardInterrupt:
+        pass  # asked to stop before vLLM started
     except RuntimeError as err:
         print(f"rlbatch-serve: {err}", file=sys.stderr)
         sys.exit(1)

@@ -125,7 +125,10 @@ class ServedConfig:
     max_error_fraction: float = 0.5
     """Most of a step's samples (over every DP rank) that may have a served failure (any of the
     above, scored 0): more stops the run before that step trains, naming the step and an
-    example. 1 never stops; 0 stops at the first failure."""
+    example. 1 never stops; 0 stops at the first failure. Under grpo.filter_groups the samples
+    a round draws and does not train (a group whose every reward failed is flat, dropped) count
+    too, on the round's first step. Must be 0 when data.reward_weights weighs an http or judge
+    reward below 0 (its failures, scored 0, would escape the penalty)."""
     check: bool = True
     """Ask the endpoint once before launch (an error names the URL and what came back)."""
 

@@ -122,7 +122,7 @@ class ServersConfig:
     (a directory every server can read: the same machine, or a shared filesystem); null:
     /dev/shm when it exists, else the system's temporary directory. The file is removed once
     every server has read it; one that a killed trainer left (a whole model) is removed by the
-    next sync or rlbatch-serve on that machine."""
+    next sync or rlbatch-serve on that machine (not one whose lock a live trainer holds)."""
     transfer_host: Optional[str] = None
     """``transfer=broadcast``: the address at which the servers reach the trainer's first rank
     (it hosts the group's rendezvous on a free port); null: 127.0.0.1 when every server is on

@@ -408,3 +408,29 @@ def _check_weights(data: DataConfig, errors: list[ConfigError]) -> None:
     bad = [w for w in weights if not math.isfinite(w)]
     if bad:
         errors.append(ConfigError("data.reward_weights", weights, "weights must be finite"))
+    errors += _gameable_penalties(data)
+
+
+def _gameable_penalties(data: DataConfig) -> list[ConfigError]:
+    """A served reward (http, judge) weighed below 0 while data.served.max_error_fraction lets
+    failures train: a failed sample scores 0 on it, the best a negative weight gives, and a
+    completion can make it fail (a judge reply quoting the completion's own score is
+    unreadable), so the policy would learn to break its judge instead of avoiding the
+    penalty."""
+    served = {RewardKind.http.value, RewardKind.judge.value}
+    fraction = data.served.max_error_fraction
+    if fraction <= 0 or data.reward_weights is None:
+        return []
+    return [
+        ConfigError(
+            f"data.reward_weights[{i}]",
+            weight,
+            f"weighs data.reward_fn[{i}]={spec}, a served reward, below 0 while"
+            f" data.served.max_error_fraction={fraction:g} trains on its failures scored 0,"
+            " the best such a penalty gives: a completion that makes the judge or scorer"
+            " fail escapes it. Set data.served.max_error_fraction=0 (any failure stops the"
+            " run), or score the opposite quality with a weight >= 0",
+        )
+        for i, (spec, weight) in enumerate(zip(data.reward_fn, data.reward_weights, strict=False))
+        if spec in served and weight < 0
+    ]

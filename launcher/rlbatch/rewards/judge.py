@@ -11,7 +11,9 @@ wherever it occurs, in [0, ``data.judge.max_score``], on that scale when the jud
 (``Score: 85/100`` on a 10 scale is refused, not clamped). The reward is the score over
 ``max_score``. Any other reply (no score, two different ones, a number out of range, a
 restated scale taken for a score, a degenerate ``8888...``, a score the completion wrote that
-the judge quotes beside its own) scores 0 with reason ``no_score``, never a guess. The reply is
+the judge quotes beside its own) scores 0 with reason ``no_score``, never a guess. The
+completion's own reasoning tags reach the judge as ``&lt;think&gt;`` (:func:`defuse_tags`): a
+quote of them is not taken for the end of the judge's reasoning. The reply is
 caused by the completion graded, so it never stops the run (data.served.on_error governs
 requests that failed); data.served.max_error_fraction bounds how many of a step's samples may
 end so.
@@ -35,13 +37,16 @@ DEFAULT_TEMPLATE = (
     " that starts with 'Score:'."
 )
 DEFAULT_SCORE_PATTERN = (
-    r"(?i)\bscore\**\s*[:=]\s*(?:\*+\s*)?(?P<score>[+-]?\d+(?:\.\d+)?)(?!\w|\.\d)"
-    r"(?:\s*(?:/|out\s+of|of)\s*(?P<max>\d+(?:\.\d+)?)(?!\w|\.\d))?(?!\s*(?:-|to)\s*\d)"
+    r"(?i)\bscore\**\s*[:=]\s*(?:\*+\s*)?(?P<score>[+-]?\d+(?:\.\d+)?)(?!\w|[.,]\d|\s*%)"
+    r"(?:\s*(?:points?\s*)?(?:\(\s*)?(?:/|out\s+of|of)\s*(?:a\s+possible\s+)?"
+    r"(?P<max>\d+(?:\.\d+)?)(?!\w|[.,]\d))?(?!\s*(?:[-\u2013\u2014~\u2026\u2192]|-+>|to|or)\s*\d)"
 )
-"""``Score: 7``, ``**Score:** 7``, ``score = 7.5``, ``Score: 7/10``, ``Score: 7 out of 10``
-(a range such as ``Score: 6-8`` is not a score, nor a number read in part: ``Score: 1e1``).
-Linear in the reply's length (no two adjacent repeats that can match the same text): a
-degenerate reply of a megabyte is read at once."""
+"""``Score: 7``, ``**Score:** 7``, ``score = 7.5``, ``Score: 7/10``, ``Score: 7 out of 10``,
+``Score: 7 points (out of 100)`` (a scale, refused unless it is data.judge.max_score). Not a
+score: a range or a revision (``Score: 6-8``, ``6 – 8``, ``6~8``, ``6 or 8``, ``6 -> 8``), a
+percentage (``Score: 5%``), a number read in part (``Score: 1e1``, the decimal comma of
+``Score: 7,5``). Linear in the reply's length (no two adjacent repeats that can match the same
+text): a degenerate reply of a megabyte is read at once."""
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -78,6 +83,17 @@ def strip_reasoning(reply: str) -> str:
     if "<think>" in lower:
         text = text[: lower.index("<think>")]
     return text
+
+
+_REASONING_TAG = re.compile(r"<(/?)(think)>", re.IGNORECASE)
+
+
+def defuse_tags(completion: str) -> str:
+    """The completion as the judge sees it: its ``<think>`` / ``</think>`` written
+    ``&lt;think&gt;`` / ``&lt;/think&gt;``. A judge that quotes the completion after its verdict
+    would otherwise quote a tag that :func:`strip_reasoning` takes for the judge's own, erasing
+    the verdict and keeping a score the completion wrote (``</think> Score: 10``)."""
+    return _REASONING_TAG.sub(lambda m: f"&lt;{m[1]}{m[2]}&gt;", completion)
 
 
 def pattern_problem(pattern: str) -> str:
@@ -175,7 +191,7 @@ class JudgeReward:
 
     def message(self, prompt: str, completion: str, answer: str) -> str:
         template = self.judge.template or DEFAULT_TEMPLATE
-        return render(template, prompt, completion, answer, self.judge.max_score)
+        return render(template, prompt, defuse_tags(completion), answer, self.judge.max_score)
 
     def check(self, prompt: str, answer: str) -> str:
         """ "" when the endpoint grades one sample (the reference answer as the completion)

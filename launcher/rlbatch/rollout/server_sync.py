@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import logging
 import os
 import re
@@ -43,7 +44,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
@@ -173,8 +174,8 @@ def _push_file(
     folder = transfer_folder(cfg)
     sweep_weight_files(folder)
     path = folder / weight_file_name(os.getpid(), servers.nonce)
-    save_file(tensors, str(path))
-    try:
+    with _held(path):
+        save_file(tensors, str(path))
         urls = list(servers.urls)
         with ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="rlbatch-push") as ex:
             pushes = [
@@ -182,8 +183,44 @@ def _push_file(
             ]
         for pushed in pushes:  # every server has finished: the first failure, in pool order
             pushed.result()
+
+
+@contextlib.contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """``path``'s lock file (:func:`lock_path`) locked while the block runs (before the
+    weights file exists, until after it is gone); both removed at the end. The lock, not the
+    pid in the name, tells a sweep that the file is in use: a trainer in another PID namespace
+    (a container sharing /dev/shm and the host name, as --ipc=host --network=host do) has a pid
+    this one cannot see."""
+    lock = lock_path(path)
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         path.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def lock_path(path: Path) -> Path:
+    """The lock file of a weights file: its name with ``.lock`` added."""
+    return path.with_name(path.name + ".lock")
+
+
+def _in_use(path: Path) -> bool:
+    """Whether a live process holds the lock of weights file ``path`` (any PID namespace)."""
+    try:
+        fd = os.open(lock_path(path), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _push_file_to(
@@ -228,12 +265,14 @@ def sweep_weight_files(folder: Path) -> list[Path]:
     """Remove the weights files in ``folder`` that trainers of this machine left when they were
     killed in the middle of a sync (a whole model each, in shared memory by default): those of
     processes that no longer run. Files of other machines (a shared transfer_dir) are left
-    alone. The files removed."""
+    alone, and so are files whose lock a live process holds (:func:`_held`; its pid may be
+    one of another PID namespace). The files removed (lock files of dead trainers too)."""
     host = socket.gethostname()
     removed = []
-    for path in folder.glob("rlbatch-weights-*.safetensors"):
-        m = WEIGHT_FILE.fullmatch(path.name)
-        if m is None or m["host"] != host or _running(int(m["pid"])):
+    for path in folder.glob("rlbatch-weights-*.safetensors*"):
+        weights = path.with_name(path.name.removesuffix(".lock"))
+        m = WEIGHT_FILE.fullmatch(weights.name)
+        if m is None or m["host"] != host or _running(int(m["pid"])) or _in_use(weights):
             continue
         path.unlink(missing_ok=True)
         removed.append(path)

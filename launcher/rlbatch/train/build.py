@@ -60,21 +60,32 @@ def served_failures(samples: Sequence[Sample], dist: Any) -> tuple[float, float,
     return count, total, example
 
 
-def make_served_check(
-    cfg: RunConfig, dist: Any
-) -> Callable[[Sequence[Sample], int], dict[str, float]] | None:
-    """check(step's samples, step) for runs with a served reward (http, judge; else None): it
+def make_served_check(cfg: RunConfig, dist: Any) -> Callable[[Any, int], dict[str, float]] | None:
+    """check(step batch, step) for runs with a served reward (http, judge; else None): it
     stops the run before the step trains when more than data.served.max_error_fraction of the
-    samples had a served failure, and returns their fraction (``reward_served_fail_frac``)."""
+    samples had a served failure, and returns their fraction (``reward_served_fail_frac``).
+    Under dynamic sampling a round's first step also counts the samples the round drew and
+    does not train (its dropped groups: one whose every reward failed has zero variance)."""
     from rlbatch.grpo.rewards import brought_kinds
     from rlbatch.rewards.served import check_error_fraction
+    from rlbatch.train.filtering import UNTRAINED, UNTRAINED_FAILED
 
     kinds = brought_kinds(cfg.data)
     if RewardKind.http not in kinds and RewardKind.judge not in kinds:
         return None
 
-    def check(samples: Sequence[Sample], step: int) -> dict[str, float]:
-        failed, total, example = served_failures(samples, dist)
+    def check(batch: Any, step: int) -> dict[str, float]:
+        failed, total, example = served_failures(batch.samples, dist)
+        dropped = 0.0
+        if batch.new_round:  # dynamic sampling's dropped groups count on the round's first step
+            dropped = batch.filter_metrics.get(UNTRAINED_FAILED, 0.0)
+            failed, total = failed + dropped, total + batch.filter_metrics.get(UNTRAINED, 0.0)
+        if total > 0 and failed / total > cfg.data.served.max_error_fraction:
+            # every rank stops here (the counts are the step's): each names the same example,
+            # the first rank's that has one, not its own (none when its samples all scored)
+            example = next((e for e in dist.all_gather_object(example) if e), "")
+            if dropped and not example:
+                example = f"{dropped:.0f} in groups grpo.filter_groups dropped, not trained"
         check_error_fraction(failed, total, cfg.data.served, step, example)
         return {"reward_served_fail_frac": failed / max(total, 1.0)}
 
@@ -178,7 +189,7 @@ def make_train_step(
     guard = adapter_guard(cfg, model)
 
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
-        checked = check_served(batch.samples, step) if check_served is not None else {}
+        checked = check_served(batch, step) if check_served is not None else {}
         prepared = round_start(batch.round_samples) if batch.new_round else {}
         if guard is not None:
             guard.before()
@@ -394,6 +405,7 @@ def build_group_filter(cfg: RunConfig, schedule: Any, dp_rank: int) -> Any:
     if FilterGroups(cfg.grpo.filter_groups) == FilterGroups.none:
         return None
     from rlbatch import distributed
+    from rlbatch.grpo.stages import SERVED_FAILED
     from rlbatch.train.filtering import GroupFilter
 
     return GroupFilter(
@@ -402,6 +414,7 @@ def build_group_filter(cfg: RunConfig, schedule: Any, dp_rank: int) -> Any:
         max_rounds=cfg.grpo.max_generation_rounds,
         dp_rank=dp_rank,
         gather=distributed.dp_gather_object,
+        failed=lambda s: bool(s.metrics.get(SERVED_FAILED)),
     )
 
 

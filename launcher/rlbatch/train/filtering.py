@@ -29,6 +29,11 @@ from rlbatch.grpo.types import Sample
 Draw = tuple[Any, list[Sample]]
 """(GenerationRequest, this rank's samples of it)."""
 
+UNTRAINED = "samples_untrained"
+"""Round figure: samples drawn and not trained (groups filtered or unused), over DP ranks."""
+UNTRAINED_FAILED = "reward_served_fail_untrained"
+"""Round figure: those of them whose served reward failed."""
+
 
 def keep_flags(rewards: Sequence[float], group_size: int) -> list[bool]:
     """Per group of ``group_size`` contiguous rewards: True when they are not all equal."""
@@ -67,6 +72,12 @@ class GroupFilter:
     dp_rank: int
     gather: Callable[[Any], list[Any]]
     """One object per DP rank, in DP-rank order (identity on one process)."""
+    failed: Callable[[Sample], bool] | None = None
+    """Whether a sample's served reward failed (rlbatch.grpo.stages.SERVED_FAILED): when set,
+    the round's figures count the samples drawn and not trained, and those of them that
+    failed (:data:`UNTRAINED`, :data:`UNTRAINED_FAILED`), so that a group dropped for its zero
+    variance (every sample failed, every reward 0) still counts against
+    data.served.max_error_fraction."""
 
     def fill(
         self, first: Draw, draw_more: Callable[[], Draw]
@@ -95,7 +106,29 @@ class GroupFilter:
             "groups_filtered": drawn - len(kept),
             "groups_unused": len(kept) - self.needed,
         }
-        return samples, positions, metrics
+        return samples, positions, metrics | self._untrained(draws, kept[: self.needed])
+
+    def _untrained(
+        self, draws: Sequence[Draw], chosen: Sequence[tuple[int, int, int]]
+    ) -> dict[str, float]:
+        """The samples drawn and not trained over every DP rank, and those of them whose
+        served reward failed (one more gather; {} without ``failed``)."""
+        if self.failed is None:
+            return {}
+        G = self.num_generations
+        mine = {(d, g) for d, r, g in chosen if r == self.dp_rank}
+        local = [0, 0]
+        for d, (_, samples) in enumerate(draws):
+            for g in range(len(samples) // G):
+                if (d, g) not in mine:
+                    group = samples[g * G : (g + 1) * G]
+                    local[0] += len(group)
+                    local[1] += sum(bool(self.failed(s)) for s in group)
+        per_rank = self.gather(local)
+        return {
+            UNTRAINED: float(sum(n for n, _ in per_rank)),
+            UNTRAINED_FAILED: float(sum(f for _, f in per_rank)),
+        }
 
     def _too_few(self, kept: int, draws: int) -> str:
         return (

@@ -124,6 +124,14 @@ LONG = "8" * 400
         # a number read in part was a wrong score; a scale in words is a scale
         ("Score: 1e1", None), ("Score: 1_0", None), ("Score: 0x10", None),
         ("Score: 7 out of 100", None), ("Score: 7 out of 10", 0.7), ("Score: 7 of 10.", 0.7),
+        # read as 0.5, 0.7 ... before: a percentage, a decimal comma, ranges and revisions,
+        # a scale in parentheses or after "points"
+        ("Score: 5%", None), ("Score: 5 %", None), ("Score: 7,5", None),
+        ("Score: 7 \u2013 8", None), ("Score: 7\u20148", None), ("Score: 7 ~ 8", None),
+        ("Score: 7\u20268", None), ("Score: 7 or 8", None), ("Score: 7 -> 8", None),
+        ("Score: 7 \u2192 8", None), ("Score: 7 (out of 100)", None),
+        ("Score: 7 points out of 100", None), ("Score: 7 points (out of 10)", 0.7),
+        ("Score: 7 out of a possible 10", 0.7), ("Score: 7, as the steps are right", 0.7),
     ],
 )  # fmt: skip
 def test_judge_reads_the_score_not_the_scale(reply, score):

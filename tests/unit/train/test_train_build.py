@@ -96,3 +96,77 @@ def test_reward_batch_strips_eos_and_decodes():
 def test_rank_seed_distinct_and_stable():
     seeds = {rank_seed(1234, r) for r in range(1000)}
     assert len(seeds) == 1000 and rank_seed(1234, 5) == rank_seed(1234, 5)
+
+
+class _ThreadDist:
+    """Two DP ranks in threads: sums and gathers over both (a barrier between them)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(2, timeout=30)
+        self.slots: list = [None, None]
+
+    def for_rank(self, rank: int):
+        outer = self
+
+        class Rank:
+            def _gather(self, obj):
+                outer.slots[rank] = obj
+                outer.barrier.wait()
+                out = list(outer.slots)
+                outer.barrier.wait()
+                return out
+
+            def all_reduce_sum(self, values):
+                return [sum(v) for v in zip(*self._gather(list(values)), strict=True)]
+
+            def all_gather_object(self, obj):
+                return self._gather(obj)
+
+        return Rank()
+
+
+def test_the_served_error_stop_names_an_example_on_every_dp_rank():
+    """Only rank 1's samples failed: the step is over data.served.max_error_fraction on both
+    ranks, and rank 0's message (the one a run shows when rank 0 reports first) named no
+    example; both name rank 1's."""
+    import threading
+    from types import SimpleNamespace
+
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.grpo.stages import SERVED_FAILED
+    from rlbatch.rewards.served import ServedError
+    from rlbatch.train.build import make_served_check
+
+    cfg = RunConfig()
+    cfg.data.reward = "judge"
+    cfg.data.served.max_error_fraction = 0.2  # 2 of 8 is over it
+    dist = _ThreadDist()
+
+    def batch(rank: int):
+        samples = [Sample(Prompt(0, (1,), "a"), 0, [7], [-1.0], False, 0) for _ in range(4)]
+        if rank == 1:
+            for s in samples[:2]:
+                s.metrics[SERVED_FAILED] = 1.0
+                s.reward_failures = ["judge: no_score: 'Score: 5%'"]
+        return SimpleNamespace(samples=samples, new_round=False, filter_metrics={})
+
+    errors: dict[int, str] = {}
+
+    def run(rank: int) -> None:
+        check = make_served_check(cfg, dist.for_rank(rank))
+        try:
+            check(batch(rank), 3)
+        except ServedError as err:
+            errors[rank] = str(err)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(errors) == [0, 1]
+    for rank in (0, 1):
+        assert "step 3: 2 of the 8 samples had a served reward failure" in errors[rank]
+        assert "e.g. judge: no_score: 'Score: 5%'" in errors[rank], rank

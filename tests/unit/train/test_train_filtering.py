@@ -166,3 +166,38 @@ def test_selection_helpers():
     assert keep_flags([1.0, 1.0, 0.0, 1.0, 2.0, 2.0], 2) == [False, True, False]
     flags = [[[True, False], [False, True]], [[True, True], [False, False]]]
     assert kept_in_order(flags) == [(0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1)]
+
+
+def test_the_round_counts_served_failures_of_the_groups_it_does_not_train():
+    """Two DP ranks (their gathers side by side): rank 0 draws a flat group whose two samples
+    failed and a kept one; rank 1 a kept group and a flat one with one failure. One group is
+    needed: rank 0's kept group; the other three groups (6 samples, 3 failed) are untrained."""
+    from rlbatch.train.filtering import UNTRAINED, UNTRAINED_FAILED
+
+    def sample(reward: float, failed: bool) -> Sample:
+        s = Sample(Prompt(0, (1,), "a"), 0, [7], [-1.0], False, 0, reward=reward)
+        s.metrics["failed"] = float(failed)
+        return s
+
+    draws = {
+        0: [sample(0.0, True), sample(0.0, True), sample(0.0, False), sample(1.0, False)],
+        1: [sample(0.0, False), sample(1.0, False), sample(0.5, True), sample(0.5, False)],
+    }
+    # what each rank sends, worked out by hand: its keep flags, then [untrained, failed]
+    sends = {0: [[False, True], [2, 2]], 1: [[True, False], [4, 1]]}
+
+    def gather_of(rank: int):
+        calls = iter(range(2))
+
+        def gather(obj):
+            k = next(calls)
+            assert obj == sends[rank][k]
+            return [sends[0][k], sends[1][k]]
+
+        return gather
+
+    for rank in (0, 1):
+        filt = GroupFilter(2, 1, 0, rank, gather_of(rank), lambda s: bool(s.metrics["failed"]))
+        kept, positions, metrics = filt.fill((None, draws[rank]), lambda: pytest.fail("drew"))
+        assert metrics[UNTRAINED] == 6 and metrics[UNTRAINED_FAILED] == 3, rank
+        assert len(kept) == (2 if rank == 0 else 0) and positions == ([0] if rank == 0 else [])
