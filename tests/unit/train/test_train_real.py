@@ -72,8 +72,9 @@ def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("real") / "ref"
     cfg = _cfg(run_dir)
     assert overlaps_generation(cfg)
+    given = torch.get_num_threads()  # what the run finds (after other tests, may differ)
     run(cfg)
-    threads = (PROCESS_THREADS, torch.get_num_threads())
+    threads = (given, torch.get_num_threads())
     yield run_dir, _metrics(run_dir), threads
     torch.set_num_threads(found)
 
