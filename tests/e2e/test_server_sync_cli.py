@@ -2,7 +2,8 @@
 leaves the server broken: through the real commands (rlbatch-serve, rlbatch-train) with one
 real vLLM server shared by the module.
 
-- a server of another model (layers, widths) is refused before launch, naming each field;
+- a server of another model (layers, widths, RoPE base, norm epsilon) is refused before
+  launch, naming each field;
 - a push that misses a tensor fails at the server, naming the layer, and the next run on the
   same server trains normally;
 - a server one sync behind (the previous sync's weights under the new label) is caught by the
@@ -94,18 +95,23 @@ def _out(proc) -> str:
 def test_a_server_of_another_model_is_refused_before_launch(
     server, bin_dir, subprocess_env, tmp_path
 ):
-    """A run of 3 layers and width 128 against a server of 2 layers and width 64: an error
-    naming the URL, each field with both values and the run's key, before any worker (the
-    server would otherwise fail the first sync with a raw HTTP 500, or take it in part)."""
+    """A run of 3 layers, width 128, RoPE base 1e4 and norm epsilon 1e-5 against a server of 2
+    layers, width 64, base 1e6 and epsilon 1e-6: an error naming the URL, each field with both
+    values and the run's key, before any worker (the server would otherwise fail the first sync
+    with a raw HTTP 500, or take it in part; of the same shapes, it takes the sync whole and
+    samples every row from another model, mismatch_kl_k1 1.3e-4 with the probe off)."""
     run_dir = tmp_path / "run"
     proc = _train(
-        bin_dir, subprocess_env, run_dir, server, "model.num_layers=3", "model.hidden_size=128"
-    )
+        bin_dir, subprocess_env, run_dir, server, "model.num_layers=3", "model.hidden_size=128",
+        "model.rope_theta=10000", "model.rms_norm_eps=1e-5",
+    )  # fmt: skip
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert f"rollout.servers.urls={server}: serves another model than this run's" in out, out
     assert "num_hidden_layers: the run's 3 (model.num_layers), the server's 2" in out, out
     assert "hidden_size: the run's 128 (model.hidden_size), the server's 64" in out, out
+    assert "rope_theta: the run's 10000.0 (model.rope_theta), the server's 1000000.0" in out, out
+    assert "rms_norm_eps: the run's 1e-05 (model.rms_norm_eps), the server's 1e-06" in out, out
     assert "rlbatch-serve" in out
     assert not (run_dir / "metrics.jsonl").exists()
 
