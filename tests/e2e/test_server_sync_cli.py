@@ -116,6 +116,22 @@ def test_a_server_of_another_model_is_refused_before_launch(
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+def test_a_probe_longer_than_the_server_holds_is_refused_before_launch(
+    server, bin_dir, subprocess_env, tmp_path
+):
+    """rollout.servers.probe_tokens=60 on a server of 64 positions: the probe's 69 tokens
+    (8 of prompt, 60 fixed, 1 sampled) are refused before launch, naming the key and the
+    length; vLLM would otherwise answer the first probe with HTTP 400 after the first step,
+    and the run would stop as if the server had failed."""
+    run_dir = tmp_path / "run"
+    proc = _train(bin_dir, subprocess_env, run_dir, server, "rollout.servers.probe_tokens=60")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "rollout.servers.probe_tokens=60: makes the probe a sequence of 69 tokens" in out, out
+    assert "rollout.servers.probe_tokens<=55" in out, out
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
 def test_a_push_missing_a_tensor_fails_and_leaves_the_server_usable(
     server, bin_dir, subprocess_env, tmp_path
 ):

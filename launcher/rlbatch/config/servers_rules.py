@@ -121,7 +121,32 @@ def _check_ranges(cfg: RunConfig, errors: list[ConfigError]) -> None:
     for key, (value, ok, wanted) in ranges.items():
         if not ok:
             errors.append(ConfigError(key, value, f"must be {wanted}"))
+    _check_probe_length(cfg, errors)
     _check_transfer(cfg, errors)
+
+
+def _check_probe_length(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The probe's sequence fits the servers' length (rollout.vllm.max_model_len, or the run's
+    longest sequence when null, as rlbatch-serve starts them): vLLM refuses a longer one with
+    HTTP 400 at the first sync, after the first step's compute, and the run would stop as if
+    the server had failed."""
+    from rlbatch.rollout.server_probe import probe_length
+    from rlbatch.rollout.vllm_engine import longest_served
+
+    n = cfg.rollout.servers.probe_tokens
+    held = cfg.rollout.vllm.max_model_len or longest_served(cfg)
+    if n > 0 and probe_length(n) > held:
+        errors.append(
+            ConfigError(
+                "rollout.servers.probe_tokens",
+                n,
+                f"makes the probe a sequence of {probe_length(n)} tokens (its prompt of"
+                f" {probe_length(0) - 1}, the fixed tokens and one sampled), longer than the"
+                f" {held} the servers hold (rollout.vllm.max_model_len, null: the run's longest"
+                f" sequence): set rollout.servers.probe_tokens<={held - probe_length(0)}, or"
+                f" raise rollout.vllm.max_model_len to {probe_length(n)}",
+            )
+        )
 
 
 def _check_transfer(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -63,6 +63,29 @@ def _keys(cfg: RunConfig) -> dict[str, ConfigError]:
     return {e.key: e for e in errors}
 
 
+def test_a_probe_longer_than_the_servers_sequences_is_an_error_with_its_fix():
+    """The probe scores 8 prompt tokens + probe_tokens and samples 1: at max_model_len 64,
+    55 tokens fit (64 tokens in all) and 56 do not (vLLM would refuse it with HTTP 400 at the
+    first sync, after the first step)."""
+
+    def errors(probe_tokens: int) -> dict[str, ConfigError]:
+        cfg = RunConfig()
+        cfg.rollout.backend = RolloutBackend.vllm_server
+        cfg.rollout.servers.urls = ["http://a:1"]
+        cfg.rollout.servers.probe_tokens = probe_tokens
+        cfg.rollout.vllm.max_model_len = 64
+        out: list[ConfigError] = []
+        check_servers(cfg, out)
+        return {e.key: e for e in out}
+
+    assert errors(55) == {}
+    assert errors(0) == {}
+    error = errors(56)["rollout.servers.probe_tokens"]
+    assert error.value == 56
+    assert "a sequence of 65 tokens" in error.message and "longer than the 64" in error.message
+    assert "rollout.servers.probe_tokens<=55" in error.message
+
+
 def test_async_and_partial_rollouts_run_on_servers_lora_is_refused():
     cfg = _server_run(num_steps_async=1, max_staleness=2, partial_rollouts=True)
     cfg.rollout.servers.on_update = ServerUpdate.keep
