@@ -122,7 +122,32 @@ def _check_ranges(cfg: RunConfig, errors: list[ConfigError]) -> None:
         if not ok:
             errors.append(ConfigError(key, value, f"must be {wanted}"))
     _check_probe_length(cfg, errors)
+    _check_probe_tolerance(cfg, errors)
     _check_transfer(cfg, errors)
+
+
+def _check_probe_tolerance(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The probe's tolerance is at least the engine's numeric noise (by its dtype): a server
+    of the right weights in bfloat16 is ~3e-3 off the trainer on the tiny model, so the default
+    1e-3 stopped every such run after its first step, blaming the server's model."""
+    from rlbatch.config.vllm_rules import engine_dtype
+    from rlbatch.rollout.server_probe import NOISE
+
+    s = cfg.rollout.servers
+    dtype = engine_dtype(cfg)
+    noise = NOISE.get(dtype, NOISE["float32"])
+    if s.probe_tokens > 0 and 0 < s.probe_tolerance < noise:
+        errors.append(
+            ConfigError(
+                "rollout.servers.probe_tolerance",
+                s.probe_tolerance,
+                f"is below the numeric noise of a {dtype} engine ({noise:g}: its"
+                " log-probabilities of the trainer's own weights may be that far off), so the"
+                f" probe would refuse servers that hold the right weights: set"
+                f" rollout.servers.probe_tolerance>={noise:g} for rollout.vllm.dtype={dtype},"
+                " or rollout.servers.probe_tokens=0",
+            )
+        )
 
 
 def _check_probe_length(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -86,6 +86,32 @@ def test_a_probe_longer_than_the_servers_sequences_is_an_error_with_its_fix():
     assert "rollout.servers.probe_tokens<=55" in error.message
 
 
+@pytest.mark.parametrize(
+    "dtype, below, enough", [("bfloat16", 1e-3, 5e-2), ("float16", 1e-3, 5e-3), ("float32", 1e-6, 5e-6)]
+)  # fmt: skip
+def test_a_probe_tolerance_below_the_engines_noise_is_an_error_with_its_fix(dtype, below, enough):
+    """A bfloat16 server of the right weights is ~3e-3 off the trainer: the default 1e-3 would
+    stop the run after its first step, blaming the server's model."""
+
+    def errors(tolerance: float, probe_tokens: int = 4) -> dict[str, ConfigError]:
+        cfg = RunConfig()
+        cfg.rollout.backend = RolloutBackend.vllm_server
+        cfg.rollout.servers.urls = ["http://a:1"]
+        cfg.rollout.vllm.dtype = dtype
+        cfg.rollout.servers.probe_tolerance = tolerance
+        cfg.rollout.servers.probe_tokens = probe_tokens
+        out: list[ConfigError] = []
+        check_servers(cfg, out)
+        return {e.key: e for e in out}
+
+    assert errors(enough) == {}
+    assert errors(below, probe_tokens=0) == {}
+    error = errors(below)["rollout.servers.probe_tolerance"]
+    assert error.value == below
+    assert f"rollout.servers.probe_tolerance>={enough:g}" in error.message
+    assert f"rollout.vllm.dtype={dtype}" in error.message
+
+
 def test_async_and_partial_rollouts_run_on_servers_lora_is_refused():
     cfg = _server_run(num_steps_async=1, max_staleness=2, partial_rollouts=True)
     cfg.rollout.servers.on_update = ServerUpdate.keep
