@@ -148,6 +148,22 @@ def test_a_probe_tolerance_below_a_bfloat16_engines_noise_is_refused_before_laun
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+def test_resubmit_and_probe_keys_on_another_backend_are_refused(bin_dir, subprocess_env, tmp_path):
+    """rollout.servers.max_resubmits and probe_tokens on the colocated backend (no server to
+    abort a row or to probe): configuration errors naming each key, not settings ignored."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), *MODEL, f"hydra.run.dir={run_dir}",
+         "rollout.servers.max_resubmits=2", "rollout.servers.probe_tokens=0"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, _out(proc)
+    out = proc.stdout + proc.stderr
+    for key in ("max_resubmits=2", "probe_tokens=0"):
+        assert f"rollout.servers.{key}: applies to rollout.backend=vllm_server" in out, out
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
 def test_a_push_missing_a_tensor_fails_and_leaves_the_server_usable(
     server, bin_dir, subprocess_env, tmp_path
 ):
@@ -164,7 +180,10 @@ def test_a_push_missing_a_tensor_fails_and_leaves_the_server_usable(
     assert "the weight update is incomplete" in out, out[-4000:]
     assert "layernorm (0 of 64 elements)" in out, out[-4000:]
     assert [r["step"] for r in _records(tmp_path / "broken")] == [1]
-    after = _train(bin_dir, subprocess_env, tmp_path / "after", server, "trainer.max_steps=1")
+    after = _train(  # rollout.servers.max_resubmits: a key of the command line too
+        bin_dir, subprocess_env, tmp_path / "after", server, "trainer.max_steps=1",
+        "rollout.servers.max_resubmits=2",
+    )  # fmt: skip
     assert after.returncode == 0, _out(after)
     assert abs(_records(tmp_path / "after")[0]["mismatch_kl_k1"]) < 1e-6
 

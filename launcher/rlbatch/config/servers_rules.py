@@ -11,6 +11,7 @@ from rlbatch.config.schema import (
     RolloutBackend,
     RunConfig,
     ServerFailure,
+    ServersConfig,
     ServerTransfer,
     ServerUpdate,
 )
@@ -50,10 +51,29 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
                         f" rollout.backend=vllm_server, or {key}={default.value}",
                     )
                 )
+        _check_server_only_numbers(cfg, errors)
         return
     _check_source(cfg, errors)
     _check_ranges(cfg, errors)
     _check_unsupported(cfg, errors)
+
+
+def _check_server_only_numbers(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The resubmit bound and the probe's settings changed on another backend, which has no
+    server to abort a row or to probe: an error rather than a setting ignored without a word."""
+    s, default = cfg.rollout.servers, ServersConfig()
+    backend = RolloutBackend(cfg.rollout.backend).value
+    for name in ("max_resubmits", "probe_tokens", "probe_tolerance"):
+        value, unset = getattr(s, name), getattr(default, name)
+        if value != unset:
+            errors.append(
+                ConfigError(
+                    f"rollout.servers.{name}",
+                    value,
+                    f"applies to rollout.backend=vllm_server, not {backend}: set"
+                    f" rollout.backend=vllm_server, or leave rollout.servers.{name} unset",
+                )
+            )
 
 
 def _check_source(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -147,6 +147,28 @@ def test_keep_without_partial_rollouts_is_an_error_naming_both_fixes():
     assert "rollout.servers.on_update=abort" in error.message
 
 
+def test_every_servers_key_is_set_from_the_command_line():
+    """conf/rollout/default.yaml lists every rollout.servers key: one missing there is refused
+    by Hydra ("Key 'max_resubmits' is not in struct") whatever the schema says."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from rlbatch.cli.common import compose
+    from rlbatch.config.vllm import ServersConfig
+
+    conf = Path(__file__).parents[3] / "conf" / "rollout" / "default.yaml"
+    listed = set(yaml.safe_load(conf.read_text())["servers"])
+    assert {f.name for f in dataclasses.fields(ServersConfig)} <= listed
+    base = [
+        "+recipe=grpo_qwen", "model.num_attention_heads=2", "model.num_query_groups=2",
+        "rollout.backend=vllm_server", "rollout.servers.urls=[http://a:1]",
+    ]  # fmt: skip
+    cfg = compose([*base, "rollout.servers.max_resubmits=2"], "t")
+    assert cfg.rollout.servers.max_resubmits == 2
+
+
 def test_on_update_takes_abort_or_keep_from_the_command_line(capsys):
     from rlbatch.cli.common import compose
 
@@ -169,6 +191,20 @@ def test_server_keys_on_another_backend_are_errors():
     check_servers(cfg, errors)
     assert [e.key for e in errors] == ["rollout.servers.urls"]
     assert "rollout.backend=vllm_server" in errors[0].message
+
+
+@pytest.mark.parametrize(
+    "key, value", [("max_resubmits", 2), ("probe_tokens", 0), ("probe_tolerance", 5e-2)]
+)  # fmt: skip
+def test_resubmit_and_probe_keys_on_another_backend_are_errors(key, value):
+    """No server aborts a row or is probed on another backend: the key would be ignored."""
+    cfg = RunConfig()
+    setattr(cfg.rollout.servers, key, value)
+    errors: list[ConfigError] = []
+    check_servers(cfg, errors)
+    assert [(e.key, e.value) for e in errors] == [(f"rollout.servers.{key}", value)]
+    assert "rollout.backend=vllm_server" in errors[0].message
+    assert f"not {RunConfig().rollout.backend.value}" in errors[0].message
 
 
 def test_partial_rollouts_on_servers_at_tp_2_are_refused_with_their_fix():
