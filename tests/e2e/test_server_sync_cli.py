@@ -164,6 +164,23 @@ def test_resubmit_and_probe_keys_on_another_backend_are_refused(bin_dir, subproc
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+def test_a_sync_fault_the_run_would_never_meet_is_refused(bin_dir, subprocess_env, tmp_path):
+    """debug.fail_sync with generation overlapping training (the generation worker pushes and
+    never meets debug.fail_at_step: the run would finish without the fault), and with
+    debug.fail_rank / fail_kind, which it does not use: errors naming each key, at once."""
+    run_dir = tmp_path / "run"
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, f"http://127.0.0.1:{_free_port()}",
+        "grpo.num_steps_async=1", "grpo.max_staleness=1", "debug.fail_sync=pause",
+        "debug.fail_at_step=2", "debug.fail_rank=1", "debug.fail_kind=kill", "parallel.dp=2",
+    )  # fmt: skip
+    assert proc.returncode == 2, _out(proc)
+    out = proc.stdout + proc.stderr
+    assert "debug.fail_sync=pause: faults a sync of the training process" in out, out
+    assert "debug.fail_rank=1: is not used with debug.fail_sync=pause" in out, out
+    assert "debug.fail_kind=kill: is not used with debug.fail_sync=pause" in out, out
+
+
 def test_a_push_missing_a_tensor_fails_and_leaves_the_server_usable(
     server, bin_dir, subprocess_env, tmp_path
 ):

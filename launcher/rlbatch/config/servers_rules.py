@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import (
+    DebugConfig,
+    FailKind,
     RolloutBackend,
     RunConfig,
     ServerFailure,
@@ -252,5 +254,42 @@ def _check_overlap(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 " generation worker samples there with its own version: set eval.every_steps=0"
                 " (evaluate the checkpoints with rlbatch-eval on servers of its own), or"
                 " grpo.overlap_generation=false (inline generation, no overlap)",
+            )
+        )
+
+
+def check_sync_fault(cfg: RunConfig, fault: str, errors: list[ConfigError]) -> None:
+    """debug.fail_sync takes the place of fail_kind on rank 0 (the rank that pushes), in the
+    training process: a generation worker (generation overlapping training) does not follow
+    the step, so its syncs never meet debug.fail_at_step and the fault never happened."""
+    d, default = cfg.debug, DebugConfig()
+    if RolloutBackend(cfg.rollout.backend) == RolloutBackend.vllm_server and overlaps_generation(
+        cfg
+    ):
+        errors.append(
+            ConfigError(
+                "debug.fail_sync",
+                fault,
+                "faults a sync of the training process, but this run's syncs are made by its"
+                " generation worker (generation overlaps training), where the fault never"
+                " happens: set grpo.overlap_generation=false, or debug.fail_sync=null",
+            )
+        )
+    if d.fail_rank != default.fail_rank:
+        errors.append(
+            ConfigError(
+                "debug.fail_rank",
+                d.fail_rank,
+                f"is not used with debug.fail_sync={fault} (the fault is on rank 0, which"
+                " pushes the weights): set debug.fail_rank=0",
+            )
+        )
+    if FailKind(d.fail_kind) != FailKind(default.fail_kind):
+        errors.append(
+            ConfigError(
+                "debug.fail_kind",
+                FailKind(d.fail_kind).value,
+                f"is not used with debug.fail_sync={fault} (the sync's fault takes its place):"
+                " leave debug.fail_kind unset, or set debug.fail_sync=null",
             )
         )

@@ -305,3 +305,30 @@ def test_transfer_takes_file_or_broadcast_from_the_command_line(capsys):
     assert (
         "rollout.servers.transfer=nccl: is not one of: file, broadcast" in capsys.readouterr().err
     )
+
+
+def test_a_sync_fault_needs_the_training_process_to_push_and_takes_fail_kinds_place():
+    """debug.fail_sync fires in the training process's sync for debug.fail_at_step: with
+    generation overlapping training the generation worker pushes and never meets that step
+    (the fault would silently not happen); fail_rank and fail_kind are not used with it."""
+    from rlbatch.config.schema import FailKind, SyncFault
+    from rlbatch.config.servers_rules import check_sync_fault
+
+    cfg = _server_run(num_steps_async=1, max_staleness=1)
+    cfg.debug.fail_sync, cfg.debug.fail_at_step = SyncFault.pause, 2
+    errors: list[ConfigError] = []
+    check_sync_fault(cfg, "pause", errors)
+    assert [(e.key, e.value) for e in errors] == [("debug.fail_sync", "pause")]
+    assert "grpo.overlap_generation=false" in errors[0].message
+    cfg.grpo.overlap_generation = False
+    cfg.debug.fail_rank, cfg.debug.fail_kind = 1, FailKind.kill
+    errors = []
+    check_sync_fault(cfg, "pause", errors)
+    assert [(e.key, e.value) for e in errors] == [
+        ("debug.fail_rank", 1),
+        ("debug.fail_kind", "kill"),
+    ]
+    cfg.debug.fail_rank, cfg.debug.fail_kind = 0, FailKind.raise_error
+    errors = []
+    check_sync_fault(cfg, "pause", errors)
+    assert errors == []
