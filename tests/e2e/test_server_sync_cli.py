@@ -2,7 +2,8 @@
 leaves the server broken: through the real commands (rlbatch-serve, rlbatch-train) with one
 real vLLM server shared by the module.
 
-- a server of another model (layers, widths) is refused before launch, naming each field;
+- a server of another model (layers, widths, RoPE base, norm epsilon) is refused before
+  launch, naming each field;
 - a push that misses a tensor fails at the server, naming the layer, and the next run on the
   same server trains normally;
 - a server one sync behind (the previous sync's weights under the new label) is caught by the
@@ -94,20 +95,90 @@ def _out(proc) -> str:
 def test_a_server_of_another_model_is_refused_before_launch(
     server, bin_dir, subprocess_env, tmp_path
 ):
-    """A run of 3 layers and width 128 against a server of 2 layers and width 64: an error
-    naming the URL, each field with both values and the run's key, before any worker (the
-    server would otherwise fail the first sync with a raw HTTP 500, or take it in part)."""
+    """A run of 3 layers, width 128, RoPE base 1e4 and norm epsilon 1e-5 against a server of 2
+    layers, width 64, base 1e6 and epsilon 1e-6: an error naming the URL, each field with both
+    values and the run's key, before any worker (the server would otherwise fail the first sync
+    with a raw HTTP 500, or take it in part; of the same shapes, it takes the sync whole and
+    samples every row from another model, mismatch_kl_k1 1.3e-4 with the probe off)."""
     run_dir = tmp_path / "run"
     proc = _train(
-        bin_dir, subprocess_env, run_dir, server, "model.num_layers=3", "model.hidden_size=128"
-    )
+        bin_dir, subprocess_env, run_dir, server, "model.num_layers=3", "model.hidden_size=128",
+        "model.rope_theta=10000", "model.rms_norm_eps=1e-5",
+    )  # fmt: skip
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert f"rollout.servers.urls={server}: serves another model than this run's" in out, out
     assert "num_hidden_layers: the run's 3 (model.num_layers), the server's 2" in out, out
     assert "hidden_size: the run's 128 (model.hidden_size), the server's 64" in out, out
+    assert "rope_theta: the run's 10000.0 (model.rope_theta), the server's 1000000.0" in out, out
+    assert "rms_norm_eps: the run's 1e-05 (model.rms_norm_eps), the server's 1e-06" in out, out
     assert "rlbatch-serve" in out
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_probe_longer_than_the_server_holds_is_refused_before_launch(
+    server, bin_dir, subprocess_env, tmp_path
+):
+    """rollout.servers.probe_tokens=60 on a server of 64 positions: the probe's 69 tokens
+    (8 of prompt, 60 fixed, 1 sampled) are refused before launch, naming the key and the
+    length; vLLM would otherwise answer the first probe with HTTP 400 after the first step,
+    and the run would stop as if the server had failed."""
+    run_dir = tmp_path / "run"
+    proc = _train(bin_dir, subprocess_env, run_dir, server, "rollout.servers.probe_tokens=60")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "rollout.servers.probe_tokens=60: makes the probe a sequence of 69 tokens" in out, out
+    assert "rollout.servers.probe_tokens<=55" in out, out
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_probe_tolerance_below_a_bfloat16_engines_noise_is_refused_before_launch(
+    server, bin_dir, subprocess_env, tmp_path
+):
+    """rollout.vllm.dtype=bfloat16 with the default probe_tolerance (1e-3): a bfloat16 server
+    of the right weights is ~3e-3 off the trainer (measured on this model), so the probe would
+    stop the run after step 1 blaming the server's model; refused before launch with the
+    floor (the server of the module, float32, is refused too, for its dtype)."""
+    run_dir = tmp_path / "run"
+    proc = _train(bin_dir, subprocess_env, run_dir, server, "rollout.vllm.dtype=bfloat16")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "rollout.servers.probe_tolerance=0.001: is below the numeric noise" in out, out
+    assert "rollout.servers.probe_tolerance>=0.05 for rollout.vllm.dtype=bfloat16" in out, out
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_resubmit_and_probe_keys_on_another_backend_are_refused(bin_dir, subprocess_env, tmp_path):
+    """rollout.servers.max_resubmits and probe_tokens on the colocated backend (no server to
+    abort a row or to probe): configuration errors naming each key, not settings ignored."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), *MODEL, f"hydra.run.dir={run_dir}",
+         "rollout.servers.max_resubmits=2", "rollout.servers.probe_tokens=0"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, _out(proc)
+    out = proc.stdout + proc.stderr
+    for key in ("max_resubmits=2", "probe_tokens=0"):
+        assert f"rollout.servers.{key}: applies to rollout.backend=vllm_server" in out, out
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_sync_fault_the_run_would_never_meet_is_refused(bin_dir, subprocess_env, tmp_path):
+    """debug.fail_sync with generation overlapping training (the generation worker pushes and
+    never meets debug.fail_at_step: the run would finish without the fault), and with
+    debug.fail_rank / fail_kind, which it does not use: errors naming each key, at once."""
+    run_dir = tmp_path / "run"
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, f"http://127.0.0.1:{_free_port()}",
+        "grpo.num_steps_async=1", "grpo.max_staleness=1", "debug.fail_sync=pause",
+        "debug.fail_at_step=2", "debug.fail_rank=1", "debug.fail_kind=kill", "parallel.dp=2",
+    )  # fmt: skip
+    assert proc.returncode == 2, _out(proc)
+    out = proc.stdout + proc.stderr
+    assert "debug.fail_sync=pause: faults a sync of the training process" in out, out
+    assert "debug.fail_rank=1: is not used with debug.fail_sync=pause" in out, out
+    assert "debug.fail_kind=kill: is not used with debug.fail_sync=pause" in out, out
 
 
 def test_a_push_missing_a_tensor_fails_and_leaves_the_server_usable(
@@ -126,7 +197,10 @@ def test_a_push_missing_a_tensor_fails_and_leaves_the_server_usable(
     assert "the weight update is incomplete" in out, out[-4000:]
     assert "layernorm (0 of 64 elements)" in out, out[-4000:]
     assert [r["step"] for r in _records(tmp_path / "broken")] == [1]
-    after = _train(bin_dir, subprocess_env, tmp_path / "after", server, "trainer.max_steps=1")
+    after = _train(  # rollout.servers.max_resubmits: a key of the command line too
+        bin_dir, subprocess_env, tmp_path / "after", server, "trainer.max_steps=1",
+        "rollout.servers.max_resubmits=2",
+    )  # fmt: skip
     assert after.returncode == 0, _out(after)
     assert abs(_records(tmp_path / "after")[0]["mismatch_kl_k1"]) < 1e-6
 

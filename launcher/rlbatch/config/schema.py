@@ -517,7 +517,9 @@ class DebugConfig:
     weight sync made for step ``fail_at_step`` instead (rank 0, which pushes): the trainer
     SIGKILLs itself right after a phase of the sync (pause, start, update, finish, resume),
     or pushes all tensors but one (omit_tensor) or the previous sync's weights under the new
-    label (stale); null: no sync fault."""
+    label (stale); null: no sync fault. It takes the place of fail_rank / fail_kind (which
+    must stay unset) and needs generation inline (not overlapping training: a generation
+    worker's syncs never meet fail_at_step)."""
     perturb_behaviour_logps: float = 0.0
     """Add Gaussian noise of this std to the behaviour log-probs the rollout returns (seeded per
     token): makes the rollout-mismatch correction and its diagnostics visible on CPU (0 = off)."""

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import (
+    DebugConfig,
+    FailKind,
     RolloutBackend,
     RunConfig,
     ServerFailure,
+    ServersConfig,
     ServerTransfer,
     ServerUpdate,
 )
@@ -50,10 +53,29 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
                         f" rollout.backend=vllm_server, or {key}={default.value}",
                     )
                 )
+        _check_server_only_numbers(cfg, errors)
         return
     _check_source(cfg, errors)
     _check_ranges(cfg, errors)
     _check_unsupported(cfg, errors)
+
+
+def _check_server_only_numbers(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The resubmit bound and the probe's settings changed on another backend, which has no
+    server to abort a row or to probe: an error rather than a setting ignored without a word."""
+    s, default = cfg.rollout.servers, ServersConfig()
+    backend = RolloutBackend(cfg.rollout.backend).value
+    for name in ("max_resubmits", "probe_tokens", "probe_tolerance"):
+        value, unset = getattr(s, name), getattr(default, name)
+        if value != unset:
+            errors.append(
+                ConfigError(
+                    f"rollout.servers.{name}",
+                    value,
+                    f"applies to rollout.backend=vllm_server, not {backend}: set"
+                    f" rollout.backend=vllm_server, or leave rollout.servers.{name} unset",
+                )
+            )
 
 
 def _check_source(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -121,7 +143,57 @@ def _check_ranges(cfg: RunConfig, errors: list[ConfigError]) -> None:
     for key, (value, ok, wanted) in ranges.items():
         if not ok:
             errors.append(ConfigError(key, value, f"must be {wanted}"))
+    _check_probe_length(cfg, errors)
+    _check_probe_tolerance(cfg, errors)
     _check_transfer(cfg, errors)
+
+
+def _check_probe_tolerance(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The probe's tolerance is at least the engine's numeric noise (by its dtype): a server
+    of the right weights in bfloat16 is ~3e-3 off the trainer on the tiny model, so the default
+    1e-3 stopped every such run after its first step, blaming the server's model."""
+    from rlbatch.config.vllm_rules import engine_dtype
+    from rlbatch.rollout.server_probe import NOISE
+
+    s = cfg.rollout.servers
+    dtype = engine_dtype(cfg)
+    noise = NOISE.get(dtype, NOISE["float32"])
+    if s.probe_tokens > 0 and 0 < s.probe_tolerance < noise:
+        errors.append(
+            ConfigError(
+                "rollout.servers.probe_tolerance",
+                s.probe_tolerance,
+                f"is below the numeric noise of a {dtype} engine ({noise:g}: its"
+                " log-probabilities of the trainer's own weights may be that far off), so the"
+                f" probe would refuse servers that hold the right weights: set"
+                f" rollout.servers.probe_tolerance>={noise:g} for rollout.vllm.dtype={dtype},"
+                " or rollout.servers.probe_tokens=0",
+            )
+        )
+
+
+def _check_probe_length(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The probe's sequence fits the servers' length (rollout.vllm.max_model_len, or the run's
+    longest sequence when null, as rlbatch-serve starts them): vLLM refuses a longer one with
+    HTTP 400 at the first sync, after the first step's compute, and the run would stop as if
+    the server had failed."""
+    from rlbatch.rollout.server_probe import probe_length
+    from rlbatch.rollout.vllm_engine import longest_served
+
+    n = cfg.rollout.servers.probe_tokens
+    held = cfg.rollout.vllm.max_model_len or longest_served(cfg)
+    if n > 0 and probe_length(n) > held:
+        errors.append(
+            ConfigError(
+                "rollout.servers.probe_tokens",
+                n,
+                f"makes the probe a sequence of {probe_length(n)} tokens (its prompt of"
+                f" {probe_length(0) - 1}, the fixed tokens and one sampled), longer than the"
+                f" {held} the servers hold (rollout.vllm.max_model_len, null: the run's longest"
+                f" sequence): set rollout.servers.probe_tokens<={held - probe_length(0)}, or"
+                f" raise rollout.vllm.max_model_len to {probe_length(n)}",
+            )
+        )
 
 
 def _check_transfer(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -182,5 +254,42 @@ def _check_overlap(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 " generation worker samples there with its own version: set eval.every_steps=0"
                 " (evaluate the checkpoints with rlbatch-eval on servers of its own), or"
                 " grpo.overlap_generation=false (inline generation, no overlap)",
+            )
+        )
+
+
+def check_sync_fault(cfg: RunConfig, fault: str, errors: list[ConfigError]) -> None:
+    """debug.fail_sync takes the place of fail_kind on rank 0 (the rank that pushes), in the
+    training process: a generation worker (generation overlapping training) does not follow
+    the step, so its syncs never meet debug.fail_at_step and the fault never happened."""
+    d, default = cfg.debug, DebugConfig()
+    if RolloutBackend(cfg.rollout.backend) == RolloutBackend.vllm_server and overlaps_generation(
+        cfg
+    ):
+        errors.append(
+            ConfigError(
+                "debug.fail_sync",
+                fault,
+                "faults a sync of the training process, but this run's syncs are made by its"
+                " generation worker (generation overlaps training), where the fault never"
+                " happens: set grpo.overlap_generation=false, or debug.fail_sync=null",
+            )
+        )
+    if d.fail_rank != default.fail_rank:
+        errors.append(
+            ConfigError(
+                "debug.fail_rank",
+                d.fail_rank,
+                f"is not used with debug.fail_sync={fault} (the fault is on rank 0, which"
+                " pushes the weights): set debug.fail_rank=0",
+            )
+        )
+    if FailKind(d.fail_kind) != FailKind(default.fail_kind):
+        errors.append(
+            ConfigError(
+                "debug.fail_kind",
+                FailKind(d.fail_kind).value,
+                f"is not used with debug.fail_sync={fault} (the sync's fault takes its place):"
+                " leave debug.fail_kind unset, or set debug.fail_sync=null",
             )
         )

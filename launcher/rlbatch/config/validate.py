@@ -26,6 +26,7 @@ from rlbatch.config.schema import (
     RunConfig,
     SyncFault,
 )
+from rlbatch.config.servers_rules import check_sync_fault
 from rlbatch.config.streaming import check_partial_rollouts
 from rlbatch.config.vllm_rules import check_vllm
 from rlbatch.config.workload_rules import check_response_lengths
@@ -364,6 +365,7 @@ def _check_debug(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     "needs the step whose sync fails: set debug.fail_at_step",
                 )
             )
+        check_sync_fault(cfg, fault, errors)
 
 
 def _check_grpo(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -572,7 +574,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"parallel"}), _check_world),
     Rule(frozenset({"model"}), _check_model_shape),
     Rule(frozenset({"model", "parallel"}), _check_model_split),
-    Rule(frozenset({"debug", "parallel", "rollout"}), _check_debug),
+    Rule(frozenset({"debug", "grpo", "parallel", "rollout"}), _check_debug),
     Rule(frozenset({"debug", "rollout", "env"}), check_response_lengths),
     Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),
     Rule(frozenset({"grpo", "rollout"}), lambda c, e: e.extend(objective_errors(c))),

@@ -27,11 +27,11 @@ not push: restarted at the same URL, it serves its start-up weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from rlbatch.rollout.protocol import DecodedRow
-from rlbatch.rollout.server_http import ServerError
+from rlbatch.rollout.server_http import ServerError, call
 
 STARTUP_LABEL = "default"
 """vLLM's label of the weights a server started with (none pushed since)."""
@@ -128,3 +128,62 @@ def check_labels(
             " its start-up weights); restart the run (trainer.resume=auto) to push its"
             " weights again"
         )
+
+
+def probe_server(
+    url: str,
+    sequence: list[int],
+    prompt_len: int,
+    *,
+    timeout_s: float,
+    label: str,
+    max_resubmits: int,
+    on_resubmit: Callable[[], None],
+) -> tuple[list[float], int, float]:
+    """The probe's answer of ``url`` (rlbatch.rollout.server_probe): its log-probabilities
+    (temperature 1) of ``sequence``'s tokens after the first ``prompt_len``, and the token it
+    samples after them with its log-probability. An answer the server aborted (another
+    client's pause) is asked again like a row, up to ``max_resubmits`` times (each counted by
+    ``on_resubmit``): it carries no log-probabilities and says nothing of the weights."""
+    params = {
+        "max_tokens": 1, "temperature": 1.0, "seed": 0, "logprobs": 0, "prompt_logprobs": 0,
+    }  # fmt: skip
+    body = {"token_ids": sequence, "sampling_params": params, "return_token_ids": True}
+    for attempt in range(max_resubmits + 1):
+        answer = call(url, "/inference/v1/generate", body, timeout_s=timeout_s)
+        choice = (answer.get("choices") or [{}])[0] if isinstance(answer, dict) else {}
+        if choice.get("finish_reason") != "abort":
+            return _probe_answer(url, answer, choice, sequence, prompt_len, label)
+        if attempt < max_resubmits:
+            on_resubmit()
+    raise ServerError(
+        f"rollout server {url} aborted the probe {max_resubmits + 1} times"
+        f" (rollout.servers.max_resubmits={max_resubmits}): another client keeps pausing it"
+        " (POST /pause aborts the requests in flight unless mode=wait or keep) or aborting its"
+        " requests; give the run servers of its own, or raise rollout.servers.max_resubmits"
+    )
+
+
+def _probe_answer(
+    url: str,
+    answer: Any,
+    choice: dict[str, Any],
+    sequence: list[int],
+    prompt_len: int,
+    label: str,
+) -> tuple[list[float], int, float]:
+    tokens = choice.get("token_ids") or []
+    check_labels(url, choice.get("weight_versions"), len(tokens), label)
+    try:
+        scored = answer["prompt_logprobs"]
+        fixed = [
+            float(scored[i][str(sequence[i])]["logprob"]) for i in range(prompt_len, len(sequence))
+        ]
+        token = int(choice["token_ids"][0])
+        sampled = float(choice["logprobs"]["content"][0]["logprob"])
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise ServerError(
+            f"rollout server {url} answered the probe without the log-probabilities it"
+            f" asked for ({type(err).__name__}: {err})"
+        ) from err
+    return fixed, token, sampled

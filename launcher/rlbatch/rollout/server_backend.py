@@ -32,7 +32,8 @@ naming every dropped server when none is left. The replicas agree on the pool th
 servers themselves: a replica that does not send the weights takes a server only once it holds
 the label of this sync, so a server the first replica dropped during its push is dropped by
 every replica at that sync, and one that dies later is dropped by each replica that reaches it.
-A row the server aborted (another client's pause) is sent again with its own seed. A wrong
+A row the server aborted (another client's pause) is sent again with its own seed, and so is
+the probe. A wrong
 answer stops the run in either mode: a response the server stopped short of its limit (vLLM
 ends a request at its own --max-model-len with finish_reason "length": trained as a truncated
 row, it would be a wrong sample, not an error), any end but a stop at the run's EOS ids or the
@@ -65,7 +66,7 @@ from rlbatch.rollout.protocol import (
     decode_on_group_leader,
     token_sampling,
 )
-from rlbatch.rollout.server_answers import RowAborted, check_labels, read_row, request_body
+from rlbatch.rollout.server_answers import RowAborted, probe_server, read_row, request_body
 from rlbatch.rollout.server_cache import drops_cache
 from rlbatch.rollout.server_checks import check_servers  # noqa: F401  (rollout.protocol's)
 from rlbatch.rollout.server_http import ServerDownError, ServerError, call
@@ -399,31 +400,12 @@ class ServerBackend:
     def _score(
         self, url: str, sequence: list[int], prompt_len: int
     ) -> tuple[list[float], int, float]:
-        """The server's log-probabilities (temperature 1) of ``sequence``'s tokens after the
-        first ``prompt_len``, and the token it samples after them with its log-probability."""
-        params = {
-            "max_tokens": 1, "temperature": 1.0, "seed": 0, "logprobs": 0,
-            "prompt_logprobs": 0,
-        }  # fmt: skip
-        body = {"token_ids": sequence, "sampling_params": params, "return_token_ids": True}
-        answer = call(url, "/inference/v1/generate", body, timeout_s=self.servers.timeout_s)
-        choice = answer["choices"][0]
-        tokens = choice.get("token_ids") or []
-        check_labels(url, choice.get("weight_versions"), len(tokens), self.servers.label())
-        try:
-            scored = answer["prompt_logprobs"]
-            fixed = [
-                float(scored[i][str(sequence[i])]["logprob"])
-                for i in range(prompt_len, len(sequence))
-            ]
-            token = int(choice["token_ids"][0])
-            sampled = float(choice["logprobs"]["content"][0]["logprob"])
-        except (KeyError, IndexError, TypeError, ValueError) as err:
-            raise ServerError(
-                f"rollout server {url} answered the probe without the log-probabilities it"
-                f" asked for ({type(err).__name__}: {err})"
-            ) from err
-        return fixed, token, sampled
+        """The server's answer to the probe (rlbatch.rollout.server_answers.probe_server)."""
+        return probe_server(
+            url, sequence, prompt_len, timeout_s=self.servers.timeout_s,
+            label=self.servers.label(), max_resubmits=self.cfg.rollout.servers.max_resubmits,
+            on_resubmit=self.servers.count_resubmit,
+        )  # fmt: skip
 
     def decode(
         self,

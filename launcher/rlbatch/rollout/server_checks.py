@@ -92,6 +92,7 @@ def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) ->
     """The server holds the run's longest sequence (prompt + rollout.max_new_tokens, and the
     evaluation's): vLLM's token endpoint silently stops a request at the server's own
     --max-model-len (finish_reason "length"), which the run would train as a truncated row."""
+    from rlbatch.rollout.server_probe import probe_length
     from rlbatch.rollout.vllm_engine import longest_served
 
     try:
@@ -99,13 +100,16 @@ def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) ->
     except (ServerError, KeyError, IndexError, TypeError, ValueError):
         return  # a server that does not report its length: the backend's own check catches it
     needed = longest_served(cfg)
+    if cfg.rollout.servers.probe_tokens > 0:  # the probe's sequence, after every sync
+        needed = max(needed, probe_length(cfg.rollout.servers.probe_tokens))
     if served < needed:
         errors.append(
             ConfigError(
                 "rollout.servers.urls",
                 url,
                 f"serves sequences of at most {served} tokens, but this run's longest is"
-                f" {needed} (the longest prompt + rollout.max_new_tokens, or the evaluation's):"
+                f" {needed} (the longest prompt + rollout.max_new_tokens, the evaluation's, or"
+                " the probe's: rollout.servers.probe_tokens + 9):"
                 " restart it with rlbatch-serve and the run's recipe and overrides (or"
                 f" rollout.vllm.max_model_len>={needed}), or shorten the run's sequences",
             )

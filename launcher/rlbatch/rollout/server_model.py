@@ -2,7 +2,9 @@
 
 A server of another shape (layers, widths, heads, vocabulary, architecture, tied head) or
 dtype would take the first weight sync only in part: the update fails inside vLLM with a raw
-error, or loads and leaves the server with weights of no model. So rlbatch-train asks every
+error, or loads and leaves the server with weights of no model. One of the same shapes but
+other RoPE or norm settings (rope_theta, rope_scaling, max_position_embeddings, rms_norm_eps)
+takes the sync whole and samples every row from another model than the one trained. So rlbatch-train asks every
 server what it serves and compares it, field by field, with the model the run's config
 describes (the config.json rlbatch-serve writes for it), naming each field that differs.
 
@@ -34,8 +36,15 @@ FIELDS = (
     ("head_dim", "model.head_dim"),
     ("vocab_size", "model.vocab_size"),
     ("tie_word_embeddings", "model.tie_word_embeddings"),
+    ("rope_theta", "model.rope_theta"),
+    ("rope_scaling", "model.rope_scaling"),
+    ("max_position_embeddings", "model.max_position_embeddings"),
+    ("rms_norm_eps", "model.rms_norm_eps"),
 )
-"""The Hugging Face config fields compared, and the run's config key each comes from."""
+"""The Hugging Face config fields compared, and the run's config key each comes from. The
+numeric ones (RoPE, the norms' epsilon) matter as much as the shapes: weights of the right
+shapes take the sync whole, and the server then samples from another function of them, which
+only the probe (when on, and when the difference exceeds its tolerance) would notice."""
 
 
 def served_model(models: dict[str, Any]) -> Optional[dict[str, Any]]:

@@ -35,6 +35,12 @@ SEPARATION = 4.0
 to tell the two versions apart."""
 
 
+def probe_length(num_tokens: int) -> int:
+    """The longest sequence the probe of ``num_tokens`` fixed tokens asks a server to hold: its
+    prompt, the fixed tokens and the one token sampled after them."""
+    return len(PROBE_PROMPT) + num_tokens + 1
+
+
 def probe_sequence(num_tokens: int, vocab_size: int) -> tuple[list[int], int]:
     """The fixed sequence (prompt + ``num_tokens`` fixed continuation tokens, every id below
     ``vocab_size``) and the prompt's length."""

@@ -63,6 +63,55 @@ def _keys(cfg: RunConfig) -> dict[str, ConfigError]:
     return {e.key: e for e in errors}
 
 
+def test_a_probe_longer_than_the_servers_sequences_is_an_error_with_its_fix():
+    """The probe scores 8 prompt tokens + probe_tokens and samples 1: at max_model_len 64,
+    55 tokens fit (64 tokens in all) and 56 do not (vLLM would refuse it with HTTP 400 at the
+    first sync, after the first step)."""
+
+    def errors(probe_tokens: int) -> dict[str, ConfigError]:
+        cfg = RunConfig()
+        cfg.rollout.backend = RolloutBackend.vllm_server
+        cfg.rollout.servers.urls = ["http://a:1"]
+        cfg.rollout.servers.probe_tokens = probe_tokens
+        cfg.rollout.vllm.max_model_len = 64
+        out: list[ConfigError] = []
+        check_servers(cfg, out)
+        return {e.key: e for e in out}
+
+    assert errors(55) == {}
+    assert errors(0) == {}
+    error = errors(56)["rollout.servers.probe_tokens"]
+    assert error.value == 56
+    assert "a sequence of 65 tokens" in error.message and "longer than the 64" in error.message
+    assert "rollout.servers.probe_tokens<=55" in error.message
+
+
+@pytest.mark.parametrize(
+    "dtype, below, enough", [("bfloat16", 1e-3, 5e-2), ("float16", 1e-3, 5e-3), ("float32", 1e-6, 5e-6)]
+)  # fmt: skip
+def test_a_probe_tolerance_below_the_engines_noise_is_an_error_with_its_fix(dtype, below, enough):
+    """A bfloat16 server of the right weights is ~3e-3 off the trainer: the default 1e-3 would
+    stop the run after its first step, blaming the server's model."""
+
+    def errors(tolerance: float, probe_tokens: int = 4) -> dict[str, ConfigError]:
+        cfg = RunConfig()
+        cfg.rollout.backend = RolloutBackend.vllm_server
+        cfg.rollout.servers.urls = ["http://a:1"]
+        cfg.rollout.vllm.dtype = dtype
+        cfg.rollout.servers.probe_tolerance = tolerance
+        cfg.rollout.servers.probe_tokens = probe_tokens
+        out: list[ConfigError] = []
+        check_servers(cfg, out)
+        return {e.key: e for e in out}
+
+    assert errors(enough) == {}
+    assert errors(below, probe_tokens=0) == {}
+    error = errors(below)["rollout.servers.probe_tolerance"]
+    assert error.value == below
+    assert f"rollout.servers.probe_tolerance>={enough:g}" in error.message
+    assert f"rollout.vllm.dtype={dtype}" in error.message
+
+
 def test_async_and_partial_rollouts_run_on_servers_lora_is_refused():
     cfg = _server_run(num_steps_async=1, max_staleness=2, partial_rollouts=True)
     cfg.rollout.servers.on_update = ServerUpdate.keep
@@ -98,6 +147,28 @@ def test_keep_without_partial_rollouts_is_an_error_naming_both_fixes():
     assert "rollout.servers.on_update=abort" in error.message
 
 
+def test_every_servers_key_is_set_from_the_command_line():
+    """conf/rollout/default.yaml lists every rollout.servers key: one missing there is refused
+    by Hydra ("Key 'max_resubmits' is not in struct") whatever the schema says."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from rlbatch.cli.common import compose
+    from rlbatch.config.vllm import ServersConfig
+
+    conf = Path(__file__).parents[3] / "conf" / "rollout" / "default.yaml"
+    listed = set(yaml.safe_load(conf.read_text())["servers"])
+    assert {f.name for f in dataclasses.fields(ServersConfig)} <= listed
+    base = [
+        "+recipe=grpo_qwen", "model.num_attention_heads=2", "model.num_query_groups=2",
+        "rollout.backend=vllm_server", "rollout.servers.urls=[http://a:1]",
+    ]  # fmt: skip
+    cfg = compose([*base, "rollout.servers.max_resubmits=2"], "t")
+    assert cfg.rollout.servers.max_resubmits == 2
+
+
 def test_on_update_takes_abort_or_keep_from_the_command_line(capsys):
     from rlbatch.cli.common import compose
 
@@ -120,6 +191,20 @@ def test_server_keys_on_another_backend_are_errors():
     check_servers(cfg, errors)
     assert [e.key for e in errors] == ["rollout.servers.urls"]
     assert "rollout.backend=vllm_server" in errors[0].message
+
+
+@pytest.mark.parametrize(
+    "key, value", [("max_resubmits", 2), ("probe_tokens", 0), ("probe_tolerance", 5e-2)]
+)  # fmt: skip
+def test_resubmit_and_probe_keys_on_another_backend_are_errors(key, value):
+    """No server aborts a row or is probed on another backend: the key would be ignored."""
+    cfg = RunConfig()
+    setattr(cfg.rollout.servers, key, value)
+    errors: list[ConfigError] = []
+    check_servers(cfg, errors)
+    assert [(e.key, e.value) for e in errors] == [(f"rollout.servers.{key}", value)]
+    assert "rollout.backend=vllm_server" in errors[0].message
+    assert f"not {RunConfig().rollout.backend.value}" in errors[0].message
 
 
 def test_partial_rollouts_on_servers_at_tp_2_are_refused_with_their_fix():
@@ -220,3 +305,30 @@ def test_transfer_takes_file_or_broadcast_from_the_command_line(capsys):
     assert (
         "rollout.servers.transfer=nccl: is not one of: file, broadcast" in capsys.readouterr().err
     )
+
+
+def test_a_sync_fault_needs_the_training_process_to_push_and_takes_fail_kinds_place():
+    """debug.fail_sync fires in the training process's sync for debug.fail_at_step: with
+    generation overlapping training the generation worker pushes and never meets that step
+    (the fault would silently not happen); fail_rank and fail_kind are not used with it."""
+    from rlbatch.config.schema import FailKind, SyncFault
+    from rlbatch.config.servers_rules import check_sync_fault
+
+    cfg = _server_run(num_steps_async=1, max_staleness=1)
+    cfg.debug.fail_sync, cfg.debug.fail_at_step = SyncFault.pause, 2
+    errors: list[ConfigError] = []
+    check_sync_fault(cfg, "pause", errors)
+    assert [(e.key, e.value) for e in errors] == [("debug.fail_sync", "pause")]
+    assert "grpo.overlap_generation=false" in errors[0].message
+    cfg.grpo.overlap_generation = False
+    cfg.debug.fail_rank, cfg.debug.fail_kind = 1, FailKind.kill
+    errors = []
+    check_sync_fault(cfg, "pause", errors)
+    assert [(e.key, e.value) for e in errors] == [
+        ("debug.fail_rank", 1),
+        ("debug.fail_kind", "kill"),
+    ]
+    cfg.debug.fail_rank, cfg.debug.fail_kind = 0, FailKind.raise_error
+    errors = []
+    check_sync_fault(cfg, "pause", errors)
+    assert errors == []

@@ -122,3 +122,90 @@ def test_start_up_weights_after_a_push_stop_the_run_naming_a_restart():
     message = str(err.value)
     assert URL in message and "start-up weights" in message and "'abc-2'" in message
     assert "restarted at the same URL" in message
+
+
+def _probe_server(answers):
+    """A stand-in for a vLLM server whose answers to the probe are ``answers`` in turn (a real
+    server aborts the probe only when another client's pause lands in its few milliseconds,
+    which no test can time); the URL and the requests it received."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            raw = json.dumps(answers[min(len(received), len(answers)) - 1]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}", received
+
+
+SEQUENCE = [3, 14, 15, 92, 11, 18]
+ABORTED = {"choices": [_choice([], "abort")], "prompt_logprobs": None}
+SCORED = {
+    "choices": [
+        {
+            "token_ids": [5],
+            "logprobs": {"content": [{"logprob": -1.5}]},
+            "finish_reason": "length",
+            "weight_versions": _labelled(1),
+        }
+    ],
+    "prompt_logprobs": [
+        None,
+        *({str(t): {"logprob": -0.25 * i}} for i, t in enumerate(SEQUENCE[1:], 1)),
+    ],
+}
+
+
+def test_a_probe_the_server_aborted_is_asked_again_and_counted():
+    """Another client's pause aborts the probe (HTTP 200, no log-probabilities): the probe is
+    asked again, not taken for a server of other weights."""
+    from rlbatch.rollout.server_answers import probe_server
+
+    server, url, received = _probe_server([ABORTED, ABORTED, SCORED])
+    counted = []
+    try:
+        fixed, token, sampled = probe_server(
+            url, SEQUENCE, 4, timeout_s=10, label="abc-2", max_resubmits=2,
+            on_resubmit=lambda: counted.append(1),
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+    assert (fixed, token, sampled) == ([-1.0, -1.25], 5, -1.5)
+    assert len(received) == 3 and received[0] == received[2]
+    assert len(counted) == 2
+
+
+def test_a_probe_aborted_more_than_max_resubmits_stops_the_run_naming_the_key():
+    from rlbatch.rollout.server_answers import probe_server
+
+    server, url, received = _probe_server([ABORTED])
+    try:
+        with pytest.raises(
+            ServerError, match=r"aborted the probe 2 times \(rollout.servers.max_resubmits=1\)"
+        ):
+            probe_server(
+                url,
+                SEQUENCE,
+                4,
+                timeout_s=10,
+                label="abc-2",
+                max_resubmits=1,
+                on_resubmit=lambda: None,
+            )
+    finally:
+        server.shutdown()
+    assert len(received) == 2

@@ -52,3 +52,26 @@ def test_a_server_of_more_layers_is_an_error_naming_the_field(tmp_path):
     assert "rollout.servers.urls" in text and "http://h:1" in text
     n = cfg.model.num_layers
     assert f"num_hidden_layers: the run's {n} (model.num_layers), the server's {n + 1}" in text
+
+
+def test_a_server_of_other_rope_and_norm_settings_is_an_error_naming_each_field(tmp_path):
+    """Same shapes, other numerics: the sync would load whole and sample from another model."""
+    from rlbatch.engine.hf_config import hf_config_dict
+
+    cfg = RunConfig()
+    served = hf_config_dict(cfg.model) | {
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(served))
+    errors: list = []
+    check_server_model(cfg, "http://h:1", _models(tmp_path), errors)
+    assert len(errors) == 1
+    text = str(errors[0])
+    for field, key in (
+        ("rope_theta", "model.rope_theta"), ("rms_norm_eps", "model.rms_norm_eps"),
+        ("max_position_embeddings", "model.max_position_embeddings"),
+        ("rope_scaling", "model.rope_scaling"),
+    ):  # fmt: skip
+        assert f"{field}: the run's " in text and f"({key}), the server's" in text, field
+    assert "rope_theta: the run's 1000000.0 (model.rope_theta), the server's 10000.0" in text
