@@ -135,12 +135,15 @@ def test_a_probe_longer_than_the_server_holds_is_refused_before_launch(
 def test_a_probe_tolerance_below_a_bfloat16_engines_noise_is_refused_before_launch(
     server, bin_dir, subprocess_env, tmp_path
 ):
-    """rollout.vllm.dtype=bfloat16 with the default probe_tolerance (1e-3): a bfloat16 server
+    """rollout.vllm.dtype=bfloat16 with probe_tolerance=1e-3 (float32's): a bfloat16 server
     of the right weights is ~3e-3 off the trainer (measured on this model), so the probe would
     stop the run after step 1 blaming the server's model; refused before launch with the
     floor (the server of the module, float32, is refused too, for its dtype)."""
     run_dir = tmp_path / "run"
-    proc = _train(bin_dir, subprocess_env, run_dir, server, "rollout.vllm.dtype=bfloat16")
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, server, "rollout.vllm.dtype=bfloat16",
+        "rollout.servers.probe_tolerance=0.001",
+    )  # fmt: skip
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "rollout.servers.probe_tolerance=0.001: is below the numeric noise" in out, out

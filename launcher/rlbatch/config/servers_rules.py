@@ -6,6 +6,8 @@ rollout.servers.on_update=keep without partial rollouts)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import (
     DebugConfig,
@@ -20,7 +22,9 @@ from rlbatch.config.schema import (
 from rlbatch.config.streaming import overlaps_generation
 
 
-def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
+def check_servers(
+    cfg: RunConfig, errors: list[ConfigError], served_len: Optional[int] = None
+) -> None:
     """Every error of rollout.servers (and of the run's settings servers cannot serve)."""
     s = cfg.rollout.servers
     if RolloutBackend(cfg.rollout.backend) != RolloutBackend.vllm_server:
@@ -56,7 +60,7 @@ def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
         _check_server_only_numbers(cfg, errors)
         return
     _check_source(cfg, errors)
-    _check_ranges(cfg, errors)
+    _check_ranges(cfg, errors, served_len)
     _check_unsupported(cfg, errors)
 
 
@@ -129,7 +133,7 @@ def _check_source(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
 
 
-def _check_ranges(cfg: RunConfig, errors: list[ConfigError]) -> None:
+def _check_ranges(cfg: RunConfig, errors: list[ConfigError], served_len: Optional[int]) -> None:
     s = cfg.rollout.servers
     ranges = {
         "rollout.servers.port": (s.port, 0 < s.port < 65536, "in 1..65535"),
@@ -137,13 +141,17 @@ def _check_ranges(cfg: RunConfig, errors: list[ConfigError]) -> None:
         "rollout.servers.timeout_s": (s.timeout_s, s.timeout_s > 0, "> 0"),
         "rollout.servers.max_concurrency": (s.max_concurrency, s.max_concurrency > 0, "> 0"),
         "rollout.servers.probe_tokens": (s.probe_tokens, s.probe_tokens >= 0, ">= 0"),
-        "rollout.servers.probe_tolerance": (s.probe_tolerance, s.probe_tolerance > 0, "> 0"),
+        "rollout.servers.probe_tolerance": (
+            s.probe_tolerance,
+            s.probe_tolerance is None or s.probe_tolerance > 0,
+            "> 0 or null",
+        ),
         "rollout.servers.max_resubmits": (s.max_resubmits, s.max_resubmits >= 0, ">= 0"),
     }
     for key, (value, ok, wanted) in ranges.items():
         if not ok:
             errors.append(ConfigError(key, value, f"must be {wanted}"))
-    _check_probe_length(cfg, errors)
+    _check_probe_length(cfg, errors, served_len)
     _check_probe_tolerance(cfg, errors)
     _check_transfer(cfg, errors)
 
@@ -151,14 +159,14 @@ def _check_ranges(cfg: RunConfig, errors: list[ConfigError]) -> None:
 def _check_probe_tolerance(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """The probe's tolerance is at least the engine's numeric noise (by its dtype): a server
     of the right weights in bfloat16 is ~3e-3 off the trainer on the tiny model, so the default
-    1e-3 stopped every such run after its first step, blaming the server's model."""
-    from rlbatch.config.vllm_rules import engine_dtype
-    from rlbatch.rollout.server_probe import NOISE
+    1e-3 stopped every such run after its first step, blaming the server's model (null takes a
+    tolerance by the dtype)."""
+    from rlbatch.config.dtypes import PROBE_NOISE, engine_dtype
 
     s = cfg.rollout.servers
     dtype = engine_dtype(cfg)
-    noise = NOISE.get(dtype, NOISE["float32"])
-    if s.probe_tokens > 0 and 0 < s.probe_tolerance < noise:
+    noise = PROBE_NOISE.get(dtype, PROBE_NOISE["float32"])
+    if s.probe_tokens > 0 and s.probe_tolerance is not None and 0 < s.probe_tolerance < noise:
         errors.append(
             ConfigError(
                 "rollout.servers.probe_tolerance",
@@ -172,17 +180,19 @@ def _check_probe_tolerance(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
 
 
-def _check_probe_length(cfg: RunConfig, errors: list[ConfigError]) -> None:
+def _check_probe_length(
+    cfg: RunConfig, errors: list[ConfigError], served_len: Optional[int]
+) -> None:
     """The probe's sequence fits the servers' length (rollout.vllm.max_model_len, or the run's
     longest sequence when null, as rlbatch-serve starts them): vLLM refuses a longer one with
     HTTP 400 at the first sync, after the first step's compute, and the run would stop as if
-    the server had failed."""
+    the server had failed. ``served_len``: the run's longest served sequence
+    (rlbatch.config.vllm_rules.longest_served), which rlbatch.config.vllm_rules passes in."""
     from rlbatch.rollout.server_probe import probe_length
-    from rlbatch.rollout.vllm_engine import longest_served
 
     n = cfg.rollout.servers.probe_tokens
-    held = cfg.rollout.vllm.max_model_len or longest_served(cfg)
-    if n > 0 and probe_length(n) > held:
+    held = cfg.rollout.vllm.max_model_len or served_len
+    if held is not None and n > 0 and probe_length(n) > held:
         errors.append(
             ConfigError(
                 "rollout.servers.probe_tokens",

@@ -135,11 +135,11 @@ class ServersConfig:
     less than the tolerance); 0: no probe. The probe's sequence (8 prompt tokens, these, and the
     one sampled) must fit the servers' length (rollout.vllm.max_model_len), or the run is
     refused before launch."""
-    probe_tolerance: float = 1e-3
-    """Largest log-probability difference the probe accepts (float32 engines agree to ~1e-6).
-    It must be at least the engine's numeric noise, or a run is refused before launch: 5e-2
-    for bfloat16 engines (measured ~3e-3 off the trainer on the tiny model), 5e-3 for float16,
-    5e-6 for float32."""
+    probe_tolerance: Optional[float] = None
+    """Largest log-probability difference the probe accepts; null: by the engine's dtype,
+    1e-3 for float32 (float32 engines agree to ~1e-6), the dtype's numeric noise for the others
+    (5e-2 for bfloat16, 5e-3 for float16). A value below that noise is refused before launch:
+    the probe would refuse servers that hold the right weights."""
     on_update: ServerUpdate = ServerUpdate.abort
     """Partial rollouts (grpo.partial_rollouts): what the servers do with the rows still
     decoding when new weights arrive. ``abort``: the prefix cache is dropped with the update,

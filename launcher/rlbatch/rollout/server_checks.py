@@ -92,8 +92,8 @@ def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) ->
     """The server holds the run's longest sequence (prompt + rollout.max_new_tokens, and the
     evaluation's): vLLM's token endpoint silently stops a request at the server's own
     --max-model-len (finish_reason "length"), which the run would train as a truncated row."""
+    from rlbatch.config.vllm_rules import longest_served
     from rlbatch.rollout.server_probe import probe_length
-    from rlbatch.rollout.vllm_engine import longest_served
 
     try:
         served = int(call(url, "/v1/models", timeout_s=10.0, get=True)["data"][0]["max_model_len"])

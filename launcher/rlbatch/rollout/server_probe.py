@@ -25,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rlbatch.config.dtypes import PROBE_NOISE
+
 PROBE_PROMPT = (3, 14, 15, 92, 65, 35, 89, 79)
 """The probe's prompt (ids below every vocabulary rlbatch trains)."""
-NOISE = {"float32": 5e-6, "bfloat16": 5e-2, "float16": 5e-3}
-"""The engine's numeric noise: how far its log-probabilities of the same weights may be from
-the float32 trainer's (float32: measured 5e-7 on CPU, kept at ten times that)."""
+NOISE = PROBE_NOISE
+"""The engine's numeric noise by its dtype (rlbatch.config.vllm.PROBE_NOISE)."""
 SEPARATION = 4.0
 """A step must move the probe's log-probabilities by this many times the noise for the probe
 to tell the two versions apart."""

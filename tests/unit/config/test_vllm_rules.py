@@ -54,7 +54,7 @@ def test_every_bad_setting_is_reported_at_once():
 def test_evaluation_runs_on_the_vllm_backend_within_its_length():
     """Evaluation during training shares the engine: allowed with its own sampling (greedy,
     top_p: its logprobs train nothing), and its longest sequence must fit max_model_len too."""
-    from rlbatch.rollout.vllm_engine import longest_served
+    from rlbatch.config.vllm_rules import longest_served
 
     cfg = vllm_config()
     cfg.eval.every_steps, cfg.eval.temperature, cfg.eval.num_samples = 5, 0.0, 1
