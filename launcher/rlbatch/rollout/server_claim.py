@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
+from rlbatch.runtime.lock import pid_alive
+
 PREFIX = "rlbatch-update"
 """The first field of an update owner's label."""
 ACTIVE_MARK = "already active"
@@ -99,21 +101,6 @@ def judge(
     if owner.host == host:
         return Verdict.refuse if alive(owner.pid) else Verdict.recover
     return Verdict.recover if now - owner.since > stale_after_s else Verdict.refuse
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this machine exists (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 STALE_AFTER_TIMEOUTS = 8

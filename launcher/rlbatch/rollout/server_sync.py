@@ -61,6 +61,7 @@ from rlbatch.rollout.server_claim import (
 )
 from rlbatch.rollout.server_http import ServerError, call
 from rlbatch.rollout.server_process import NCCL_BACKEND, TRANSFER_BACKEND, free_port
+from rlbatch.runtime.lock import pid_alive
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -272,21 +273,11 @@ def sweep_weight_files(folder: Path) -> list[Path]:
     for path in folder.glob("rlbatch-weights-*.safetensors*"):
         weights = path.with_name(path.name.removesuffix(".lock"))
         m = WEIGHT_FILE.fullmatch(weights.name)
-        if m is None or m["host"] != host or _running(int(m["pid"])) or _in_use(weights):
+        if m is None or m["host"] != host or pid_alive(int(m["pid"])) or _in_use(weights):
             continue
         path.unlink(missing_ok=True)
         removed.append(path)
     return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _push_broadcast(

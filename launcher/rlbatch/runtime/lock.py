@@ -54,14 +54,19 @@ class RunLockedError(RuntimeError):
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process of this host has ``pid`` (one of another user counts as alive)."""
+    """Whether a process of this host has ``pid`` (one of another user counts as alive, a
+    zombie as gone: it holds nothing and runs no more)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def stale_reason(holder: dict[str, Any], age_s: float, job: str | None) -> str | None:
