@@ -6,7 +6,6 @@ Runs in the driver before anything heavy is imported (no torch, no megatron here
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +15,12 @@ from rlbatch.config.evaluation_rules import check_eval
 from rlbatch.config.lengths import longest_sequence, longest_sequence_text
 from rlbatch.config.lora_rules import check_lora
 from rlbatch.config.objectives import objective_errors
+from rlbatch.config.parallel_rules import check_layout, check_world, world_size
 from rlbatch.config.schema import (
     BatchingMode,
     BatchingPassConfig,
     DataSource,
     OversizePolicy,
-    ParallelConfig,
     RolloutBackend,
     RunConfig,
     SyncFault,
@@ -70,12 +69,6 @@ def _section(key: str) -> str:
 def _in_scope(section: str, scope: frozenset[str]) -> bool:
     """``batching.train`` is in a scope that holds ``batching`` or ``batching.train``."""
     return section in scope or section.split(".", 1)[0] in scope
-
-
-def world_size(cfg: RunConfig) -> int:
-    """Workers the run needs: tp * pp * cp * dp."""
-    p = cfg.parallel
-    return p.tp * p.pp * p.cp * p.dp
 
 
 def generation_batch_size(cfg: RunConfig) -> int:
@@ -221,73 +214,6 @@ def _check_budget_fits(name: str, cfg: RunConfig, errors: list[ConfigError]) -> 
                     f"it, or set {key}.oversize=isolate or truncate",
                 )
             )
-
-
-def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    p = cfg.parallel
-    if p.vpp > 1 and p.pp < 2:
-        errors.append(
-            ConfigError("parallel.vpp", p.vpp, "interleaving needs parallel.pp > 1: set pp >= 2")
-        )
-    n = p.microbatch_group_size_per_vp_stage
-    if n is not None and n < p.pp:
-        errors.append(
-            ConfigError(
-                "parallel.microbatch_group_size_per_vp_stage", n, f"must be >= parallel.pp = {p.pp}"
-            )
-        )
-
-
-def _check_world(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """The workers the launcher starts: tp*pp*cp*dp, over nnodes."""
-    p = cfg.parallel
-    total = world_size(cfg)
-    if p.nproc_per_node is not None and p.nproc_per_node * p.nnodes != total:
-        errors.append(
-            ConfigError(
-                "parallel.nproc_per_node",
-                p.nproc_per_node,
-                f"nproc_per_node * nnodes = {p.nproc_per_node * p.nnodes} workers but "
-                f"tp*pp*cp*dp = {total}: set parallel.dp = "
-                f"{p.nproc_per_node * p.nnodes // max(1, p.tp * p.pp * p.cp)} or fix nproc_per_node",
-            )
-        )
-    if p.nproc_per_node is None and total % max(p.nnodes, 1):
-        errors.append(
-            ConfigError("parallel.nnodes", p.nnodes, f"must divide tp*pp*cp*dp = {total} workers")
-        )
-    if p.node_rank is not None and not 0 <= p.node_rank < max(p.nnodes, 1):
-        errors.append(ConfigError("parallel.node_rank", p.node_rank, "must be in [0, nnodes)"))
-    if p.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", p.run_id):
-        errors.append(
-            ConfigError("parallel.run_id", p.run_id, "use letters, digits, '.', '_', '-' only")
-        )
-    if p.nnodes > 1:
-        errors += _multi_node_errors(p)
-
-
-def _multi_node_errors(p: ParallelConfig) -> list[ConfigError]:
-    """Keys every node of a multi-node run needs (filled from SLURM's environment when given)."""
-    multi = f"multi-node (nnodes={p.nnodes}): "
-    needed = {
-        "parallel.run_id": (
-            p.run_id,
-            multi + "every node must share one run id (torchrun's --rdzv-id and the run directory "
-            "outputs/<run_id>) and no scheduler job id was found (SLURM_JOB_ID, PBS_JOBID, "
-            "LSB_JOBID): set parallel.run_id=NAME, the same on every node",
-        ),
-        "parallel.node_rank": (
-            p.node_rank,
-            multi + "not under SLURM (no SLURM_NODEID): set parallel.node_rank=0..nnodes-1 "
-            "on each node",
-        ),
-        "parallel.rdzv_endpoint": (
-            p.rdzv_endpoint,
-            multi + "not under SLURM (no SLURM_JOB_NODELIST): set "
-            "parallel.rdzv_endpoint=HOST:PORT of node 0, the same on every node",
-        ),
-    }
-    return [ConfigError(key, None, fix) for key, (value, fix) in needed.items() if value is None]
 
 
 def _check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -570,8 +496,8 @@ RULES: tuple[Rule, ...] = (
         frozenset({"batching.infer", "data", "rollout", "env"}),
         lambda c, e: _check_budget_fits("infer", c, e),
     ),
-    Rule(frozenset({"parallel"}), _check_layout),
-    Rule(frozenset({"parallel"}), _check_world),
+    Rule(frozenset({"parallel"}), check_layout),
+    Rule(frozenset({"parallel"}), check_world),
     Rule(frozenset({"model"}), _check_model_shape),
     Rule(frozenset({"model", "parallel"}), _check_model_split),
     Rule(frozenset({"debug", "grpo", "parallel", "rollout"}), _check_debug),

@@ -1,0 +1,83 @@
+"""The parallel layout's rules: interleaving and its group size, the workers the launcher starts
+over its nodes, and the keys every node of a multi-node run needs."""
+
+from __future__ import annotations
+
+import re
+
+from rlbatch.config.errors import ConfigError
+from rlbatch.config.schema import ParallelConfig, RunConfig
+
+
+def world_size(cfg: RunConfig) -> int:
+    """Workers the run needs: tp * pp * cp * dp."""
+    p = cfg.parallel
+    return p.tp * p.pp * p.cp * p.dp
+
+
+def check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Interleaving needs a pipeline; the virtual-stage group holds every stage."""
+    p = cfg.parallel
+    if p.vpp > 1 and p.pp < 2:
+        errors.append(
+            ConfigError("parallel.vpp", p.vpp, "interleaving needs parallel.pp > 1: set pp >= 2")
+        )
+    n = p.microbatch_group_size_per_vp_stage
+    if n is not None and n < p.pp:
+        errors.append(
+            ConfigError(
+                "parallel.microbatch_group_size_per_vp_stage", n, f"must be >= parallel.pp = {p.pp}"
+            )
+        )
+
+
+def check_world(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The workers the launcher starts: tp*pp*cp*dp, over nnodes."""
+    p = cfg.parallel
+    total = world_size(cfg)
+    if p.nproc_per_node is not None and p.nproc_per_node * p.nnodes != total:
+        errors.append(
+            ConfigError(
+                "parallel.nproc_per_node",
+                p.nproc_per_node,
+                f"nproc_per_node * nnodes = {p.nproc_per_node * p.nnodes} workers but "
+                f"tp*pp*cp*dp = {total}: set parallel.dp = "
+                f"{p.nproc_per_node * p.nnodes // max(1, p.tp * p.pp * p.cp)} or fix nproc_per_node",
+            )
+        )
+    if p.nproc_per_node is None and total % max(p.nnodes, 1):
+        errors.append(
+            ConfigError("parallel.nnodes", p.nnodes, f"must divide tp*pp*cp*dp = {total} workers")
+        )
+    if p.node_rank is not None and not 0 <= p.node_rank < max(p.nnodes, 1):
+        errors.append(ConfigError("parallel.node_rank", p.node_rank, "must be in [0, nnodes)"))
+    if p.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", p.run_id):
+        errors.append(
+            ConfigError("parallel.run_id", p.run_id, "use letters, digits, '.', '_', '-' only")
+        )
+    if p.nnodes > 1:
+        errors += _multi_node_errors(p)
+
+
+def _multi_node_errors(p: ParallelConfig) -> list[ConfigError]:
+    """Keys every node of a multi-node run needs (filled from SLURM's environment when given)."""
+    multi = f"multi-node (nnodes={p.nnodes}): "
+    needed = {
+        "parallel.run_id": (
+            p.run_id,
+            multi + "every node must share one run id (torchrun's --rdzv-id and the run directory "
+            "outputs/<run_id>) and no scheduler job id was found (SLURM_JOB_ID, PBS_JOBID, "
+            "LSB_JOBID): set parallel.run_id=NAME, the same on every node",
+        ),
+        "parallel.node_rank": (
+            p.node_rank,
+            multi + "not under SLURM (no SLURM_NODEID): set parallel.node_rank=0..nnodes-1 "
+            "on each node",
+        ),
+        "parallel.rdzv_endpoint": (
+            p.rdzv_endpoint,
+            multi + "not under SLURM (no SLURM_JOB_NODELIST): set "
+            "parallel.rdzv_endpoint=HOST:PORT of node 0, the same on every node",
+        ),
+    }
+    return [ConfigError(key, None, fix) for key, (value, fix) in needed.items() if value is None]
