@@ -1,5 +1,10 @@
 """Worker logging: rich on rank 0 at the configured level, warnings only on other ranks.
 
+Rich lays a record out in columns wrapped at the terminal's width; into a file or a pipe (CI,
+``| tee``, a scheduler's log) that width is a guess, and a message cut across lines defeats
+grep. There a record is one plain line instead (:func:`console_handler`, also the launcher's
+handler through conf/hydra/job_logging).
+
 Python warnings go through logging too (once per rank-0 process, never once per rank), and
 the ones every CPU run would print are silenced: they describe the expected CPU fallback; so
 are torch's and megatron-core's Future/DeprecationWarnings about their own APIs.
@@ -18,16 +23,29 @@ EXPECTED_WARNINGS = (
 )
 
 
-def setup_logging(rank: int, level: str = "INFO") -> None:
-    from rich.logging import RichHandler
+def console_handler() -> logging.Handler:
+    """Rich's handler on a terminal; elsewhere one unwrapped line a record: time, level,
+    message."""
+    import sys
 
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        rich = RichHandler(show_path=False, rich_tracebacks=False, markup=False)
+        rich.setFormatter(logging.Formatter("%(message)s"))
+        return rich
+    plain = logging.StreamHandler()
+    plain.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s %(message)s", "%H:%M:%S"))
+    return plain
+
+
+def setup_logging(rank: int, level: str = "INFO") -> None:
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     handler: logging.Handler
     if rank == 0:
-        handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False)
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler = console_handler()
         root.setLevel(level.upper())
     else:
         handler = logging.StreamHandler()
