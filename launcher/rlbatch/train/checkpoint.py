@@ -255,8 +255,11 @@ def save_checkpoint(
         if rank == 0:
             _write_meta(tmp, final, step, world_size, meta or {})
         sync()
-        names = integrity.checkpoint_files(tmp)
-        share = names[rank::world_size] if gather is not None else names if rank == 0 else []
+        # without gather nothing holds rank 0 back from committing (renaming tmp) while the
+        # others would still list it: they take no share, and do not look
+        shared = gather is not None
+        names = integrity.checkpoint_files(tmp) if shared or rank == 0 else []
+        share = names[rank::world_size] if shared else names
         entries = integrity.file_entries(tmp, share)
         shares = gather(entries) if gather is not None else [entries]
         if rank == 0:
