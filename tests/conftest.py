@@ -97,15 +97,43 @@ assert that no sandbox process is left anywhere on the host, which another file'
 running at the same moment would break, so they share one worker and run one after the other."""
 
 
+SERVER_FILES = frozenset({"test_vllm_servers.py", "test_server_sync_cli.py"})
+"""Test files that train on the session's vLLM servers (:func:`vllm_server_pool`): one unit,
+so the pool is started once, on one worker."""
+
+
+@pytest.fixture(scope="session")
+def vllm_server_pool(bin_dir, subprocess_env, tmp_path_factory):
+    """tests/vllm_pool.POOL_SIZE rlbatch-serve servers, each on its own port, started at once
+    and stopped (SIGTERM) at the end of the session; their URLs."""
+    pytest.importorskip("vllm")
+    from vllm_pool import POOL_SIZE, PROCS, free_port, serve, started_url
+
+    cwd = tmp_path_factory.mktemp("servers")
+    ports = [free_port() for _ in range(POOL_SIZE)]
+    PROCS[:] = [serve(bin_dir, subprocess_env, cwd, port) for port in ports]
+    try:
+        yield [started_url(proc, cwd, port) for proc, port in zip(PROCS, ports, strict=True)]
+    finally:
+        for proc in PROCS:
+            proc.send_signal(signal.SIGTERM)
+        for proc in PROCS:
+            proc.wait(60)
+
+
 def pytest_xdist_make_scheduler(config, log):
     """The test command's workers (``-n 2``) take whole files: a file's module-scoped fixtures
     (servers, reference runs) are made once, on one worker; the files that run sandboxes form
-    one unit (:data:`SANDBOX_FILES`), run one after the other on one worker."""
+    one unit (:data:`SANDBOX_FILES`), run one after the other on one worker, and so do the
+    files on the session's vLLM servers (:data:`SERVER_FILES`)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = str(nodeid).split("::", 1)[0]
-            return "sandbox" if Path(path).name in SANDBOX_FILES else path
+            name = Path(path).name
+            if name in SANDBOX_FILES:
+                return "sandbox"
+            return "vllm-servers" if name in SERVER_FILES else path
 
     return FileGroups(config, log)

@@ -1,6 +1,6 @@
 """Weight syncs to a rollout server are whole and current, and no failed or interrupted sync
 leaves the server broken: through the real commands (rlbatch-serve, rlbatch-train) with one
-real vLLM server shared by the module.
+real vLLM server (the first of the session's server pool, tests/vllm_pool.py).
 
 - a server of another model (layers, widths, RoPE base, norm epsilon) is refused before
   launch, naming each field;
@@ -17,20 +17,13 @@ real vLLM server shared by the module.
 from __future__ import annotations
 
 import json
-import signal
-import socket
 import subprocess
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.optional_extra]
+from vllm_pool import MODEL, SERVED_LEN, free_port
 
-MODEL = (
-    "+recipe=grpo_qwen", "model.num_attention_heads=2", "model.num_query_groups=2",
-    "rollout.vllm.kv_cache_space_gb=0.25", "rollout.vllm.max_model_len=64",
-)  # fmt: skip
-"""The tiny model with heads of width 32 (the smallest vLLM's CPU attention supports); the
-server and the trainer are composed from the same recipe and overrides."""
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.optional_extra]
 
 SMALL = (
     "grpo.global_batch_size=16", "grpo.num_generations=4", "rollout.max_new_tokens=8",
@@ -39,28 +32,11 @@ SMALL = (
 """A small step: 4 prompts x 4 samples of 8 tokens."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(bin_dir, subprocess_env, tmp_path_factory):
-    """One rlbatch-serve server for the module (stopped with SIGTERM after it)."""
-    pytest.importorskip("vllm")
-    proc = subprocess.Popen(
-        [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={_free_port()}"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env,
-        cwd=tmp_path_factory.mktemp("server"),
-    )  # fmt: skip
-    try:
-        url = proc.stdout.readline().strip()  # the URL, once /health answers
-        assert url.startswith("http://127.0.0.1:"), f"rlbatch-serve printed {url!r}"
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+def server(vllm_server_pool):
+    """The session pool's first server (the other server files train on it too: every run
+    here leaves it on-policy, a run's takeover of a dead run's label included)."""
+    return vllm_server_pool[0]
 
 
 def _train(bin_dir, env, run_dir, url, *overrides):
@@ -119,16 +95,19 @@ def test_a_server_of_another_model_is_refused_before_launch(
 def test_a_probe_longer_than_the_server_holds_is_refused_before_launch(
     server, bin_dir, subprocess_env, tmp_path
 ):
-    """rollout.servers.probe_tokens=60 on a server of 64 positions: the probe's 69 tokens
-    (8 of prompt, 60 fixed, 1 sampled) are refused before launch, naming the key and the
+    """rollout.servers.probe_tokens=152 on servers of 160 positions: the probe's 161 tokens
+    (8 of prompt, 152 fixed, 1 sampled) are refused before launch, naming the key and the
     length; vLLM would otherwise answer the first probe with HTTP 400 after the first step,
     and the run would stop as if the server had failed."""
     run_dir = tmp_path / "run"
-    proc = _train(bin_dir, subprocess_env, run_dir, server, "rollout.servers.probe_tokens=60")
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, server, f"rollout.vllm.max_model_len={SERVED_LEN}",
+        "rollout.servers.probe_tokens=152",
+    )  # fmt: skip
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "rollout.servers.probe_tokens=60: makes the probe a sequence of 69 tokens" in out, out
-    assert "rollout.servers.probe_tokens<=55" in out, out
+    assert "rollout.servers.probe_tokens=152: makes the probe a sequence of 161 tokens" in out, out
+    assert "rollout.servers.probe_tokens<=151" in out, out
     assert not (run_dir / "metrics.jsonl").exists()
 
 
@@ -173,7 +152,7 @@ def test_a_sync_fault_the_run_would_never_meet_is_refused(bin_dir, subprocess_en
     debug.fail_rank / fail_kind, which it does not use: errors naming each key, at once."""
     run_dir = tmp_path / "run"
     proc = _train(
-        bin_dir, subprocess_env, run_dir, f"http://127.0.0.1:{_free_port()}",
+        bin_dir, subprocess_env, run_dir, f"http://127.0.0.1:{free_port()}",
         "grpo.num_steps_async=1", "grpo.max_staleness=1", "debug.fail_sync=pause",
         "debug.fail_at_step=2", "debug.fail_rank=1", "debug.fail_kind=kill", "parallel.dp=2",
     )  # fmt: skip

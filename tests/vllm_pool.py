@@ -1,0 +1,67 @@
+"""The rlbatch-serve servers the server end-to-end files share (tests/conftest.py's
+``vllm_server_pool``, one per test session): starting a vLLM server costs minutes of CPU on
+this machine, and two files each starting their own at once made CI start five in parallel,
+past rlbatch-serve's start-up deadline. The files run on one xdist worker, one after the other
+(tests/conftest.py's SERVER_FILES)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+MODEL = (
+    "+recipe=grpo_qwen", "model.num_attention_heads=2", "model.num_query_groups=2",
+    "rollout.vllm.kv_cache_space_gb=0.25",
+)  # fmt: skip
+"""The tiny model with heads of width 32 (the smallest vLLM's CPU attention supports); the
+servers and the trainers are composed from the same recipe and overrides."""
+
+SERVED_LEN = 160
+"""The servers' longest sequence: a multi-turn episode of the guess-the-number recipe (same
+tiny model) fits, so its test shares the servers."""
+
+BLOCK = 32
+"""The servers' KV block: vLLM's prefix cache reuses whole blocks only, so the short rows of
+the tests reach a cached block (rollout.servers.on_update=keep) only with the smallest the
+CPU build takes (a multiple of 32)."""
+
+POOL_SIZE = 4
+"""Two servers the run tests share and two spares that the tests of a server killed mid-run
+kill (or restart)."""
+
+PROCS: list[subprocess.Popen] = []
+"""Every rlbatch-serve of the session (a test that restarts a server adds the new one); the
+pool stops each one (SIGTERM) at the end of the session."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(bin_dir: Path, env: dict[str, str], cwd: Path, port: int) -> subprocess.Popen:
+    """rlbatch-serve on ``port`` with the pool's model and lengths; it prints its URL once
+    /health answers. Its log (vLLM's output) goes to ``cwd``/serve-PORT.log, which
+    :func:`started_url` shows when the server does not come up."""
+    log = open(cwd / f"serve-{port}.log", "w")
+    with log:
+        return subprocess.Popen(
+            [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
+             f"rollout.vllm.max_model_len={SERVED_LEN}", f"rollout.vllm.block_size={BLOCK}"],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=cwd,
+            start_new_session=True,  # a process group of its own, as a shell job has
+        )  # fmt: skip
+
+
+def started_url(proc: subprocess.Popen, cwd: Path, port: int) -> str:
+    """The URL ``proc`` prints once healthy; an assertion with the tail of its log if it
+    ended first."""
+    line = proc.stdout.readline().strip()
+    if not line.startswith("http://127.0.0.1:"):
+        log = (cwd / f"serve-{port}.log").read_text(errors="replace")
+        raise AssertionError(
+            f"rlbatch-serve on port {port} printed {line!r}; its log ends:\n{log[-4000:]}"
+        )
+    return line
