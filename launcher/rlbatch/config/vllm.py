@@ -150,5 +150,6 @@ class ServersConfig:
     versions that no single policy reproduces, their behaviour log-probs the ones that sampled
     them, corrected like any staleness (grpo.rollout_correction). Also fresh rows whose prompt
     blocks are cached reuse the old KV. The cache is still dropped whenever it would hold KV
-    grpo.max_staleness versions older than the new weights. docs/rollout.md, "Rollout servers", has
-    the figures behind the default."""
+    grpo.max_staleness versions older than the new weights (metric rollout/kv_cache_age: the
+    cache's age in versions after each sync). docs/rollout.md, "Rollout servers", has the
+    figures behind the default."""

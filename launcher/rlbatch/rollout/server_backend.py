@@ -122,6 +122,8 @@ class _Servers:
         self.outstanding = dict.fromkeys(urls, 0)
         self.cache_version: Optional[int] = None
         """The policy version at which a sync last dropped the servers' prefix cache."""
+        self.synced_version: Optional[int] = None
+        """The policy version of the last sync."""
         self.group: Any = None
         """rollout.servers.transfer=broadcast: the weight group (rlbatch.rollout.server_sync)."""
         self.probe_logps: Optional[list[float]] = None
@@ -260,6 +262,7 @@ class ServerBackend:
         self._sync(drop)
         if drop:  # every process of the run follows the same rule
             self.servers.cache_version = version
+        self.servers.synced_version = version
 
     def _sync(self, drop: bool) -> None:
         self.servers.version = None
@@ -333,12 +336,18 @@ class ServerBackend:
     def figures(self) -> dict[str, float]:
         """rollout/servers_alive: the servers in this replica's pool (its first rank counts,
         the loop averages over replicas); rollout/server_resubmits: rows a server aborted and
-        this process sent again (summed over replicas)."""
-        n = float(len(self.servers.urls)) if self.leader else 0.0
-        resubmits = float(self.servers.take_resubmits()) if self.leader else 0.0
+        this process sent again (summed over replicas); rollout/kv_cache_age: how many policy
+        versions older than the last sync's the KV the servers' prefix cache may hold is
+        (rlbatch.rollout.server_cache; averaged over replicas like the pool's size)."""
+        s = self.servers
+        n = float(len(s.urls)) if self.leader else 0.0
+        resubmits = float(s.take_resubmits()) if self.leader else 0.0
+        age = 0.0
+        if self.leader and s.synced_version is not None and s.cache_version is not None:
+            age = float(s.synced_version - s.cache_version)
         return {
             "rollout/servers_alive": n, "rollout/server_pools": float(self.leader),
-            "rollout/server_resubmits": resubmits,
+            "rollout/server_resubmits": resubmits, "rollout/kv_cache_age": age,
         }  # fmt: skip
 
     def _probe(self) -> None:
