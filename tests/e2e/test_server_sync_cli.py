@@ -130,18 +130,24 @@ def test_a_probe_tolerance_below_a_bfloat16_engines_noise_is_refused_before_laun
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_resubmit_and_probe_keys_on_another_backend_are_refused(bin_dir, subprocess_env, tmp_path):
-    """rollout.servers.max_resubmits and probe_tokens on the colocated backend (no server to
-    abort a row or to probe): configuration errors naming each key, not settings ignored."""
+def test_server_keys_on_another_backend_are_refused(bin_dir, subprocess_env, tmp_path):
+    """rollout.servers' numbers (the resubmit bound, the probe's, the request deadline, the
+    concurrency, where rlbatch would start servers) on the colocated backend, which has no
+    server to start, wait for, abort a row or probe: configuration errors naming each key,
+    not settings ignored."""
     run_dir = tmp_path / "run"
+    keys = (
+        "max_resubmits=2", "probe_tokens=0", "timeout_s=5.0", "max_concurrency=8",
+        "port=9000", "start_timeout_s=60.0",
+    )  # fmt: skip
     proc = subprocess.run(
         [str(bin_dir / "rlbatch-train"), *MODEL, f"hydra.run.dir={run_dir}",
-         "rollout.servers.max_resubmits=2", "rollout.servers.probe_tokens=0"],
+         *(f"rollout.servers.{key}" for key in keys)],
         capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2, _out(proc)
     out = proc.stdout + proc.stderr
-    for key in ("max_resubmits=2", "probe_tokens=0"):
+    for key in keys:
         assert f"rollout.servers.{key}: applies to rollout.backend=vllm_server" in out, out
     assert not (run_dir / "metrics.jsonl").exists()
 
@@ -149,7 +155,8 @@ def test_resubmit_and_probe_keys_on_another_backend_are_refused(bin_dir, subproc
 def test_a_sync_fault_the_run_would_never_meet_is_refused(bin_dir, subprocess_env, tmp_path):
     """debug.fail_sync with generation overlapping training (the generation worker pushes and
     never meets debug.fail_at_step: the run would finish without the fault), and with
-    debug.fail_rank / fail_kind, which it does not use: errors naming each key, at once."""
+    debug.fail_rank / fail_kind, which it does not use: errors naming each key, at once; and a
+    debug.fail_at_step past trainer.max_steps, which no sync reaches."""
     run_dir = tmp_path / "run"
     proc = _train(
         bin_dir, subprocess_env, run_dir, f"http://127.0.0.1:{free_port()}",
@@ -161,6 +168,12 @@ def test_a_sync_fault_the_run_would_never_meet_is_refused(bin_dir, subprocess_en
     assert "debug.fail_sync=pause: faults a sync of the training process" in out, out
     assert "debug.fail_rank=1: is not used with debug.fail_sync=pause" in out, out
     assert "debug.fail_kind=kill: is not used with debug.fail_sync=pause" in out, out
+    past = _train(
+        bin_dir, subprocess_env, tmp_path / "past", f"http://127.0.0.1:{free_port()}",
+        "trainer.max_steps=2", "debug.fail_sync=pause", "debug.fail_at_step=3",
+    )  # fmt: skip
+    assert past.returncode == 2, _out(past)
+    assert "debug.fail_at_step=3: names no step of this run" in past.stdout + past.stderr
 
 
 def test_a_push_missing_a_tensor_fails_and_leaves_the_server_usable(

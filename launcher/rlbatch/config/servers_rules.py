@@ -65,11 +65,14 @@ def check_servers(
 
 
 def _check_server_only_numbers(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """The resubmit bound and the probe's settings changed on another backend, which has no
-    server to abort a row or to probe: an error rather than a setting ignored without a word."""
+    """The servers' numbers changed on another backend, which has no server to start, to wait
+    for, to abort a row or to probe: an error rather than a setting ignored without a word."""
     s, default = cfg.rollout.servers, ServersConfig()
     backend = RolloutBackend(cfg.rollout.backend).value
-    for name in ("max_resubmits", "probe_tokens", "probe_tolerance"):
+    for name in (
+        "host", "port", "devices", "start_timeout_s", "timeout_s", "max_concurrency",
+        "max_resubmits", "probe_tokens", "probe_tolerance",
+    ):  # fmt: skip
         value, unset = getattr(s, name), getattr(default, name)
         if value != unset:
             errors.append(

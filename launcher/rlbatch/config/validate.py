@@ -291,6 +291,15 @@ def _check_debug(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     "needs the step whose sync fails: set debug.fail_at_step",
                 )
             )
+        elif not 1 <= d.fail_at_step <= cfg.trainer.max_steps:
+            errors.append(  # the run would end without the fault, and a test pass for nothing
+                ConfigError(
+                    "debug.fail_at_step",
+                    d.fail_at_step,
+                    f"names no step of this run (1 to trainer.max_steps={cfg.trainer.max_steps}),"
+                    f" so debug.fail_sync={fault} would never fire: set a step in that range",
+                )
+            )
         check_sync_fault(cfg, fault, errors)
 
 
