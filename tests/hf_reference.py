@@ -195,3 +195,29 @@ def save_turn_ending_qwen2(path: Path, eos_id: int, push: float = 5.0) -> Any:
         model.model.embed_tokens.weight[eos_id] += push * u / u.norm()
     model.save_pretrained(path)
     return model
+
+
+def save_tiny_qwen3_moe(path: Path, seed: int = 0, num_layers: int = 4) -> Any:
+    """A random Qwen3MoeForCausalLM over the byte tokenizer's vocabulary (4 experts, top-2,
+    renormalised; layer 1 dense, the others sparse), router and norms perturbed so that the
+    routing is decisive and varied, saved by transformers (per-expert tensor names)."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=264, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        tie_word_embeddings=False, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
