@@ -221,3 +221,27 @@ def save_tiny_qwen3_moe(path: Path, seed: int = 0, num_layers: int = 4) -> Any:
                 p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
+
+
+def moe_reference(path: Path, rows: list[list[int]]) -> tuple[list[list[float]], float]:
+    """transformers' float64 forward of a local Qwen3-MoE directory: each row's per-token
+    log-probs, and the smallest gap between the k-th and (k+1)-th routing probability over
+    every token and sparse layer (how far the top-k is from a tie)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, experts_implementation="eager", attn_implementation="eager"
+    )
+    model = model.double().eval()
+    k = model.config.num_experts_per_tok
+    logps, margin = [], float("inf")
+    with torch.no_grad():
+        for ids in rows:
+            out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+            logp = torch.log_softmax(out.logits[0], -1)
+            logps.append(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist())
+            for router_logits in out.router_logits:
+                top = torch.softmax(router_logits, -1).topk(k + 1, dim=-1).values
+                margin = min(margin, float((top[:, k - 1] - top[:, k]).min()))
+    return logps, margin
