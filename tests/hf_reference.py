@@ -195,3 +195,53 @@ def save_turn_ending_qwen2(path: Path, eos_id: int, push: float = 5.0) -> Any:
         model.model.embed_tokens.weight[eos_id] += push * u / u.norm()
     model.save_pretrained(path)
     return model
+
+
+def save_tiny_qwen3_moe(path: Path, seed: int = 0, num_layers: int = 4) -> Any:
+    """A random Qwen3MoeForCausalLM over the byte tokenizer's vocabulary (4 experts, top-2,
+    renormalised; layer 1 dense, the others sparse), router and norms perturbed so that the
+    routing is decisive and varied, saved by transformers (per-expert tensor names)."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=264, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        tie_word_embeddings=False, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def moe_reference(path: Path, rows: list[list[int]]) -> tuple[list[list[float]], float]:
+    """transformers' float64 forward of a local Qwen3-MoE directory: each row's per-token
+    log-probs, and the smallest gap between the k-th and (k+1)-th routing probability over
+    every token and sparse layer (how far the top-k is from a tie)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, experts_implementation="eager", attn_implementation="eager"
+    )
+    model = model.double().eval()
+    k = model.config.num_experts_per_tok
+    logps, margin = [], float("inf")
+    with torch.no_grad():
+        for ids in rows:
+            out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+            logp = torch.log_softmax(out.logits[0], -1)
+            logps.append(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist())
+            for router_logits in out.router_logits:
+                top = torch.softmax(router_logits, -1).topk(k + 1, dim=-1).values
+                margin = min(margin, float((top[:, k - 1] - top[:, k]).min()))
+    return logps, margin

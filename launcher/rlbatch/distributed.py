@@ -149,6 +149,29 @@ def pipeline_stage() -> tuple[int, int, Optional[Any]]:
     )
 
 
+def expert_group() -> tuple[int, Optional[Any]]:
+    """(size, group) of this rank's expert-parallel group: the ranks whose MoE layers exchange
+    tokens by all-to-all, so that each forward of one is a forward of all; (1, None) without
+    expert parallelism."""
+    if not _megatron_ready():
+        return 1, None
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_expert_model_parallel_world_size()
+    return size, (ps.get_expert_model_parallel_group() if size > 1 else None)
+
+
+def any_in_expert_group(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the expert-parallel group (``flag`` itself
+    without expert parallelism). Every rank of the group calls."""
+    size, group = expert_group()
+    if size == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=comm_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item() > 0)
+
+
 def model_parallel_group() -> tuple[int, int, Optional[Any]]:
     """(rank in, size of, group) of this rank's model-parallel group: the tp x pp ranks that
     hold one replica of the model; (0, 1, None) without model parallelism."""

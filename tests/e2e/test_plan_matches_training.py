@@ -23,6 +23,7 @@ def _run(cmd, env, cwd):
 def _without_timing(doc):
     doc = dict(doc, stats=dict(doc["stats"]))
     doc["stats"].pop("planner_seconds")
+    doc.pop("cost_model", None)  # what rlbatch-plan adds: the cost model it balanced
     return doc
 
 

@@ -5,7 +5,13 @@ omegaconf, logging or environment reads (tests/unit/batching/test_purity.py enfo
 """
 
 from rlbatch.batching.assemble import sibling_spread
-from rlbatch.batching.cost import TOKEN_COUNT, CostModel, cost_model_for
+from rlbatch.batching.cost import (
+    TOKEN_COUNT,
+    CostModel,
+    attention_flops_per_token_pair,
+    cost_model_for,
+    linear_flops_per_token,
+)
 from rlbatch.batching.minibatch import split_mini_batches
 from rlbatch.batching.plan import MicroBatch, PassPlan, PlanStats, RankPlan
 from rlbatch.batching.planner import plan_pass
@@ -22,9 +28,11 @@ __all__ = [
     "PassPlan",
     "PlanStats",
     "RankPlan",
+    "attention_flops_per_token_pair",
     "compute_stats",
     "cost_model_for",
     "is_valid_count",
+    "linear_flops_per_token",
     "lower_bound",
     "make_workload",
     "micro_batch_cost",

@@ -1,7 +1,7 @@
 """The DP cost model: cost(L) = a*L + b*L^2 per sequence row of L computed tokens.
 
 ``a`` stands for the per-token work that grows linearly with length (QKV/output projections,
-the SwiGLU MLP, the logits); ``b`` for causal attention, quadratic in length. Derived defaults
+the SwiGLU MLP, or for an MoE layer the router and the k experts a token uses, the logits); ``b`` for causal attention, quadratic in length. Derived defaults
 are normalised so that a = 1: a cost is then measured in "linear token equivalents", and b is the
 attention share of one extra token pair.
 """
@@ -40,9 +40,23 @@ def linear_flops_per_token(model: ModelConfig) -> float:
     kv = model.num_query_groups * head_dim
     qkv = h * (q + 2 * kv)
     out = q * h
-    mlp = 3 * h * model.ffn_hidden_size  # SwiGLU: gate, up, down
     logits = h * model.vocab_size
-    return 2.0 * (model.num_layers * (qkv + out + mlp) + logits)
+    return 2.0 * (model.num_layers * (qkv + out) + mlp_multiply_adds(model) + logits)
+
+
+def mlp_multiply_adds(model: ModelConfig) -> float:
+    """Multiply-adds of every layer's MLP for one token: SwiGLU (gate, up, down) of
+    ffn_hidden_size in a dense layer; in an MoE layer (``model.num_moe_experts``, the layers
+    ``model.moe_layer_freq`` marks) the router plus the k experts the token is routed to: its
+    active parameters, not the layer's total."""
+    h = model.hidden_size
+    dense = 3 * h * model.ffn_hidden_size
+    if not model.num_moe_experts:
+        return float(model.num_layers * dense)
+    expert = 3 * h * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
+    sparse = h * model.num_moe_experts + model.moe_router_topk * expert
+    pattern = list(model.moe_layer_freq) or [1] * model.num_layers
+    return float(sum(sparse if is_moe else dense for is_moe in pattern))
 
 
 def attention_flops_per_token_pair(model: ModelConfig) -> float:

@@ -19,7 +19,9 @@ from rlbatch.batching import (
     GROUP_SIZE,
     CostModel,
     PassPlan,
+    attention_flops_per_token_pair,
     cost_model_for,
+    linear_flops_per_token,
     make_workload,
     micro_batch_cost,
     plan_pass,
@@ -83,7 +85,14 @@ def build_document(cfg: RunConfig) -> tuple[dict[str, Any], list[PassPlan], Cost
         microbatch_group_size=par.microbatch_group_size_per_vp_stage, group_size=group,
         cost=cost, seed=cfg.trainer.seed, step=1, pass_name=name,
     )  # fmt: skip
-    return plan.to_json(), [plan], cost
+    doc = plan.to_json()
+    doc["cost_model"] = {
+        "a": cost.a,
+        "b": cost.b,
+        "linear_flops_per_token": linear_flops_per_token(cfg.model),
+        "attention_flops_per_token_pair": attention_flops_per_token_pair(cfg.model),
+    }
+    return doc, [plan], cost
 
 
 def print_summary(
@@ -144,6 +153,13 @@ def print_summary(
     stats.add_row("truncated tokens", str(s.get("truncated_tokens", 0)))
     stats.add_row("filler micro-batches", str(s["fillers"]))
     stats.add_row("planner seconds", f"{s['planner_seconds']:.4f}")
+    model = doc["cost_model"]
+    active = " (MoE: router + top-k experts active)" if cfg.model.num_moe_experts else ""
+    stats.add_row(
+        "cost model a*L + b*L^2",
+        f"a={cost.a:.4g}, b={cost.b:.4g}; {model['linear_flops_per_token']:.4g} linear FLOPs "
+        f"per token{active}",
+    )
     console.print(stats)
 
 

@@ -133,6 +133,7 @@ class Architecture(str, Enum):
     qwen2 = "qwen2"
     qwen3 = "qwen3"
     llama = "llama"
+    qwen3_moe = "qwen3_moe"
 
 
 class RopeScaling(str, Enum):

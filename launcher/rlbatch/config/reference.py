@@ -36,6 +36,7 @@ multiple of `tp*cp`; `batching.*.max_tokens` at least the longest possible seque
 multi-turn runs) unless `oversize` is `isolate` or `truncate`; a multi-turn run (`env.path`)
 needs `tp = pp = cp = 1`, `rollout.kv_cache=true`, `rollout.backend=megatron` and
 `env.max_total_tokens > data.max_prompt_len`; `parallel.vpp > 1` needs `pp > 1` and `model.num_layers` divisible by `pp*vpp`;
+`parallel.ep` divides `dp*cp` and `model.num_moe_experts` and needs an MoE model (docs/engine.md, "MoE models");
 `grpo.global_batch_size` (and `generation_batch_size`) a multiple of
 `num_generations * parallel.dp`; `steps_per_generation` and `generation_batch_size` exclusive;
 `tp*pp*cp*dp` equal to `nproc_per_node * nnodes`; the aggregation's service_target_bs (the

@@ -35,8 +35,12 @@ FIXED = (
     "grpo.generation_batch_size",
     "grpo.steps_per_generation",
     "grpo.num_iterations",
+    "parallel.ep",
 )
-"""Keys (or prefixes ending in '.') a resume may not change."""
+"""Keys (or prefixes ending in '.') a resume may not change. parallel.ep: resharding a
+checkpoint across expert-parallel sizes is not supported yet (megatron's optimizer groups the
+experts' parameters by their expert-parallel layout; loading across sizes stops with a
+KeyError)."""
 CHANGEABLE = (
     "model.hf_path",
     "model.recompute",

@@ -53,6 +53,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
 from rlbatch.config.env import EnvConfig
 from rlbatch.config.evaluation import EvalConfig, EvalDataConfig  # noqa: F401
 from rlbatch.config.lora import LoraConfig, LoraInit  # noqa: F401
+from rlbatch.config.moe import MoeFields
 from rlbatch.config.objectives import ObjectiveConfig
 from rlbatch.config.rewards import (
     CodeExecConfig,
@@ -70,7 +71,7 @@ from rlbatch.config.vllm import ServersConfig, VllmConfig
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(MoeFields):
     name: str = "tiny"
     """Preset name (informational; the preset files under conf/model set the fields)."""
     num_layers: int = 2
@@ -285,6 +286,9 @@ class ParallelConfig:
     """Data-parallel size."""
     cp: int = 1
     """Context-parallel size (GPU only)."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): the experts of each layer split over ep ranks, carved
+    out of dp * cp (no extra processes); must divide dp * cp and model.num_moe_experts."""
     microbatch_group_size_per_vp_stage: Optional[int] = None
     """Megatron's N for interleaving; null = pp. The planner makes the micro-batch count valid."""
     sequence_parallel: bool = False

@@ -10,7 +10,8 @@ modes and rounds, normalization, loss aggregation, steps_per_generation, num_ste
 aggregation settings, checkpointing and the environment of a multi-turn recipe (its
 env.max_total_tokens grown to hold the twin's prompt length). It shrinks what only makes a run big: the model
 (``model=tiny_twin``: layers a multiple of pp * vpp, 4 heads in 2 query groups, the byte
-tokenizer; the recipe model's embedding tying, QKV bias and recompute copied), tp and dp to at
+tokenizer; the recipe model's embedding tying, QKV bias and recompute copied; an MoE recipe's
+twin is ``model=tiny_moe`` with the recipe's frozen router and ep within the twin's dp), tp and dp to at
 most :data:`MAX_TP` / :data:`MAX_DP` (so it fits one machine), one node, the batch (whole groups
 of ``num_generations`` on every DP rank), prompt and response lengths, and the step count. On
 CPU the parameters are fp32 (megatron's bf16 optimizer needs CUDA).
@@ -18,6 +19,7 @@ CPU the parameters are fp32 (megatron's bf16 optimizer needs CUDA).
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -77,6 +79,10 @@ def twin_overrides(cfg: RunConfig, *, cpu: bool = True) -> list[str]:
     if cfg.env.path:  # a trajectory holds the (longer) twin prompt and every turn
         per_turn = MAX_NEW_TOKENS + cfg.env.max_observation_tokens
         out.append(f"env.max_total_tokens={prompt_len + cfg.env.max_turns * per_turn}")
+    if m.num_moe_experts:  # an MoE recipe: the tiny MoE, expert parallelism within the twin's dp
+        out[0] = "model=tiny_moe"
+        out += [f"parallel.ep={math.gcd(p.ep, dp)}", "model.moe_layer_freq=[]",
+                f"model.moe_freeze_router={_value(m.moe_freeze_router)}"]  # fmt: skip
     if cpu:
         out.append("model.params_dtype=fp32")
     return out

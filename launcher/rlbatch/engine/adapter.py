@@ -61,6 +61,7 @@ def transformer_config(
         **_parallel_kwargs(parallel, microbatch_group_size),
         **_device_kwargs(model),
         **_recompute_kwargs(model),
+        **moe_kwargs(model, parallel),
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=calculate_per_token_loss,
@@ -90,6 +91,34 @@ def _architecture_kwargs(model: ModelConfig) -> dict[str, Any]:
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
     )
+
+
+def moe_kwargs(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
+    """The MoE layer (``model.num_moe_experts`` set; {} for a dense model): megatron's
+    sequential experts (the grouped GEMM needs its CUDA library), the all-to-all dispatcher
+    without permute fusion (a TE kernel), the router in fp32 with a softmax score, top-k taken
+    on the logits then softmaxed over the k (= HF's softmax, top-k, renormalise:
+    ``moe_norm_topk_prob``) or softmax over every expert then top-k (not renormalised), expert
+    parallelism ``parallel.ep`` with the experts' tensor parallelism equal to ``parallel.tp``."""
+    if not model.num_moe_experts:
+        return {}
+    kwargs: dict[str, Any] = dict(
+        num_moe_experts=model.num_moe_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_layer_freq=list(model.moe_layer_freq) or 1,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_dtype="fp32",
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not model.moe_norm_topk_prob,
+        moe_router_load_balancing_type="none" if not model.moe_aux_loss_coeff else "seq_aux_loss",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.tp,
+    )
+    return kwargs
 
 
 def _parallel_kwargs(

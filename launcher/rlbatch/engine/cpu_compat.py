@@ -27,6 +27,7 @@ The layer patches internals by module name, so it is pinned to megatron-core 0.1
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import types
@@ -63,6 +64,12 @@ PATCHED_MODULES = (
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.shared_experts",
 )
 """Megatron modules whose ``torch`` name is replaced by the proxy."""
 
@@ -99,6 +106,43 @@ def _cpu_factory(fn: Callable[..., Any]) -> Callable[..., Any]:
     return factory
 
 
+class _CpuEvent:
+    """A CUDA event on the CPU: work is synchronous, so it has always completed."""
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """A CUDA stream on the CPU (megatron's MoE all-to-all dispatcher builds a side stream for
+    its device-to-host copies, its shared experts one for overlap): one ordered stream of work,
+    so waiting and syncing are no-ops."""
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_MAIN_STREAM = _CpuStream()
+
+
 class _CudaProxy(types.SimpleNamespace):
     """``torch.cuda`` for the patched modules: device queries answer "cpu"."""
 
@@ -120,6 +164,22 @@ class _CudaProxy(types.SimpleNamespace):
     @staticmethod
     def empty_cache() -> None:
         return None
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:  # noqa: N802 - torch.cuda's name
+        return _CpuStream()
+
+    @staticmethod
+    def Event(*args: Any, **kwargs: Any) -> _CpuEvent:  # noqa: N802 - torch.cuda's name
+        return _CpuEvent()
+
+    @staticmethod
+    def current_stream(*args: Any, **kwargs: Any) -> _CpuStream:
+        return _MAIN_STREAM
+
+    @staticmethod
+    def stream(*args: Any, **kwargs: Any) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
     def get_rng_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.get_rng_state() if self._cpu_rng else torch.cuda.get_rng_state(*args, **kwargs)
@@ -293,12 +353,35 @@ def is_installed() -> bool:
     return _installed
 
 
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's router gating in fp32 / fp64 (``moe_router_dtype``) reads
+    ``moe_utils.te_general_gemm``, a name bound only when Transformer Engine imports: without
+    TE (CPU, or a GPU without it) the router's forward raises NameError. Bound to None, the
+    gating takes its own torch.mm path, in the router dtype. A no-op where TE defined it."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU. The original
+    converts only CUDA tensors, so on the CPU the all-to-all dispatcher's split sizes stay
+    tensors, which ``all_to_all_single`` refuses (it takes a list of ints; a NumPy array,
+    what the original makes of a CUDA tensor, converts). A copy, as the device-to-host copy is."""
+    if isinstance(tensor, torch.Tensor):
+        tensor = tensor.detach().clone()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
 def install() -> bool:
-    """Install the CPU layer (idempotent). Returns True when it is active, False on CUDA."""
+    """Install the CPU layer (idempotent). Returns True when it is active, False on CUDA
+    (where only the missing-TE router name is filled in)."""
     global _installed
     if _installed:
         return True
     if not needed():
+        _define_missing_te_gemm()
         return False
     check_version()
     # megatron's import-time notices about the CUDA-only extras it cannot use here
@@ -308,6 +391,9 @@ def install() -> bool:
         module = importlib.import_module(name)
         module.torch = TorchProxy(cpu_rng=name.endswith("tensor_parallel.random"))  # type: ignore[attr-defined]
 
+    _define_missing_te_gemm()
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.maybe_move_tensor_to_cpu = _host_copy  # type: ignore[attr-defined]
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[attr-defined]
     random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[attr-defined]

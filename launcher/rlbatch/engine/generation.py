@@ -92,6 +92,7 @@ def lean_decoding_supported(chunks: list[Any]) -> bool:
         and c.activation_func is F.silu
         and not c.add_bias_linear
         and not getattr(c, "qk_layernorm", False)
+        and not getattr(c, "num_moe_experts", None)
         and not c.layernorm_zero_centered_gamma
         and getattr(model, "position_embedding_type", "rope") == "rope"
         and getattr(model.rotary_pos_emb, "rotary_interleaved", False) is False
@@ -398,6 +399,19 @@ class PipelineForward:
             else:
                 _send_hidden(out)
         return logits
+
+    def idle(self) -> None:
+        """A forward whose output nobody reads, for the MoE layers' all-to-all when this
+        rank's rows have all ended and an expert-parallel peer's have not (pp = 1; one token
+        of padding, no KV cache)."""
+        assert self.pp == 1, "idle forwards need pp = 1"
+        with torch.no_grad(), lm_head.output_layer_mode([unwrap(self.chunks[0])], "last"):
+            self.chunks[0](
+                torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                _causal_mask(1, 1, 1).to(self.device),
+                runtime_gather_output=True,
+            )
 
 
 # Point-to-point hidden states between pipeline stages for generation (the sampled tokens go

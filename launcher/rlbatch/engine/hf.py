@@ -105,6 +105,34 @@ def _tp() -> tuple[int, int, Any]:
     )
 
 
+def _expert_tp() -> tuple[int, int, Any]:
+    """(rank, size, group) of the experts' tensor parallelism (megatron's expert-tp group)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return (
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
+        ps.get_expert_tensor_parallel_group(),
+    )
+
+
+def _tp_of(kind: str) -> tuple[int, int, Any]:
+    """Routed experts' tensors ('e' kinds) shard over the expert-tp group, the rest over tp."""
+    return _expert_tp() if kind.startswith("e") else _tp()
+
+
+def _first_expert(chunk_layer: Any) -> int:
+    """Global index of this rank's first routed expert of an MoE layer (ep rank * local)."""
+    return int(chunk_layer.mlp.local_expert_indices[0])
+
+
+def is_expert_tensor(hf_name: str) -> bool:
+    """An HF tensor of one routed expert (held by one expert-parallel rank)."""
+    return ".mlp.experts." in hf_name
+
+
 def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return t.chunk(size, dim=dim)[rank]
 
@@ -173,6 +201,9 @@ def _targets(chunk: Any, model_cfg: ModelConfig) -> Iterator[tuple[str, str, Any
             yield pre + "self_attention.q_layernorm.weight", "rep", attn + "q_norm.weight"
             yield pre + "self_attention.k_layernorm.weight", "rep", attn + "k_norm.weight"
         yield pre + "self_attention.linear_proj.weight", "col", attn + "o_proj.weight"
+        if hasattr(layer.mlp, "router"):
+            yield from _moe_targets(layer, pre, hf)
+            continue
         yield (
             pre + "mlp.linear_fc1.weight",
             "fc1",
@@ -186,10 +217,28 @@ def _targets(chunk: Any, model_cfg: ModelConfig) -> Iterator[tuple[str, str, Any
         yield "output_layer.weight", "row", src
 
 
+def _moe_targets(layer: Any, pre: str, hf: str) -> Iterator[tuple[str, str, Any]]:
+    """An MoE layer's router (replicated) and this rank's routed experts, each under its
+    released per-expert name (model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight, E
+    global: ep rank * local experts + local index)."""
+    yield pre + "mlp.router.weight", "rep", hf + "mlp.gate.weight"
+    first = _first_expert(layer)
+    for local in range(len(layer.mlp.experts.local_experts)):
+        mine = f"{pre}mlp.experts.local_experts.{local}."
+        theirs = f"{hf}mlp.experts.{first + local}."
+        yield (
+            mine + "linear_fc1.weight",
+            "efc1",
+            (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
+        )
+        yield mine + "linear_fc2.weight", "ecol", theirs + "down_proj.weight"
+
+
 def _shard_for(
     kind: str, src: Any, read: Callable[[str], torch.Tensor], cfg: ModelConfig, tp: tuple[int, int]
 ):
     rank, size = tp
+    kind = kind.removeprefix("e")
     if kind == "rep":
         return read(src)
     if kind == "row":
@@ -225,14 +274,13 @@ def load_hf_into(model: Any, path: str | Path) -> int:
     """Copy a local HF Qwen2 checkpoint into this rank's chunks (its tp shard, its layers).
     Returns the number of parameters loaded. Shapes are checked; a missing tensor raises."""
     weights = HFWeights(path)
-    rank, size, _ = _tp()
     loaded = 0
     for chunk in _chunks(model):
         cfg = _model_cfg_of(chunk)
         params = dict(chunk.named_parameters())
         with torch.no_grad():
             for name, kind, src in _targets(chunk, cfg):
-                value = _shard_for(kind, src, weights.get, cfg, (rank, size))
+                value = _shard_for(kind, src, weights.get, cfg, _tp_of(kind)[:2])
                 param = params[name]
                 if tuple(value.shape) != tuple(param.shape):
                     raise ValueError(
@@ -279,10 +327,11 @@ def iter_full_tensors(
     """(HF name, full tensor or gradient) of one chunk, one tensor at a time (tp shards
     gathered: collective over tp, every tp rank iterates in step). A tied model's
     ``output_layer`` is left out (the embedding is the lm head)."""
-    rank, size, group = _tp()
     params = dict(chunk.named_parameters())
     head_dim = head_dim_of(cfg)
-    for name, kind, src in _targets(chunk, cfg):
+    for name, tagged, src in _targets(chunk, cfg):
+        _, size, group = _tp_of(tagged)
+        kind = tagged.removeprefix("e")
         p = _grad_of(params[name]) if grads else _weight_of(chunk, name, params[name])
         if kind == "rep":
             yield src, p.clone()
@@ -338,18 +387,28 @@ def gather_full(model: Any, model_cfg: ModelConfig, grads: bool = False) -> dict
 def gather_to_root(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Named tensors that every model-parallel rank holds for its own part of the model (full
     over tp: ``mine`` of a tp group's ranks are equal) merged on global rank 0 ({} elsewhere):
-    the first tp / dp copy of each pipeline stage sends its share. Every rank calls."""
+    the first tp / dp copy of each pipeline stage sends its share; a routed expert's tensors
+    (held by one expert-parallel rank, on a data-parallel rank other than 0 too) come from the
+    first expert-tp / expert-dp copy. Every rank calls."""
     from megatron.core import parallel_state as ps
 
-    first_copy = not ps.model_parallel_is_initialized() or (
+    whole = not ps.model_parallel_is_initialized()
+    first_copy = whole or (
         ps.get_data_parallel_rank(with_context_parallel=True) == 0
         and ps.get_tensor_model_parallel_rank() == 0
     )
-    shares: list[Any] = [mine if first_copy else {}]
+    first_expert_copy = whole or (
+        ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+    )
+    share = {
+        k: v.cpu()
+        for k, v in mine.items()
+        if (first_expert_copy if is_expert_tensor(k) else first_copy)
+    }
+    shares: list[Any] = [share]
     if dist.is_initialized() and dist.get_world_size() > 1:  # to rank 0 only
         is_root = dist.get_rank() == 0
         shares = [None] * dist.get_world_size() if is_root else []
-        share = {k: v.cpu() for k, v in mine.items()} if first_copy else {}
         dist.gather_object(share, shares if is_root else None, dst=0)
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}

@@ -26,6 +26,7 @@ _CLASSES = {
     Architecture.qwen2: "Qwen2ForCausalLM",
     Architecture.qwen3: "Qwen3ForCausalLM",
     Architecture.llama: "LlamaForCausalLM",
+    Architecture.qwen3_moe: "Qwen3MoeForCausalLM",
 }
 _ROPE_TYPES = {
     "default": RopeScaling.none,
@@ -182,6 +183,43 @@ def _arch_checks(hf: dict[str, Any], arch: Architecture, errors: list[ConfigErro
         )
 
 
+_MOE_REFUSED = {
+    "shared_expert_intermediate_size": "shared experts (Qwen2-MoE) are not supported",
+    "first_k_dense_replace": "DeepSeek-style leading dense layers are not supported",
+    "n_shared_experts": "shared experts are not supported",
+    "moe_router_topk_scaling_factor": "a routed-weight scaling factor is not supported",
+    "routed_scaling_factor": "a routed-weight scaling factor is not supported",
+    "n_group": "group-limited routing is not supported",
+    "topk_group": "group-limited routing is not supported",
+}
+"""MoE fields of other families whose presence changes the forward: an error each when set."""
+
+
+def _moe_fields(hf: dict[str, Any], errors: list[ConfigError]) -> dict[str, Any]:
+    """Qwen3-MoE's routing fields as ModelConfig's megatron-named keys. A layer is sparse when
+    it is not in ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0 (transformers'
+    rule); config.json names the expert count ``num_experts`` (transformers 4) or
+    ``num_local_experts`` (transformers 5)."""
+    for key, why in _MOE_REFUSED.items():
+        if hf.get(key):
+            errors.append(ConfigError(key, hf[key], why))
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if not experts:
+        errors.append(ConfigError("num_experts", experts, "a qwen3_moe model needs experts"))
+        return {}
+    layers = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    return {
+        "num_moe_experts": int(experts),
+        "moe_router_topk": int(hf.get("num_experts_per_tok", 2)),
+        "moe_ffn_hidden_size": int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        "moe_layer_freq": [] if all(pattern) else pattern,
+        "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+    }
+
+
 def config_from_hf(path: str | Path) -> dict[str, Any]:
     """ModelConfig fields of a local HF Qwen2 / Qwen2.5 / Qwen3 / Llama directory. Raises
     ConfigErrors listing every unsupported field."""
@@ -203,6 +241,8 @@ def config_from_hf(path: str | Path) -> dict[str, Any]:
     heads = hf["num_attention_heads"]
     _arch_checks(hf, arch, errors)
     fields = _rope_fields(hf, errors)
+    if arch == Architecture.qwen3_moe:
+        fields.update(_moe_fields(hf, errors))
     if errors:
         raise ConfigErrors(errors)
     dtype = {"bfloat16": Dtype.bf16, "float16": Dtype.fp16}.get(
@@ -223,7 +263,7 @@ def config_from_hf(path: str | Path) -> dict[str, Any]:
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "add_qkv_bias": arch == Architecture.qwen2,
-        "qk_layernorm": arch == Architecture.qwen3,
+        "qk_layernorm": arch in (Architecture.qwen3, Architecture.qwen3_moe),
         "params_dtype": dtype,
     }
 
@@ -233,7 +273,8 @@ ARCH_FIELDS = (
     "num_query_groups", "head_dim", "vocab_size", "rope_theta", "rms_norm_eps",
     "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "rope_scaling", "rope_scaling_factor",
     "rope_original_max_position_embeddings", "rope_low_freq_factor", "rope_high_freq_factor",
-    "rope_beta_fast", "rope_beta_slow", "max_position_embeddings",
+    "rope_beta_fast", "rope_beta_slow", "max_position_embeddings", "num_moe_experts",
+    "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_norm_topk_prob",
 )  # fmt: skip
 
 
@@ -316,10 +357,28 @@ def hf_config_dict(model: ModelConfig, dtype_name: str = "float32") -> dict[str,
     }
     if arch == Architecture.qwen2 and model.head_dim is None:
         del out["head_dim"]  # Qwen2Config has no head_dim
-    if arch in (Architecture.qwen2, Architecture.qwen3):
+    if arch in (Architecture.qwen2, Architecture.qwen3, Architecture.qwen3_moe):
         out["use_sliding_window"] = False
     else:
         out.update(attention_bias=False, mlp_bias=False)
-    if arch == Architecture.qwen3:
+    if arch in (Architecture.qwen3, Architecture.qwen3_moe):
         out["attention_bias"] = False
+    if arch == Architecture.qwen3_moe:
+        out.update(_moe_dict(model))
     return out
+
+
+def _moe_dict(model: ModelConfig) -> dict[str, Any]:
+    """Qwen3MoeConfig's routing fields (the expert count under both of transformers' names)."""
+    layers = list(model.moe_layer_freq) or [1] * model.num_layers
+    return {
+        "num_experts": model.num_moe_experts,
+        "num_local_experts": model.num_moe_experts,
+        "num_experts_per_tok": model.moe_router_topk,
+        "moe_intermediate_size": model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, sparse in enumerate(layers) if not sparse],
+        "norm_topk_prob": model.moe_norm_topk_prob,
+        "router_aux_loss_coef": model.moe_aux_loss_coeff,
+        "output_router_logits": False,
+    }

@@ -368,9 +368,19 @@ def branches(chunks: Sequence[Any]) -> Iterator[tuple[int, Site, Any]]:
     for chunk in chunks:
         for layer in unwrap(chunk).decoder.layers:
             for site in SITES:
+                if not _has_submodule(layer, site.path):  # an MoE layer: no dense MLP linears
+                    continue
                 linear = layer.get_submodule(site.path)
                 if isinstance(getattr(linear, "lora", None), LoraBranch):
                     yield layer.layer_number, site, linear
+
+
+def _has_submodule(module: Any, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def has_adapters(chunks: Sequence[Any]) -> bool:

@@ -35,31 +35,59 @@ def layer_spec(config: Any, vp_stage: Optional[int] = None, *, allow_te: bool = 
     (RMSNorm) with
     rlbatch.engine.attention's THD-capable core attention and the CPU layer's RMSNorm (which,
     unlike megatron's torch norm, supports sequence parallelism) for every norm, the final one
-    included: a whole block spec for this (virtual) pipeline stage."""
+    included: a whole block spec for this (virtual) pipeline stage. An MoE model
+    (``config.num_moe_experts``) gets megatron's MoE layer (sequential experts) in the layers
+    ``config.moe_layer_freq`` marks, the dense layer elsewhere."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-
-    if allow_te and have_transformer_engine():
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    te = allow_te and have_transformer_engine()
+    if te and not config.num_moe_experts:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    if config.num_moe_experts:
+        layers = specs.get_gpt_decoder_layer_specs(
+            config, use_transformer_engine=te, normalization="RMSNorm"
+        )
+    else:
+        layers = [
+            specs.get_gpt_layer_local_spec(
+                normalization="RMSNorm", qk_layernorm=config.qk_layernorm
+            )
+        ] * config.num_layers
+    if not te:
+        for spec in {id(s): s for s in layers}.values():
+            _use_cpu_capable_modules(spec, config)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    if te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        norm: Any = TENorm
+    else:
+        from rlbatch.engine.cpu_compat import SequenceParallelRMSNorm
+
+        norm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(
+        layer_specs=layers[offset : offset + num_layers], layer_norm=norm
+    )
+
+
+def _use_cpu_capable_modules(spec: Any, config: Any) -> None:
+    """The local spec's core attention and norms replaced by rlbatch's (packed micro-batches as
+    THD; norms that support sequence parallelism)."""
     from rlbatch.engine.attention import SegmentedDotProductAttention
     from rlbatch.engine.cpu_compat import SequenceParallelRMSNorm
 
-    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
-    # packed micro-batches run as THD here too (per-sequence attention, no block mask)
     spec.submodules.self_attention.submodules.core_attention = SegmentedDotProductAttention
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     if config.qk_layernorm:  # Qwen3: per-head norms; megatron all-reduces their grads over TP
         spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(
-        layer_specs=[spec] * num_layers, layer_norm=SequenceParallelRMSNorm
-    )
 
 
 @contextlib.contextmanager
@@ -198,9 +226,23 @@ def build_model(
         chunks.append(chunk)
     # before DDP: frozen base weights get no gradient buffer and no optimizer state
     lora.attach_adapters(chunks, cfg.model, cfg.trainer.seed)
+    if cfg.model.moe_freeze_router:
+        freeze_routers(chunks)
     if wrap_ddp:
         chunks = wrap_in_ddp(chunks, cfg)
     return chunks
+
+
+def freeze_routers(chunks: list[Any]) -> int:
+    """``model.moe_freeze_router``: every MoE router's weights out of training (before DDP:
+    no gradient buffer, no optimizer state). Returns the number of router tensors frozen."""
+    frozen = 0
+    for chunk in chunks:
+        for name, param in adapter.unwrap(chunk).named_parameters():
+            if ".mlp.router." in f".{name}":
+                param.requires_grad_(False)
+                frozen += 1
+    return frozen
 
 
 def wrap_in_ddp(chunks: list[Any], cfg: RunConfig) -> list[Any]:
@@ -245,8 +287,8 @@ def num_trainable_parameters(model: list[Any]) -> int:
 
 
 def count_parameters(model: list[Any]) -> tuple[int, int]:
-    """(trainable, total) parameters of the whole model: every tensor-parallel shard and
-    pipeline stage once (a tensor replicated over tp counted on tp rank 0, the last stage's copy
+    """(trainable, total) parameters of the whole model: every tensor-parallel shard, pipeline
+    stage and routed expert once (a tensor replicated over tp counted on tp rank 0, the last stage's copy
     of a tied embedding not at all). Collective over the world: every rank calls."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -254,12 +296,17 @@ def count_parameters(model: list[Any]) -> tuple[int, int]:
     from rlbatch.distributed import all_gather_object
 
     trainable = total = 0
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-        for chunk in model:
-            for p in adapter.unwrap(chunk).parameters():
-                if getattr(p, "shared", False) or not param_is_not_tensor_parallel_duplicate(p):
-                    continue
-                total += p.numel()
-                trainable += p.numel() if p.requires_grad else 0
+    first_copy = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    first_expert_copy = ps.get_expert_data_parallel_rank() == 0
+    for chunk in model:
+        for p in adapter.unwrap(chunk).parameters():
+            if getattr(p, "shared", False) or not param_is_not_tensor_parallel_duplicate(p):
+                continue
+            # a routed expert's weights (megatron: allreduce=False) live on one expert-parallel
+            # rank, which may be any data-parallel rank
+            if not (first_copy if getattr(p, "allreduce", True) else first_expert_copy):
+                continue
+            total += p.numel()
+            trainable += p.numel() if p.requires_grad else 0
     counts = all_gather_object((trainable, total))
     return sum(c[0] for c in counts), sum(c[1] for c in counts)

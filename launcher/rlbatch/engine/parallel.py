@@ -54,6 +54,11 @@ def check_world(parallel: ParallelConfig, world_size: int) -> None:
         )
     if parallel.vpp > 1 and parallel.pp < 2:
         raise ValueError(f"parallel.vpp={parallel.vpp} needs parallel.pp > 1")
+    if (parallel.dp * parallel.cp) % parallel.ep:
+        raise ValueError(
+            f"parallel.ep={parallel.ep} must divide parallel.dp * parallel.cp = "
+            f"{parallel.dp * parallel.cp} (expert parallelism is carved out of them)"
+        )
     if parallel.cp > 1 and not torch.cuda.is_available():
         raise ValueError(f"parallel.cp={parallel.cp}: context parallelism needs CUDA (set cp=1)")
 
@@ -79,6 +84,7 @@ def initialize(cfg: RunConfig) -> ParallelLayout:
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
         context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
     )
     seed(cfg.trainer.seed)
     return current_layout()

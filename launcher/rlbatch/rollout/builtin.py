@@ -205,17 +205,24 @@ def decode_lockstep(
     out = _Outputs(params, keys.cpu(), torch.device("cpu"))
     done = torch.zeros(batch, dtype=torch.bool)
     logits = forward(tokens, 0, p_min)
-    for t in range(p_min, total):
-        new_tok, new_lp = _sample_step(logits, params, keys, out.count, pipelined)
-        active = (t >= lens) & ~done  # rows generating at position t
-        tokens[:, t] = torch.where(active, new_tok, tokens[:, t])
-        idx = torch.nonzero(active)[:, 0]
-        done[idx] |= out.add(idx, new_tok[idx], new_lp[idx], params)
-        if stats is not None:
-            stats.add(len(idx), batch)
-        if bool(done.all()):
+    t, going = p_min, True
+    while True:
+        going = going and t < total
+        if going:
+            new_tok, new_lp = _sample_step(logits, params, keys, out.count, pipelined)
+            active = (t >= lens) & ~done  # rows generating at position t
+            tokens[:, t] = torch.where(active, new_tok, tokens[:, t])
+            idx = torch.nonzero(active)[:, 0]
+            done[idx] |= out.add(idx, new_tok[idx], new_lp[idx], params)
+            if stats is not None:
+                stats.add(len(idx), batch)
+            going = not bool(done.all())
+        # MoE with expert parallelism: each forward exchanges tokens with the group's other
+        # ranks, so a rank whose rows have ended runs idle forwards while any peer decodes
+        if not distributed.any_in_expert_group(going):
             break
-        logits = forward(tokens, t, t + 1)
+        logits = forward(tokens, t, t + 1) if going else forward.idle()
+        t += 1
     return out.decoded()
 
 

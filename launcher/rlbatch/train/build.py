@@ -7,6 +7,7 @@ GRPO train step per docs/interfaces.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -187,24 +188,30 @@ def make_train_step(
         write_samples = make_sample_writer(cfg.run_dir, distributed.dp_gather_object, ps.rank)
 
     guard = adapter_guard(cfg, model)
+    from rlbatch.engine.moe_stats import ExpertLoad
+
+    expert_load = ExpertLoad(model) if cfg.model.num_moe_experts else None
 
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
         checked = check_served(batch, step) if check_served is not None else {}
         prepared = round_start(batch.round_samples) if batch.new_round else {}
         if guard is not None:
             guard.before()
-        metrics = run_train_step(
-            cfg,
-            model,
-            optimizer,
-            scheduler,
-            batch.samples,
-            step=step,
-            layout=layout,
-            reducers=reducers,
-            inject_nan=inject_nan,
-            plan_sink=None if write_plan is None else partial(write_plan, step),
-        )
+        with expert_load.recording() if expert_load else contextlib.nullcontext():
+            metrics = run_train_step(
+                cfg,
+                model,
+                optimizer,
+                scheduler,
+                batch.samples,
+                step=step,
+                layout=layout,
+                reducers=reducers,
+                inject_nan=inject_nan,
+                plan_sink=None if write_plan is None else partial(write_plan, step),
+            )
+        if expert_load is not None:
+            metrics.update(expert_load_metrics(cfg, expert_load))
         if guard is not None:
             guard.after(metrics, step)
         if write_samples is not None:
@@ -225,6 +232,23 @@ def make_train_step(
         }
 
     return train_step
+
+
+def expert_load_metrics(cfg: RunConfig, load: Any) -> dict[str, float]:
+    """The step's moe/... metrics: tokens per expert of every MoE layer, summed over the world
+    (each rank routed its own micro-batches through its own stage's layers; the max / mean
+    ratios do not change with the copies tensor parallelism adds)."""
+    import torch
+
+    from rlbatch import distributed
+    from rlbatch.engine.moe_stats import imbalance_metrics
+
+    m = cfg.model
+    counts = torch.zeros(m.num_layers, m.num_moe_experts or 0, dtype=torch.float64)
+    for index, row in load.take().items():
+        counts[index] = row
+    (counts,) = distributed.all_reduce_sum([counts], group=None)
+    return imbalance_metrics(counts)
 
 
 def adapter_guard(cfg: RunConfig, model: list[Any]) -> Any:

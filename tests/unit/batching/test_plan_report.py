@@ -44,6 +44,7 @@ def test_json_from_a_lengths_file(tmp_path: Path, capsys: pytest.CaptureFixture[
         "microbatch_group_size",
         "ranks",
         "stats",
+        "cost_model",
     }
     assert doc["mode"] == "packed" and doc["dp"] == 4 and doc["microbatch_group_size"] == 2
     for key in ("lower_bound", "padding_efficiency", "token_imbalance", "cost_imbalance",
@@ -82,6 +83,7 @@ def test_pool_json_is_one_pass_like_training(capsys: pytest.CaptureFixture[str])
         seed=cfg.trainer.seed, step=1,
     ).to_json()  # fmt: skip
     doc["stats"].pop("planner_seconds"), train["stats"].pop("planner_seconds")
+    assert doc.pop("cost_model")["b"] == cost_model_for(cfg.model, cfg.batching.train).b
     assert doc == train
 
 

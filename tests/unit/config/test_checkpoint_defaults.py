@@ -10,7 +10,9 @@ from rlbatch.config.store import list_recipes
 # Site-specific values a recipe's launch line asks the user for.
 SITE = {
     "grpo_qwen2_5_7b": ["data.path={data}", "parallel.rdzv_endpoint=node0:29500"]
-    + ["parallel.node_rank=0", "parallel.run_id=q7b"]
+    + ["parallel.node_rank=0", "parallel.run_id=q7b"],
+    "grpo_qwen3_moe": ["data.path={data}", "parallel.rdzv_endpoint=node0:29500"]
+    + ["parallel.node_rank=0", "parallel.run_id=moe"],
 }
 
 

@@ -39,6 +39,15 @@ def test_fixed_keys_are_refused_and_the_rest_listed(tmp_path):
     assert check_resume(new, ckpt) == ([], [])
 
 
+def test_the_expert_parallel_size_is_fixed():
+    """Resharding across expert-parallel sizes is not supported: refused before launch."""
+    new = RunConfig()
+    new.parallel.ep, new.parallel.dp = 2, 2
+    refused, allowed = compare(to_container(RunConfig()), to_container(new))
+    assert [k for k, _, _ in refused] == ["parallel.ep"]
+    assert [k for k, _, _ in allowed] == ["parallel.dp"]
+
+
 def test_run_ahead_keys_are_refused_and_with_partial_rollouts_the_stream_keys():
     """The checkpoint's queued rounds depend on grpo.num_steps_async and partial_rollouts; with
     partial rollouts, its stream of rows also on the staleness bound and the decode slots."""

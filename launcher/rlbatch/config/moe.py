@@ -1,0 +1,37 @@
+"""The Mixture-of-Experts keys of ``model`` (megatron-core's names), a base of ModelConfig.
+
+A model is MoE when ``model.num_moe_experts`` is set: its sparse layers replace the dense MLP
+by a router (fp32, softmax over the experts, top-k) and ``num_moe_experts`` SwiGLU experts of
+width ``moe_ffn_hidden_size``; ``moe_layer_freq`` says which layers are sparse. docs/engine.md
+("MoE models") says how each key maps onto megatron-core and onto Hugging Face's Qwen3-MoE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class MoeFields:
+    num_moe_experts: Optional[int] = None
+    """Routed experts of each MoE layer; null = a dense model (every other moe_* key unused)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (HF num_experts_per_tok)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """SwiGLU width of one routed expert (HF moe_intermediate_size); null = ffn_hidden_size."""
+    moe_layer_freq: list[int] = field(default_factory=list)
+    """Sparse and dense layers: one entry per layer, 1 = MoE, 0 = a dense MLP of
+    ffn_hidden_size (megatron's list form of moe_layer_freq); [] = every layer MoE."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (HF norm_topk_prob; Qwen3-MoE: true);
+    false = the softmax over all experts, kept as it is for the chosen k."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of a load-balancing loss added to the policy loss. Only 0 for now: megatron's
+    balance losses are statistics of each micro-batch (padding included), so their gradient
+    would depend on how the planner cuts a step; docs/engine.md ("MoE models")."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Tokens an expert takes at most, as a multiple of its fair share. Only null (dropless:
+    no token is ever dropped) for now; a capacity would drop tokens uncounted."""
+    moe_freeze_router: bool = False
+    """Keep the router weights fixed during training (no gradient, no optimizer state)."""

@@ -1,0 +1,146 @@
+"""Rules of MoE models and expert parallelism (``model.num_moe_experts``, ``model.moe_*``,
+``parallel.ep``), checked before launch with the other layout keys."""
+
+from __future__ import annotations
+
+from rlbatch.config.errors import ConfigError
+from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
+
+
+def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The expert keys fit the model and the layout; what MoE does not support yet is refused
+    with its reason (never ignored)."""
+    m, p = cfg.model, cfg.parallel
+    experts = m.num_moe_experts
+    if experts is None:
+        if p.ep != 1:
+            errors.append(
+                ConfigError(
+                    "parallel.ep", p.ep, "expert parallelism needs an MoE model "
+                    "(model.num_moe_experts): set parallel.ep=1, or choose an MoE model",
+                )
+            )  # fmt: skip
+        if Architecture(m.architecture) == Architecture.qwen3_moe:
+            errors.append(
+                ConfigError(
+                    "model.num_moe_experts", None,
+                    "model.architecture=qwen3_moe needs experts: set model.num_moe_experts",
+                )
+            )  # fmt: skip
+        return
+    _check_sizes(cfg, errors)
+    _check_unsupported(cfg, errors)
+
+
+def _check_sizes(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    m, p = cfg.model, cfg.parallel
+    experts = m.num_moe_experts or 0
+    if experts < 1:
+        errors.append(ConfigError("model.num_moe_experts", experts, "must be positive (or null)"))
+        return
+    if not 1 <= m.moe_router_topk <= experts:
+        errors.append(
+            ConfigError(
+                "model.moe_router_topk",
+                m.moe_router_topk,
+                f"must be in [1, model.num_moe_experts = {experts}]",
+            )
+        )
+    if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size < 1:
+        errors.append(
+            ConfigError("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, "must be positive")
+        )
+    pattern = list(m.moe_layer_freq)
+    if pattern and (len(pattern) != m.num_layers or set(pattern) - {0, 1}):
+        errors.append(
+            ConfigError(
+                "model.moe_layer_freq",
+                pattern,
+                f"must be [] (every layer MoE) or one 0 (dense) / 1 (MoE) per layer "
+                f"(model.num_layers = {m.num_layers})",
+            )
+        )
+    if p.ep < 1:
+        errors.append(ConfigError("parallel.ep", p.ep, "must be positive"))
+        return
+    if (p.dp * p.cp) % p.ep:
+        errors.append(
+            ConfigError(
+                "parallel.ep",
+                p.ep,
+                f"must divide parallel.dp * parallel.cp = {p.dp * p.cp}: expert parallelism is "
+                "carved out of the data-parallel ranks (it adds no processes)",
+            )
+        )
+    if experts % p.ep:
+        errors.append(
+            ConfigError(
+                "parallel.ep", p.ep, f"must divide model.num_moe_experts = {experts}"
+            )
+        )  # fmt: skip
+    if Architecture(m.architecture) != Architecture.qwen3_moe:
+        errors.append(
+            ConfigError(
+                "model.architecture",
+                Architecture(m.architecture).value,
+                "an MoE model (model.num_moe_experts set) maps onto Hugging Face's Qwen3-MoE "
+                "only: set model.architecture=qwen3_moe",
+            )
+        )
+
+
+def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    m, p = cfg.model, cfg.parallel
+    if m.moe_aux_loss_coeff != 0:
+        errors.append(
+            ConfigError(
+                "model.moe_aux_loss_coeff",
+                m.moe_aux_loss_coeff,
+                "must be 0: megatron's load-balancing losses are per-micro-batch statistics "
+                "(padding included), so their gradient would depend on how the planner cuts "
+                "a step (docs/engine.md, 'MoE models')",
+            )
+        )
+    if m.moe_expert_capacity_factor is not None:
+        errors.append(
+            ConfigError(
+                "model.moe_expert_capacity_factor",
+                m.moe_expert_capacity_factor,
+                "must be null (dropless): a capacity drops tokens, which rlbatch does not "
+                "count yet",
+            )
+        )
+    if m.lora.rank > 0:
+        errors.append(
+            ConfigError(
+                "model.lora.rank", m.lora.rank, "LoRA on MoE models is not supported yet: set 0"
+            )
+        )  # fmt: skip
+    backend = RolloutBackend(cfg.rollout.backend)
+    if backend != RolloutBackend.megatron:
+        errors.append(
+            ConfigError(
+                "rollout.backend",
+                backend.value,
+                "MoE models roll out on the built-in engine only for now (the vLLM weight "
+                "stream and megatron's dynamic engine are not verified with experts): set "
+                "rollout.backend=megatron",
+            )
+        )
+    if p.ep > 1 and p.pp > 1:
+        errors.append(
+            ConfigError(
+                "parallel.ep",
+                p.ep,
+                "with parallel.pp > 1 is not supported yet (the built-in rollout keeps the "
+                "expert-parallel ranks' forwards in step with pp = 1 only): set parallel.pp=1",
+            )
+        )
+    if p.ep > 1 and cfg.env.path:
+        errors.append(
+            ConfigError(
+                "parallel.ep",
+                p.ep,
+                "with multi-turn environments (env.path) is not supported yet: set parallel.ep=1",
+            )
+        )

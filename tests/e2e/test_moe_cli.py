@@ -1,0 +1,141 @@
+"""MoE policies through the real commands, on tiny Qwen3-MoE models: rlbatch-logprobs on a
+transformers-made checkpoint equals transformers' float64 forward at ep 1, dp 2 x ep 2 and tp 2;
+rlbatch-train at dp 2 x ep 2 learns the default task and exports every expert (transformers
+loads the export, rlbatch-logprobs at ep 2 on it equals transformers on it); training from the
+checkpoint with the router frozen leaves the routers as they were. SIGKILL + resume at dp 2 x
+ep 2: grpo_qwen3_moe's shape twin (tests/e2e/test_shape_twins.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_reference import moe_reference, save_tiny_qwen3_moe
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TOL = 1e-5
+MOE_RUN = ["+recipe=grpo_qwen", "model=tiny_moe", "parallel.dp=2", "parallel.ep=2",
+           "logging.tensorboard=false"]  # fmt: skip
+
+
+def _rows() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 259, (n,), generator=g).tolist() for n in (9, 25, 4, 17, 30, 2)]
+
+
+def _logprobs(bin_dir, env, tmp_path: Path, hf: Path, name: str, *layout: str) -> list[list]:
+    rows = _rows()
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    out = tmp_path / f"{name}.jsonl"
+    cmd = [str(bin_dir / "rlbatch-logprobs"), f"model.hf_path={hf}", f"logprobs.input={src}",
+           f"logprobs.output={out}", "model.tokenizer=bytes", *layout]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line)["token_logprobs"] for line in out.read_text().splitlines()]
+
+
+def _max_error(got: list[list], want: list[list]) -> float:
+    assert [len(g) for g in got] == [len(w) for w in want]
+    return max(
+        abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A transformers-made Qwen3-MoE (4 experts, top-2, layer 1 dense) and its float64
+    reference log-probs."""
+    path = tmp_path_factory.mktemp("moe") / "hf"
+    save_tiny_qwen3_moe(path)
+    logps, margin = moe_reference(path, _rows())
+    return path, logps, margin
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["parallel.dp=2", "parallel.ep=2"], ["parallel.tp=2"]],
+    ids=["ep1", "dp2_ep2", "tp2"],
+)
+def test_logprobs_equal_transformers(bin_dir, subprocess_env, tmp_path, checkpoint, layout):
+    hf, want, margin = checkpoint
+    got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "out", *layout)
+    # a top-k near a tie could flip between the fp32 and float64 forwards (another expert
+    # set, another log-prob): the closest the routing comes to a tie is in the message
+    error = _max_error(got, want)
+    assert error <= TOL, f"max error {error:.2e}; smallest top-k margin {margin:.2e}"
+
+
+def _train(bin_dir, env, *args, check=True):
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), *MOE_RUN, *args],
+        capture_output=True, text=True, env=env, timeout=900,
+    )  # fmt: skip
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timing = ("_s", "_seconds", "seconds", "memory_gb")
+    return [{k: v for k, v in r.items() if not (k.endswith(timing) or "per_s" in k)} for r in rows]
+
+
+def test_dp2_ep2_learns_and_exports_every_expert(bin_dir, subprocess_env, tmp_path):
+    run_dir = tmp_path / "run"
+    _train(bin_dir, subprocess_env, "trainer.max_steps=30", f"hydra.run.dir={run_dir}")
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    rewards = [r["reward_mean"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.05, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    # the expert load of every MoE layer (2 here), a max / mean ratio over 4 experts
+    loads = [[r[f"moe/load_imbalance_layer_{i}"] for i in (0, 1)] for r in records]
+    assert all(1.0 <= x <= 4.0 for row in loads for x in row)
+    assert records[0]["moe/load_imbalance_max"] == max(loads[0])
+    hf = run_dir / "hf"
+    config = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 4
+    want, _ = moe_reference(hf, _rows())  # transformers loads the export (every expert)
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    # every expert counted once, although each rank holds half of them
+    assert records[0]["trainable_params"] == sum(p.numel() for p in exported.parameters())
+    got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "export", "parallel.dp=2",
+                    "parallel.ep=2")  # fmt: skip
+    assert _max_error(got, want) <= TOL
+
+
+def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
+    bin_dir, subprocess_env, tmp_path, checkpoint
+):
+    """Training the transformers-made checkpoint (a dense layer between sparse ones) with the
+    router frozen: the routers come out as they went in, the experts trained. (SIGKILL and
+    resume at dp 2 x ep 2 run in tests/e2e/test_shape_twins.py: grpo_qwen3_moe's twin.)"""
+    hf, _, _ = checkpoint
+    ref_dir = tmp_path / "ref"
+    _train(bin_dir, subprocess_env, "trainer.max_steps=3", f"model.hf_path={hf}",
+           "model.tokenizer=bytes", "model.moe_freeze_router=true",
+           f"hydra.run.dir={ref_dir}")  # fmt: skip
+
+    from safetensors.torch import load_file
+
+    before = load_file(str(hf / "model.safetensors"))
+    after = {}
+    for shard in (ref_dir / "hf").glob("*.safetensors"):
+        after.update(load_file(str(shard)))
+    routers = [k for k in before if k.endswith("mlp.gate.weight")]
+    assert len(routers) == 3  # layers 0, 2, 3 (layer 1 is dense)
+    assert all(torch.equal(before[k], after[k]) for k in routers)
+    assert not torch.equal(before["model.layers.0.mlp.experts.3.up_proj.weight"],
+                           after["model.layers.0.mlp.experts.3.up_proj.weight"])  # fmt: skip
+    total = sum(t.numel() for t in before.values())
+    frozen = sum(before[k].numel() for k in routers)
+    assert _metrics(ref_dir)[0]["trainable_params"] == total - frozen

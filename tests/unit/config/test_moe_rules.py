@@ -1,0 +1,117 @@
+"""MoE keys and expert parallelism before launch: every error at once, each naming its key;
+Qwen3-MoE's config.json mapped onto the megatron-named keys, fields of other MoE families
+refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlbatch.config.errors import ConfigErrors
+from rlbatch.config.load import check_structure
+from rlbatch.config.validate import check
+from rlbatch.engine.hf_config import config_from_hf, hf_config_dict
+
+
+def _errors_for(overrides: list[str]) -> dict[str, str]:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=["+recipe=grpo_qwen", *overrides])
+    with pytest.raises(ConfigErrors) as info:
+        check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))
+    messages: dict[str, str] = {}
+    for e in info.value.errors:  # a key may have several errors: all of them
+        messages[e.key] = messages.get(e.key, "") + str(e) + "\n"
+    return messages
+
+
+def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
+    errors = _errors_for(
+        [
+            "model=tiny_moe", "parallel.dp=2", "parallel.ep=3", "model.moe_router_topk=9",
+            "model.moe_layer_freq=[1,0,1]", "model.moe_aux_loss_coeff=0.01",
+            "model.moe_expert_capacity_factor=1.5", "rollout.backend=vllm",
+        ]
+    )  # fmt: skip
+    assert "must divide parallel.dp * parallel.cp = 2" in errors["parallel.ep"]
+    assert "must divide model.num_moe_experts = 4" in errors["parallel.ep"]
+    assert "[1, model.num_moe_experts = 4]" in errors["model.moe_router_topk"]
+    assert "one 0 (dense) / 1 (MoE) per layer" in errors["model.moe_layer_freq"]
+    assert "planner cuts" in errors["model.moe_aux_loss_coeff"]
+    assert "dropless" in errors["model.moe_expert_capacity_factor"]
+    assert "rollout.backend=megatron" in errors["rollout.backend"]
+
+
+def test_expert_parallelism_needs_an_moe_model():
+    errors = _errors_for(["parallel.dp=2", "parallel.ep=2"])
+    assert "needs an MoE model" in errors["parallel.ep"]
+
+
+def test_the_tiny_moe_preset_at_dp2_ep2_validates():
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(
+            config_name="config",
+            overrides=["+recipe=grpo_qwen", "model=tiny_moe", "parallel.dp=2", "parallel.ep=2"],
+        )
+    run = check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))
+    assert run.model.num_moe_experts == 4 and run.parallel.ep == 2
+
+
+def _write(tmp_path, **fields):
+    base = {
+        "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "vocab_size": 264, "moe_intermediate_size": 24,
+        "num_local_experts": 8, "num_experts_per_tok": 2,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(base | fields))
+    return tmp_path
+
+
+def test_qwen3_moe_config_maps_onto_the_megatron_keys(tmp_path):
+    fields = config_from_hf(
+        _write(tmp_path, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True)
+    )
+    # transformers' rule: sparse when not in mlp_only_layers and (i + 1) % step == 0
+    assert fields["moe_layer_freq"] == [0, 1, 0, 0]
+    assert (fields["num_moe_experts"], fields["moe_router_topk"]) == (8, 2)
+    assert (fields["moe_ffn_hidden_size"], fields["ffn_hidden_size"]) == (24, 64)
+    assert fields["moe_norm_topk_prob"] is True and fields["qk_layernorm"] is True
+    assert config_from_hf(_write(tmp_path))["moe_layer_freq"] == []  # every layer sparse
+
+
+def test_fields_of_other_moe_families_are_refused_by_name(tmp_path):
+    with pytest.raises(ConfigErrors) as info:
+        config_from_hf(_write(tmp_path, shared_expert_intermediate_size=32, n_group=4))
+    keys = {e.key for e in info.value.errors}
+    assert keys == {"shared_expert_intermediate_size", "n_group"}
+
+
+def test_export_config_round_trips(tmp_path):
+    from dataclasses import replace
+
+    from rlbatch.config.schema import ModelConfig
+
+    fields = config_from_hf(_write(tmp_path, mlp_only_layers=[1], norm_topk_prob=True))
+    model = replace(ModelConfig(), **{k: v for k, v in fields.items() if k != "name"})
+    out = hf_config_dict(model)
+    assert out["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (out["mlp_only_layers"], out["num_experts"], out["moe_intermediate_size"]) == (
+        [1], 8, 24,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(out))
+    assert config_from_hf(tmp_path)["moe_layer_freq"] == fields["moe_layer_freq"]
