@@ -9,6 +9,7 @@ configuration errors before launch, all at once."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 
 import pytest
@@ -18,8 +19,19 @@ from rlbatch.engine.tokenizer import ByteTokenizer
 pytestmark = pytest.mark.e2e
 
 HARNESS = '''
+import httpx
+
+async def auth_checked(client):
+    """The endpoint refuses a call without the bearer token, and serves one with it."""
+    async with httpx.AsyncClient() as http:
+        url = str(client.base_url) + "models"
+        bare = await http.get(url)
+        signed = await http.get(url, headers={"Authorization": f"Bearer {client.api_key}"})
+    return float(bare.status_code == 401 and signed.json()["data"][0]["id"] == "policy")
+
 async def run(client, model, row):
     """Two turns (the second streamed, with a stop string); odd secrets then start over."""
+    auth = await auth_checked(client) if row["answer"] == "0" else 1.0
     messages = [{"role": "user", "content": row["prompt"]}]
     first = await client.chat.completions.create(
         model="any-name", messages=messages, max_tokens=12, temperature=0.3, logprobs=True)
@@ -33,14 +45,14 @@ async def run(client, model, row):
     if int(row["answer"]) % 2:
         await client.chat.completions.create(  # a rewritten history: a new segment
             model=model, messages=[{"role": "user", "content": "fresh " + text[:4]}])
-    return {"reward": float(len(text) % 3 == 0), "length": float(len(text))}
+    return {"reward": float(len(text) % 3 == 0), "length": float(len(text)), "auth": auth}
 '''
 
 FAULTS = """
 import asyncio
 
 async def run(client, model, row):
-    kind = int(row["answer"]) % 6
+    kind = int(row["answer"])
     if kind == 0:
         raise ValueError("broken harness")
     if kind == 1:
@@ -52,8 +64,17 @@ async def run(client, model, row):
         return 1.0
     if kind == 4:
         await asyncio.sleep(30)
-    await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
-    return 1.0
+    if kind == 5:  # past env.max_turns=3 a call is answered with no tokens
+        messages = [{"role": "user", "content": "x"}]
+        for _ in range(5):
+            out = await client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+            messages += [out.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "go on"}]
+        return float(out.choices[0].finish_reason == "length" and out.choices[0].message.content == "")
+    stream = await client.completions.create(  # token in, streamed out
+        model=model, prompt=[104, 105, 58], max_tokens=5, stream=True)
+    text = "".join([c.choices[0].text async for c in stream])
+    return {"reward": 1.0, "chars": float(len(text))}
 """
 
 
@@ -68,24 +89,31 @@ def _run(bin_dir, env, cwd, *overrides):
     )  # fmt: skip
 
 
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def agent_run(bin_dir, subprocess_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent")
     (tmp / "harness.py").write_text(HARNESS)
     run_dir = tmp / "run"
     proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", "env.harness=harness.py:run",
-                "logging.samples=true", "trainer.max_steps=2", "env.max_concurrency=3")  # fmt: skip
+                "logging.samples=true", "trainer.max_steps=2", "env.max_concurrency=3",
+                "env.agent.auth_token=s3cret", f"env.agent.port={_free_port()}")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     samples = [
         [json.loads(line) for line in (run_dir / "samples" / f"step_{s:05d}.jsonl").read_text().splitlines()]
         for s in (1, 2)
     ]  # fmt: skip
-    return proc, metrics, samples
+    return proc, metrics, samples, tmp
 
 
 def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
-    _, _, steps = agent_run
+    _, _, steps, _ = agent_run
     tok = ByteTokenizer()
     spliced = lossy = 0
     for samples in steps:
@@ -121,13 +149,15 @@ def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
 
 
 def test_rewards_splits_and_metrics(agent_run):
-    proc, metrics, steps = agent_run
+    proc, metrics, steps, _ = agent_run
     assert [r["step"] for r in metrics] == [1, 2]
     for r, samples in zip(metrics, steps, strict=True):
         odd = sum(int(s["answer"]) % 2 for s in samples)
         assert r["episode_splits"] == odd
         assert r["turns_mean"] == pytest.approx(sum(len(s["turns"]) for s in samples) / 16)
         for s in samples:
+            assert s["reward_parts"]["harness.auth"] == 1.0  # answer 0: checked against 401
+            assert s["reward_parts"]["harness.length"] >= 0.0
             assert s["env_rewards"] in ([0.0], [1.0])
             assert s["reward"] == s["env_rewards"][0]  # data.reward=none: the harness's alone
     assert "temperature=0.3 is ignored" in " ".join((proc.stderr + proc.stdout).split())
@@ -137,7 +167,7 @@ def test_rewards_splits_and_metrics(agent_run):
 def fault_run(bin_dir, subprocess_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     (tmp / "faults.py").write_text(FAULTS)
-    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(6)]
+    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(7)]
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp
 
@@ -146,8 +176,9 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
     run_dir = fault_run / "zero"
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
                 "env.harness=faults.py:run", "env.on_error=zero_reward", "data.path=rows.jsonl",
-                "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=24",
-                "env.agent.episode_timeout_s=3", "env.max_error_fraction=1.0")  # fmt: skip
+                "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=28",
+                "env.agent.episode_timeout_s=6", "env.timeout_s=1", "env.max_error_fraction=1.0",
+                "env.max_turns=3")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip
     expected = {
@@ -157,10 +188,18 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
         3: "made no call to the endpoint",
         4: "took longer than env.agent.episode_timeout_s",
     }
-    assert len(samples) == 24
+    assert len(samples) == 28
     for s in samples:
-        if s["answer"] == "5":  # the one harness that works
-            assert s["end"] == "done" and s["error"] is None
+        if s["answer"] == "5":  # the calls past env.max_turns were answered with no tokens
+            assert s["end"] == "done" and s["reward"] == 1.0 and s["num_turns"] == 3
+            assert len(s["turns"]) == 5 and s["turns"][3]["completion_ids"] == []
+            continue
+        if s["answer"] == "6":  # a completions call given token ids samples after them
+            (call,) = s["turns"]
+            assert call["prompt_ids"] == s["prompt_ids"] == [104, 105, 58]
+            assert s["response_ids"] == call["completion_ids"]
+            assert 1 <= len(call["completion_ids"]) <= 5
+            assert s["reward_parts"]["harness.chars"] >= 0
             continue
         assert s["end"] == "error" and s["reward"] == 0.0
         assert "harness" in s["error"] and "faults.py:run" in s["error"]
@@ -170,7 +209,7 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
 def test_harness_error_stops_the_run_naming_harness_and_row(fault_run, bin_dir, subprocess_env):
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={fault_run / 'raise'}",
                 "env.harness=faults.py:run", "data.path=rows.jsonl", "trainer.max_steps=1",
-                "grpo.global_batch_size=24", "env.agent.episode_timeout_s=3")  # fmt: skip
+                "grpo.global_batch_size=28", "env.agent.episode_timeout_s=3")  # fmt: skip
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
     assert "faults.py:run on sample" in out and "prompt index" in out
@@ -187,3 +226,15 @@ def test_configuration_errors_before_launch(fault_run, bin_dir, subprocess_env):
     for needle in ("env.harness", "env.path=null for a harness", "data.chat_template",
                    "grpo.num_steps_async", "env.agent.port", "is not an async function"):  # fmt: skip
         assert needle in out, needle
+
+
+def test_a_rewritten_history_stops_the_run_under_on_divergence_error(
+    agent_run, bin_dir, subprocess_env
+):
+    tmp = agent_run[3]
+    proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={tmp / 'diverge'}",
+                "env.harness=harness.py:run", "trainer.max_steps=1", "env.agent.on_divergence=error")  # fmt: skip
+    assert proc.returncode != 0
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert "call 2 of episode" in out and "env.agent.on_divergence=error" in out, out[-2000:]
+    assert "Traceback" not in out

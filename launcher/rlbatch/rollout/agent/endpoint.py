@@ -11,11 +11,14 @@ a call is :class:`rlbatch.rollout.agent.engine.AgentSession`'s.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional, Protocol
+
+log = logging.getLogger(__name__)
 
 
 class CallError(Exception):
@@ -35,6 +38,18 @@ class Served(Protocol):
         ...
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone mid-answer (its episode ended, the run is stopping) is no error of the
+        run's: no traceback on its stderr."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            log.debug("agent endpoint: a call from %s failed", client_address, exc_info=True)
+
+
 class Endpoint:
     """The HTTP server of one rank (started once, serving every round's episodes)."""
 
@@ -46,8 +61,7 @@ class Endpoint:
         class Handler(_Handler):
             owner = endpoint
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server((host, port), Handler)
         self.thread = threading.Thread(
             target=self.server.serve_forever, name="rlbatch-agent-endpoint", daemon=True
         )

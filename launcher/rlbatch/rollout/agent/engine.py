@@ -5,8 +5,9 @@ loop thread, its client pointed at the episode's address on this rank's endpoint
 (rlbatch.rollout.agent.endpoint). The endpoint's threads hand each call's prompt ids here
 (:class:`AgentSession`); the calling thread decodes them on the run's engine at the current
 weights and answers. Decoding waits until every running episode has a call waiting (or has
-ended), so which calls share a decode batch follows the harnesses' own progress, never their
-timing; each call samples from ``segment_seed(row seed, call index)``: a deterministic harness
+ended, or has worked on its own longer than env.timeout_s since its last answer), so for
+harnesses whose own work between calls stays under env.timeout_s, which calls share a decode
+batch follows the harnesses' progress, never their timing; each call samples from ``segment_seed(row seed, call index)``: a deterministic harness
 gives the same episodes again (resume included). At most env.max_concurrency episodes run at
 once; each is bounded by env.agent.episode_timeout_s.
 
@@ -66,6 +67,8 @@ class Episode:
         """A call diverged under env.agent.on_divergence=error."""
         self.waiting = 0
         """Calls waiting to be decoded."""
+        self.idle_since = time.monotonic()
+        """When it last started or had a call answered (its harness's own work since)."""
         self.lock = threading.Lock()
 
 
@@ -82,8 +85,13 @@ class AgentSession:
     """The episodes of one generate call, answered by the endpoint's threads (``answer``) and
     decoded by the generating thread (``take``)."""
 
-    def __init__(self, limits: Limits, tokenizer: Any, episodes: dict[str, Episode]) -> None:
+    def __init__(
+        self, limits: Limits, tokenizer: Any, episodes: dict[str, Episode], idle_s: float
+    ) -> None:
         self.limits, self.tokenizer, self.episodes = limits, tokenizer, episodes
+        self.idle_s = idle_s
+        """env.timeout_s: an episode whose harness works longer than this between calls is
+        not waited for (the others decode meanwhile)."""
         self.jobs: list[_Job] = []
         self.changed = threading.Condition()
         self.warned: set[str] = set()
@@ -112,7 +120,7 @@ class AgentSession:
         limit = self._max_tokens(body, len(prompt_ids))
         if index >= self.limits.max_turns or limit <= 0:
             call.reply = {"role": "assistant", "content": ""}
-            return self._reply(call, "", [], None, [])
+            return self._reply(call, "", [], "", [])
         job = _Job(ep, prompt_ids, call.seed, limit, Future())
         with self.changed:
             ep.waiting += 1
@@ -254,13 +262,18 @@ class AgentSession:
 
     # --------------------------------------------------------------- generating thread
     def take(self, running: Sequence[Episode], timeout: float) -> list[_Job]:
-        """The waiting calls once every running episode has one (or ``timeout`` passed with
-        none running without a call: [] when nothing waits)."""
-        with self.changed:
-            self.changed.wait_for(
-                lambda: bool(self.jobs) and all(ep.waiting for ep in running), timeout
+        """The waiting calls once every running episode has one or has worked longer than
+        env.timeout_s since its last answer ([] when that is not so within ``timeout``)."""
+
+        def ready() -> bool:
+            now = time.monotonic()
+            return bool(self.jobs) and all(
+                ep.waiting or now - ep.idle_since > self.idle_s for ep in running
             )
-            if not self.jobs or not all(ep.waiting for ep in running):
+
+        with self.changed:
+            self.changed.wait_for(ready, timeout)
+            if not ready():
                 return []
             jobs, self.jobs = self.jobs, []
             for job in jobs:
@@ -332,7 +345,7 @@ class AgentRolloutEngine:
         self.version = policy_version
         seeds = row_seeds(seed, len(rows))
         episodes = {f"{seed:x}-{i}": Episode(i, p, s) for i, ((_, p), s) in enumerate(zip(rows, seeds, strict=True))}  # fmt: skip
-        session = AgentSession(self.limits, self.tokenizer, episodes)
+        session = AgentSession(self.limits, self.tokenizer, episodes, self.cfg.env.timeout_s)
         self.endpoint.session = session
         try:
             outcomes = self._run(session, list(episodes.items()))
@@ -353,6 +366,7 @@ class AgentRolloutEngine:
         while queue or running:
             while queue and len(running) < env.max_concurrency:
                 key, ep = queue.pop(0)
+                ep.idle_since = time.monotonic()
                 future = self.loop.submit(self._episode(key, ep))
                 running[key] = (ep, future, time.monotonic())
             for key, (_, future, started) in list(running.items()):
@@ -375,6 +389,7 @@ class AgentRolloutEngine:
                         job.future.set_exception(err)
                     raise
                 for job, row in zip(jobs, decoded, strict=True):
+                    job.episode.idle_since = time.monotonic()
                     job.future.set_result((row, self.version))
         return [outcomes[key] for key, _ in episodes]
 
@@ -426,7 +441,6 @@ class AgentRolloutEngine:
             "num_turns": sum(1 for c in ep.calls if c.completion_ids),
             "rewards": [reward],
             "reward": reward,
-            "reward_parts": parts,
             "end": "error" if problem else "done",
             "error": problem,
             "truncated": bool(segments) and segments[-1].truncated,
@@ -437,8 +451,9 @@ class AgentRolloutEngine:
             "splits": max(0, len(segments) - 1),
             "untrained_tokens": sum(sum(s.mask) for s in segments[:-1]),
         }
+        metrics = {f"reward/harness.{k}": v for k, v in parts.items()}  # the logged parts
         if not segments:  # a failed episode with nothing sampled: one masked token, no loss
-            return Sample(ep.prompt, group, [eos], [0.0], False, version, loss_mask=[0], episode=record)  # fmt: skip
+            return Sample(ep.prompt, group, [eos], [0.0], False, version, loss_mask=[0], episode=record, metrics=metrics)  # fmt: skip
         last = segments[-1]
         record["observation_tokens"] = len(last.ids) - sum(last.mask)
         prompt = dataclasses.replace(ep.prompt, prompt_ids=tuple(last.prompt_ids))
@@ -453,6 +468,7 @@ class AgentRolloutEngine:
             loss_mask=last.mask,
             token_versions=versions,
             episode=record,
+            metrics=metrics,
         )
 
 
