@@ -63,7 +63,7 @@ async def run(client, model, row):
     if kind == 3:
         return 1.0
     if kind == 4:
-        await asyncio.sleep(30)
+        await asyncio.sleep(120)
     if kind == 5:  # past env.max_turns=3 a call is answered with no tokens
         messages = [{"role": "user", "content": "x"}]
         for _ in range(5):
@@ -89,6 +89,18 @@ def _run(bin_dir, env, cwd, *overrides):
     )  # fmt: skip
 
 
+AGENT_RUN = (
+    "env.harness=harness.py:run", "logging.samples=true", "trainer.max_steps=2",
+    "env.max_concurrency=3", "env.agent.auth_token=s3cret", "data.reward_fn=bonus.py:bonus",
+    "grpo.beta=0.02",
+)  # fmt: skip
+
+
+def _untimed(records):
+    return [{k: v for k, v in r.items() if not k.endswith(("_s", "seconds", "memory_gb")) and "per_s" not in k}
+            for r in records]  # fmt: skip
+
+
 def _free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -99,10 +111,10 @@ def _free_port():
 def agent_run(bin_dir, subprocess_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent")
     (tmp / "harness.py").write_text(HARNESS)
+    (tmp / "bonus.py").write_text("def bonus(completion):\n    return 0.25\n")
     run_dir = tmp / "run"
-    proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", "env.harness=harness.py:run",
-                "logging.samples=true", "trainer.max_steps=2", "env.max_concurrency=3",
-                "env.agent.auth_token=s3cret", f"env.agent.port={_free_port()}")  # fmt: skip
+    proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", *AGENT_RUN,
+                f"env.agent.port={_free_port()}")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     samples = [
@@ -110,6 +122,23 @@ def agent_run(bin_dir, subprocess_env, tmp_path_factory):
         for s in (1, 2)
     ]  # fmt: skip
     return proc, metrics, samples, tmp
+
+
+def test_killed_and_resumed_agent_run_continues_exactly(agent_run, bin_dir, subprocess_env):
+    """SIGKILLed during step 2 after the step-1 checkpoint, then resumed: the harness's episodes
+    (same seeds, same calls) and every metric equal the uninterrupted run's."""
+    _, expected, _, tmp = agent_run
+    run_dir = tmp / "killed"
+    common = [f"hydra.run.dir={run_dir}", *AGENT_RUN, "trainer.checkpoint.every_steps=1"]
+    killed = _run(bin_dir, subprocess_env, tmp, *common, "debug.fail_at_step=2",
+                  "debug.fail_kind=kill")  # fmt: skip
+    assert killed.returncode != 0
+    resumed = _run(bin_dir, subprocess_env, tmp, *common, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert _untimed(metrics) == _untimed(expected)
+    name = "samples/step_00002.jsonl"
+    assert (run_dir / name).read_text() == (tmp / "run" / name).read_text()
 
 
 def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
@@ -159,8 +188,16 @@ def test_rewards_splits_and_metrics(agent_run):
             assert s["reward_parts"]["harness.auth"] == 1.0  # answer 0: checked against 401
             assert s["reward_parts"]["harness.length"] >= 0.0
             assert s["env_rewards"] in ([0.0], [1.0])
-            assert s["reward"] == s["env_rewards"][0]  # data.reward=none: the harness's alone
-    assert "temperature=0.3 is ignored" in " ".join((proc.stderr + proc.stdout).split())
+            # the data reward (data.reward_fn) adds to the harness's
+            assert s["reward"] == s["env_rewards"][0] + 0.25
+            assert (
+                s["reward_parts"]["bonus"] == 0.25
+                and s["reward_parts"]["env"] == s["env_rewards"][0]
+            )
+        assert r["kl"] is not None and r["kl"] >= 0.0  # the reference pass scored the episodes
+    out = " ".join((proc.stderr + proc.stdout).split())
+    assert "temperature=0.3 is ignored" in out
+    assert "HTTP Request" not in out  # the harness clients' per-call lines stay off the run's log
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +214,7 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
                 "env.harness=faults.py:run", "env.on_error=zero_reward", "data.path=rows.jsonl",
                 "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=28",
-                "env.agent.episode_timeout_s=6", "env.timeout_s=1", "env.max_error_fraction=1.0",
+                "env.agent.episode_timeout_s=20", "env.timeout_s=1", "env.max_error_fraction=1.0",
                 "env.max_turns=3")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip

@@ -40,6 +40,9 @@ class Served(Protocol):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024
+    """Connections waiting to be accepted (socketserver's 5 refused a round's concurrent
+    episodes: the clients saw connection errors)."""
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client gone mid-answer (its episode ended, the run is stopping) is no error of the

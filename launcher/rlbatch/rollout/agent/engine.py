@@ -37,7 +37,6 @@ from rlbatch.rollout.agent.harness import episode_reward, load_harness
 from rlbatch.rollout.protocol import DecodedRow, row_seeds, segment_seed
 
 log = logging.getLogger(__name__)
-logging.getLogger("httpx").setLevel(logging.WARNING)  # the harness client's per-request lines
 
 IGNORED_SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
 
@@ -333,6 +332,8 @@ class AgentRolloutEngine:
         )
         port = env.agent.port + rank if env.agent.port else 0
         self.endpoint = Endpoint(env.agent.host, port, env.agent.auth_token)
+        for name in ("httpx", "httpx2"):  # the clients' per-call lines
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.loop = _Loop()
         self.version = -1
 
