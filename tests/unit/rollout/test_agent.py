@@ -118,3 +118,47 @@ def test_assemble_joins_extending_calls_and_splits_the_rest():
     assert second.prompt_ids == [1, 5] and second.ids == [13, 14] and second.mask == [1, 1]
     assert second.truncated
     assert json.dumps(calls[0].record())  # the episode record is plain JSON
+
+
+def _reply(**over):
+    reply = {
+        "text": "ab",
+        "ids": [97, 98, 258],
+        "logps": [-0.1, -0.2, -0.3],
+        "tokens": ["a", "b", ""],
+        "finish_reason": "stop",
+        "content": "ab",
+        "tool_calls": [],
+        "prompt_tokens": 7,
+    }
+    return {**reply, **over}
+
+
+def test_responses_parse_as_the_openai_client_reads_them():
+    """The endpoint's bodies validate as the openai package's own response types (the client's
+    parser is the reference), streamed chunks joining back to the text and the tool calls."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from rlbatch.rollout.agent.endpoint import response, stream_chunks
+
+    chat = ChatCompletion.model_validate(response("chat", {"logprobs": True}, _reply()))
+    assert chat.choices[0].message.content == "ab" and chat.usage.completion_tokens == 3
+    assert [t.logprob for t in chat.choices[0].logprobs.content] == [-0.1, -0.2, -0.3]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tools = _reply(content=None, tool_calls=[call], finish_reason="tool_calls")
+    parsed = ChatCompletion.model_validate(response("chat", {}, tools)).choices[0]
+    assert (
+        parsed.finish_reason == "tool_calls" and parsed.message.tool_calls[0].function.name == "f"
+    )
+    text = Completion.model_validate(response("completion", {"logprobs": 1}, _reply()))
+    assert text.choices[0].text == "ab" and text.choices[0].logprobs.token_logprobs[1] == -0.2
+    body = {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks("chat", body, _reply())]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "ab"
+    assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.total_tokens == 10
+    streamed = [ChatCompletionChunk.model_validate(c) for c in stream_chunks("chat", {}, tools)]
+    assert streamed[1].choices[0].delta.tool_calls[0].function.name == "f"
+    stop_cut = _reply(text="a", content="a", tokens=["a", "b"], ids=[97, 98], logps=[-0.1, -0.2])
+    pieces = stream_chunks("completion", {}, stop_cut)
+    assert "".join(c["choices"][0]["text"] for c in pieces) == "a"  # the stop string's "b" unshown
