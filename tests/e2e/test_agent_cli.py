@@ -1,19 +1,18 @@
 """Agent harnesses through the real rlbatch-train (env.harness): an openai-client harness whose
 episodes make a chat call, a streamed chat call that continues it (spliced: the first call's
 sampled ids, never re-tokenized) and, for half the rows, a call that rewrites the history (a
-split, counted); every trained token checked against the endpoint's records. Then the faults:
-a harness that raises, returns a non-number, asks n > 1, makes no call, or hangs, in one run
-under env.on_error=zero_reward; the same harness stopping the run under raise_error; and the
-configuration errors before launch, all at once."""
+split, counted); every trained token checked against the endpoint's records; the data reward,
+the reference pass and evaluation through the harness; a SIGKILLed run resumed exactly; and
+env.agent.on_divergence=error stopping the run. The faults are in test_agent_faults_cli.py."""
 
 from __future__ import annotations
 
 import json
 import socket
-import subprocess
 
 import pytest
 
+from agent_runs import train as _run
 from rlbatch.engine.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.e2e
@@ -48,51 +47,11 @@ async def run(client, model, row):
     return {"reward": float(len(text) % 3 == 0), "length": float(len(text)), "auth": auth}
 '''
 
-FAULTS = """
-import asyncio
-
-async def run(client, model, row):
-    kind = int(row["answer"])
-    if kind == 0:
-        raise ValueError("broken harness")
-    if kind == 1:
-        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
-        return "not a number"
-    if kind == 2:
-        await client.chat.completions.create(model=model, n=2, messages=[{"role": "user", "content": "x"}])
-    if kind == 3:
-        return 1.0
-    if kind == 4:
-        await asyncio.sleep(120)
-    if kind == 5:  # past env.max_turns=3 a call is answered with no tokens
-        messages = [{"role": "user", "content": "x"}]
-        for _ in range(5):
-            out = await client.chat.completions.create(model=model, messages=messages, max_tokens=2)
-            messages += [out.choices[0].message.model_dump(exclude_none=True),
-                         {"role": "user", "content": "go on"}]
-        return float(out.choices[0].finish_reason == "length" and out.choices[0].message.content == "")
-    stream = await client.completions.create(  # token in, streamed out
-        model=model, prompt=[104, 105, 58], max_tokens=5, stream=True)
-    text = "".join([c.choices[0].text async for c in stream])
-    return {"reward": 1.0, "chars": float(len(text))}
-"""
-
-
-def _run(bin_dir, env, cwd, *overrides):
-    return subprocess.run(
-        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", "logging.plot=false",
-         "logging.tensorboard=false", "trainer.checkpoint.export_hf=false", "env=default",
-         "data.chat_template=qwen", "data.max_prompt_len=192", "env.max_total_tokens=320",
-         "rollout.max_new_tokens=16", "grpo.global_batch_size=16", "grpo.num_generations=4",
-         "batching.train.max_tokens=1024", "batching.infer.max_tokens=2048", *overrides],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=600,
-    )  # fmt: skip
-
-
 AGENT_RUN = (
     "env.harness=harness.py:run", "logging.samples=true", "trainer.max_steps=2",
     "env.max_concurrency=3", "env.agent.auth_token=s3cret", "data.reward_fn=bonus.py:bonus",
-    "grpo.beta=0.02",
+    "grpo.beta=0.02", "eval.every_steps=2", "eval.data.path=held_out.jsonl", "eval.num_samples=1",
+    "eval.at_start=false", "eval.temperature=0",
 )  # fmt: skip
 
 
@@ -112,6 +71,8 @@ def agent_run(bin_dir, subprocess_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent")
     (tmp / "harness.py").write_text(HARNESS)
     (tmp / "bonus.py").write_text("def bonus(completion):\n    return 0.25\n")
+    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in (1, 2, 3, 4)]
+    (tmp / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp / "run"
     proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", *AGENT_RUN,
                 f"env.agent.port={_free_port()}")  # fmt: skip
@@ -177,6 +138,19 @@ def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
     assert lossy > 0  # some sampled bytes do not survive decode / encode: the splice kept them
 
 
+def test_evaluation_runs_the_harness(agent_run):
+    """eval.every_steps with a harness: its episodes on the held-out rows, greedy, scored by the
+    harness's reward plus the data reward."""
+    _, metrics, _, tmp = agent_run
+    assert "eval/reward_mean" in metrics[1]
+    lines = (tmp / "run" / "eval" / "step_00002.jsonl").read_text().splitlines()
+    results = [json.loads(x) for x in lines]
+    assert [r["reference"] for r in results] == ["1", "2", "3", "4"]
+    for r in results:
+        (sample,) = r["samples"]
+        assert sample["reward"] in (0.25, 1.25)  # the harness's 0 or 1, plus the 0.25 bonus
+
+
 def test_rewards_splits_and_metrics(agent_run):
     proc, metrics, steps, _ = agent_run
     assert [r["step"] for r in metrics] == [1, 2]
@@ -198,71 +172,6 @@ def test_rewards_splits_and_metrics(agent_run):
     out = " ".join((proc.stderr + proc.stdout).split())
     assert "temperature=0.3 is ignored" in out
     assert "HTTP Request" not in out  # the harness clients' per-call lines stay off the run's log
-
-
-@pytest.fixture(scope="module")
-def fault_run(bin_dir, subprocess_env, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("faults")
-    (tmp / "faults.py").write_text(FAULTS)
-    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(7)]
-    (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return tmp
-
-
-def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subprocess_env):
-    run_dir = fault_run / "zero"
-    proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
-                "env.harness=faults.py:run", "env.on_error=zero_reward", "data.path=rows.jsonl",
-                "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=28",
-                "env.agent.episode_timeout_s=20", "env.timeout_s=1", "env.max_error_fraction=1.0",
-                "env.max_turns=3")  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip
-    expected = {
-        0: "raised ValueError: broken harness",
-        1: "returned str 'not a number'",
-        2: "asked for n=2",
-        3: "made no call to the endpoint",
-        4: "took longer than env.agent.episode_timeout_s",
-    }
-    assert len(samples) == 28
-    for s in samples:
-        if s["answer"] == "5":  # the calls past env.max_turns were answered with no tokens
-            assert s["end"] == "done" and s["reward"] == 1.0 and s["num_turns"] == 3
-            assert len(s["turns"]) == 5 and s["turns"][3]["completion_ids"] == []
-            continue
-        if s["answer"] == "6":  # a completions call given token ids samples after them
-            (call,) = s["turns"]
-            assert call["prompt_ids"] == s["prompt_ids"] == [104, 105, 58]
-            assert s["response_ids"] == call["completion_ids"]
-            assert 1 <= len(call["completion_ids"]) <= 5
-            assert s["reward_parts"]["harness.chars"] >= 0
-            continue
-        assert s["end"] == "error" and s["reward"] == 0.0
-        assert "harness" in s["error"] and "faults.py:run" in s["error"]
-        assert expected[int(s["answer"])] in s["error"], s["error"]
-
-
-def test_harness_error_stops_the_run_naming_harness_and_row(fault_run, bin_dir, subprocess_env):
-    proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={fault_run / 'raise'}",
-                "env.harness=faults.py:run", "data.path=rows.jsonl", "trainer.max_steps=1",
-                "grpo.global_batch_size=28", "env.agent.episode_timeout_s=3")  # fmt: skip
-    assert proc.returncode != 0
-    out = " ".join((proc.stdout + proc.stderr).split())
-    assert "faults.py:run on sample" in out and "prompt index" in out
-    assert "Traceback" not in out
-
-
-def test_configuration_errors_before_launch(fault_run, bin_dir, subprocess_env):
-    (fault_run / "sync.py").write_text("def run(client, model, row):\n    return 1.0\n")
-    proc = _run(bin_dir, subprocess_env, fault_run, "env.harness=sync.py:run",
-                "env.path=rlbatch.env.guess_number:GuessNumber", "data.chat_template=none",
-                "grpo.num_steps_async=1", "env.agent.port=70000")  # fmt: skip
-    assert proc.returncode != 0
-    out = " ".join((proc.stdout + proc.stderr).split())
-    for needle in ("env.harness", "env.path=null for a harness", "data.chat_template",
-                   "grpo.num_steps_async", "env.agent.port", "is not an async function"):  # fmt: skip
-        assert needle in out, needle
 
 
 def test_a_rewritten_history_stops_the_run_under_on_divergence_error(

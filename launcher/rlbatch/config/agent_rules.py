@@ -3,7 +3,7 @@ rlbatch.config.validate runs :func:`check_agent`. Pure: no torch.
 
 What runs today is stated by what is refused: the built-in engine's per-row decoding
 (rollout.backend=megatron, tp = pp = cp = 1, KV cache on), rounds generated between steps (no
-generation worker, no partial-rollout stream), no evaluation during training. Each refusal
+generation worker, no partial-rollout stream). Each refusal
 names its fix.
 """
 
@@ -69,7 +69,6 @@ def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
         "rollout.kv_cache": (r.kv_cache, True),
         "grpo.num_steps_async": (g.num_steps_async, 0),
         "grpo.partial_rollouts": (g.partial_rollouts, False),
-        "eval.every_steps": (cfg.eval.every_steps, 0),
         "debug.response_length_median": (cfg.debug.response_length_median, 0),
     }
     for key, (got, wanted) in needs.items():

@@ -37,7 +37,7 @@ multi-turn runs) unless `oversize` is `isolate` or `truncate`; a multi-turn run 
 needs `tp = pp = cp = 1`, `rollout.kv_cache=true`, `rollout.backend=megatron` and
 `env.max_total_tokens > data.max_prompt_len`; an agent harness (`env.harness`, docs/agents.md)
 excludes `env.path`, needs a chat template (not `none`) and, today, the same built-in layout
-with `grpo.num_steps_async=0`, `grpo.partial_rollouts=false` and `eval.every_steps=0`; `parallel.vpp > 1` needs `pp > 1` and `model.num_layers` divisible by `pp*vpp`;
+with `grpo.num_steps_async=0` and `grpo.partial_rollouts=false`; `parallel.vpp > 1` needs `pp > 1` and `model.num_layers` divisible by `pp*vpp`;
 `grpo.global_batch_size` (and `generation_batch_size`) a multiple of
 `num_generations * parallel.dp`; `steps_per_generation` and `generation_batch_size` exclusive;
 `tp*pp*cp*dp` equal to `nproc_per_node * nnodes`; the aggregation's service_target_bs (the

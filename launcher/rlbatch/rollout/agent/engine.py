@@ -308,6 +308,20 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
 
+_ENDPOINTS: dict[tuple[str, int], Endpoint] = {}
+
+
+def shared_endpoint(host: str, port: int, token: Optional[str]) -> Endpoint:
+    """This process's endpoint at (host, port): training's engine and evaluation's share it
+    (they never generate at once), so a fixed env.agent.port is bound once."""
+    key = (host, port)
+    if port == 0 and _ENDPOINTS:
+        return next(iter(_ENDPOINTS.values()))
+    if key not in _ENDPOINTS:
+        _ENDPOINTS[key] = Endpoint(host, port, token)
+    return _ENDPOINTS[key]
+
+
 class AgentRolloutEngine:
     """The loop's RolloutEngine for env.harness (see the module docstring)."""
 
@@ -331,7 +345,7 @@ class AgentRolloutEngine:
             on_divergence=OnDivergence(env.agent.on_divergence),
         )
         port = env.agent.port + rank if env.agent.port else 0
-        self.endpoint = Endpoint(env.agent.host, port, env.agent.auth_token)
+        self.endpoint = shared_endpoint(env.agent.host, port, env.agent.auth_token)
         for name in ("httpx", "httpx2"):  # the clients' per-call lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self.loop = _Loop()
@@ -486,7 +500,7 @@ def _outcome(future: Future, late: bool, seconds: float) -> tuple[Any, Optional[
 
 
 # ------------------------------------------------------------------------------ building
-def builtin_decoder(engine: Any, temperature: float, pad_id: int) -> Any:
+def builtin_decoder(engine: Any, rollout: Any, pad_id: int) -> Any:
     """decode(prompt_ids, seeds, max_tokens, version) on the built-in engine's continuous
     batch (its live weights are the policy's current version): each call sampled from its own
     key, so its tokens are those of the same call decoded alone; a call asking fewer tokens
@@ -505,7 +519,13 @@ def builtin_decoder(engine: Any, temperature: float, pad_id: int) -> Any:
     ) -> list[DecodedRow]:
         eos = engine.params.eos_ids
         params = SamplingParams(
-            max(max_tokens), eos[0], temperature, pad_id=pad_id, extra_eos_ids=tuple(eos[1:])
+            max(max_tokens),
+            eos[0],
+            rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            pad_id=pad_id,
+            extra_eos_ids=tuple(eos[1:]),
         )
         keys = torch.cat([row_keys(s, 1) for s in seeds])
         longest = max(len(p) for p in prompt_ids) + params.max_new_tokens
@@ -524,7 +544,8 @@ def builtin_decoder(engine: Any, temperature: float, pad_id: int) -> Any:
 
 def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngine:
     """The agent engine of env.harness on the run's built-in engine (rollout.backend=megatron,
-    tp = pp = cp = 1, KV cache on: config rules refuse the rest before launch)."""
+    tp = pp = cp = 1, KV cache on: config rules refuse the rest before launch), sampling with
+    ``cfg.rollout`` (evaluation passes its own) over ``cfg.data``'s rows."""
     from rlbatch import distributed
     from rlbatch.rollout.builtin import build_rollout_engine
 
@@ -536,7 +557,7 @@ def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngi
         chunked=False,
         extra_eos_ids=tokenizer.eos_ids,
     )
-    decode = builtin_decoder(inner, cfg.rollout.temperature, tokenizer.pad_id)
+    decode = builtin_decoder(inner, cfg.rollout, tokenizer.pad_id)
     data = cfg.data
 
     def row_of(prompt: Prompt) -> dict[str, Any]:
