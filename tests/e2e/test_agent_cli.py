@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 
 import pytest
 
@@ -184,3 +185,18 @@ def test_a_rewritten_history_stops_the_run_under_on_divergence_error(
     out = " ".join((proc.stdout + proc.stderr).split())
     assert "call 2 of episode" in out and "env.agent.on_divergence=error" in out, out[-2000:]
     assert "Traceback" not in out
+
+
+def test_rlbatch_eval_runs_the_harness_on_a_checkpoint(agent_run, bin_dir, subprocess_env):
+    _, _, _, tmp = agent_run
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-eval"), str(tmp / "run"), "--json", "eval.num_samples=2",
+         "eval.temperature=1.0"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["step"] == 2 and report["metrics"]["eval/num_prompts"] == 4.0
+    for line in open(report["samples"]):
+        for sample in json.loads(line)["samples"]:
+            assert sample["reward"] in (0.25, 1.25)
