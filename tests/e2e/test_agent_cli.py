@@ -56,6 +56,12 @@ AGENT_RUN = (
 )  # fmt: skip
 
 
+QWEN_PROMPT = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\n<|im_start|>user\nguess 0-9:<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
 def _untimed(records):
     return [{k: v for k, v in r.items() if not k.endswith(("_s", "seconds", "memory_gb")) and "per_s" not in k}
             for r in records]  # fmt: skip
@@ -113,8 +119,11 @@ def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
             calls = s["turns"]
             assert 2 <= len(calls) <= 3 and s["error"] is None
             first, second = calls[0], calls[1]
-            # the same message as the data pipeline renders it (data.chat_template=qwen)
-            assert first["prompt_ids"] == tok.encode(s["prompt"])
+            # the harness's message as Qwen2.5's template renders it
+            assert first["prompt_ids"] == tok.encode(QWEN_PROMPT)
+            assert s["prompt"] == tok.decode(
+                s["prompt_ids"]
+            )  # the logged prompt is the trained one
             # the second continues the first token for token: its sampled ids, not a re-render
             history = first["prompt_ids"] + first["completion_ids"]
             assert second["spliced"] and second["prompt_ids"][: len(history)] == history

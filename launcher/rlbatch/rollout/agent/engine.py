@@ -471,7 +471,11 @@ class AgentRolloutEngine:
             return Sample(ep.prompt, group, [eos], [0.0], False, version, loss_mask=[0], episode=record, metrics=metrics)  # fmt: skip
         last = segments[-1]
         record["observation_tokens"] = len(last.ids) - sum(last.mask)
-        prompt = dataclasses.replace(ep.prompt, prompt_ids=tuple(last.prompt_ids))
+        prompt = dataclasses.replace(  # the prompt the harness sent, as logged samples show it
+            ep.prompt,
+            prompt_ids=tuple(last.prompt_ids),
+            text=self.tokenizer.decode(list(last.prompt_ids)),
+        )
         versions = [version] * len(last.ids)
         return Sample(
             prompt,
