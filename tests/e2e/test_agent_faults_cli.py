@@ -37,10 +37,15 @@ async def run(client, model, row):
             messages += [out.choices[0].message.model_dump(exclude_none=True),
                          {"role": "user", "content": "go on"}]
         return float(out.choices[0].finish_reason == "length" and out.choices[0].message.content == "")
+    try:  # ids outside the vocabulary: refused (400), the episode goes on
+        await client.completions.create(model=model, prompt=[10**6], max_tokens=1)
+        refused = 0.0
+    except Exception as err:
+        refused = float(type(err).__name__ == "BadRequestError")
     stream = await client.completions.create(  # token in, streamed out
         model=model, prompt=[104, 105, 58], max_tokens=5, stream=True)
     text = "".join([c.choices[0].text async for c in stream])
-    return {"reward": 1.0, "chars": float(len(text))}
+    return {"reward": 1.0, "chars": float(len(text)), "refused": refused}
 """
 
 
@@ -81,6 +86,7 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
             assert s["response_ids"] == call["completion_ids"]
             assert 1 <= len(call["completion_ids"]) <= 5
             assert s["reward_parts"]["harness.chars"] >= 0
+            assert s["reward_parts"]["harness.refused"] == 1.0
             continue
         assert s["end"] == "error" and s["reward"] == 0.0
         assert "harness" in s["error"] and "faults.py:run" in s["error"]

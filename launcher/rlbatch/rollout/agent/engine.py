@@ -155,12 +155,18 @@ class AgentSession:
                 if len(prompt) != 1:
                     raise CallError(400, "one prompt per call")
                 prompt = prompt[0]
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            vocab = getattr(self.tokenizer, "vocab_size", None)
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
+                if bad:
+                    raise CallError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")  # fmt: skip
                 ids = [int(t) for t in prompt]  # token in
             elif isinstance(prompt, str):
                 ids = [int(t) for t in self.tokenizer.encode(prompt)]
             else:
-                raise CallError(400, "prompt must be a string or a list of token ids")
+                raise CallError(400, "prompt must be a string or a non-empty list of token ids")
+            if not ids:
+                raise CallError(400, "the prompt has no tokens")
             return ids, False, self._diverges(ep, ids)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
