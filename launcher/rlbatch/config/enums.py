@@ -305,6 +305,21 @@ class TokenizerSource(str, Enum):
     bytes = "bytes"
 
 
+class ToolParser(str, Enum):
+    """How the agent endpoint reads tool calls from a completion (env.agent.tool_parser)."""
+
+    none = "none"
+    hermes = "hermes"
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5, Qwen3)."""
+
+
+class OnDivergence(str, Enum):
+    """What a harness call that rewrote its episode's history does (env.agent.on_divergence)."""
+
+    split = "split"  # type: ignore[assignment]  # shadows str.split; the user-facing name
+    error = "error"
+
+
 class EnvOnError(str, Enum):
     """What an exception (or a timeout, or a wrong return type) in an environment's reset / step
     does: stop the run naming the environment, sample and turn, or end that episode with

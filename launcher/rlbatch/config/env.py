@@ -9,7 +9,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rlbatch.config.enums import EnvOnError
+from rlbatch.config.enums import EnvOnError, OnDivergence, ToolParser
+
+
+@dataclass
+class AgentConfig:
+    """The OpenAI-compatible endpoint an ``env.harness`` calls (docs/agents.md)."""
+
+    host: str = "127.0.0.1"
+    """Address the endpoint binds to (0.0.0.0: harnesses in other containers or hosts)."""
+    port: int = 0
+    """Port of data-parallel rank 0's endpoint (rank r binds port + r); 0 = any free port."""
+    auth_token: Optional[str] = None
+    """Bearer token every call must carry (the harness's client is given it); null = none."""
+    tool_parser: ToolParser = ToolParser.hermes
+    """How tool calls are read from a completion's text: hermes (``<tool_call>{json}</tool_call>``,
+    Qwen2.5 / Qwen3 / Hermes), none (the text is the content)."""
+    on_divergence: OnDivergence = OnDivergence.split
+    """A call whose messages are not the episode's earlier turns (the harness rewrote or cut its
+    history): split (a new segment starts there, counted in ``agent/splits``), error (stop the
+    run naming the episode and the call)."""
+    episode_timeout_s: float = 300.0
+    """Longest one episode (the harness's run call) may take; beyond it the episode is an
+    error (env.on_error decides what that does)."""
 
 
 @dataclass
@@ -20,8 +42,16 @@ class EnvConfig:
     single-turn rollouts."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments the environment class is constructed with."""
+    harness: Optional[str] = None
+    """An agent harness by import path (``PATH.py:function`` or ``module:function``): ``async
+    def run(client, model, row)`` calling the run's OpenAI-compatible endpoint through an
+    ``openai.AsyncOpenAI`` client, returning the episode's reward (docs/agents.md). Exclusive
+    with env.path."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The endpoint env.harness calls."""
     max_turns: int = 4
-    """Assistant turns per episode; an episode still going after this many is truncated."""
+    """Assistant turns per episode; an episode still going after this many is truncated
+    (env.harness: a call past it is answered with no tokens and finish_reason=length)."""
     max_observation_tokens: int = 64
     """Tokens of one rendered observation, its chat wrapper included; a longer one has its
     content cut (the wrapper kept) to this many (``observations_cut`` metric). Must exceed the
@@ -40,3 +70,9 @@ class EnvConfig:
     max_error_fraction: float = 0.5
     """zero_reward: a step where more than this fraction of the episodes that reached the
     environment failed is a warning; a step where all of them failed stops the run."""
+
+
+def multi_turn(env: EnvConfig) -> bool:
+    """Rollouts are episodes (an environment's turns or a harness's calls), each sample bounded
+    by env.max_total_tokens rather than one prompt and one completion."""
+    return bool(env.path or env.harness)

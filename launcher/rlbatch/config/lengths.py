@@ -3,19 +3,20 @@ model length, the planner's budget): torch-free, imported by the rule modules an
 
 from __future__ import annotations
 
+from rlbatch.config.env import multi_turn
 from rlbatch.config.schema import RunConfig
 
 
 def longest_sequence(cfg: RunConfig) -> int:
     """The longest possible sample: max prompt + max new tokens (single turn), or
     env.max_total_tokens (a multi-turn trajectory)."""
-    if cfg.env.path:
+    if multi_turn(cfg.env):
         return cfg.env.max_total_tokens
     return cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
 
 
 def longest_sequence_text(cfg: RunConfig) -> str:
     """Where :func:`longest_sequence` comes from, for error messages."""
-    if cfg.env.path:
+    if multi_turn(cfg.env):
         return "env.max_total_tokens"
     return "data.max_prompt_len + rollout.max_new_tokens"

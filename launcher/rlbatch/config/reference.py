@@ -35,7 +35,9 @@ multiple of `tp*cp`; `batching.*.max_tokens` at least the longest possible seque
 (`data.max_prompt_len + rollout.max_new_tokens`, rounded; `env.max_total_tokens` for
 multi-turn runs) unless `oversize` is `isolate` or `truncate`; a multi-turn run (`env.path`)
 needs `tp = pp = cp = 1`, `rollout.kv_cache=true`, `rollout.backend=megatron` and
-`env.max_total_tokens > data.max_prompt_len`; `parallel.vpp > 1` needs `pp > 1` and `model.num_layers` divisible by `pp*vpp`;
+`env.max_total_tokens > data.max_prompt_len`; an agent harness (`env.harness`, docs/agents.md)
+excludes `env.path`, needs a chat template (not `none`) and, today, the same built-in layout
+with `grpo.num_steps_async=0` and `grpo.partial_rollouts=false`; `parallel.vpp > 1` needs `pp > 1` and `model.num_layers` divisible by `pp*vpp`;
 `parallel.ep` divides `dp*cp` and `model.num_moe_experts` and needs an MoE model (docs/engine.md, "MoE models");
 `grpo.global_batch_size` (and `generation_batch_size`) a multiple of
 `num_generations * parallel.dp`; `steps_per_generation` and `generation_batch_size` exclusive;

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlbatch.config.agent_rules import check_agent
 from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.evaluation_rules import check_eval
 from rlbatch.config.lengths import longest_sequence, longest_sequence_text
@@ -518,6 +519,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"grpo", "rollout", "parallel", "env"}), check_partial_rollouts),
     Rule(frozenset({"model", "data", "rollout", "env"}), _check_positions),
     Rule(frozenset({"env", "data", "rollout", "parallel"}), _check_env),
+    Rule(frozenset({"env", "data", "rollout", "parallel", "grpo", "eval", "debug"}), check_agent),
     Rule(
         frozenset({"model", "data", "rollout", "env", "eval"}),
         lambda c, e: check_vllm(c, e, (longest_sequence(c), longest_sequence_text(c))),

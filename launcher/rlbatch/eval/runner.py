@@ -145,7 +145,8 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]
     """(the rollout engine with the evaluation's sampling settings and data, its environment
     driver or None), in rollout.micro_batch_size prompt chunks (sequence parallelism off while
     decoding, as for training's rollouts); multi-turn through the run's environment (env.path)
-    on every backend, the driver built for the evaluation's data. Evaluation measures the
+    on every backend, the driver built for the evaluation's data (or through the agent harness
+    env.harness names, on the evaluation's rows and sampling). Evaluation measures the
     policy: the long-tailed length workload of training's rollouts
     (debug.response_length_median) stays off here.
 
@@ -157,6 +158,10 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]
 
     debug = dataclasses.replace(cfg.debug, response_length_median=0)
     sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg), data=eval_data(cfg), debug=debug)
+    if cfg.env.harness:  # the harness's episodes, sampled with the evaluation's settings
+        from rlbatch.rollout.agent.engine import build_agent_engine
+
+        return build_agent_engine(sampling, model, tokenizer), None
     driver = None
     if cfg.env.path:
         from rlbatch.rollout.turns import build_turn_driver

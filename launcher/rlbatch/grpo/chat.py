@@ -86,6 +86,25 @@ def render_template(
     )
 
 
+def render_conversation(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    special_tokens: Optional[Mapping[str, str]] = None,
+    *,
+    tools: Optional[Sequence[Mapping[str, Any]]] = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """A model's jinja chat template over whole OpenAI-style messages (tool calls, tool
+    results and the ``tools`` list passed through as transformers passes them)."""
+    extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    return _compile(template).render(
+        messages=[dict(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        **extra,
+        **(special_tokens or {}),
+    )
+
+
 def apply_chat_template(
     template: ChatTemplate, prompt: PromptContent, tokenizer: Any = None
 ) -> str:

@@ -381,7 +381,9 @@ class LCMAggregator:
             self._num_rollout_calls += 1
             out = self.stages.rollout_fn(chunk, seed)
             if len(out) != len(chunk) or any(
-                s.prompt != p for s, p in zip(out, chunk, strict=True)
+                # an agent episode's sample carries the prompt its harness sent (same row)
+                s.prompt.index != p.index
+                for s, p in zip(out, chunk, strict=True)
             ):
                 raise RuntimeError("rollout_fn must return one Sample per row, in row order")
             samples.extend(out)

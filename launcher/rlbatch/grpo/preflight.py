@@ -72,9 +72,34 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     errors += [e for e in found if str(e) not in {str(x) for x in errors}]
 
 
+def _check_harness(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """env.harness: the openai package installed, the function importable, async and callable
+    as run(client, model, row); a relative file path is made absolute for the workers."""
+    import importlib.util
+
+    from rlbatch.rollout.agent.harness import load_harness
+
+    assert cfg.env.harness
+    cfg.env.harness = _absolute_spec(cfg.env.harness)
+    if importlib.util.find_spec("openai") is None:
+        errors.append(
+            ConfigError(
+                "env.harness",
+                cfg.env.harness,
+                "needs the openai package (the harness's client): pip install 'rlbatch[agents]'",
+            )
+        )
+    try:
+        load_harness(cfg.env.harness)
+    except ValueError as err:
+        errors.append(ConfigError("env.harness", cfg.env.harness, str(err)))
+
+
 def _check_environment(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """env.path: importable, reset / step present, constructible with env.kwargs (the same
     loader as reward functions); a relative file path is made absolute for the workers."""
+    if cfg.env.harness:
+        _check_harness(cfg, errors)
     if not cfg.env.path:
         return
     from rlbatch.env.loader import check_environment

@@ -128,9 +128,13 @@ def build_engine(
 ) -> RolloutEngine:
     """The rollout engine of a run (a training run's LCM aggregator chunks, so by default no
     chunk size; evaluation chunks by rollout.micro_batch_size), multi-turn through the
-    environment env.path names when it is set."""
+    environment env.path names when it is set, or through the agent harness env.harness names."""
     from rlbatch.rollout.builtin import build_rollout_engine
 
+    if cfg.env.harness:
+        from rlbatch.rollout.agent.engine import build_agent_engine
+
+        return build_agent_engine(cfg, model, tokenizer)
     driver = None
     if cfg.env.path:
         from rlbatch.rollout.turns import build_turn_driver

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from rlbatch.config.enums import RewardKind
+from rlbatch.config.env import multi_turn
 from rlbatch.config.schema import (
     AdvantageEstimator,
     FilterGroups,
@@ -168,7 +169,7 @@ def make_train_step(
     from rlbatch.train.episodes import check_env_errors, episode_metrics, make_sample_writer
 
     names = run_component_names(cfg)
-    count_failures = bool(brought_kinds(cfg.data)) or bool(cfg.env.path)
+    count_failures = bool(brought_kinds(cfg.data)) or multi_turn(cfg.env)
     world = WorldDist()
     check_served = make_served_check(cfg, world)
 
@@ -216,7 +217,7 @@ def make_train_step(
             guard.after(metrics, step)
         if write_samples is not None:
             write_samples(step, batch.samples)
-        episodes = episode_metrics(batch.samples, world) if cfg.env.path else {}
+        episodes = episode_metrics(batch.samples, world) if multi_turn(cfg.env) else {}
         failures = failure_counts(batch.samples, world) if count_failures else {}
         if episodes:
             _warn_env(check_env_errors(episodes, batch.samples, cfg.env, step), ps.rank, warned)

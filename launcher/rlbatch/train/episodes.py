@@ -9,7 +9,10 @@ max_new_tokens), ``env_errors`` (episodes ended by an environment error under
 env.on_error=zero_reward), ``observations_cut`` (observations cut to
 env.max_observation_tokens) and ``env_episodes`` (episodes that reached their environment: at
 least one step call, or a failed reset; an episode whose every turn was cut by
-rollout.max_new_tokens never does).
+rollout.max_new_tokens never does); agent harnesses (env.harness) add ``episode_splits``
+(calls that rewrote their episode's history and started a new segment) and
+``episode_untrained_tokens`` (sampled tokens of the segments before an episode's last, which
+is the one trained today).
 
 :func:`check_env_errors` reads them after each step: a warning when more than
 env.max_error_fraction of the episodes that reached the environment failed, a stop when all of
@@ -28,7 +31,7 @@ from rlbatch.grpo.types import Sample
 
 _SUMS = (
     "samples", "turns", "env_seconds", "observation_tokens", "truncated", "errors", "cut",
-    "reached",
+    "reached", "splits", "untrained",
 )  # fmt: skip
 
 
@@ -46,6 +49,8 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         local["errors"] += ep.get("end") == "error"
         local["cut"] += ep.get("observations_cut", 0)
         local["reached"] += bool(ep.get("reached_env", False))
+        local["splits"] += ep.get("splits", 0)
+        local["untrained"] += ep.get("untrained_tokens", 0)
         turns_max = max(turns_max, ep.get("num_turns", 1))
     total = dict(zip(_SUMS, dist.all_reduce_sum([local[k] for k in _SUMS]), strict=True))
     n = max(total["samples"], 1.0)
@@ -58,6 +63,8 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         "env_errors": total["errors"],
         "observations_cut": total["cut"],
         "env_episodes": total["reached"],
+        "episode_splits": total["splits"],
+        "episode_untrained_tokens": total["untrained"],
     }
 
 

@@ -1,0 +1,84 @@
+"""The cross-field rules of agent harnesses (env.harness, env.agent.*; docs/agents.md):
+rlbatch.config.validate runs :func:`check_agent`. Pure: no torch.
+
+What runs today is stated by what is refused: the built-in engine's per-row decoding
+(rollout.backend=megatron, tp = pp = cp = 1, KV cache on), rounds generated between steps (no
+generation worker, no partial-rollout stream). Each refusal
+names its fix.
+"""
+
+from __future__ import annotations
+
+from rlbatch.config.enums import ChatTemplate, RolloutBackend
+from rlbatch.config.errors import ConfigError
+from rlbatch.config.schema import RunConfig
+
+
+def check_agent(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    env = cfg.env
+    if not env.harness:
+        return
+    if env.path:
+        errors.append(
+            ConfigError(
+                "env.path",
+                env.path,
+                f"and env.harness={env.harness} are two ways to run episodes: set one of them"
+                " (env.path=null for a harness)",
+            )
+        )
+    if ChatTemplate(cfg.data.chat_template) == ChatTemplate.none:
+        errors.append(
+            ConfigError(
+                "data.chat_template",
+                "none",
+                "renders no chat messages, and a harness sends messages: set"
+                " data.chat_template=qwen or model",
+            )
+        )
+    for key, value in (
+        ("env.max_turns", env.max_turns),
+        ("env.max_concurrency", env.max_concurrency),
+        ("env.agent.episode_timeout_s", env.agent.episode_timeout_s),
+    ):
+        if not value > 0:
+            errors.append(ConfigError(key, value, "must be > 0"))
+    if not 0 <= env.agent.port <= 65535:
+        errors.append(
+            ConfigError("env.agent.port", env.agent.port, "must be a TCP port, or 0 for any")
+        )
+    if env.max_total_tokens <= cfg.data.max_prompt_len:
+        errors.append(
+            ConfigError(
+                "env.max_total_tokens",
+                env.max_total_tokens,
+                f"leaves no room for a completion after data.max_prompt_len ="
+                f" {cfg.data.max_prompt_len}: raise it (a harness's prompt and every call)",
+            )
+        )
+    _check_layout(cfg, errors)
+
+
+def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    p, r, g = cfg.parallel, cfg.rollout, cfg.grpo
+    needs: dict[str, tuple[object, object]] = {
+        "rollout.backend": (RolloutBackend(r.backend).value, "megatron"),
+        "parallel.tp": (p.tp, 1),
+        "parallel.pp": (p.pp, 1),
+        "parallel.cp": (p.cp, 1),
+        "rollout.kv_cache": (r.kv_cache, True),
+        "grpo.num_steps_async": (g.num_steps_async, 0),
+        "grpo.partial_rollouts": (g.partial_rollouts, False),
+        "debug.response_length_median": (cfg.debug.response_length_median, 0),
+    }
+    for key, (got, wanted) in needs.items():
+        if got != wanted:
+            errors.append(
+                ConfigError(
+                    key,
+                    got,
+                    f"agent harnesses (env.harness) run on the built-in engine between"
+                    f" training steps today, which needs {key}={str(wanted).lower()}: set it,"
+                    " or env.harness=null",
+                )
+            )

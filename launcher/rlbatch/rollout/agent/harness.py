@@ -1,0 +1,56 @@
+"""Agent harnesses by import path (env.harness): loading, checking, and reading their reward.
+
+A harness is ``async def run(client, model, row)``: ``client`` an ``openai.AsyncOpenAI`` already
+pointed at the episode's address on the run's endpoint, ``model`` the name to pass (any name is
+the policy), ``row`` the dataset row (prompt, answer and every other field). It returns the
+episode's reward: a number, or a dict with ``reward`` and other numbers logged with it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+from rlbatch.env.protocol import EnvCallError
+
+
+def load_harness(spec: str) -> Any:
+    """The ``async def run(client, model, row)`` env.harness names; ValueError saying what is
+    wrong."""
+    from rlbatch.grpo.user_rewards import RewardSpecError, load_callable
+
+    try:
+        fn = load_callable(spec, what="function")
+    except RewardSpecError as err:
+        raise ValueError(str(err)) from err
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{spec} is not an async function: define it as async def run(client, model, row)")  # fmt: skip
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError as err:
+        raise ValueError(f"{spec} cannot be called as run(client, model, row): {err}") from err
+    return fn
+
+
+def episode_reward(value: Any, where: str) -> tuple[float, dict[str, float]]:
+    """(reward, extra logged parts) of what a harness returned; EnvCallError when it is not a
+    finite number or a dict with one under ``reward``."""
+    parts: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise EnvCallError(f"{where} returned a dict without 'reward': {value!r:.120}")
+        parts = {
+            str(k): float(v)
+            for k, v in value.items()
+            if k != "reward" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        value = value["reward"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise EnvCallError(
+            f"{where} returned {type(value).__name__} {value!r:.80}: return a number (the"
+            " episode's reward) or a dict with 'reward'"
+        )
+    if not math.isfinite(float(value)):
+        raise EnvCallError(f"{where} returned {value}: the reward must be finite")
+    return float(value), parts

@@ -1,0 +1,164 @@
+"""The agent endpoint's pure parts: conversations rendered as Qwen2.5 renders them, hermes tool
+calls read back, the splice's continuation (a Qwen3-style template that drops earlier turns'
+reasoning leaves the sampled turn alone), and episodes assembled into segments from token ids
+alone (the expected segments written out by hand)."""
+
+from __future__ import annotations
+
+import json
+
+from rlbatch.config.enums import ChatTemplate, ToolParser
+from rlbatch.engine.tokenizer import ByteTokenizer
+from rlbatch.rollout.agent.chat import (
+    continuation_text,
+    parse_tool_calls,
+    render,
+    same_assistant_turn,
+)
+from rlbatch.rollout.agent.episodes import Call, assemble
+
+SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant"
+
+
+def test_qwen_renders_tool_calls_and_results_as_qwen2_5_does():
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+        {"role": "tool", "tool_call_id": "c2", "content": "3"},
+    ]
+    text = render(ChatTemplate.qwen, messages, ByteTokenizer())
+    assert text == (
+        SYSTEM + ".<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n2\n</tool_response>\n<tool_response>\n3\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    tools = [{"type": "function", "function": {"name": "calc"}}]
+    with_tools = render(ChatTemplate.qwen, messages[:1], ByteTokenizer(), tools)
+    assert with_tools.startswith(SYSTEM + ".\n\n# Tools\n\n")
+    assert '\n<tools>\n{"type": "function", "function": {"name": "calc"}}\n</tools>' in with_tools
+
+
+def test_hermes_tool_calls_are_parsed_and_bad_blocks_stay_text():
+    text = 'Let me add.\n<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'
+    content, calls = parse_tool_calls(text, ToolParser.hermes, ["id0"])
+    assert content == "Let me add."
+    assert calls == [
+        {"id": "id0", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}
+    ]
+    broken = "<tool_call>{not json}</tool_call>"
+    assert parse_tool_calls(broken, ToolParser.hermes) == (broken, [])
+    assert parse_tool_calls(text, ToolParser.none) == (text, [])
+    sent = {"role": "assistant", "content": "Let me add. ", "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "calc", "arguments": '{"x":1}'}}
+    ]}  # fmt: skip
+    assert same_assistant_turn(sent, {"role": "assistant", "content": content, "tool_calls": calls})
+    assert not same_assistant_turn({**sent, "tool_calls": []}, {"content": content, "tool_calls": calls})  # fmt: skip
+
+
+def test_continuation_after_a_sampled_turn():
+    tok = ByteTokenizer()
+    added = [{"role": "user", "content": "again"}]
+    after_eos = continuation_text(ChatTemplate.qwen, tok, added, None, ended_with_eos=True)
+    assert after_eos == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    after_stop = continuation_text(ChatTemplate.qwen, tok, added, None, ended_with_eos=False)
+    assert after_stop == "<|im_end|>" + after_eos  # no EOS sampled: the template closes the turn
+
+
+class _Qwen3Like:
+    """A jinja template that drops the reasoning of assistant turns before the last user turn
+    (what Qwen3's template does), with '</s>' as its EOS."""
+
+    chat_template = (
+        "{% set last = namespace(i=0) %}{% for m in messages %}{% if m.role == 'user' %}"
+        "{% set last.i = loop.index0 %}{% endif %}{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>"
+        "{% if m.role == 'assistant' and loop.index0 < last.i %}"
+        "{{ m.content.split('</think>')[-1] }}{% else %}{{ m.content }}{% endif %}</s>"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    special_tokens = {"eos_token": "</s>"}
+
+
+def test_continuation_leaves_earlier_reasoning_to_the_sampled_ids():
+    tok = _Qwen3Like()
+    sampled = "<think>hmm</think>4"
+    history = [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": sampled}]
+    added = [{"role": "user", "content": "and 3+3"}]
+    whole = render(ChatTemplate.model, [*history, *added], tok)
+    assert "<think>" not in whole  # a re-render would lose the sampled reasoning
+    prefix = render(ChatTemplate.model, history[:1], tok)
+    assert (
+        prefix
+        + sampled
+        + continuation_text(ChatTemplate.model, tok, added, None, ended_with_eos=False)
+        == prefix + sampled + "</s><user>and 3+3</s><assistant>"
+    )
+    assert continuation_text(ChatTemplate.model, tok, added, None, True) == "<user>and 3+3</s><assistant>"  # fmt: skip
+
+
+def _call(i, prompt, completion, finish="stop"):
+    return Call(i, prompt, completion, [-0.5 - t for t in range(len(completion))], 3, finish, 0)
+
+
+def test_assemble_joins_extending_calls_and_splits_the_rest():
+    calls = [
+        _call(0, [1, 2], [10, 11]),
+        _call(1, [1, 2, 10, 11, 20, 21], [12]),  # extends: 20, 21 masked
+        _call(2, [1, 2, 10, 11, 20, 21, 12], []),  # answered with no tokens (max_turns)
+        _call(3, [1, 5], [13, 14], "length"),  # rewritten: a new segment
+    ]
+    first, second = assemble(calls)
+    assert first.prompt_ids == [1, 2]
+    assert first.ids == [10, 11, 20, 21, 12] and first.mask == [1, 1, 0, 0, 1]
+    assert first.logps == [-0.5, -1.5, 0.0, 0.0, -0.5]
+    assert first.calls == [0, 1] and not first.truncated
+    assert second.prompt_ids == [1, 5] and second.ids == [13, 14] and second.mask == [1, 1]
+    assert second.truncated
+    assert json.dumps(calls[0].record())  # the episode record is plain JSON
+
+
+def _reply(**over):
+    reply = {
+        "text": "ab",
+        "ids": [97, 98, 258],
+        "logps": [-0.1, -0.2, -0.3],
+        "tokens": ["a", "b", ""],
+        "finish_reason": "stop",
+        "content": "ab",
+        "tool_calls": [],
+        "prompt_tokens": 7,
+    }
+    return {**reply, **over}
+
+
+def test_responses_parse_as_the_openai_client_reads_them():
+    """The endpoint's bodies validate as the openai package's own response types (the client's
+    parser is the reference), streamed chunks joining back to the text and the tool calls."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from rlbatch.rollout.agent.endpoint import response, stream_chunks
+
+    chat = ChatCompletion.model_validate(response("chat", {"logprobs": True}, _reply()))
+    assert chat.choices[0].message.content == "ab" and chat.usage.completion_tokens == 3
+    assert [t.logprob for t in chat.choices[0].logprobs.content] == [-0.1, -0.2, -0.3]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tools = _reply(content=None, tool_calls=[call], finish_reason="tool_calls")
+    parsed = ChatCompletion.model_validate(response("chat", {}, tools)).choices[0]
+    assert (
+        parsed.finish_reason == "tool_calls" and parsed.message.tool_calls[0].function.name == "f"
+    )
+    text = Completion.model_validate(response("completion", {"logprobs": 1}, _reply()))
+    assert text.choices[0].text == "ab" and text.choices[0].logprobs.token_logprobs[1] == -0.2
+    body = {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks("chat", body, _reply())]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "ab"
+    assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.total_tokens == 10
+    streamed = [ChatCompletionChunk.model_validate(c) for c in stream_chunks("chat", {}, tools)]
+    assert streamed[1].choices[0].delta.tool_calls[0].function.name == "f"
+    stop_cut = _reply(text="a", content="a", tokens=["a", "b"], ids=[97, 98], logps=[-0.1, -0.2])
+    pieces = stream_chunks("completion", {}, stop_cut)
+    assert "".join(c["choices"][0]["text"] for c in pieces) == "a"  # the stop string's "b" unshown
