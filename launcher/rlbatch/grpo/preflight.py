@@ -12,7 +12,9 @@ reward functions, reported as configuration errors (every one at once) and warni
   wrapper;
 - an enabled sink whose package is missing is an error (logging.wandb / logging.mlflow);
   TensorBoard enabled but missing is a warning;
-- an objective key set where the run ignores it is a warning.
+- an objective key set where the run ignores it is a warning;
+- a distillation teacher (grpo.distill.teacher) splits over the run's layout and shares the
+  student's tokenizer (rlbatch.grpo.teacher).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from rlbatch.config.distill import distill_warnings
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.objectives import objective_warnings
 from rlbatch.config.schema import BatchingPassConfig, DataConfig, DataSource, RewardKind, RunConfig
@@ -33,12 +36,14 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     data.reward_fn file paths to absolute ones."""
     from rlbatch.engine.tokenizer import tokenizer_errors
     from rlbatch.eval.settings import eval_enabled
+    from rlbatch.grpo.teacher import teacher_errors
 
     errors: list[ConfigError] = []
     _check_cuda_only(cfg, errors)
     _check_vllm_installed(cfg, errors)
     check_rollout_servers(cfg, errors)
     errors += tokenizer_errors(cfg.model)
+    errors += teacher_errors(cfg)
     fields = _check_dataset(cfg, errors)
     _check_rewards(cfg.data, fields, errors)
     warnings: list[str] = []
@@ -48,7 +53,10 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     _check_environment(cfg, errors)
     if eval_enabled(cfg):
         check_eval_inputs(cfg, errors)
-    return errors, warnings + tracking_warnings(cfg) + objective_warnings(cfg)
+    return (
+        errors,
+        warnings + tracking_warnings(cfg) + objective_warnings(cfg) + distill_warnings(cfg),
+    )
 
 
 def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:

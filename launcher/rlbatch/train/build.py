@@ -162,6 +162,7 @@ def make_train_step(
     added to every step's metrics (trainable_params)."""
     from rlbatch import distributed
     from rlbatch.distributed import WorldDist
+    from rlbatch.grpo.distill import distill_metrics, sample_sums
     from rlbatch.grpo.rewards import brought_kinds, run_component_names
     from rlbatch.grpo.step import Reducers, run_train_step
     from rlbatch.train.episodes import check_env_errors, episode_metrics, make_sample_writer
@@ -210,6 +211,10 @@ def make_train_step(
         if write_samples is not None:
             write_samples(step, batch.samples)
         episodes = episode_metrics(batch.samples, world) if cfg.env.path else {}
+        distill: dict[str, float] = {}
+        if cfg.grpo.distill.teacher:
+            sums = world.all_reduce_sum(sample_sums(batch.samples))
+            distill = distill_metrics(sums, cfg.parallel.dp)
         failures = failure_counts(batch.samples, world) if count_failures else {}
         if episodes:
             _warn_env(check_env_errors(episodes, batch.samples, cfg.env, step), ps.rank, warned)
@@ -217,6 +222,7 @@ def make_train_step(
             **reward_means(batch.samples, names, world),
             **failures,
             **episodes,
+            **distill,
             **metrics,
             **prepared,
             **checked,
