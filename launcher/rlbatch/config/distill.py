@@ -46,6 +46,16 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
     if d.reward_coef < 0:
         errors.append(ConfigError("grpo.distill.reward_coef", d.reward_coef, "must be >= 0"))
     if not distill_on(cfg):
+        if d.reward_coef == 0:
+            errors.append(
+                ConfigError(
+                    "grpo.distill.teacher",
+                    None,
+                    "grpo.distill.reward_coef=0 (pure distillation) needs a teacher: set it to "
+                    "the teacher's Hugging Face directory (e.g. a finished run's <run_dir>/hf), "
+                    "or raise grpo.distill.reward_coef",
+                )
+            )
         return errors
     if d.coef == 0 and d.reward_coef == 0:
         errors.append(
@@ -95,4 +105,5 @@ def distill_warnings(cfg: Any) -> list[str]:
         f"grpo.distill.{key}={getattr(d, key)} is ignored: grpo.distill.teacher is null"
         for key in ("coef", "reward_coef", "clip", "kl_estimator")
         if getattr(d, key) != getattr(default, key)
+        and not (key == "reward_coef" and d.reward_coef == 0)
     ]

@@ -17,7 +17,8 @@ SITE = {
     "grpo_qwen2_5_7b": [
         "data.path={data}",
         *("parallel.rdzv_endpoint=node0:29500", "parallel.node_rank=0", "parallel.run_id=q7b"),
-    ]
+    ],
+    "distill_qwen": ["grpo.distill.teacher={teacher}"],  # the user's teacher directory
 }
 
 
@@ -25,7 +26,7 @@ SITE = {
 def site_overrides(tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return lambda name: [o.format(data=data) for o in SITE.get(name, [])]
+    return lambda name: [o.format(data=data, teacher=tmp_path) for o in SITE.get(name, [])]
 
 
 def test_ships_the_required_recipes():
