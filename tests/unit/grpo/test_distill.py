@@ -208,3 +208,55 @@ def test_samples_pickled_before_per_token_advantages_load_without_them():
     with pytest.raises(ValueError, match="token_advantages has 1 entries for 2"):
         Sample(**{**s.__dict__, "token_advantages": [0.1]})
     assert math.isfinite(sum(s.token_advantages))
+
+
+def _tokenizer_dir(path, vocab, eos="<|endoftext|>"):
+    import json
+
+    import tokenizers
+
+    path.mkdir()
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<pad>", "<|endoftext|>", "<|im_end|>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": eos, "pad_token": "<pad>"})
+    )
+    return str(path)
+
+
+def test_teacher_tokenizer_must_be_the_students(tmp_path):
+    """Vocabulary (ids), EOS and special ids compared; a teacher without tokenizer files is
+    taken only at the student's vocab_size; rlbatch's byte export is the byte tokenizer."""
+    from dataclasses import replace
+
+    from rlbatch.config.schema import ModelConfig
+    from rlbatch.grpo.teacher import tokenizer_mismatch
+
+    vocab = {"<pad>": 0, "<|endoftext|>": 1, "[UNK]": 2, "hello": 3, "world": 4, "<|im_end|>": 5}
+    swapped = {**vocab, "hello": 4, "world": 3}
+    student = replace(
+        ModelConfig(vocab_size=8), tokenizer_path=_tokenizer_dir(tmp_path / "s", vocab)
+    )
+
+    def teacher(path, **kw):
+        return replace(ModelConfig(vocab_size=kw.pop("vocab_size", 16)), hf_path=path, **kw)
+
+    same = _tokenizer_dir(tmp_path / "same", vocab)
+    assert tokenizer_mismatch(student, teacher(same)) == ""  # padded vocab 16 != 8: fine
+    other_ids = _tokenizer_dir(tmp_path / "ids", swapped)
+    assert "vocabulary" in tokenizer_mismatch(student, teacher(other_ids))
+    other_eos = _tokenizer_dir(tmp_path / "eos", vocab, eos="<|im_end|>")
+    problem = tokenizer_mismatch(student, teacher(other_eos))
+    assert "eos ids (5,) (student (1,))" in problem and "special tokens" in problem
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert tokenizer_mismatch(student, teacher(str(bare), vocab_size=8)) == ""
+    assert "vocab_size=16 differs" in tokenizer_mismatch(student, teacher(str(bare)))
+    byte_student = ModelConfig()  # the built-in byte tokenizer
+    assert "vocabulary" in tokenizer_mismatch(byte_student, teacher(same))
+    exported = tmp_path / "export"
+    exported.mkdir()
+    (exported / "rlbatch_tokenizer.json").write_text('{"tokenizer": "bytes"}')
+    assert tokenizer_mismatch(byte_student, teacher(str(exported), vocab_size=512)) == ""
