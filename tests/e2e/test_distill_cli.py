@@ -1,8 +1,9 @@
 """On-policy distillation through the real rlbatch-train (docs/grpo_loss.md, "On-policy
 distillation"). The teacher is a random Hugging Face Qwen2 of another shape than the student,
-made peaked. Pure distillation (reward_coef=0) of a fresh student: no reward is computed and
-the teacher's per-token advantage is the whole loss (on-policy its value is the reported
-reverse KL). A LoRA student whose base is the teacher itself (a run's <run_dir>/hf), sampling
+made peaked. Pure distillation (reward_coef=0) of a fresh student at pp=2 and temperature 0.7:
+no reward is computed, the teacher's per-token advantage is the whole loss (on-policy its value
+is the reported reverse KL), and the logged per-token advantages equal the teacher's log-probs
+computed by transformers in float64 minus the behaviour log-probs. A LoRA student whose base is the teacher itself (a run's <run_dir>/hf), sampling
 at temperature 0.7 one step ahead in the generation worker: the teacher pass (in that worker)
 sees the behaviour policy's own distribution, so the reverse KL is 0 up to float noise, and the
 rewards still count. Bad distillation settings are refused before launch, all at once. The
@@ -57,7 +58,8 @@ def pure(teacher, bin_dir, subprocess_env):
     root, hf = teacher
     common = [
         f"grpo.distill.teacher={hf}", "grpo.distill.reward_coef=0", "grpo.distill.clip=4.0",
-        "trainer.max_steps=3",
+        "grpo.distill.coef=0.5", "trainer.max_steps=3", "parallel.pp=2",
+        "rollout.temperature=0.7", "logging.samples=true",
     ]  # fmt: skip
     _train(bin_dir, subprocess_env, root / "pure", *common)  # exports <run_dir>/hf at the end
     return root, common
@@ -74,11 +76,37 @@ def test_pure_distillation_trains_on_the_teacher_alone(pure):
         assert 0.0 < r["distill/clip_frac"] < 1.0  # the clamp at 4 nats acted on some tokens
         assert r["distill/teacher_seconds"] > 0.0
         # on-policy (ratio 1, weight 1 up to the engine's noise) with token-mean and no other
-        # term the loss is -mean(D_t): the reverse KL, less what the clamp cut off
-        assert r["loss"] <= r["distill/teacher_kl"] + 1e-6
-        assert r["loss"] == pytest.approx(r["distill/teacher_kl"], rel=0.2)
+        # term the loss is -mean(D_t) = coef * the reverse KL, less what the clamp cut off
+        assert r["loss"] <= 0.5 * r["distill/teacher_kl"] + 1e-6
+        assert r["loss"] == pytest.approx(0.5 * r["distill/teacher_kl"], rel=0.2)
     resolved = (root / "pure" / "resolved.yaml").read_text()
     assert f"teacher: {root / 'teacher'}" in resolved
+
+
+def test_teacher_advantages_match_transformers_in_float64(pure):
+    """The teacher pass at pp=2 and temperature 0.7 against the teacher run by transformers in
+    float64: each logged sample's token_advantages = 0.5 * clamp(log p_T(y_t) -
+    behaviour_t, -4, 4) with log p_T from logits / 0.7."""
+    import torch
+    import transformers
+
+    root, _ = pure
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "teacher").double().eval()
+    lines = (root / "pure" / "samples" / "step_00001.jsonl").read_text().splitlines()
+    worst, clamped = 0.0, 0
+    for line in lines[:8]:
+        s = json.loads(line)
+        ids = s["prompt_ids"] + s["response_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0] / 0.7
+        logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        teacher = logp[len(s["prompt_ids"]) - 1 :].tolist()
+        for t, b, got in zip(teacher, s["behaviour_logps"], s["token_advantages"], strict=True):
+            want = 0.5 * max(-4.0, min(4.0, t - b))
+            clamped += abs(t - b) > 4.0
+            worst = max(worst, abs(got - want))
+    assert worst < 2e-4, worst  # float32 megatron against float64 transformers
+    assert clamped > 0  # the clamp's branch is part of the comparison
 
 
 def test_teacher_equal_to_the_behaviour_policy_scores_zero_kl(pure, bin_dir, subprocess_env):
