@@ -1,7 +1,7 @@
 """On-policy distillation through the real rlbatch-train (docs/grpo_loss.md, "On-policy
 distillation"). The teacher is a random Hugging Face Qwen2 of another shape than the student,
-made peaked. Pure distillation (reward_coef=0) of a fresh student at pp=2 and temperature 0.7:
-no reward is computed, the teacher's per-token advantage is the whole loss (on-policy its value
+made peaked. Pure distillation (reward_coef=0) of a fresh student at pp=2 and temperature 0.7,
+on prompts without answers: no reward is computed, the teacher's per-token advantage is the whole loss (on-policy its value
 is the reported reverse KL), and the logged per-token advantages equal the teacher's log-probs
 computed by transformers in float64 minus the behaviour log-probs. A LoRA student whose base is the teacher itself (a run's <run_dir>/hf), sampling
 at temperature 0.7 one step ahead in the generation worker: the teacher pass (in that worker)
@@ -56,7 +56,10 @@ def teacher(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pure(teacher, bin_dir, subprocess_env):
     root, hf = teacher
+    prompts = root / "prompts.jsonl"  # prompts only: pure distillation needs no answers
+    prompts.write_text("".join(json.dumps({"prompt": f"copy {n}:"}) + "\n" for n in range(40)))
     common = [
+        "data=jsonl", f"data.path={prompts}",
         f"grpo.distill.teacher={hf}", "grpo.distill.reward_coef=0", "grpo.distill.clip=4.0",
         "grpo.distill.coef=0.5", "trainer.max_steps=3", "parallel.pp=2",
         "rollout.temperature=0.7", "logging.samples=true",

@@ -36,6 +36,12 @@ def distill_on(cfg: Any) -> bool:
     return bool(cfg.grpo.distill.teacher)
 
 
+def pure_distillation(cfg: Any) -> bool:
+    """A teacher and grpo.distill.reward_coef=0: no reward is computed, so the data needs no
+    reference answers and no reward function is loaded or checked."""
+    return distill_on(cfg) and cfg.grpo.distill.reward_coef == 0
+
+
 def distill_errors(cfg: Any) -> list[ConfigError]:
     """Every problem of the grpo.distill keys (pure: config.json is read, no model built)."""
     d, errors = cfg.grpo.distill, []

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from rlbatch.config.distill import pure_distillation
 from rlbatch.config.enums import RewardKind
 from rlbatch.config.schema import (
     AdvantageEstimator,
@@ -345,7 +346,9 @@ def build_components(cfg: RunConfig) -> Components:
     cfg, model, ps = setup.cfg, setup.model, setup.state
     optimizer, scheduler = build_optimizer(cfg, model)
     tokenizer = build_tokenizer(cfg.model)
-    prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)
+    prompts = load_prompts(
+        cfg.data, tokenizer, cfg.trainer.seed, need_answer=not pure_distillation(cfg)
+    )
     ref = build_reference(cfg, model)
     schedule = schedule_from_config(cfg.grpo, ps.dp)
     sampler = PromptSampler(
