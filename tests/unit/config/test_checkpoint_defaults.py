@@ -10,7 +10,8 @@ from rlbatch.config.store import list_recipes
 # Site-specific values a recipe's launch line asks the user for.
 SITE = {
     "grpo_qwen2_5_7b": ["data.path={data}", "parallel.rdzv_endpoint=node0:29500"]
-    + ["parallel.node_rank=0", "parallel.run_id=q7b"]
+    + ["parallel.node_rank=0", "parallel.run_id=q7b"],
+    "distill_qwen": ["grpo.distill.teacher={teacher}"],  # the user's teacher directory
 }
 
 
@@ -18,7 +19,7 @@ SITE = {
 def test_periodic_checkpoints_by_default(name, tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    site = [o.format(data=data) for o in SITE.get(name or "", [])]
+    site = [o.format(data=data, teacher=tmp_path) for o in SITE.get(name or "", [])]
     overrides = [] if name is None else [f"+recipe={name}", *site]
     ckpt = compose(overrides, "test").trainer.checkpoint
     assert 0 < ckpt.every_steps <= 50 and 0 < ckpt.every_minutes <= 30
