@@ -23,6 +23,19 @@ def save_tiny_qwen2(path: Path, num_layers: int, seed: int = 0) -> Any:
     return model
 
 
+def save_tiny_teacher(path: Path, num_layers: int = 2, seed: int = 1) -> Any:
+    """A distillation teacher for tests: :func:`save_tiny_qwen2` (another shape than the tiny
+    student, no tokenizer files, the byte vocabulary's size) with its tied embeddings scaled by
+    10, so that its next-token distributions are peaked, far from a fresh student's."""
+    import torch
+
+    model = save_tiny_qwen2(path, num_layers=num_layers, seed=seed)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(10.0)  # tied: the output layer too
+    model.save_pretrained(path)
+    return model
+
+
 def reference_logps(model: Any, ids: list[int]) -> list[float]:
     """log p(ids[j+1] | ids[:j+1]) for j in 0..n-2, in float64."""
     import torch

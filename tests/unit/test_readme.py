@@ -41,9 +41,10 @@ def _common_commands() -> list[list[str]]:
     return commands
 
 
-def test_common_commands_compose_and_validate():
+def test_common_commands_compose_and_validate(tmp_path):
     """The README's examples are configs users paste: each one must validate as shown (a sweep
-    with its first value of every swept key)."""
+    with its first value of every swept key; a distillation teacher the reader trains first,
+    <run_dir>/hf of the line before, stood in for by a directory)."""
     from rlbatch.cli.common import compose
     from rlbatch.config.validate import PLAN_SCOPE
 
@@ -52,6 +53,10 @@ def test_common_commands_compose_and_validate():
     for command, *args in commands:
         overrides = [a for a in args if "=" in a and not a.startswith("-")]
         overrides = [a.split(",")[0] for a in overrides]  # -m sweeps: the first point
+        overrides = [
+            f"grpo.distill.teacher={tmp_path}" if a.startswith("grpo.distill.teacher=") else a
+            for a in overrides
+        ]
         scope = PLAN_SCOPE if command == "rlbatch-plan" else None
         try:
             compose(overrides, command, scope)

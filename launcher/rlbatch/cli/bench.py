@@ -8,6 +8,7 @@ rlbatch-bench rollout    generation tokens/s: rlbatch against transformers' gene
                          rollout backends side by side (--backend vllm,megatron)
 rlbatch-bench rewards    sandboxed code executions/s and judge requests/s
 rlbatch-bench servers    GRPO steps with colocated vLLM against vLLM rollout servers
+rlbatch-bench distill    held-out reward vs steps and seconds: distillation, GRPO and both
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ BENCHES = {
     "rollout": ("rlbatch.bench.rollout", "generation tokens/s against transformers' generate"),
     "rewards": ("rlbatch.bench.rewards", "sandboxed code executions/s and judge requests/s"),
     "servers": ("rlbatch.bench.rollout_servers", "GRPO steps: colocated vLLM against servers"),
+    "distill": ("rlbatch.bench.distill", "held-out reward: distillation vs GRPO vs both"),
 }
 
 

@@ -327,3 +327,12 @@ class EnvOnError(str, Enum):
 
     raise_error = "raise_error"
     zero_reward = "zero_reward"
+
+
+class DistillEstimator(str, Enum):
+    """Per-token teacher advantage of on-policy distillation (docs/grpo_loss.md,
+    "On-policy distillation")."""
+
+    reverse_kl = "reverse_kl"
+    """log pi_teacher(y_t) - log pi_behaviour(y_t) on the sampled token: minus the one-sample
+    estimate of the per-token reverse KL(student || teacher)."""

@@ -176,7 +176,7 @@ def make_paths_absolute(cfg: RunConfig) -> None:
     """Rewrite the relative file paths of ``cfg`` (relative to the launch directory) as absolute
     ones, so resolved.yaml works from any directory: the workers', ``rlbatch-eval RUN_DIR`` and
     ``rlbatch-export RUN_DIR`` run from anywhere. data.path and eval.data.path always; the
-    model and tokenizer paths when they name a local directory (else they are hub ids).
+    model, tokenizer and teacher paths when they name a local directory (else they are hub ids).
     Reward and environment paths are made absolute by the pre-launch checks that import them."""
     cfg.data.path = _absolute(cfg.data.path)
     cfg.eval.data.path = _absolute(cfg.eval.data.path)
@@ -184,6 +184,8 @@ def make_paths_absolute(cfg: RunConfig) -> None:
         value = getattr(cfg.model, name)
         if value and Path(value).expanduser().exists():
             setattr(cfg.model, name, _absolute(value))
+    if cfg.grpo.distill.teacher and Path(cfg.grpo.distill.teacher).expanduser().exists():
+        cfg.grpo.distill.teacher = _absolute(cfg.grpo.distill.teacher)
 
 
 def _absolute(path: str | None) -> str | None:
@@ -198,7 +200,9 @@ def same_path(old: Any, new: Any) -> bool:
     return _absolute(old) == _absolute(new)
 
 
-PATH_KEYS = ("data.path", "eval.data.path", "model.hf_path", "model.tokenizer_path")
+PATH_KEYS = (
+    "data.path", "eval.data.path", "model.hf_path", "model.tokenizer_path", "grpo.distill.teacher",
+)  # fmt: skip
 """The keys :func:`make_paths_absolute` rewrites."""
 
 

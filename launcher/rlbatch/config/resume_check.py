@@ -4,7 +4,7 @@ The checkpoint's meta.json holds the resolved config of the run that wrote it. A
 compares the new config with it, key by key:
 
 - keys in :data:`FIXED` may not change: the model's shape, the tokenizer, the batch and group
-  sizes, the seed and the data define what the checkpoint's weights, optimizer moments and
+  sizes, the seed, the data and the distillation teacher and coefficients define what the checkpoint's weights, optimizer moments and
   sampler cursor mean. Each change is one error (key, old value, new value), all at once;
 - keys in :data:`RUN_AHEAD` may not change either: the checkpoint holds rounds generated ahead
   of training (and with partial rollouts, rows still decoding), laid out for exactly that
@@ -36,11 +36,13 @@ FIXED = (
     "grpo.steps_per_generation",
     "grpo.num_iterations",
     "parallel.ep",
+    "grpo.distill.",
 )
 """Keys (or prefixes ending in '.') a resume may not change. parallel.ep: resharding a
 checkpoint across expert-parallel sizes is not supported yet (megatron's optimizer groups the
 experts' parameters by their expert-parallel layout; loading across sizes stops with a
-KeyError)."""
+KeyError). grpo.distill: the pending samples of the checkpoint carry the teacher's advantages,
+and the objective is the run's."""
 CHANGEABLE = (
     "model.hf_path",
     "model.recompute",

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rlbatch.config.distill import DistillConfig
 from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's vocabulary)
     AdvantageEstimator,
     AnswerFormat,
@@ -323,6 +324,9 @@ class AggregationConfig:
     """Prompts per reference-logprob chunk (when logps_use_infer_budget is false)."""
     old_logps_micro_batch_size: int = 4
     """Prompts per old-logprob chunk (when logps_use_infer_budget is false)."""
+    teacher_logps_micro_batch_size: int = 4
+    """Prompts per teacher-logprob chunk (grpo.distill.teacher; when logps_use_infer_budget is
+    false)."""
     train_micro_batch_size: int = 4
     """Prompts per training micro-batch fed to the aggregator (its input unit)."""
     logps_use_infer_budget: bool = True
@@ -383,6 +387,9 @@ class GRPOConfig(ObjectiveConfig):
     groups to finish (groups at the staleness bound first), longer ones trained in later rounds."""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     """LCM aggregation of rollout / ref / old / train micro sizes (docs/lcm_aggregation.md)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: a teacher's per-token advantage on the student's samples
+    (docs/grpo_loss.md, "On-policy distillation")."""
 
 
 @dataclass

@@ -73,6 +73,7 @@ def twin_overrides(cfg: RunConfig, *, cpu: bool = True) -> list[str]:
         "grpo.aggregation.rollout_micro_batch_size=1",
         "grpo.aggregation.ref_logps_micro_batch_size=1",
         "grpo.aggregation.old_logps_micro_batch_size=1",
+        "grpo.aggregation.teacher_logps_micro_batch_size=1",
         "grpo.aggregation.train_micro_batch_size=1",
         "rollout.micro_batch_size=1",
     ]

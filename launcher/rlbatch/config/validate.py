@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlbatch.config.agent_rules import check_agent
+from rlbatch.config.distill import distill_errors
 from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.evaluation_rules import check_eval
 from rlbatch.config.lengths import longest_sequence, longest_sequence_text
@@ -117,6 +118,9 @@ def _check_positive(cfg: RunConfig, errors: list[ConfigError], scope: frozenset[
         "grpo.aggregation.rollout_micro_batch_size": g.aggregation.rollout_micro_batch_size,
         "grpo.aggregation.ref_logps_micro_batch_size": g.aggregation.ref_logps_micro_batch_size,
         "grpo.aggregation.old_logps_micro_batch_size": g.aggregation.old_logps_micro_batch_size,
+        "grpo.aggregation.teacher_logps_micro_batch_size": (
+            g.aggregation.teacher_logps_micro_batch_size
+        ),
         "grpo.aggregation.train_micro_batch_size": g.aggregation.train_micro_batch_size,
         "grpo.aggregation.proceed_num_steps": g.aggregation.proceed_num_steps,
         "trainer.max_steps": t.max_steps,
@@ -516,6 +520,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"debug", "rollout", "env"}), check_response_lengths),
     Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),
     Rule(frozenset({"grpo", "rollout"}), lambda c, e: e.extend(objective_errors(c))),
+    Rule(frozenset({"grpo", "parallel"}), lambda c, e: e.extend(distill_errors(c))),
     Rule(frozenset({"grpo", "rollout", "parallel", "env"}), check_partial_rollouts),
     Rule(frozenset({"model", "data", "rollout", "env"}), _check_positions),
     Rule(frozenset({"env", "data", "rollout", "parallel"}), _check_env),

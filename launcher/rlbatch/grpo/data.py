@@ -70,8 +70,11 @@ def describe_problems(path: str | None, problems: list[RowProblem]) -> str:
     return "\n".join(lines)
 
 
-def read_examples(cfg: DataConfig, seed: int) -> tuple[list[RawExample], list[RowProblem]]:
-    """The dataset's good rows in file order and every bad row (built-in: generated)."""
+def read_examples(
+    cfg: DataConfig, seed: int, *, need_answer: bool = True
+) -> tuple[list[RawExample], list[RowProblem]]:
+    """The dataset's good rows in file order and every bad row (built-in: generated). Without
+    ``need_answer`` (pure distillation: no reward) a row without data.answer_key has answer ""."""
     source = DataSource(cfg.source)
     if source == DataSource.builtin:
         return [
@@ -96,6 +99,8 @@ def read_examples(cfg: DataConfig, seed: int) -> tuple[list[RawExample], list[Ro
         rows, problems = _read_parquet(path), list[RowProblem]()
     examples = []
     for where, row in rows:
+        if not need_answer and cfg.answer_key not in row:
+            row = {**row, cfg.answer_key: ""}
         example = _row_to_example(row, where, cfg, problems)
         if example is not None:
             examples.append(example)
@@ -105,9 +110,9 @@ def read_examples(cfg: DataConfig, seed: int) -> tuple[list[RawExample], list[Ro
     return examples, problems
 
 
-def load_examples(cfg: DataConfig, seed: int) -> list[RawExample]:
+def load_examples(cfg: DataConfig, seed: int, *, need_answer: bool = True) -> list[RawExample]:
     """The dataset's rows in file order; DatasetError listing every bad row."""
-    examples, problems = read_examples(cfg, seed)
+    examples, problems = read_examples(cfg, seed, need_answer=need_answer)
     if problems:
         raise DatasetError(cfg.path, problems)
     return examples
@@ -280,6 +285,8 @@ def build_prompts(
     return prompts
 
 
-def load_prompts(cfg: DataConfig, tokenizer: TextTokenizer, seed: int) -> list[Prompt]:
-    """The tokenized prompt dataset ``data.*`` describes."""
-    return build_prompts(cfg, tokenizer, load_examples(cfg, seed))
+def load_prompts(
+    cfg: DataConfig, tokenizer: TextTokenizer, seed: int, *, need_answer: bool = True
+) -> list[Prompt]:
+    """The tokenized prompt dataset ``data.*`` describes (``need_answer``: read_examples)."""
+    return build_prompts(cfg, tokenizer, load_examples(cfg, seed, need_answer=need_answer))

@@ -6,8 +6,8 @@ grpo.num_iterations; ``service_target_bs`` = lcm of the stage chunk sizes, in pr
 
 Flow of one round: buffer micro-batches until the buffered prompt count >= service_target_bs
 (or a forced flush) -> merge -> repeat each prompt sample_repeat times contiguously -> rollout
-in chunks -> rewards -> group advantages on the merged batch -> ref logps (skipped at beta 0)
--> old logps -> split back at the original micro-batch boundaries (x sample_repeat).
+in chunks -> teacher logps (on-policy distillation: the per-token teacher advantages) ->
+rewards -> group advantages on the merged batch -> ref logps (skipped at beta 0) -> old logps -> split back at the original micro-batch boundaries (x sample_repeat).
 ``run`` then enqueues each produced example batch_repeat times in the order a a b b.
 
 The stages are injected callables (:class:`Stages`), so the bookkeeping is testable with
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -30,6 +31,7 @@ from rlbatch.config.schema import (
     ScaleRewards,
 )
 from rlbatch.grpo.advantages import compute_advantages
+from rlbatch.grpo.distill import DistillSettings, apply_teacher
 from rlbatch.grpo.types import Prompt, Sample
 
 RolloutFn = Callable[[list[Prompt], int], list[Sample]]
@@ -58,6 +60,9 @@ class AggregationPlan:
     old_pass: bool = True
     """The old-logprob pass runs (rounds of several steps under a rollout correction:
     :func:`old_pass_runs`)."""
+    teacher_micro: int = 4
+    teacher_pass: bool = False
+    """The teacher-logprob pass runs (grpo.distill.teacher set)."""
 
     @property
     def service_target_bs(self) -> int:
@@ -72,6 +77,7 @@ class AggregationPlan:
         if not self.logps_use_infer_budget:
             sizes += [self.ref_micro] if self.ref_pass else []
             sizes += [self.old_micro] if self.old_pass else []
+            sizes += [self.teacher_micro] if self.teacher_pass else []
         return math.lcm(*[max(1, s) for s in sizes])
 
 
@@ -153,6 +159,7 @@ def aggregation_plan(cfg: RunConfig) -> AggregationPlan:
         rollout_micro=agg.rollout_micro_batch_size or cfg.rollout.micro_batch_size,
         ref_micro=agg.ref_logps_micro_batch_size,
         old_micro=agg.old_logps_micro_batch_size,
+        teacher_micro=agg.teacher_logps_micro_batch_size,
         train_micro=agg.train_micro_batch_size,
         sample_repeat=cfg.grpo.num_generations,
         batch_repeat=cfg.grpo.num_iterations,
@@ -160,6 +167,7 @@ def aggregation_plan(cfg: RunConfig) -> AggregationPlan:
         proceed_num_steps=agg.proceed_num_steps,
         ref_pass=cfg.grpo.beta > 0,
         old_pass=old_pass_runs(cfg),
+        teacher_pass=bool(cfg.grpo.distill.teacher),
     )
 
 
@@ -182,6 +190,7 @@ def aggregation_errors(plan: AggregationPlan) -> list[str]:
         "grpo.aggregation.rollout_micro_batch_size": plan.rollout_micro,
         "grpo.aggregation.ref_logps_micro_batch_size": plan.ref_micro,
         "grpo.aggregation.old_logps_micro_batch_size": plan.old_micro,
+        "grpo.aggregation.teacher_logps_micro_batch_size": plan.teacher_micro,
         "grpo.aggregation.train_micro_batch_size": plan.train_micro,
         "grpo.num_generations": plan.sample_repeat,
         "grpo.num_iterations": plan.batch_repeat,
@@ -212,6 +221,8 @@ class Stages:
     """Required when beta > 0; never called when beta == 0."""
     collate_fn: Optional[CollateFn] = None
     """Optional row-indexed arrays built once on the merged batch."""
+    teacher_logps_fn: Optional[LogpsFn] = None
+    """The teacher pass (on-policy distillation); None = no teacher."""
 
 
 @dataclass
@@ -240,6 +251,7 @@ class RoundRecord:
     """Rows (samples) per rollout call."""
     ref_chunks: list[int] = field(default_factory=list)
     old_chunks: list[int] = field(default_factory=list)
+    teacher_chunks: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
 
 
@@ -265,7 +277,7 @@ def logps_in_chunks(
     micro: int,
     chunks: Optional[list[int]] = None,
 ) -> list[list[float]]:
-    """A logprob pass (ref or old) over ``samples`` in chunks of ``micro`` prompts (x
+    """A logprob pass (ref, old or teacher) over ``samples`` in chunks of ``micro`` prompts (x
     sample_repeat rows), or one call on all of them when the pass plans its own micro-batches
     under the infer token budget (``logps_use_infer_budget``). Appends each call's rows to
     ``chunks``."""
@@ -297,9 +309,13 @@ class LCMAggregator:
         advantage_eps: float,
         seed: int = 0,
         estimator: AdvantageEstimator = AdvantageEstimator.grpo,
+        distill: Optional[DistillSettings] = None,
     ) -> None:
         if beta > 0 and stages.ref_logps_fn is None:
             raise ValueError(f"grpo.beta={beta} > 0 needs a reference-logp pass (ref_logps_fn)")
+        if (distill is None) != (stages.teacher_logps_fn is None):
+            raise ValueError("distillation needs both its settings and the teacher pass")
+        self.distill = distill
         self.plan = plan
         self.stages = stages
         self.beta = beta
@@ -356,6 +372,7 @@ class LCMAggregator:
         rows = [p for p in merged for _ in range(G)]  # each prompt G times, contiguous
         samples = self._rollout(rows, record)
         self._assign_groups(samples, merged)
+        self._teach(samples, record)
         self._score(samples, record)
         if self.beta > 0:
             logps = self._logps(
@@ -396,6 +413,18 @@ class LCMAggregator:
             for s in samples[g * G : (g + 1) * G]:
                 s.group_id = self._next_group_id + g
         self._next_group_id += len(merged)
+
+    def _teach(self, samples: list[Sample], record: RoundRecord) -> None:
+        """The teacher pass, before the advantages: each sample's per-token teacher advantage
+        (rlbatch.grpo.distill.apply_teacher)."""
+        if self.stages.teacher_logps_fn is None:
+            return
+        assert self.distill is not None
+        started = time.perf_counter()
+        logps = self._logps(
+            self.stages.teacher_logps_fn, samples, self.plan.teacher_micro, record.teacher_chunks
+        )
+        apply_teacher(samples, logps, self.distill, time.perf_counter() - started)
 
     def _score(self, samples: list[Sample], record: RoundRecord) -> None:
         rewards = [float(r) for r in self.stages.reward_fn(samples)]

@@ -92,6 +92,9 @@ class LossSettings:
     entropy_coef: float = 0.0
     rollout_correction: RolloutCorrection = RolloutCorrection.token_tis
     rollout_correction_lower: float = 0.0
+    reward_coef: float = 1.0
+    """grpo.distill.reward_coef with a teacher (1 without): the weight of the sample's group
+    reward advantage beside the per-token teacher advantage."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LossSettings:
@@ -114,6 +117,7 @@ class LossSettings:
             entropy_coef=g.entropy_coef,
             rollout_correction=RolloutCorrection(g.rollout_correction),
             rollout_correction_lower=g.rollout_correction_lower,
+            reward_coef=g.distill.reward_coef if g.distill.teacher else 1.0,
         )
 
     @property
@@ -145,7 +149,10 @@ class GRPOBatch:
     old_logps: torch.Tensor
     """[R, S] float: log pi_old of the predicted token (the clip's anchor)."""
     advantages: torch.Tensor
-    """[num_seqs] float: one advantage per sample."""
+    """[num_seqs] float: the group reward advantage of each sample."""
+    token_advantages: Optional[torch.Tensor] = None
+    """[R, S] float: the per-token (teacher) advantage at each position (on-policy
+    distillation); None = none. A token's advantage is reward_coef * advantages[seq] + this."""
     behaviour_logps: Optional[torch.Tensor] = None
     """[R, S] float: log pi_behaviour (the generating policy); None = same as old."""
     ref_logps: Optional[torch.Tensor] = None
@@ -169,7 +176,7 @@ class GRPOBatch:
         """Move every tensor field (in place) to ``device``; returns self."""
         for name in ("labels", "loss_mask", "seq_index", "old_logps", "advantages"):
             setattr(self, name, getattr(self, name).to(device))
-        for name in ("behaviour_logps", "ref_logps", "tokens"):
+        for name in ("behaviour_logps", "ref_logps", "tokens", "token_advantages"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
@@ -264,8 +271,9 @@ def build_grpo_batch(
     labels = torch.zeros(rows, width, dtype=torch.long)
     mask = torch.zeros(rows, width, dtype=torch.bool)
     seq_index = torch.zeros(rows, width, dtype=torch.long)
-    old, behaviour, ref = (torch.zeros(rows, width, dtype=torch.float64) for _ in range(3))
+    old, behaviour, ref, dense = (torch.zeros(rows, width, dtype=torch.float64) for _ in range(4))
     any_stale, any_ref = with_behaviour, False
+    any_dense = any(s.token_advantages is not None for s in samples)
     masked = 0
     places = row_offsets(micro_batch.lengths, micro_batch.packed, round_to)
     for j, (sample, length, (row, col)) in enumerate(
@@ -286,6 +294,9 @@ def build_grpo_batch(
         seq_index[row, sl] = j * keep.long()
         any_stale |= sample.old_logps is not None
         any_ref |= _fill_logps(sample, n_resp, old[row, sl], behaviour[row, sl], ref[row, sl])
+        if sample.token_advantages is not None:
+            values = torch.tensor(sample.token_advantages[:n_resp], dtype=torch.float64)
+            dense[row, sl] = values * keep
     batch = GRPOBatch(
         labels=labels,
         loss_mask=mask,
@@ -294,6 +305,7 @@ def build_grpo_batch(
         advantages=torch.tensor([s.advantage for s in samples], dtype=dtype),
         behaviour_logps=behaviour.to(dtype) if any_stale else None,
         ref_logps=ref.to(dtype) if any_ref else None,
+        token_advantages=dense.to(dtype) if any_dense else None,
         num_truncated_masked=masked,
     )
     return batch, tokens
@@ -335,7 +347,8 @@ def loss_from_logps(
     in ``loss_mask`` order). Returns the numerator, the local count and the metric sums.
 
     l_t = w_t * pg_t + beta * kl_t - entropy_coef * H_t, with pg from grpo.policy_loss, w from
-    grpo.rollout_correction and kl from grpo.kl_estimator (docs/grpo_loss.md)."""
+    grpo.rollout_correction and kl from grpo.kl_estimator (docs/grpo_loss.md); pg's advantage is
+    the sample's A_i, or reward_coef * A_i + D_t with per-token (teacher) advantages D_t."""
     mask = batch.loss_mask
     seq = batch.seq_index[mask]  # [N]
     if settings.old_from_forward:  # pi_old = this forward's policy: ratio 1, gradient of logps
@@ -343,6 +356,10 @@ def loss_from_logps(
     else:
         old = batch.old_logps[mask].to(logps.dtype)
     adv = batch.advantages.to(logps.dtype)[seq]  # [N]
+    if settings.reward_coef != 1.0:
+        adv = settings.reward_coef * adv
+    if batch.token_advantages is not None:  # + D_t (on-policy distillation)
+        adv = adv + batch.token_advantages[mask].to(logps.dtype)
     term = POLICY_LOSSES[settings.policy_loss](
         logps, old, adv, seq, batch.num_seqs, settings.policy_params
     )

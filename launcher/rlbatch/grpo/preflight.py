@@ -5,14 +5,18 @@ reward functions, reported as configuration errors (every one at once) and warni
   prompt / answer, prompts over data.max_prompt_len with the run's tokenizer and chat template);
 - the run's tokenizer loads (a model directory without a loadable tokenizer names the files it
   has and the fix; it never falls back to the byte tokenizer on its own);
-- each data.reward_fn entry is imported and its signature checked (and the dataset fields it
+- each data.reward_fn entry is imported and its signature checked (not under pure
+  distillation, grpo.distill.reward_coef=0 with a teacher: no reward is called, and the rows
+  need no answer) (and the dataset fields it
   asks for must exist); relative file paths are made absolute so workers find them;
 - env.path (a multi-turn environment) is imported the same way and must have reset / step and
   accept env.kwargs, and env.max_observation_tokens must hold the chat template's tool-turn
   wrapper;
 - an enabled sink whose package is missing is an error (logging.wandb / logging.mlflow);
   TensorBoard enabled but missing is a warning;
-- an objective key set where the run ignores it is a warning.
+- an objective key set where the run ignores it is a warning;
+- a distillation teacher (grpo.distill.teacher) splits over the run's layout and shares the
+  student's tokenizer (rlbatch.grpo.teacher).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from rlbatch.config.distill import distill_warnings, pure_distillation
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.objectives import objective_warnings
 from rlbatch.config.schema import BatchingPassConfig, DataConfig, DataSource, RewardKind, RunConfig
@@ -33,22 +38,28 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     data.reward_fn file paths to absolute ones."""
     from rlbatch.engine.tokenizer import tokenizer_errors
     from rlbatch.eval.settings import eval_enabled
+    from rlbatch.grpo.teacher import teacher_errors
 
     errors: list[ConfigError] = []
     _check_cuda_only(cfg, errors)
     _check_vllm_installed(cfg, errors)
     check_rollout_servers(cfg, errors)
     errors += tokenizer_errors(cfg.model)
+    errors += teacher_errors(cfg)
     fields = _check_dataset(cfg, errors)
-    _check_rewards(cfg.data, fields, errors)
     warnings: list[str] = []
-    check_brought_rewards(
-        cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer, warnings=warnings
-    )
+    if not pure_distillation(cfg):  # pure distillation loads and calls no reward function
+        _check_rewards(cfg.data, fields, errors)
+        check_brought_rewards(
+            cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer, warnings=warnings
+        )
     _check_environment(cfg, errors)
     if eval_enabled(cfg):
         check_eval_inputs(cfg, errors)
-    return errors, warnings + tracking_warnings(cfg) + objective_warnings(cfg)
+    return (
+        errors,
+        warnings + tracking_warnings(cfg) + objective_warnings(cfg) + distill_warnings(cfg),
+    )
 
 
 def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -213,7 +224,11 @@ def _check_dataset(
     if data.source != DataSource.builtin and not _path_exists(data):
         return None  # the data.path rule of rlbatch.config.validate reports it
     try:
-        examples, problems = read_examples(data, cfg.trainer.seed if seed is None else seed)
+        examples, problems = read_examples(
+            data,
+            cfg.trainer.seed if seed is None else seed,
+            need_answer=key != "data.path" or not pure_distillation(cfg),
+        )
     except ValueError as err:
         errors.append(ConfigError(key, data.path, str(err)))
         return None

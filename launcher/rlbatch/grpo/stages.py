@@ -185,6 +185,24 @@ def reference_logps_fn(
     return base_logps
 
 
+def teacher_logps_fn(cfg: RunConfig) -> Callable[[list[Sample]], list] | None:
+    """The teacher pass (None without grpo.distill.teacher): the frozen teacher's log-probs of
+    every sampled response token at rollout.temperature (the behaviour log-probs'), chunked by
+    the infer plan with the teacher's own cost model (rlbatch.grpo.teacher)."""
+    if not cfg.grpo.distill.teacher:
+        return None
+    from rlbatch.grpo.teacher import build_teacher
+
+    chunks, teacher_cfg = build_teacher(cfg)
+    return make_logps_fn(chunks, teacher_cfg)
+
+
+def no_rewards(samples: list[Sample]) -> list[float]:
+    """Pure distillation's reward stage (grpo.distill.reward_coef=0): 0 for every sample,
+    without a reward function."""
+    return [0.0] * len(samples)
+
+
 def build_aggregator(
     cfg: RunConfig,
     tokenizer: Any,
@@ -200,11 +218,19 @@ def build_aggregator(
     def no_rollout(rows: list[Prompt], seed: int) -> list[Sample]:
         raise RuntimeError("rollout_fn is set by the producer's generate_fn for each round")
 
+    from rlbatch.grpo.distill import DistillSettings
+
+    distill = DistillSettings.from_config(cfg) if cfg.grpo.distill.teacher else None
+    pure = distill is not None and distill.reward_coef == 0
     stages = Stages(
         rollout_fn=no_rollout,
-        reward_fn=make_reward_batch_fn(build_run_rewards(cfg), tokenizer, cfg.data.reward_abs_max),
+        # pure distillation: no reward function is built or called, every reward is 0
+        reward_fn=no_rewards
+        if pure
+        else make_reward_batch_fn(build_run_rewards(cfg), tokenizer, cfg.data.reward_abs_max),
         old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
         ref_logps_fn=reference_logps_fn(cfg, ref, policy),
+        teacher_logps_fn=teacher_logps_fn(cfg),
     )
     # scale_rewards=batch: the aggregator only centres; the round's first step divides by the
     # std of the whole generation batch over every DP rank (make_round_start)
@@ -217,4 +243,5 @@ def build_aggregator(
         advantage_eps=cfg.grpo.advantage_eps,
         seed=rank_seed(cfg.trainer.seed, dp_rank),
         estimator=cfg.grpo.advantage_estimator,
+        distill=distill,
     )

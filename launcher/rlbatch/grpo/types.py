@@ -39,7 +39,10 @@ class Sample:
     - ``behaviour_logps``: the sampling policy's log-prob of each sampled token (0.0 where the
       mask is 0: never read there);
     - ``token_versions``: the policy version that sampled each token (a row continued under
-      newer weights carries several).
+      newer weights carries several);
+    - ``token_advantages`` (on-policy distillation, else None): the per-token advantage the
+      teacher gives each sampled token (0.0 where the mask is 0), added in the loss to
+      ``advantage`` (the group reward advantage) times grpo.distill.reward_coef.
     """
 
     prompt: Prompt
@@ -65,6 +68,9 @@ class Sample:
     token_versions: Optional[list[int]] = None
     """Per response token: the policy version that sampled it. Filled with ``policy_version``
     when left out."""
+    token_advantages: Optional[list[float]] = None
+    """Per response token: the dense (teacher) advantage, rlbatch.grpo.distill; None without
+    distillation (the loss then uses ``advantage`` alone on every token)."""
     episode: Optional[dict[str, Any]] = None
     """Multi-turn rollouts (env.path): the episode's record (rlbatch.env.driver.Episode: turns
     with role and text, the environment's rewards, why it ended, seconds in environment calls);
@@ -83,12 +89,18 @@ class Sample:
             got = len(getattr(self, name))
             if got != n:
                 raise ValueError(f"Sample.{name} has {got} entries for {n} response tokens")
+        if self.token_advantages is not None and len(self.token_advantages) != n:
+            raise ValueError(
+                f"Sample.token_advantages has {len(self.token_advantages)} entries for {n}"
+                " response tokens"
+            )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Samples pickled before the per-token fields existed load with their defaults."""
         self.__dict__.update(state)
         self.__dict__.setdefault("episode", None)
         self.__dict__.setdefault("reward_failures", [])
+        self.__dict__.setdefault("token_advantages", None)
         if self.__dict__.get("loss_mask") is None or self.__dict__.get("token_versions") is None:
             self.__dict__.setdefault("loss_mask", None)
             self.__dict__.setdefault("token_versions", None)

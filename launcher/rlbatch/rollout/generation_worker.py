@@ -41,6 +41,7 @@ import threading
 import traceback
 from typing import Any, Optional
 
+from rlbatch.config.distill import pure_distillation
 from rlbatch.config.schema import RunConfig
 from rlbatch.env.protocol import EnvCallError
 from rlbatch.rollout.protocol import GenerationRequest, PolicySnapshot, RolloutUnavailableError
@@ -292,7 +293,9 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any, nonce: 
     load = _weights_loader(model)
 
     tokenizer = build_tokenizer(local.model)
-    prompts = load_prompts(local.data, tokenizer, local.trainer.seed)
+    prompts = load_prompts(
+        local.data, tokenizer, local.trainer.seed, need_answer=not pure_distillation(local)
+    )
     aggregator = build_aggregator(local, tokenizer, ref, dp_rank, policy=model)
     # the trainer's sharding (its dp): this worker generates DP rank dp_rank's share
     generate, state = local_generation(cfg, model, tokenizer, prompts, aggregator, dp_rank)

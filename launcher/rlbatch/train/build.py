@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from rlbatch.config.distill import pure_distillation
 from rlbatch.config.enums import RewardKind
 from rlbatch.config.env import multi_turn
 from rlbatch.config.schema import (
@@ -164,6 +165,7 @@ def make_train_step(
     added to every step's metrics (trainable_params)."""
     from rlbatch import distributed
     from rlbatch.distributed import WorldDist
+    from rlbatch.grpo.distill import distill_metrics, sample_sums
     from rlbatch.grpo.rewards import brought_kinds, run_component_names
     from rlbatch.grpo.step import Reducers, run_train_step
     from rlbatch.train.episodes import check_env_errors, episode_metrics, make_sample_writer
@@ -218,6 +220,10 @@ def make_train_step(
         if write_samples is not None:
             write_samples(step, batch.samples)
         episodes = episode_metrics(batch.samples, world) if multi_turn(cfg.env) else {}
+        distill: dict[str, float] = {}
+        if cfg.grpo.distill.teacher:
+            sums = world.all_reduce_sum(sample_sums(batch.samples))
+            distill = distill_metrics(sums, cfg.parallel.dp)
         failures = failure_counts(batch.samples, world) if count_failures else {}
         if episodes:
             _warn_env(check_env_errors(episodes, batch.samples, cfg.env, step), ps.rank, warned)
@@ -225,6 +231,7 @@ def make_train_step(
             **reward_means(batch.samples, names, world),
             **failures,
             **episodes,
+            **distill,
             **metrics,
             **prepared,
             **checked,
@@ -364,7 +371,9 @@ def build_components(cfg: RunConfig) -> Components:
     cfg, model, ps = setup.cfg, setup.model, setup.state
     optimizer, scheduler = build_optimizer(cfg, model)
     tokenizer = build_tokenizer(cfg.model)
-    prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)
+    prompts = load_prompts(
+        cfg.data, tokenizer, cfg.trainer.seed, need_answer=not pure_distillation(cfg)
+    )
     ref = build_reference(cfg, model)
     schedule = schedule_from_config(cfg.grpo, ps.dp)
     sampler = PromptSampler(

@@ -125,6 +125,7 @@ def sample_record(s: Sample) -> dict[str, Any]:
         "policy_version": s.policy_version,
         "token_versions": list(s.token_versions or []),
         "behaviour_logps": list(s.behaviour_logps),
+        "token_advantages": None if s.token_advantages is None else list(s.token_advantages),
     }
 
 

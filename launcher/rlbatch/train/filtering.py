@@ -2,7 +2,8 @@
 "Dynamic sampling").
 
 A round draws ``prompts_per_round`` prompts; groups whose rewards are all equal (zero variance:
-their GRPO advantage is 0, they teach nothing) are dropped, and the round draws further
+their GRPO advantage is 0, they teach nothing) are dropped, unless a teacher's per-token
+advantage makes their combined advantage non-zero (on-policy distillation), and the round draws further
 ``prompts_per_round`` prompts until the kept groups over ALL DP ranks reach
 ``prompts_per_round``, at most ``grpo.max_generation_rounds`` extra draws. The decision is
 global: each draw, every DP rank gathers every rank's keep flags (one small collective in the
@@ -40,6 +41,17 @@ def keep_flags(rewards: Sequence[float], group_size: int) -> list[bool]:
     return [
         max(rewards[i : i + group_size]) != min(rewards[i : i + group_size])
         for i in range(0, len(rewards), group_size)
+    ]
+
+
+def teaching_groups(samples: Sequence[Sample], group_size: int) -> list[bool]:
+    """Per group: its combined advantage is not 0 everywhere: the rewards differ
+    (:func:`keep_flags`) or a sample has a non-zero per-token teacher advantage (on-policy
+    distillation, rlbatch.grpo.distill)."""
+    flags = keep_flags([s.reward for s in samples], group_size)
+    return [
+        keep or any(any(s.token_advantages or ()) for s in samples[i : i + group_size])
+        for keep, i in zip(flags, range(0, len(samples), group_size), strict=True)
     ]
 
 
@@ -85,8 +97,7 @@ class GroupFilter:
         """(this rank's kept samples, their groups' global positions, metrics) of a round."""
         draws, flags = [first], []
         while True:
-            rewards = [s.reward for s in draws[-1][1]]
-            flags.append(self.gather(keep_flags(rewards, self.num_generations)))
+            flags.append(self.gather(teaching_groups(draws[-1][1], self.num_generations)))
             kept = kept_in_order(flags)
             if len(kept) >= self.needed:
                 break

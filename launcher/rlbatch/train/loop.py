@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from rlbatch.config.schema import RunConfig
 from rlbatch.distributed import as_collective_timeout, local_peak_memory_gb, reset_peak_memory
 from rlbatch.eval.settings import eval_due
+from rlbatch.grpo.distill import zero_advantage
 from rlbatch.rollout.protocol import RolloutUnavailableError
 from rlbatch.runtime import preempt
 from rlbatch.runtime.rng import capture_rng_state, restore_rng_state
@@ -361,7 +362,9 @@ def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int
     if cfg.debug.detect_nan:
         check_finite(metrics, step=step, rank=rank)
     heartbeat.beat(step, "metrics")
-    return _record(comps, step, batch, metrics, time.perf_counter() - start_time)
+    d = cfg.grpo.distill
+    reward_coef = d.reward_coef if d.teacher else 1.0
+    return _record(comps, step, batch, metrics, time.perf_counter() - start_time, reward_coef)
 
 
 def _check_agreement(comps: Components, step: int, batch: StepBatch) -> None:
@@ -387,8 +390,15 @@ def _check_agreement(comps: Components, step: int, batch: StepBatch) -> None:
 
 
 def _record(
-    comps: Components, step: int, batch: StepBatch, metrics: dict[str, Any], step_time: float
+    comps: Components,
+    step: int,
+    batch: StepBatch,
+    metrics: dict[str, Any],
+    step_time: float,
+    reward_coef: float = 1.0,
 ) -> dict[str, Any]:
+    """The step's record; advantage_zero_frac counts samples whose combined advantage
+    (reward_coef * A + the per-token teacher advantage) is 0 everywhere."""
     local = [0.0] * 7
     for s in batch.samples:
         local[0] += 1
@@ -397,7 +407,7 @@ def _record(
         local[3] += len(s.response_ids)
         local[4] += batch.round_start_version - oldest_version(s)
         local[5] += s.length
-        local[6] += float(s.advantage == 0.0)
+        local[6] += float(zero_advantage(s, reward_coef))
     figures = dict(batch.filter_metrics)
     reported = [float(k in figures) for k in ROLLOUT_COUNTERS]  # present, even when 0
     rollout = [float(figures.pop(k, 0.0)) for k in ROLLOUT_COUNTERS]

@@ -13,6 +13,7 @@ SITE = {
     + ["parallel.node_rank=0", "parallel.run_id=q7b"],
     "grpo_qwen3_moe": ["data.path={data}", "parallel.rdzv_endpoint=node0:29500"]
     + ["parallel.node_rank=0", "parallel.run_id=moe"],
+    "distill_qwen": ["grpo.distill.teacher={teacher}"],  # the user's teacher directory
 }
 
 
@@ -20,7 +21,7 @@ SITE = {
 def test_periodic_checkpoints_by_default(name, tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    site = [o.format(data=data) for o in SITE.get(name or "", [])]
+    site = [o.format(data=data, teacher=tmp_path) for o in SITE.get(name or "", [])]
     overrides = [] if name is None else [f"+recipe={name}", *site]
     ckpt = compose(overrides, "test").trainer.checkpoint
     assert 0 < ckpt.every_steps <= 50 and 0 < ckpt.every_minutes <= 30

@@ -22,6 +22,7 @@ SITE = {
         "data.path={data}",
         *("parallel.rdzv_endpoint=node0:29500", "parallel.node_rank=0", "parallel.run_id=moe"),
     ],
+    "distill_qwen": ["grpo.distill.teacher={teacher}"],  # the user's teacher directory
 }
 
 
@@ -29,7 +30,7 @@ SITE = {
 def site_overrides(tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return lambda name: [o.format(data=data) for o in SITE.get(name, [])]
+    return lambda name: [o.format(data=data, teacher=tmp_path) for o in SITE.get(name, [])]
 
 
 def test_ships_the_required_recipes():

@@ -19,7 +19,10 @@ def test_twin_keeps_the_layout_and_shrinks_the_model(name, tmp_path):
     recipe = compose_recipe(name)
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    twin = compose([f"+recipe={name}", *twin_overrides(recipe), f"data.path={data}"], "test")
+    site = [f"data.path={data}"]
+    if recipe.grpo.distill.reward_coef == 0 and not recipe.grpo.distill.teacher:
+        site.append(f"grpo.distill.teacher={tmp_path}")  # the user's teacher directory
+    twin = compose([f"+recipe={name}", *twin_overrides(recipe), *site], "test")
     p, r = twin.parallel, recipe.parallel
     assert (p.pp, p.vpp, p.sequence_parallel, p.use_distributed_optimizer) == (
         r.pp, r.vpp, r.sequence_parallel, r.use_distributed_optimizer

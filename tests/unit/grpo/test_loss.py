@@ -46,7 +46,7 @@ def _padded_batch(seqs, prompt_len: int = 3):
     rows, width = len(seqs), prompt_len + max(len(s["toks"]) for s in seqs) + 2
     f64 = torch.float64
     mask = torch.zeros(rows, width, dtype=torch.bool)
-    old, beh, ref = (torch.zeros(rows, width, dtype=f64) for _ in range(3))
+    old, beh, ref, dense = (torch.zeros(rows, width, dtype=f64) for _ in range(4))
     cur = torch.zeros(rows, width, dtype=f64)
     for i, s in enumerate(seqs):
         for k, (lp, o, b, r) in enumerate(s["toks"]):
@@ -55,6 +55,7 @@ def _padded_batch(seqs, prompt_len: int = 3):
             cur[i, p], old[i, p] = lp, o
             beh[i, p] = b if b is not None else 0.0
             ref[i, p] = r if r is not None else 0.0
+            dense[i, p] = s["dense"][k] if "dense" in s else 0.0
     seq_index = torch.arange(rows).unsqueeze(1).expand(rows, width).clone()
     batch = GRPOBatch(
         labels=torch.zeros(rows, width, dtype=torch.long),
@@ -64,6 +65,7 @@ def _padded_batch(seqs, prompt_len: int = 3):
         advantages=torch.tensor([s["adv"] for s in seqs], dtype=f64),
         behaviour_logps=beh if seqs[0]["toks"][0][2] is not None else None,
         ref_logps=ref if seqs[0]["toks"][0][3] is not None else None,
+        token_advantages=dense if "dense" in seqs[0] else None,
     )
     return batch, cur[mask].clone().requires_grad_(True)
 
@@ -78,7 +80,7 @@ def _packed_batch(seqs, round_to: int = 4, prompt_len: int = 2):
     f64 = torch.float64
     mask = torch.zeros(1, width, dtype=torch.bool)
     seq_index = torch.zeros(1, width, dtype=torch.long)
-    old, beh, ref, cur = (torch.zeros(1, width, dtype=f64) for _ in range(4))
+    old, beh, ref, cur, dense = (torch.zeros(1, width, dtype=f64) for _ in range(5))
     for i, s in enumerate(seqs):
         for k, (lp, o, b, r) in enumerate(s["toks"]):
             p = offsets[i] + prompt_len - 1 + k
@@ -86,6 +88,7 @@ def _packed_batch(seqs, round_to: int = 4, prompt_len: int = 2):
             cur[0, p], old[0, p] = lp, o
             beh[0, p] = b if b is not None else 0.0
             ref[0, p] = r if r is not None else 0.0
+            dense[0, p] = s["dense"][k] if "dense" in s else 0.0
     batch = GRPOBatch(
         labels=torch.zeros(1, width, dtype=torch.long),
         loss_mask=mask,
@@ -94,6 +97,7 @@ def _packed_batch(seqs, round_to: int = 4, prompt_len: int = 2):
         advantages=torch.tensor([s["adv"] for s in seqs], dtype=f64),
         behaviour_logps=beh if seqs[0]["toks"][0][2] is not None else None,
         ref_logps=ref if seqs[0]["toks"][0][3] is not None else None,
+        token_advantages=dense if "dense" in seqs[0] else None,
     )
     return batch, cur[mask].clone().requires_grad_(True)
 

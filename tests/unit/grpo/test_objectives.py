@@ -79,17 +79,26 @@ def _kl(st: LossSettings, lp: float, ref: float, old: float) -> float:
     return value * math.exp(lp - old) if st.kl_bias_correction else value
 
 
+def _token_adv(st: LossSettings, s: dict, k: int) -> float:
+    """Token k's advantage: the sample's, or reward_coef * it + the token's dense (teacher)
+    advantage when the sample has per-token advantages."""
+    if "dense" not in s:
+        return s["adv"]
+    return st.reward_coef * s["adv"] + s["dense"][k]
+
+
 def reference_objective(seqs, lps, st: LossSettings, entropy=None) -> float:
     """The numerator: sum over sequences of agg-weight x sum over tokens of
     w * pg + beta * kl - entropy_coef * H, for current logps ``lps`` (one list per sequence)."""
     total, flat = 0.0, 0
     for s, cur in zip(seqs, lps, strict=True):
-        toks, a, n = s["toks"], s["adv"], len(s["toks"])
+        toks, n = s["toks"], len(s["toks"])
         weight = _agg_weight(st.loss_agg_mode, n, st.max_response_len)
         log_s = sum(c - t[1] for c, t in zip(cur, toks, strict=True)) / n
         stale = toks[0][2] is not None
         w_seq = math.exp(sum(t[1] - t[2] for t in toks)) if stale else 1.0
-        for lp, (_, old, beh, ref) in zip(cur, toks, strict=True):
+        for k, (lp, (_, old, beh, ref)) in enumerate(zip(cur, toks, strict=True)):
+            a = _token_adv(st, s, k)
             w = _weight(st, math.exp(old - beh), w_seq) if stale else 1.0
             term = w * _policy_term(st, lp, old, log_s, a)
             if st.beta:
@@ -110,12 +119,13 @@ def reference_grad(seqs, st: LossSettings) -> list[float]:
     grads = []
     lo, hi = 1 - st.epsilon_low, 1 + st.epsilon_high
     for i, s in enumerate(seqs):
-        toks, a = s["toks"], s["adv"]
+        toks = s["toks"]
         weight = _agg_weight(st.loss_agg_mode, len(toks), st.max_response_len)
         stale = toks[0][2] is not None
         w_seq = math.exp(sum(t[1] - t[2] for t in toks)) if stale else 1.0
         s_i = math.exp(sum(t[0] - t[1] for t in toks) / len(toks))
         for k, (lp, old, beh, _) in enumerate(toks):
+            a = _token_adv(st, s, k)
             w = _weight(st, math.exp(old - beh), w_seq) if stale else 1.0
             if st.policy_loss == PolicyLoss.cispo:
                 g = -a * min(max(math.exp(lp - old), lo), hi)
@@ -136,7 +146,7 @@ def _fd(seqs, lps, i, k, st, kl_only=False) -> float:
         moved = [list(x) for x in lps]
         moved[i][k] += delta
         if kl_only:
-            no_pg = [{"adv": 0.0, "toks": s["toks"]} for s in seqs]
+            no_pg = [{"adv": 0.0, "toks": s["toks"]} for s in seqs]  # no "dense": 0
             return reference_objective(no_pg, moved, st)
         return reference_objective(seqs, moved, st)
 

@@ -1,0 +1,115 @@
+"""The on-policy distillation keys (``grpo.distill``): a teacher scores every token the student
+sampled and its per-token log-prob minus the behaviour log-prob becomes a dense advantage, alone
+or beside the group reward advantage (docs/grpo_loss.md, "On-policy distillation")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rlbatch.config.enums import DistillEstimator, FilterGroups, PolicyLoss
+from rlbatch.config.errors import ConfigError
+
+
+@dataclass
+class DistillConfig:
+    teacher: Optional[str] = None
+    """A local Hugging Face directory (a run's <run_dir>/hf included) whose model scores the
+    student's sampled tokens; null = no distillation. Built frozen on the run's tp / pp layout;
+    its tokenizer must be the student's."""
+    coef: float = 1.0
+    """Weight of the per-token teacher advantage (teacher log-prob minus behaviour log-prob)."""
+    reward_coef: float = 1.0
+    """Weight of the group reward advantage; 0 = pure distillation: no reward is computed and no
+    reward function is called."""
+    kl_estimator: DistillEstimator = DistillEstimator.reverse_kl
+    """The per-token teacher advantage: reverse_kl = log pi_teacher - log pi_behaviour of the
+    sampled token (the one estimator on sampled tokens; docs/grpo_loss.md says why not top-k)."""
+    clip: Optional[float] = None
+    """Clamp each per-token log-prob difference to [-clip, clip] before coef (extreme tokens the
+    teacher finds near impossible); null = no clamp. distill/clip_frac counts the clamped tokens."""
+
+
+def distill_on(cfg: Any) -> bool:
+    """A teacher scores the rollouts (grpo.distill.teacher set)."""
+    return bool(cfg.grpo.distill.teacher)
+
+
+def pure_distillation(cfg: Any) -> bool:
+    """A teacher and grpo.distill.reward_coef=0: no reward is computed, so the data needs no
+    reference answers and no reward function is loaded or checked."""
+    return distill_on(cfg) and cfg.grpo.distill.reward_coef == 0
+
+
+def distill_errors(cfg: Any) -> list[ConfigError]:
+    """Every problem of the grpo.distill keys (pure: config.json is read, no model built)."""
+    d, errors = cfg.grpo.distill, []
+    if d.clip is not None and d.clip <= 0:
+        errors.append(ConfigError("grpo.distill.clip", d.clip, "must be > 0 or null (no clamp)"))
+    if d.coef < 0:
+        errors.append(ConfigError("grpo.distill.coef", d.coef, "must be >= 0"))
+    if d.reward_coef < 0:
+        errors.append(ConfigError("grpo.distill.reward_coef", d.reward_coef, "must be >= 0"))
+    if not distill_on(cfg):
+        if d.reward_coef == 0:
+            errors.append(
+                ConfigError(
+                    "grpo.distill.teacher",
+                    None,
+                    "grpo.distill.reward_coef=0 (pure distillation) needs a teacher: set it to "
+                    "the teacher's Hugging Face directory (e.g. a finished run's <run_dir>/hf), "
+                    "or raise grpo.distill.reward_coef",
+                )
+            )
+        return errors
+    if d.coef == 0 and d.reward_coef == 0:
+        errors.append(
+            ConfigError(
+                "grpo.distill.coef",
+                d.coef,
+                "with grpo.distill.reward_coef=0 nothing would be learnt: set coef > 0",
+            )
+        )
+    if not Path(d.teacher).is_dir():
+        errors.append(
+            ConfigError(
+                "grpo.distill.teacher",
+                d.teacher,
+                "no such directory: a local Hugging Face model directory (config.json and "
+                "*.safetensors), e.g. a finished run's <run_dir>/hf",
+            )
+        )
+    if PolicyLoss(cfg.grpo.policy_loss) == PolicyLoss.gspo:
+        errors.append(
+            ConfigError(
+                "grpo.policy_loss",
+                "gspo",
+                "GSPO clips one sequence ratio against one advantage per sample; the teacher's "
+                "advantage differs per token: use grpo.policy_loss=gspo_token (GSPO's per-token "
+                "form, arXiv 2507.18071 eq. 13), clip, cispo or sapo",
+            )
+        )
+    if d.reward_coef == 0 and FilterGroups(cfg.grpo.filter_groups) != FilterGroups.none:
+        errors.append(
+            ConfigError(
+                "grpo.filter_groups",
+                cfg.grpo.filter_groups.value,
+                "pure distillation (grpo.distill.reward_coef=0) computes no reward to filter "
+                "groups on: set grpo.filter_groups=none",
+            )
+        )
+    return errors
+
+
+def distill_warnings(cfg: Any) -> list[str]:
+    """A warning for each distill key set away from its default without a teacher."""
+    d, default = cfg.grpo.distill, DistillConfig()
+    if distill_on(cfg):
+        return []
+    return [
+        f"grpo.distill.{key}={getattr(d, key)} is ignored: grpo.distill.teacher is null"
+        for key in ("coef", "reward_coef", "clip", "kl_estimator")
+        if getattr(d, key) != getattr(default, key)
+        and not (key == "reward_coef" and d.reward_coef == 0)
+    ]

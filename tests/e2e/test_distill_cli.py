@@ -1,0 +1,150 @@
+"""On-policy distillation through the real rlbatch-train (docs/grpo_loss.md, "On-policy
+distillation"). The teacher is a random Hugging Face Qwen2 of another shape than the student,
+made peaked. Pure distillation (reward_coef=0) of a fresh student at pp=2 and temperature 0.7,
+on prompts without answers: no reward is computed, the teacher's per-token advantage is the whole loss (on-policy its value
+is the reported reverse KL), and the logged per-token advantages equal the teacher's log-probs
+computed by transformers in float64 minus the behaviour log-probs. A LoRA student whose base is the teacher itself (a run's <run_dir>/hf), sampling
+at temperature 0.7 one step ahead in the generation worker: the teacher pass (in that worker)
+sees the behaviour policy's own distribution, so the reverse KL is 0 up to float noise, and the
+rewards still count. Bad distillation settings are refused before launch, all at once. The
+recipe distill_qwen's shape twin (tests/e2e/test_shape_twins.py) resumes a SIGKILLed pure
+distillation run exactly like the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+SMALL = [
+    "grpo.num_generations=4", "grpo.global_batch_size=16", "logging.plot=false",
+    "logging.tensorboard=false", "logging.progress=false",
+]  # fmt: skip
+
+
+def _train(bin_dir, env, run_dir, *overrides, check=True):
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"hydra.run.dir={run_dir}",
+         *SMALL, *overrides],
+        capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600,
+    )  # fmt: skip
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A Hugging Face Qwen2 of another shape than the student (hidden 32, not 64) over the byte
+    vocabulary, without tokenizer files (its vocab_size is the student's: accepted), peaked
+    (hf_reference.save_tiny_teacher)."""
+    from hf_reference import save_tiny_teacher
+
+    root = tmp_path_factory.mktemp("distill")
+    save_tiny_teacher(root / "teacher")
+    return root, root / "teacher"
+
+
+@pytest.fixture(scope="module")
+def pure(teacher, bin_dir, subprocess_env):
+    root, hf = teacher
+    prompts = root / "prompts.jsonl"  # prompts only: pure distillation needs no answers
+    prompts.write_text("".join(json.dumps({"prompt": f"copy {n}:"}) + "\n" for n in range(40)))
+    common = [
+        "data=jsonl", f"data.path={prompts}",
+        f"grpo.distill.teacher={hf}", "grpo.distill.reward_coef=0", "grpo.distill.clip=4.0",
+        "grpo.distill.coef=0.5", "trainer.max_steps=3", "parallel.pp=2",
+        "rollout.temperature=0.7", "logging.samples=true",
+    ]  # fmt: skip
+    _train(bin_dir, subprocess_env, root / "pure", *common)  # exports <run_dir>/hf at the end
+    return root, common
+
+
+def test_pure_distillation_trains_on_the_teacher_alone(pure):
+    root, _ = pure
+    records = _metrics(root / "pure")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["reward_mean"] == 0.0 and r["reward_std"] == 0.0  # no reward computed
+        assert r["advantage_zero_frac"] == 0.0  # yet every sample has an advantage
+        assert r["distill/teacher_kl"] > 0.5  # a sharp teacher, a near-uniform student
+        assert 0.0 < r["distill/clip_frac"] < 1.0  # the clamp at 4 nats acted on some tokens
+        assert r["distill/teacher_seconds"] > 0.0
+        # on-policy (ratio 1, weight 1 up to the engine's noise) with token-mean and no other
+        # term the loss is -mean(D_t) = coef * the reverse KL, less what the clamp cut off
+        assert r["loss"] <= 0.5 * r["distill/teacher_kl"] + 1e-6
+        assert r["loss"] == pytest.approx(0.5 * r["distill/teacher_kl"], rel=0.2)
+    resolved = (root / "pure" / "resolved.yaml").read_text()
+    assert f"teacher: {root / 'teacher'}" in resolved
+
+
+def test_teacher_advantages_match_transformers_in_float64(pure):
+    """The teacher pass at pp=2 and temperature 0.7 against the teacher run by transformers in
+    float64: each logged sample's token_advantages = 0.5 * clamp(log p_T(y_t) -
+    behaviour_t, -4, 4) with log p_T from logits / 0.7."""
+    import torch
+    import transformers
+
+    root, _ = pure
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "teacher").double().eval()
+    lines = (root / "pure" / "samples" / "step_00001.jsonl").read_text().splitlines()
+    worst, clamped = 0.0, 0
+    for line in lines[:8]:
+        s = json.loads(line)
+        ids = s["prompt_ids"] + s["response_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0] / 0.7
+        logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        teacher = logp[len(s["prompt_ids"]) - 1 :].tolist()
+        for t, b, got in zip(teacher, s["behaviour_logps"], s["token_advantages"], strict=True):
+            want = 0.5 * max(-4.0, min(4.0, t - b))
+            clamped += abs(t - b) > 4.0
+            worst = max(worst, abs(got - want))
+    assert worst < 2e-4, worst  # float32 megatron against float64 transformers
+    assert clamped > 0  # the clamp's branch is part of the comparison
+
+
+def test_teacher_equal_to_the_behaviour_policy_scores_zero_kl(pure, bin_dir, subprocess_env):
+    """A run's <run_dir>/hf as the teacher and as the LoRA student's base."""
+    root, _ = pure
+    hf = root / "pure" / "hf"
+    run = root / "same"
+    _train(
+        bin_dir, subprocess_env, run, f"model.hf_path={hf}", f"grpo.distill.teacher={hf}",
+        "model.lora.rank=4", "trainer.optim.lr=1e-2", "rollout.temperature=0.7",
+        "grpo.num_steps_async=1", "trainer.max_steps=2", "trainer.checkpoint.export_hf=false",
+    )  # fmt: skip
+    records = _metrics(run)
+    # the LoRA student starts as its base, the teacher; each step trains samples of version 0
+    assert [r["staleness_mean"] for r in records] == [0.0, 1.0]
+    for r in records:
+        assert abs(r["distill/teacher_kl"]) < 1e-4  # same distribution at the same temperature
+        assert r["distill/clip_frac"] == 0.0
+        assert r["reward_mean"] > 0.0  # reward_coef=1: the rewards still count
+
+
+def test_bad_distillation_settings_are_refused_before_launch(teacher, bin_dir, subprocess_env):
+    root, hf = teacher
+    other = root / "other_vocab"
+    shutil.copytree(hf, other)  # no tokenizer files
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] = config["vocab_size"] + 8
+    (other / "config.json").write_text(json.dumps(config))
+    proc = _train(
+        bin_dir, subprocess_env, root / "refused", f"grpo.distill.teacher={other}",
+        "grpo.policy_loss=gspo", "grpo.distill.clip=-1", check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "grpo.distill.teacher" in out and "vocab_size=272" in out
+    assert "grpo.policy_loss" in out and "gspo_token" in out
+    assert "grpo.distill.clip" in out
+    assert not (root / "refused" / "metrics.jsonl").exists()
