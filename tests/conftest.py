@@ -107,7 +107,7 @@ def vllm_server_pool(bin_dir, subprocess_env, tmp_path_factory):
     """tests/vllm_pool.POOL_SIZE rlbatch-serve servers, each on its own port, started at once
     and stopped (SIGTERM) at the end of the session; their URLs."""
     pytest.importorskip("vllm")
-    from vllm_pool import POOL_SIZE, PROCS, free_port, serve, started_url
+    from vllm_pool import POOL_SIZE, PROCS, free_port, serve, started_url, stop_all
 
     cwd = tmp_path_factory.mktemp("servers")
     ports = [free_port() for _ in range(POOL_SIZE)]
@@ -115,10 +115,18 @@ def vllm_server_pool(bin_dir, subprocess_env, tmp_path_factory):
     try:
         yield [started_url(proc, cwd, port) for proc, port in zip(PROCS, ports, strict=True)]
     finally:
-        for proc in PROCS:
-            proc.send_signal(signal.SIGTERM)
-        for proc in PROCS:
-            proc.wait(60)
+        stop_all()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The server files run one after the other on one worker: after the last of their tests,
+    the pool stops at once rather than at the end of the session."""
+    if Path(str(item.fspath)).name not in SERVER_FILES:
+        return
+    if nextitem is None or Path(str(nextitem.fspath)).name not in SERVER_FILES:
+        from vllm_pool import stop_all
+
+        stop_all()
 
 
 def pytest_xdist_make_scheduler(config, log):

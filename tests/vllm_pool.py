@@ -65,3 +65,16 @@ def started_url(proc: subprocess.Popen, cwd: Path, port: int) -> str:
             f"rlbatch-serve on port {port} printed {line!r}; its log ends:\n{log[-4000:]}"
         )
     return line
+
+
+def stop_all() -> None:
+    """SIGTERM to every rlbatch-serve of the pool, then wait for each (idempotent): once the
+    last server file is done, so idle servers do not hold memory and CPU through the rest of
+    the session."""
+    import signal
+
+    for proc in PROCS:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in PROCS:
+        proc.wait(60)
