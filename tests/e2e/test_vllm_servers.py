@@ -612,7 +612,8 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
     broadcast over one group of the trainer and both servers (rollout.servers.transfer=
     broadcast); the spare's vLLM API server SIGTERMed while it decodes a round after step 1 is
     recorded (vLLM then shuts its engine down, stops listening, and either resets the
-    connections of the requests in flight or holds them unanswered): within seconds, not rollout.servers.timeout_s (300 s here), a warning
+    connections of the requests in flight or holds them unanswered; a request sent after
+    that is refused): within seconds, not rollout.servers.timeout_s (300 s here), a warning
     names it and the requests it held, its rows go to the other server, the next sync forms
     the group again without it, rollout/servers_alive falls from 2 to 1, and the run finishes
     with the metrics of the same run on the other server alone with the file transfer (each
@@ -649,13 +650,17 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
     print(f"the run finished {finished_after:.1f} s after the server's engine stopped")
     assert launcher.returncode == 0, out[-3000:]
     assert f"rollout server {second_spare_server} left the pool" in out, out[-3000:]
-    # the requests it held fail at once: vLLM either closes their connections as it shuts
-    # down, or keeps them open unanswered behind a failing /health (which of the two depends
-    # on how far its shutdown got when the request was read)
+    # the round's requests to it fail at once, however far vLLM's shutdown had got: the
+    # connections of those in flight reset, or held unanswered behind a failing /health, or a
+    # request sent after it stopped listening refused (all three seen on this machine)
     (warning,) = [line for line in out.splitlines() if "left the pool" in line]
     assert any(
-        f"{way} /inference/v1/generate" in warning
-        for way in ("closed the connection during", "failed while")
+        way in warning
+        for way in (
+            "closed the connection during /inference/v1/generate",
+            "failed while /inference/v1/generate was in flight",
+            "refused the connection (/inference/v1/generate)",
+        )
     ), warning
     assert finished_after < 150
     records = _records(run_dir)
@@ -664,8 +669,10 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
     expected = _records(ref_dir)
     assert [r["rollout/servers_alive"] for r in expected] == [1] * 4
 
-    def compared(rs):
-        return [{k: v for k, v in r.items() if k != "rollout/servers_alive"} for r in _untimed(rs)]
+    def compared(rs):  # the pool's history aside: its size, and rows the dying server
+        # aborted (finish_reason abort as vLLM shuts down), sent again with their own seeds
+        pool = ("rollout/servers_alive", "rollout/server_resubmits")
+        return [{k: v for k, v in r.items() if k not in pool} for r in _untimed(rs)]
 
     assert compared(records) == compared(expected)
 
