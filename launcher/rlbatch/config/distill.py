@@ -42,6 +42,12 @@ def pure_distillation(cfg: Any) -> bool:
     return distill_on(cfg) and cfg.grpo.distill.reward_coef == 0
 
 
+def reward_weight(cfg: Any) -> float:
+    """The weight of the group reward advantage in the combined one: grpo.distill.reward_coef
+    with a teacher, 1 without (plain GRPO)."""
+    return float(cfg.grpo.distill.reward_coef) if distill_on(cfg) else 1.0
+
+
 def distill_errors(cfg: Any) -> list[ConfigError]:
     """Every problem of the grpo.distill keys (pure: config.json is read, no model built)."""
     d, errors = cfg.grpo.distill, []

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from rlbatch.batching.plan import MicroBatch
+from rlbatch.config.distill import reward_weight
 from rlbatch.config.schema import (
     KLEstimator,
     LossAggMode,
@@ -117,7 +118,7 @@ class LossSettings:
             entropy_coef=g.entropy_coef,
             rollout_correction=RolloutCorrection(g.rollout_correction),
             rollout_correction_lower=g.rollout_correction_lower,
-            reward_coef=g.distill.reward_coef if g.distill.teacher else 1.0,
+            reward_coef=reward_weight(cfg),
         )
 
     @property

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlbatch.config.distill import reward_weight
 from rlbatch.config.schema import RunConfig
 from rlbatch.distributed import as_collective_timeout, local_peak_memory_gb, reset_peak_memory
 from rlbatch.eval.settings import eval_due
@@ -362,9 +363,8 @@ def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int
     if cfg.debug.detect_nan:
         check_finite(metrics, step=step, rank=rank)
     heartbeat.beat(step, "metrics")
-    d = cfg.grpo.distill
-    reward_coef = d.reward_coef if d.teacher else 1.0
-    return _record(comps, step, batch, metrics, time.perf_counter() - start_time, reward_coef)
+    took = time.perf_counter() - start_time
+    return _record(comps, step, batch, metrics, took, reward_weight(cfg))
 
 
 def _check_agreement(comps: Components, step: int, batch: StepBatch) -> None:
