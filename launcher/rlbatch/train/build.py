@@ -165,6 +165,7 @@ def make_train_step(
     added to every step's metrics (trainable_params)."""
     from rlbatch import distributed
     from rlbatch.distributed import WorldDist
+    from rlbatch.engine.moe_stats import ExpertLoad
     from rlbatch.grpo.distill import distill_metrics, sample_sums
     from rlbatch.grpo.rewards import brought_kinds, run_component_names
     from rlbatch.grpo.step import Reducers, run_train_step
@@ -175,7 +176,6 @@ def make_train_step(
     world = WorldDist()
     check_served = make_served_check(cfg, world)
 
-    layout = ps
     reducers = Reducers(
         reduce_dp=distributed.reduce_dp,
         reduce_step=distributed.reduce_step,
@@ -191,8 +191,6 @@ def make_train_step(
         write_samples = make_sample_writer(cfg.run_dir, distributed.dp_gather_object, ps.rank)
 
     guard = adapter_guard(cfg, model)
-    from rlbatch.engine.moe_stats import ExpertLoad
-
     expert_load = ExpertLoad(model) if cfg.model.num_moe_experts else None
 
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
@@ -202,17 +200,10 @@ def make_train_step(
             guard.before()
         with expert_load.recording() if expert_load else contextlib.nullcontext():
             metrics = run_train_step(
-                cfg,
-                model,
-                optimizer,
-                scheduler,
-                batch.samples,
-                step=step,
-                layout=layout,
-                reducers=reducers,
-                inject_nan=inject_nan,
+                cfg, model, optimizer, scheduler, batch.samples, step=step, layout=ps,
+                reducers=reducers, inject_nan=inject_nan,
                 plan_sink=None if write_plan is None else partial(write_plan, step),
-            )
+            )  # fmt: skip
         if expert_load is not None:
             metrics.update(expert_load_metrics(cfg, expert_load))
         if guard is not None:
@@ -220,10 +211,11 @@ def make_train_step(
         if write_samples is not None:
             write_samples(step, batch.samples)
         episodes = episode_metrics(batch.samples, world) if multi_turn(cfg.env) else {}
-        distill: dict[str, float] = {}
+        distill = {}  # a teacher's figures, summed over the ranks' samples
         if cfg.grpo.distill.teacher:
-            sums = world.all_reduce_sum(sample_sums(batch.samples))
-            distill = distill_metrics(sums, cfg.parallel.dp)
+            distill = distill_metrics(
+                world.all_reduce_sum(sample_sums(batch.samples)), cfg.parallel.dp
+            )
         failures = failure_counts(batch.samples, world) if count_failures else {}
         if episodes:
             _warn_env(check_env_errors(episodes, batch.samples, cfg.env, step), ps.rank, warned)
