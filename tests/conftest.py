@@ -86,17 +86,6 @@ def pytest_sessionstart(session):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-SANDBOX_FILES = frozenset(
-    {
-        "test_documented_commands.py", "test_reward_integrity_cli.py", "test_rewards_cli.py",
-        "test_sandbox_battery.py", "test_code_exec.py", "test_sandbox.py", "test_shape_twins.py",
-    }
-)  # fmt: skip
-"""Test files that run code_exec sandboxes (the grpo_code recipe among the shape twins): some
-assert that no sandbox process is left anywhere on the host, which another file's sandboxes
-running at the same moment would break, so they share one worker and run one after the other."""
-
-
 SERVER_FILES = frozenset({"test_vllm_servers.py", "test_server_sync_cli.py"})
 """Test files that train on the session's vLLM servers (:func:`vllm_server_pool`): one unit,
 so the pool is started once, on one worker."""
@@ -130,18 +119,25 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """The test command's workers (``-n 2``) take whole files: a file's module-scoped fixtures
-    (servers, reference runs) are made once, on one worker; the files that run sandboxes form
-    one unit (:data:`SANDBOX_FILES`), run one after the other on one worker, and so do the
-    files on the session's vLLM servers (:data:`SERVER_FILES`)."""
+    """How the test command's workers (``-n 2``) share the suite: a file with module-scoped
+    fixtures (servers, reference runs) goes whole to one worker, so they are made once; the
+    files on the session's vLLM servers (:data:`SERVER_FILES`) form one such unit; every other
+    test is a unit of its own, so the two workers stay busy to the end. xdist hands out the
+    units with the most tests first, so the long shared units start early and single tests
+    fill in around them."""
+    from functools import cache
+
     from xdist.scheduler import LoadScopeScheduling
 
-    class FileGroups(LoadScopeScheduling):
+    @cache
+    def shares_fixtures(path: str) -> bool:
+        return 'scope="module"' in (config.rootpath / path).read_text()
+
+    class Units(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = str(nodeid).split("::", 1)[0]
-            name = Path(path).name
-            if name in SANDBOX_FILES:
-                return "sandbox"
-            return "vllm-servers" if name in SERVER_FILES else path
+            if Path(path).name in SERVER_FILES:
+                return "vllm-servers"
+            return path if shares_fixtures(path) else nodeid
 
-    return FileGroups(config, log)
+    return Units(config, log)

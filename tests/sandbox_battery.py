@@ -396,15 +396,60 @@ def as_unprivileged(command: list[str]) -> list[str]:
     return ["unshare", "--mount", "sh", "-c", " && ".join(script), "sh", *drop, *command]
 
 
-def leftover_sandbox_processes() -> list[int]:
-    """Processes of a sandbox (its PID 1, a program, an asserts' process) still alive."""
+def _status(pid: int) -> tuple[int, int]:
+    """(parent pid, real uid) of a live process."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["PPid"]), int(fields["Uid"].split()[0])
+
+
+def _is_sandbox_part(pid: int) -> bool:
+    """A process of an execution: its PID 1 or a program (by command line), a wrapper that
+    starts them (unshare, sh, setpriv), or anything running as a fresh uid (>= 1,000,000)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    if b"sandbox_init.py" in argv[-2:] or any(a.endswith(b"program.py") for a in argv):
+        return True
+    if Path(argv[0].decode(errors="replace")).name in ("unshare", "setpriv", "sh"):
+        return True
+    return _status(pid)[1] >= 1_000_000
+
+
+def _mine(owner: int, own_dir: Optional[Path]) -> bool:
+    """Whether a live process that started sandboxes is this test's: init (the sandboxes
+    were orphaned), this process or one of its ancestors (run in process), or a command run
+    in ``own_dir``. Another test's command running at the same moment is not."""
+    if owner <= 1:
+        return True
+    chain, pid = set(), os.getpid()
+    while pid > 1:
+        chain.add(pid)
+        pid = _status(pid)[0]
+    if owner in chain:
+        return True
+    if own_dir is None:
+        return False
+    cwd = Path(os.readlink(f"/proc/{owner}/cwd"))
+    return cwd == own_dir or own_dir in cwd.parents
+
+
+def leftover_sandbox_processes(own_dir: Optional[Path] = None) -> list[int]:
+    """Processes of a sandbox (its PID 1, a program, an asserts' process) still alive that this
+    test left: orphaned ones, its own in-process ones, and those of its commands run in
+    ``own_dir``. The sandboxes of another test's run, alive at the same moment under their
+    own command, are not counted, so such tests can run beside others."""
     pids = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not _is_sandbox_part(int(entry.name)):
                 continue
-            if b"sandbox_init.py" in cmdline or b"program.py" in cmdline:
+            owner = _status(int(entry.name))[0]
+            while owner > 1 and _is_sandbox_part(owner):
+                owner = _status(owner)[0]
+            if _mine(owner, own_dir):
                 pids.append(int(entry.name))
+        except (OSError, KeyError, ValueError):
+            continue  # ended meanwhile
     return pids

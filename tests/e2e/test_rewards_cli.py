@@ -22,6 +22,7 @@ import pytest
 
 from reward_servers import Judge, Scorer, save_tiny_reward_model
 from rlbatch.rewards.sandbox import INIT
+from sandbox_battery import leftover_sandbox_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -80,19 +81,6 @@ def _hostile(canary: Path, port: int) -> dict[str, tuple[str, str]]:
     }
 
 
-def _leftover_sandbox_processes() -> list[int]:
-    """Processes of a sandbox uid (fresh uids are >= 1,000,000) still alive on the host."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid >= 1_000_000:
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
-
-
 def test_hostile_programs_are_contained_and_scored_zero(bin_dir, subprocess_env, tmp_path):
     canary = tmp_path / "canary.txt"
     canary.write_text("untouched")
@@ -142,7 +130,7 @@ def test_hostile_programs_are_contained_and_scored_zero(bin_dir, subprocess_env,
     with pytest.raises(BlockingIOError):
         listener.accept()  # no connection ever arrived
     listener.close()
-    assert _leftover_sandbox_processes() == []
+    assert leftover_sandbox_processes(tmp_path) == []
     leak = out[list(hostile).index("read the trainer's env")]["failures"][0]["detail"]
     assert leak.endswith("got 'absent\\n'"), leak  # the variable never reached the program
 

@@ -74,7 +74,7 @@ def test_reward_hacks_score_zero_through_rlbatch_score(user, bin_dir, subprocess
         wrong = [(row["prompt"], r["failures"]) for row, r in zip(good, out[len(hacks) :],
                  strict=True) if r["reward"] != 1.0]  # fmt: skip
         assert wrong == []
-        assert leftover_sandbox_processes() == []
+        assert leftover_sandbox_processes(work) == []
         assert not Path("/tmp/fill").exists() and not Path("/dev/shm/fill").exists()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -117,7 +117,7 @@ def test_rlbatch_score_names_the_rows_a_stub_passes(bin_dir, subprocess_env, tmp
     assert "warning: stub programs pass the tests of 3 of 6 rows (line 1: returns NaN," in said
     assert "line 4: prints nothing)" in said
     assert "and earn part of the reward on 1 more (line 3: echoes its input 0.50)" in said
-    assert leftover_sandbox_processes() == []
+    assert leftover_sandbox_processes(tmp_path) == []
 
 
 def test_rlbatch_train_warns_before_launch_with_counts(bin_dir, subprocess_env, tmp_path):
@@ -142,7 +142,7 @@ def test_rlbatch_train_warns_before_launch_with_counts(bin_dir, subprocess_env, 
     assert "and earn part of the reward on 1 more (line 3: echoes its input 0.50)" in said
     assert "data.code_exec.stub_check_rows=6" in said
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
-    assert leftover_sandbox_processes() == []
+    assert leftover_sandbox_processes(tmp_path) == []
 
 
 LOOP = "i = 0\nwhile step(i) != 5:\n    i += 1"
@@ -177,4 +177,4 @@ def test_stub_check_is_bounded_and_runs_under_code_whole(bin_dir, subprocess_env
     ]
     # the two looping stubs of the first row would hold 120 s each (two workers: 120 s at least)
     assert took < 100, f"rlbatch-score took {took:.0f} s"
-    assert leftover_sandbox_processes() == []
+    assert leftover_sandbox_processes(tmp_path) == []

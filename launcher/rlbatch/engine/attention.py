@@ -19,7 +19,12 @@ import itertools
 from typing import Any, Optional
 
 import torch
-from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from rlbatch.engine.cpu_compat import import_megatron
+
+import_megatron()  # before megatron's first import: on the CPU without torch.compile
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 
 
 def _causal_mask(length: int, device: torch.device) -> torch.Tensor:

@@ -19,7 +19,8 @@ parameters by those names), a DistributedOptimizer state setter that tolerates t
 per-parameter step on checkpoint load and a load_state_dict that gives each parameter its own
 step tensor (megatron shares one, which AdamW increments once per parameter), and nothing
 else. :class:`SequenceParallelRMSNorm` is the norm rlbatch.engine.model puts in the
-local layer spec on CPU (megatron's torch norm refuses sequence parallelism). torch itself is never modified: user code still gets "Torch not compiled with
+local layer spec on CPU (megatron's torch norm refuses sequence parallelism). torch itself is never modified (only while megatron first imports is ``torch.compile`` an identity:
+:func:`import_megatron`): user code still gets "Torch not compiled with
 CUDA enabled" from ``torch.cuda.current_device()``. On a CUDA machine :func:`install` is a no-op.
 
 The layer patches internals by module name, so it is pinned to megatron-core 0.16.1.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -374,6 +376,36 @@ def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False)
     return tensor
 
 
+def _eager(fn: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """``torch.compile``'s signature, compiling nothing: ``fn`` itself, or a decorator that
+    returns its function (``torch.compile(mode=...)`` used as a decorator factory)."""
+    return fn if fn is not None else (lambda f: f)
+
+
+def import_megatron() -> None:
+    """The process's first import of megatron-core, without ``torch.compile`` on the CPU.
+
+    megatron wraps a dozen small fused functions in ``torch.compile`` (its ``jit_fuser``) as its
+    modules import, and the wrapping alone imports torch's compiler stack (dynamo, inductor,
+    sympy): about 1.6 s of CPU in every worker on this kind of machine, for functions the CPU
+    path never calls (rlbatch's local layer spec, sequential experts). With CUDA unavailable,
+    ``torch.compile`` is :func:`_eager` for the duration of this import only, so
+    ``megatron.core.jit.jit_fuser`` binds to it, and then megatron's own ``disable_jit_fuser``
+    makes it the plain decorator: every such function runs eagerly, as it would uncompiled.
+    torch is as it was afterwards. A no-op on CUDA and once megatron is imported."""
+    if "megatron.core.jit" in sys.modules or not needed():
+        return
+    compile_ = torch.compile
+    torch.compile = _eager  # type: ignore[assignment]
+    try:
+        jit = importlib.import_module("megatron.core.jit")
+        for name in PATCHED_MODULES:
+            importlib.import_module(name)
+    finally:
+        torch.compile = compile_
+    jit.disable_jit_fuser()
+
+
 def install() -> bool:
     """Install the CPU layer (idempotent). Returns True when it is active, False on CUDA
     (where only the missing-TE router name is filled in)."""
@@ -383,6 +415,7 @@ def install() -> bool:
     if not needed():
         _define_missing_te_gemm()
         return False
+    import_megatron()
     check_version()
     # megatron's import-time notices about the CUDA-only extras it cannot use here
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")

@@ -66,6 +66,7 @@ def check_world(parallel: ParallelConfig, world_size: int) -> None:
 def initialize(cfg: RunConfig) -> ParallelLayout:
     """Init torch.distributed (torchrun env or a world of 1), Megatron's parallel state and the
     seeds (trainer.seed). Installs the CPU layer when CUDA is unavailable."""
+    cpu_compat.import_megatron()
     from megatron.core import parallel_state as ps
 
     cpu_compat.install()

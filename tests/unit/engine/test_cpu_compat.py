@@ -49,3 +49,26 @@ def test_patched_modules_map_cuda_to_cpu(megatron_world):
     assert proxy.cuda.current_device() == torch.device("cpu")
     assert proxy.cuda.synchronize() is None
     assert proxy.Tensor is torch.Tensor and proxy.float32 is torch.float32
+
+
+def test_megatron_imports_without_torch_compile_in_a_fresh_process():
+    """A worker's first megatron import leaves torch.compile as it was, megatron's fused
+    functions plain (its jit_fuser disabled) and numerically the formula, and never imports
+    torch's compiler back end for them."""
+    import subprocess
+    import sys
+
+    probe = """
+import sys, torch
+compile_ = torch.compile
+from rlbatch.engine import cpu_compat
+cpu_compat.install()
+import megatron.core.jit as jit
+from megatron.core.transformer.utils import gelu_impl
+x = torch.linspace(-3, 3, 7, dtype=torch.float64)
+want = 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
+print(torch.compile is compile_, jit.jit_fuser is jit.noop_decorator,
+      type(gelu_impl).__name__, torch.equal(gelu_impl(x), want), "torch._inductor" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "function", "True", "False"]
