@@ -1,7 +1,7 @@
 """Every shipped recipe runs for real as its shape twin (rlbatch.config.twin: the recipe's
-parallel layout and options, a tiny model of the same architecture): three optimizer steps
-through rlbatch-train with a checkpoint after each; the same run with one rank SIGKILLed during
-step 3 and then resumed (trainer.resume=auto) reproduces every step exactly (loss, grad norm,
+parallel layout and options, a tiny model of the same architecture): NUM_STEPS (2) optimizer
+steps through rlbatch-train with a checkpoint after each; the same run with one rank SIGKILLed
+during its last step and then resumed (trainer.resume=auto) reproduces every step exactly (loss, grad norm,
 reward, every non-timing metric). For
 grpo_qwen2_5_7b that is tp2 (sequence parallel) x pp2 x vpp2 x dp2 = 8 gloo processes with the
 distributed optimizer. A recipe added to recipes/ is picked up automatically."""
@@ -67,8 +67,9 @@ def test_recipe_shape_twin_runs_and_resumes_exactly(name, bin_dir, subprocess_en
     ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
     seconds = _train(bin_dir, subprocess_env, tmp_path, [*overrides, f"hydra.run.dir={ref_dir}"])
     print(f"{name} shape twin: {NUM_STEPS} steps in {seconds:.0f} s")
-    assert (ref_dir / "checkpoints" / "step_00000002" / "model_optim").is_dir()
-    # the same run, one rank SIGKILLed during step 3 (after the step-2 checkpoint), resumed
+    assert (ref_dir / "checkpoints" / f"step_{NUM_STEPS - 1:08d}" / "model_optim").is_dir()
+    # the same run, one rank SIGKILLed during the last step (after the one before's checkpoint),
+    # resumed
     killed = [*overrides, f"hydra.run.dir={killed_dir}"]
     _train(
         bin_dir,

@@ -27,7 +27,7 @@ from rlbatch.config.schema import RunConfig
 
 MAX_TP = 2
 MAX_DP = 2
-NUM_STEPS = 3
+NUM_STEPS = 2
 NUM_GENERATIONS = 2
 MAX_NEW_TOKENS = 8
 MAX_PROMPT_LEN = 256
