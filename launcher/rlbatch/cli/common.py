@@ -68,12 +68,12 @@ def to_validated_run_config(
         errors += apply_scheduler_env(run_cfg.parallel, os.environ)
     if "model" in scope:
         errors += _adopt_hf_architecture(run_cfg, command)
+    found: list[Any] = []
     if extra is not None:
-        extra_errors, warnings = extra(run_cfg)
-        errors += extra_errors
+        found, warnings = extra(run_cfg)
         _warn(command, warnings)
     try:
-        return check(run_cfg, errors, scope)
+        return check(run_cfg, errors, scope, found)
     except ConfigErrors as err:
         fail_config(err, command)
 

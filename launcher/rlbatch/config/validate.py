@@ -553,15 +553,23 @@ def check(
     cfg: RunConfig,
     structural: list[ConfigError] | None = None,
     scope: frozenset[str] = TRAIN_SCOPE,
+    found: list[ConfigError] | None = None,
 ) -> RunConfig:
     """Raise ConfigErrors listing every error; return ``cfg`` when valid.
 
-    ``structural`` errors (from rlbatch.config.load.check_structure) come first; a cross-field
-    error on a key that already has one is not repeated (its value fell back to the default).
+    ``structural`` errors (from rlbatch.config.load.check_structure, and those that likewise
+    leave a key at its default: the job scheduler's environment, a checkpoint's architecture)
+    come first; a cross-field error on such a key is not repeated (its value fell back to the
+    default, so the rule would judge a value the user did not give). ``found`` are errors other
+    checks made of the user's own values (rlbatch-train's dataset, reward and environment
+    checks): they hide nothing, since a rule on the same key may name another problem; only
+    an exact repeat is dropped.
     """
     errors = list(structural or [])
-    reported = {e.key for e in errors}
-    errors += [e for e in validate(cfg, scope) if e.key not in reported]
+    fell_back = {e.key for e in errors}
+    for e in [*(found or []), *(e for e in validate(cfg, scope) if e.key not in fell_back)]:
+        if e not in errors:
+            errors.append(e)
     if errors:
         raise ConfigErrors(errors)
     return cfg

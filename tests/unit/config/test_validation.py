@@ -122,6 +122,33 @@ def test_every_error_reported_at_once():
     assert {"trainer.max_steps", "grpo.typo", "parallel.vpp", "batching.train.max_tokens"} <= keys
 
 
+def test_another_checks_error_hides_no_rule_on_the_same_key():
+    """An error rlbatch-train's own checks found on a key (the dataset, the reward, the
+    environment) is reported beside the rules' errors on that key, not instead of them; an
+    error that left the key at its default (a bad type) still hides the rule's verdict on
+    that default."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.errors import ConfigError
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=[*BASE, "batching.train.max_tokens=16"])
+    run_cfg, structural = check_structure(OmegaConf.to_container(cfg, resolve=True))
+    other = ConfigError("batching.train.max_tokens", 16, "another check's own problem")
+    with pytest.raises(ConfigErrors) as info:
+        check(run_cfg, structural, found=[other, other])
+    on_key = [e for e in info.value.errors if e.key == "batching.train.max_tokens"]
+    assert on_key[0] == other and len(on_key) == 2  # the repeat dropped, the rule kept
+    assert "oversize" in on_key[1].message
+    with pytest.raises(ConfigErrors) as info:
+        check(run_cfg, [other])
+    assert info.value.errors == [other]
+
+
 def test_oversize_isolate_allows_small_budget():
     cfg = compose(BASE + ["batching.train.max_tokens=16", "batching.train.oversize=isolate"], "t")
     assert cfg.batching.train.max_tokens == 16
