@@ -12,6 +12,7 @@ from __future__ import annotations
 from rlbatch.config.enums import ChatTemplate, RolloutBackend
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import RunConfig
+from rlbatch.config.streaming import per_row_decoder_errors
 
 
 def check_agent(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -82,3 +83,4 @@ def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     " or env.harness=null",
                 )
             )
+    errors += per_row_decoder_errors(cfg, "agent harnesses (env.harness)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
+from rlbatch.config.streaming import overlaps_generation
 
 
 def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -136,11 +137,24 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "expert-parallel ranks' forwards in step with pp = 1 only): set parallel.pp=1",
             )
         )
-    if p.ep > 1 and cfg.env.path:
+    if p.ep > 1 and overlaps_generation(cfg):
         errors.append(
             ConfigError(
                 "parallel.ep",
                 p.ep,
-                "with multi-turn environments (env.path) is not supported yet: set parallel.ep=1",
+                "with generation overlapping training (grpo.num_steps_async > 0): the "
+                "generation worker is a one-process world per training rank, so it holds no "
+                "expert-parallel group: set grpo.overlap_generation=false (the due rounds are "
+                "generated inline, the same samples) or parallel.ep=1",
+            )
+        )
+    if p.tp > 1 and not p.sequence_parallel:
+        errors.append(
+            ConfigError(
+                "parallel.sequence_parallel",
+                p.sequence_parallel,
+                f"an MoE model at parallel.tp={p.tp} trains with sequence parallelism only "
+                "(megatron-core refuses the MoE layer's training forward without it): set "
+                "parallel.sequence_parallel=true",
             )
         )

@@ -3,7 +3,7 @@ stream, docs/training_loop.md "Partial rollouts"): every problem at once, each w
 
 from __future__ import annotations
 
-from rlbatch.config.enums import ConsumptionGranularity, FilterGroups, RolloutBackend
+from rlbatch.config.enums import ConsumptionGranularity, FilterGroups, RolloutBackend, RopeScaling
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import RunConfig
 
@@ -19,6 +19,35 @@ def overlaps_generation(cfg: RunConfig) -> bool:
     ahead = min(g.num_steps_async, g.max_staleness) > 0
     filtering = FilterGroups(g.filter_groups) != FilterGroups.none  # draws agree over DP ranks
     return g.overlap_generation and ahead and not filtering and p.tp == p.pp == p.cp == 1
+
+
+def per_row_decoder_errors(cfg: RunConfig, feature: str) -> list[ConfigError]:
+    """What the built-in engine's per-row KV-cache decoder (multi-turn environments, agent
+    harnesses and partial rollouts decode on it) cannot compute, named for ``feature``: it is a
+    dense-block decoder (rlbatch.engine.generation.LeanDecoder), so an MoE model or yarn RoPE
+    is refused before launch rather than at the first rollout."""
+    m, errors = cfg.model, []
+    if m.num_moe_experts is not None:
+        errors.append(
+            ConfigError(
+                "model.num_moe_experts",
+                m.num_moe_experts,
+                f"{feature} decode on the built-in engine's per-row KV-cache decoder, which "
+                "computes dense models only: use a dense model, or a single-turn run without "
+                "partial rollouts",
+            )
+        )
+    if RopeScaling(m.rope_scaling) == RopeScaling.yarn:
+        errors.append(
+            ConfigError(
+                "model.rope_scaling",
+                RopeScaling(m.rope_scaling).value,
+                f"{feature} decode on the built-in engine's per-row KV-cache decoder, which "
+                "does not compute yarn's scaled attention: use rollout.backend=vllm, or a "
+                "single-turn run without partial rollouts",
+            )
+        )
+    return errors
 
 
 def _steps_per_round(cfg: RunConfig) -> int:
@@ -109,6 +138,8 @@ def _check_engine(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "rollout.backend=vllm_server",
             )
         )
+    if not vllm:
+        errors += per_row_decoder_errors(cfg, "partial rollouts (grpo.partial_rollouts)")
     if cfg.env.path:
         errors.append(
             ConfigError(

@@ -29,7 +29,7 @@ from rlbatch.config.schema import (
     SyncFault,
 )
 from rlbatch.config.servers_rules import check_sync_fault
-from rlbatch.config.streaming import check_partial_rollouts
+from rlbatch.config.streaming import check_partial_rollouts, per_row_decoder_errors
 from rlbatch.config.vllm_rules import check_vllm
 from rlbatch.config.workload_rules import check_response_lengths
 
@@ -429,6 +429,7 @@ def _check_env(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     " rollout.backend=vllm (any layout), or env.path=null",
                 )
             )
+    errors += per_row_decoder_errors(cfg, "multi-turn rollouts (env.path)")
 
 
 def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:

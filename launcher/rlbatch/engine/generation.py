@@ -8,7 +8,8 @@ Two runners, both returning logits only for the positions that are sampled next:
   prompt while the others keep decoding (continuous batching). Prefill is packed: every new
   prompt in full, each distinct prompt once (a GRPO group shares one prompt), attention per
   prompt, and logits only at each prompt's last position. The math is the layer's own (RMSNorm,
-  rotary embedding, grouped-query attention with softmax scale 1/sqrt(head dim), SwiGLU), so it
+  Qwen3's per-head QK norm, rotary embedding with linear position interpolation or llama3
+  frequencies, grouped-query attention with softmax scale 1/sqrt(head dim), SwiGLU), so it
   is the same model as megatron's forward up to float rounding; tests compare both, and with
   transformers' Qwen2.
 - :class:`PipelineForward` (any tp / pp / vpp): megatron's forward through this rank's chunks
@@ -76,29 +77,39 @@ class _Layer:
     norm2: torch.Tensor
     fc1: _Linear
     fc2: _Linear
+    q_norm: Optional[torch.Tensor] = None
+    """Per-head RMSNorm weights of queries and keys before the rotary embedding (Qwen3)."""
+    k_norm: Optional[torch.Tensor] = None
 
 
 def lean_decoding_supported(chunks: list[Any]) -> bool:
-    """True when :class:`LeanDecoder` computes exactly this model: one chunk, tp = pp = 1, the
-    Qwen2 block (RMSNorm, SwiGLU, rotary, no linear biases besides QKV, no QK norm)."""
+    """True when :class:`LeanDecoder` computes exactly this model."""
+    return not lean_decoding_refusal(chunks)
+
+
+def lean_decoding_refusal(chunks: list[Any]) -> str:
+    """Why :class:`LeanDecoder` cannot compute this model ('' when it can): it needs one chunk,
+    tp = pp = 1, and the dense Qwen2 / Qwen3 / Llama block (RMSNorm, SwiGLU, no linear biases
+    besides QKV, rotary embedding of non-interleaved halves, optional QK norm)."""
     if len(chunks) != 1 or distributed.pp_size() > 1:
-        return False
+        return "it runs one pipeline stage (parallel.pp=1, no vpp)"
     model = unwrap(chunks[0])
     c = model.config
-    return bool(
-        c.tensor_model_parallel_size == 1
-        and c.normalization == "RMSNorm"
-        and c.gated_linear_unit
-        and c.activation_func is F.silu
-        and not c.add_bias_linear
-        and not getattr(c, "qk_layernorm", False)
-        and not getattr(c, "num_moe_experts", None)
-        and not c.layernorm_zero_centered_gamma
-        and getattr(model, "position_embedding_type", "rope") == "rope"
-        and getattr(model.rotary_pos_emb, "rotary_interleaved", False) is False
-        and model.pre_process
-        and model.post_process
-    )
+    checks = {
+        "parallel.tp=1": c.tensor_model_parallel_size == 1,
+        "a dense model (not MoE: model.num_moe_experts=null)": not getattr(
+            c, "num_moe_experts", None
+        ),
+        "RMSNorm": c.normalization == "RMSNorm" and not c.layernorm_zero_centered_gamma,
+        "a SwiGLU MLP": bool(c.gated_linear_unit) and c.activation_func is F.silu,
+        "no linear biases besides QKV": not c.add_bias_linear,
+        "rotary positions (not yarn)": getattr(model, "position_embedding_type", "rope") == "rope",
+        "non-interleaved rotary halves": getattr(model.rotary_pos_emb, "rotary_interleaved", False)
+        is False,
+        "the whole model on this rank": bool(model.pre_process and model.post_process),
+    }
+    missing = [need for need, ok in checks.items() if not ok]
+    return f"it needs {', '.join(missing)}" if missing else ""
 
 
 def _norm_weight(linear: Any, norm: Any) -> torch.Tensor:
@@ -145,6 +156,9 @@ class LeanDecoder:
     """
 
     def __init__(self, chunk: Any, num_slots: int, max_len: int) -> None:
+        refusal = lean_decoding_refusal([chunk])
+        if refusal:  # never a decoder of some other model than the one trained
+            raise ValueError(f"the built-in engine's per-row KV-cache decoder: {refusal}")
         model = unwrap(chunk)
         c = model.config
         self.heads, self.groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
@@ -158,8 +172,12 @@ class LeanDecoder:
         )
         self.layers = [self._layer(layer) for layer in model.decoder.layers]
         device, dtype = self.embed.device, self.embed.dtype
-        inv_freq = model.rotary_pos_emb.inv_freq.to(device=device, dtype=torch.float32)
-        freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+        rotary = model.rotary_pos_emb
+        inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
+        positions = torch.arange(max_len, device=device, dtype=torch.float32)
+        if rotary.seq_len_interpolation_factor is not None:  # linear RoPE scaling, as megatron
+            positions *= 1 / rotary.seq_len_interpolation_factor
+        freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, hn]
         half = emb.shape[-1] // 2
         sign = torch.cat((-torch.ones(half), torch.ones(half))).to(device)
@@ -182,6 +200,7 @@ class LeanDecoder:
         def linear(module: Any, bias: Optional[torch.Tensor] = None) -> _Linear:
             return _Linear(module.weight, bias, active_branch(module))
 
+        q_norm, k_norm = (getattr(attn, f"{n}_layernorm", None) for n in ("q", "k"))
         return _Layer(
             norm1=_norm_weight(attn.linear_qkv, layer.input_layernorm),
             qkv=linear(attn.linear_qkv, attn.linear_qkv.bias),
@@ -189,6 +208,8 @@ class LeanDecoder:
             norm2=_norm_weight(mlp.linear_fc1, layer.pre_mlp_layernorm),
             fc1=linear(mlp.linear_fc1),
             fc2=linear(mlp.linear_fc2),
+            q_norm=getattr(q_norm, "weight", None),
+            k_norm=getattr(k_norm, "weight", None),
         )
 
     def _qkv(
@@ -200,7 +221,14 @@ class LeanDecoder:
         qkv = layer.qkv(F.rms_norm(h, h.shape[-1:], layer.norm1, self.eps))
         per_group = self.heads // self.groups
         qkv = qkv.view(-1, self.groups, per_group + 2, self.head_dim)
-        qk = _rotate(qkv[:, :, : per_group + 1], cos, sin)  # [N, ng, per_group + 1, hn]
+        qk = qkv[:, :, : per_group + 1]  # [N, ng, per_group + 1, hn]
+        if layer.q_norm is not None and layer.k_norm is not None:  # per head, before RoPE
+            shape = (self.head_dim,)
+            q_part = F.rms_norm(qk[:, :, :per_group], shape, layer.q_norm, self.eps)
+            qk = torch.cat(
+                (q_part, F.rms_norm(qk[:, :, per_group:], shape, layer.k_norm, self.eps)), 2
+            )
+        qk = _rotate(qk, cos, sin)
         q = qk[:, :, :per_group].reshape(-1, self.heads, self.head_dim)
         return q, qk[:, :, per_group], qkv[:, :, per_group + 1]
 

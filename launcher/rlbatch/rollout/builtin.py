@@ -340,10 +340,11 @@ class MegatronRolloutEngine:
         from rlbatch.engine import generation
         from rlbatch.rollout.multiturn import SlotStats, decode_turns, episode_samples
 
-        if not (self.kv_cache and generation.lean_decoding_supported(self.chunks)):
+        refusal = generation.lean_decoding_refusal(self.chunks)
+        if not self.kv_cache or refusal:
             raise ValueError(
-                "multi-turn rollouts (env.path) need the per-row KV cache of the built-in engine:"
-                " rollout.kv_cache=true, parallel.tp=1, parallel.pp=1"
+                "multi-turn rollouts (env.path) run on the built-in engine's per-row KV-cache"
+                f" decoder: {refusal or 'it needs rollout.kv_cache=true'}"
             )
         prompt_ids = [p.prompt_ids for _, p in rows]
         budget = [self.max_total_tokens - len(p) for p in prompt_ids]

@@ -49,6 +49,40 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     assert "rollout.backend=megatron" in errors["rollout.backend"]
 
 
+def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
+    """Each of these used to launch and then die (or hang) after the model was built."""
+    overlap = _errors_for(
+        ["model=tiny_moe", "parallel.dp=2", "parallel.ep=2", "grpo.num_steps_async=1",
+         "grpo.max_staleness=1", "grpo.beta=0"]
+    )  # fmt: skip
+    assert "grpo.overlap_generation=false" in overlap["parallel.ep"]
+    tp = _errors_for(["model=tiny_moe", "parallel.tp=2"])
+    assert "parallel.sequence_parallel=true" in tp["parallel.sequence_parallel"]
+    turns = _errors_for(["env=guess_number", "model=tiny_moe"])
+    assert "multi-turn rollouts (env.path)" in turns["model.num_moe_experts"]
+    assert "dense models only" in turns["model.num_moe_experts"]
+    harness = _errors_for(
+        ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe"]
+    )
+    assert "agent harnesses (env.harness)" in harness["model.num_moe_experts"]
+    partial = _errors_for(
+        ["model=tiny_moe", "grpo.partial_rollouts=true", "grpo.num_steps_async=1",
+         "grpo.max_staleness=3"]
+    )  # fmt: skip
+    assert "partial rollouts" in partial["model.num_moe_experts"]
+
+
+def test_yarn_rope_is_refused_where_the_per_row_decoder_would_run():
+    errors = _errors_for(
+        ["+model.rope_scaling=yarn", "+model.rope_scaling_factor=4.0", "grpo.partial_rollouts=true",
+         "grpo.num_steps_async=1", "grpo.max_staleness=3"]
+    )  # fmt: skip
+    assert (
+        "yarn" in errors["model.rope_scaling"]
+        and "partial rollouts" in errors["model.rope_scaling"]
+    )
+
+
 def test_expert_parallelism_needs_an_moe_model():
     errors = _errors_for(["parallel.dp=2", "parallel.ep=2"])
     assert "needs an MoE model" in errors["parallel.ep"]
