@@ -137,6 +137,7 @@ def test_bad_distillation_settings_are_refused_before_launch(teacher, bin_dir, s
     shutil.copytree(hf, other)  # no tokenizer files
     config = json.loads((other / "config.json").read_text())
     config["vocab_size"] = config["vocab_size"] + 8
+    config["max_position_embeddings"] = 32  # shorter than the run's prompt + response
     (other / "config.json").write_text(json.dumps(config))
     proc = _train(
         bin_dir, subprocess_env, root / "refused", f"grpo.distill.teacher={other}",
@@ -145,6 +146,7 @@ def test_bad_distillation_settings_are_refused_before_launch(teacher, bin_dir, s
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert "grpo.distill.teacher" in out and "vocab_size=272" in out
+    assert "(max_position_embeddings = 32) is shorter than the run's longest sequence" in out
     assert "grpo.policy_loss" in out and "gspo_token" in out
     assert "grpo.distill.clip" in out
     assert not (root / "refused" / "metrics.jsonl").exists()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
+from rlbatch.config.lengths import longest_sequence, longest_sequence_text
 from rlbatch.config.lora import LoraConfig
 from rlbatch.config.schema import ModelConfig, RunConfig, TokenizerSource
 
@@ -45,6 +46,18 @@ def teacher_errors(cfg: RunConfig) -> list[ConfigError]:
     except (OSError, KeyError, ValueError) as err:
         return [ConfigError(KEY, path, f"cannot read its config.json: {err!r}")]
     errors = _layout_errors(cfg, model)
+    longest = longest_sequence(cfg)
+    if model.max_position_embeddings < longest:  # past it, its log-probs would be noise
+        errors.append(
+            ConfigError(
+                KEY,
+                path,
+                f"its context (max_position_embeddings = {model.max_position_embeddings}) is "
+                f"shorter than the run's longest sequence ({longest_sequence_text(cfg)} = "
+                f"{longest}): it would score tokens past what it was trained on; shorten the "
+                "run's sequences or choose a teacher with a longer context",
+            )
+        )
     problem = tokenizer_mismatch(cfg.model, model)
     if problem:
         errors.append(ConfigError(KEY, path, problem))
