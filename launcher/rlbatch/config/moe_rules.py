@@ -8,11 +8,10 @@ from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
 from rlbatch.config.streaming import overlaps_generation
 
 
-def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """The expert keys fit the model and the layout; what MoE does not support yet is refused
-    with its reason (never ignored)."""
-    m, p = cfg.model, cfg.parallel
-    experts = m.num_moe_experts
+def check_expert_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """``parallel.ep`` against the model and the other layout keys: run wherever the layout is
+    checked (rlbatch-plan's preview too)."""
+    p, experts = cfg.parallel, cfg.model.num_moe_experts
     if experts is None:
         if p.ep != 1:
             errors.append(
@@ -21,20 +20,56 @@ def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     "(model.num_moe_experts): set parallel.ep=1, or choose an MoE model",
                 )
             )  # fmt: skip
+        return
+    if p.ep < 1:
+        errors.append(ConfigError("parallel.ep", p.ep, "must be positive"))
+        return
+    if (p.dp * p.cp) % p.ep:
+        errors.append(
+            ConfigError(
+                "parallel.ep",
+                p.ep,
+                f"must divide parallel.dp * parallel.cp = {p.dp * p.cp}: expert parallelism is "
+                "carved out of the data-parallel ranks (it adds no processes)",
+            )
+        )
+    if experts > 0 and experts % p.ep:
+        errors.append(
+            ConfigError(
+                "parallel.ep", p.ep, f"must divide model.num_moe_experts = {experts}"
+            )
+        )  # fmt: skip
+    if p.ep > 1 and p.pp > 1:
+        errors.append(
+            ConfigError(
+                "parallel.ep",
+                p.ep,
+                "with parallel.pp > 1 is not supported yet (the built-in rollout keeps the "
+                "expert-parallel ranks' forwards in step with pp = 1 only): set parallel.pp=1",
+            )
+        )
+
+
+def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The expert keys fit the model; what MoE does not support yet is refused with its reason
+    (never ignored). The expert-parallel layout is :func:`check_expert_layout`'s."""
+    m = cfg.model
+    if m.num_moe_experts is None:
         if Architecture(m.architecture) == Architecture.qwen3_moe:
             errors.append(
                 ConfigError(
-                    "model.num_moe_experts", None,
+                    "model.num_moe_experts",
+                    None,
                     "model.architecture=qwen3_moe needs experts: set model.num_moe_experts",
                 )
-            )  # fmt: skip
+            )
         return
     _check_sizes(cfg, errors)
     _check_unsupported(cfg, errors)
 
 
 def _check_sizes(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     experts = m.num_moe_experts or 0
     if experts < 1:
         errors.append(ConfigError("model.num_moe_experts", experts, "must be positive (or null)"))
@@ -61,24 +96,6 @@ def _check_sizes(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"(model.num_layers = {m.num_layers})",
             )
         )
-    if p.ep < 1:
-        errors.append(ConfigError("parallel.ep", p.ep, "must be positive"))
-        return
-    if (p.dp * p.cp) % p.ep:
-        errors.append(
-            ConfigError(
-                "parallel.ep",
-                p.ep,
-                f"must divide parallel.dp * parallel.cp = {p.dp * p.cp}: expert parallelism is "
-                "carved out of the data-parallel ranks (it adds no processes)",
-            )
-        )
-    if experts % p.ep:
-        errors.append(
-            ConfigError(
-                "parallel.ep", p.ep, f"must divide model.num_moe_experts = {experts}"
-            )
-        )  # fmt: skip
     if Architecture(m.architecture) != Architecture.qwen3_moe:
         errors.append(
             ConfigError(
@@ -126,15 +143,6 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "MoE models roll out on the built-in engine only for now (the vLLM weight "
                 "stream and megatron's dynamic engine are not verified with experts): set "
                 "rollout.backend=megatron",
-            )
-        )
-    if p.ep > 1 and p.pp > 1:
-        errors.append(
-            ConfigError(
-                "parallel.ep",
-                p.ep,
-                "with parallel.pp > 1 is not supported yet (the built-in rollout keeps the "
-                "expert-parallel ranks' forwards in step with pp = 1 only): set parallel.pp=1",
             )
         )
     if p.ep > 1 and overlaps_generation(cfg):

@@ -149,3 +149,17 @@ def test_export_config_round_trips(tmp_path):
     )  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(out))
     assert config_from_hf(tmp_path)["moe_layer_freq"] == fields["moe_layer_freq"]
+
+
+def test_rlbatch_plan_refuses_the_expert_layouts_training_refuses(bin_dir, subprocess_env):
+    """The preview validates parallel.ep as rlbatch-train does: a plan it prints is one the
+    run can take."""
+    import subprocess
+
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-plan"), "+recipe=grpo_qwen", "model=tiny_moe", "parallel.dp=2",
+         "parallel.ep=3", "plan.synthetic=grpo_math", "batching.train.max_tokens=65536"],
+        capture_output=True, text=True, env=subprocess_env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "parallel.ep=3: must divide parallel.dp * parallel.cp = 2" in proc.stdout + proc.stderr
