@@ -172,6 +172,17 @@ def any_in_expert_group(flag: bool) -> bool:
     return bool(value.item() > 0)
 
 
+def max_in_expert_group(value: int) -> int:
+    """The largest ``value`` over the ranks of the expert-parallel group (``value`` itself
+    without expert parallelism). Every rank of the group calls."""
+    size, group = expert_group()
+    if size == 1:
+        return value
+    most = torch.tensor([float(value)], dtype=torch.float64, device=comm_device(group))
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    return int(most.item())
+
+
 def model_parallel_group() -> tuple[int, int, Optional[Any]]:
     """(rank in, size of, group) of this rank's model-parallel group: the tp x pp ranks that
     hold one replica of the model; (0, 1, None) without model parallelism."""

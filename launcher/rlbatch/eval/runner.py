@@ -17,6 +17,7 @@ evaluation on or off.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -61,6 +62,26 @@ def load_eval_prompts(cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
     return build_prompts(data, tokenizer, examples)
 
 
+def prompt_blocks(prompts: Sequence[Prompt], size: int, dp: int, ep: int) -> list[Any]:
+    """The held-out prompts in blocks of at most ``size`` (rollout.micro_batch_size), one
+    generate call each, dealt round-robin over the DP ranks. With expert parallelism every rank
+    of an expert group must make as many calls (each MoE forward is an all-to-all over the
+    group): the prompts then go into a multiple of dp blocks of near-equal size."""
+    count = -(-len(prompts) // size)
+    if ep == 1 or count % dp == 0:
+        return [prompts[i : i + size] for i in range(0, len(prompts), size)]
+    count = dp * -(-count // dp)
+    if len(prompts) < count:
+        raise ValueError(
+            f"evaluation at parallel.ep={ep} deals its {len(prompts)} held-out prompt(s) to "
+            f"{dp} data-parallel ranks, each of which must decode some: use at least {count} "
+            "(eval.max_prompts, the evaluation data)"
+        )
+    base, extra = divmod(len(prompts), count)
+    starts = [i * base + min(i, extra) for i in range(count + 1)]
+    return [prompts[a:b] for a, b in itertools.pairwise(starts)]
+
+
 class Evaluator:
     """evaluate(step) -> (metrics, results of every prompt), the same on every rank."""
 
@@ -80,8 +101,7 @@ class Evaluator:
         data = eval_data(cfg)
         self.cfg = cfg
         self.prompts = load_eval_prompts(cfg, tokenizer)
-        size = cfg.rollout.micro_batch_size
-        blocks = [self.prompts[i : i + size] for i in range(0, len(self.prompts), size)]
+        blocks = prompt_blocks(self.prompts, cfg.rollout.micro_batch_size, dp_size, cfg.parallel.ep)
         self.blocks = list(enumerate(blocks))[dp_rank::dp_size]  # (block index, prompts)
         self.tokenizer = tokenizer
         self.engine, self.driver = _engine(cfg, model, tokenizer)

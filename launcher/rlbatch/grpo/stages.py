@@ -125,7 +125,7 @@ def make_logps_fn(model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], 
         logps = compute_logprobs(
             model,
             sequences,
-            plan,
+            in_step_with_expert_group(plan, infer.sequence_length_round),
             round_to=infer.sequence_length_round,
             temperature=cfg.rollout.temperature,
             # log p(token j+1 | ..j): the response starts at position len(prompt) - 1; the
@@ -137,6 +137,29 @@ def make_logps_fn(model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], 
         return [lp.tolist() for lp in logps]
 
     return ref_logps
+
+
+def in_step_with_expert_group(plan: Any, round_to: int) -> Any:
+    """``plan`` (this rank's own, dp = 1) with zero-weight filler micro-batches appended up to
+    the most any rank of its expert-parallel group plans: every forward of an MoE layer is an
+    all-to-all over that group, so its ranks must run as many forwards each, although each
+    plans its own samples' lengths (without expert parallelism: ``plan`` itself)."""
+    from dataclasses import replace
+
+    from rlbatch import distributed
+    from rlbatch.batching.assemble import filler_micro_batch
+
+    missing = distributed.max_in_expert_group(plan.num_micro_batches) - plan.num_micro_batches
+    if missing <= 0:
+        return plan
+    (own,) = plan.ranks
+    filler = filler_micro_batch(round_to, packed=any(mb.packed for mb in own.micro_batches))
+    fillers = (filler,) * missing
+    return replace(
+        plan,
+        num_micro_batches=plan.num_micro_batches + missing,
+        ranks=(replace(own, micro_batches=own.micro_batches + fillers),),
+    )
 
 
 def any_masked(samples: Sequence[Sample]) -> bool:
