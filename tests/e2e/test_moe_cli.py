@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_reference import moe_reference, save_tiny_qwen3_moe
+from hf_reference import moe_reference, moe_reference_replayed, save_tiny_qwen3_moe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -118,12 +118,30 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
 ):
     """Training the transformers-made checkpoint (a dense layer between sparse ones) with the
     router frozen: the routers come out as they went in, the experts trained. (SIGKILL and
-    resume at dp 2 x ep 2 run in tests/e2e/test_shape_twins.py: grpo_qwen3_moe's twin.)"""
+    resume at dp 2 x ep 2 run in tests/e2e/test_shape_twins.py: grpo_qwen3_moe's twin.)
+    The same run replays routing r2 (two iterations a round): each round's old-logprob pass
+    records its routing at dp 2 x ep 2, and with the weights that sampled it that is the
+    rollout's routing, token by token (prompt included; the last token has none)."""
     hf, _, _ = checkpoint
     ref_dir = tmp_path / "ref"
     _train(bin_dir, subprocess_env, "trainer.max_steps=3", f"model.hf_path={hf}",
            "model.tokenizer=bytes", "model.moe_freeze_router=true",
+           "grpo.routing_replay=r2", "grpo.num_iterations=2", "logging.samples=true",
            f"hydra.run.dir={ref_dir}")  # fmt: skip
+    same = total_pairs = 0
+    for step in (1, 3):  # a round's first step: the old pass ran with the sampling weights
+        for s in _samples(ref_dir, step):
+            rollout, old = torch.tensor(s["routing"]), torch.tensor(s["old_routing"])
+            assert (
+                rollout.shape == old.shape == (len(s["prompt_ids"]) + len(s["response_ids"]), 3, 2)
+            )
+            assert (rollout[-1] == -1).all() and (old[:-1] >= 0).all()
+            sets = rollout[:-1].sort(-1).values == old[:-1].sort(-1).values  # [len - 1, 3, 2]
+            same += int(sets.all(-1).sum())
+            total_pairs += sets.shape[0] * sets.shape[1]
+    # decoding with a KV cache and the pass's full forward round differently: a top-k at a
+    # near-tie may flip (none did here), never a whole layout
+    assert total_pairs > 0 and same >= 0.99 * total_pairs
 
     from safetensors.torch import load_file
 
@@ -139,3 +157,63 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
     total = sum(t.numel() for t in before.values())
     frozen = sum(before[k].numel() for k in routers)
     assert _metrics(ref_dir)[0]["trainable_params"] == total - frozen
+
+
+def _samples(run_dir: Path, step: int) -> list[dict]:
+    lines = (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+def _response_error(samples: list[dict], key: str, reference: list[list[float]]) -> float:
+    """Largest gap between the samples' logged response log-probs ``key`` and a reference over
+    the whole sequence (the response's start at len(prompt) - 1)."""
+    return max(
+        abs(a - b)
+        for s, ref in zip(samples, reference, strict=True)
+        for a, b in zip(s[key], ref[len(s["prompt_ids"]) - 1 :], strict=True)
+    )
+
+
+def test_r3_replays_the_rollout_routing_through_a_resume(
+    bin_dir, subprocess_env, tmp_path, checkpoint
+):
+    """grpo.routing_replay=r3 with one step of run-ahead and two iterations a round: round 2
+    (steps 3-4) was sampled by policy 1 ahead of time and saved in step 2's checkpoint with its
+    routing; after the resume, step 3's old-logprob pass runs with the weights of step 2, which
+    route some tokens elsewhere (moe/routing_mismatch > 0), and replays the rollout's routing:
+    its log-probs equal transformers' float64 forward of step 2's weights with that routing
+    forced, and differ from the same forward routing freely. The reference pass routes for
+    itself: its log-probs are transformers' free forward of the initial checkpoint. The run
+    trains with the load-balancing loss (model.moe_aux_loss_coeff) and logs it."""
+    hf, _, _ = checkpoint
+    run_dir = tmp_path / "r3"
+    args = ["+recipe=grpo_qwen", "logging.tensorboard=false", f"model.hf_path={hf}",
+            "model.tokenizer=bytes", "grpo.num_steps_async=1", "grpo.num_iterations=2",
+            "grpo.overlap_generation=false", "grpo.routing_replay=r3",
+            "grpo.global_batch_size=16", "grpo.num_generations=4", "logging.samples=true",
+            "model.moe_aux_loss_coeff=0.01", f"hydra.run.dir={run_dir}"]  # fmt: skip
+
+    def train(*extra: str) -> None:
+        cmd = [str(bin_dir / "rlbatch-train"), *args, *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    train("trainer.max_steps=2")
+    step2 = tmp_path / "hf_step2"
+    (run_dir / "hf").rename(step2)  # the weights step 3's old-logprob pass runs with
+    train("trainer.max_steps=3", "trainer.resume=auto")
+
+    record = _metrics(run_dir)[-1]
+    assert record["step"] == 3 and record["moe/routing_mismatch"] > 0.02
+    assert 0.5 < record["moe/aux_loss"] <= 2.0  # the balance loss trained with it (E / k = 2)
+    samples = _samples(run_dir, 3)
+    assert {s["policy_version"] for s in samples} == {1}  # sampled ahead, before the resume
+    rows = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    routing = [s["routing"] for s in samples]
+    assert all(len(r) == len(x) for r, x in zip(routing, rows, strict=True))
+    replayed = moe_reference_replayed(step2, rows, routing)
+    assert _response_error(samples, "old_logps", replayed) <= TOL
+    free, _ = moe_reference(step2, rows)
+    assert _response_error(samples, "old_logps", free) > 100 * TOL
+    initial, _ = moe_reference(hf, rows)
+    assert _response_error(samples, "ref_logps", initial) <= TOL
