@@ -187,7 +187,7 @@ def test_r3_replays_the_rollout_routing_through_a_resume(
     trains with the load-balancing loss (model.moe_aux_loss_coeff) and logs it."""
     hf, _, _ = checkpoint
     run_dir = tmp_path / "r3"
-    args = ["+recipe=grpo_qwen", "logging.tensorboard=false", f"model.hf_path={hf}",
+    args = ["+recipe=grpo_qwen", "logging.tensorboard=false", "model=tiny_moe", f"model.hf_path={hf}",
             "model.tokenizer=bytes", "grpo.num_steps_async=1", "grpo.num_iterations=2",
             "grpo.overlap_generation=false", "grpo.routing_replay=r3",
             "grpo.global_batch_size=16", "grpo.num_generations=4", "logging.samples=true",
