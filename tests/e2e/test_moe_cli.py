@@ -28,10 +28,32 @@ def _rows() -> list[list[int]]:
     return [torch.randint(0, 259, (n,), generator=g).tolist() for n in (9, 25, 4, 17, 30, 2)]
 
 
-def _logprobs(bin_dir, env, tmp_path: Path, hf: Path, name: str, *layout: str) -> list[list]:
+def _forced_routing() -> list:
+    """Expert ids to replay on rows 1 and 3 (random pairs of the 4 experts at each of the 3
+    sparse layers, a few -1 = the router's own choice); None = route freely."""
+    g = torch.Generator().manual_seed(2)
+    out: list = [None] * len(_rows())
+    for i in (1, 3):
+        n = len(_rows()[i])
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(n * 3)])
+        ids = ids.view(n, 3, 2)
+        ids[::5] = -1
+        out[i] = ids.tolist()
+    return out
+
+
+def _logprobs(
+    bin_dir, env, tmp_path: Path, hf: Path, name: str, *layout: str, routing=None
+) -> list[list]:
     rows = _rows()
+    routes = routing or [None] * len(rows)
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    src.write_text(
+        "".join(
+            json.dumps({"input_ids": r} | ({} if x is None else {"routing": x})) + "\n"
+            for r, x in zip(rows, routes, strict=True)
+        )
+    )
     out = tmp_path / f"{name}.jsonl"
     cmd = [str(bin_dir / "rlbatch-logprobs"), f"model.hf_path={hf}", f"logprobs.input={src}",
            f"logprobs.output={out}", "model.tokenizer=bytes", *layout]  # fmt: skip
@@ -50,11 +72,18 @@ def _max_error(got: list[list], want: list[list]) -> float:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A transformers-made Qwen3-MoE (4 experts, top-2, layer 1 dense) and its float64
-    reference log-probs."""
+    reference log-probs (rows 1 and 3 with their experts forced: _forced_routing)."""
     path = tmp_path_factory.mktemp("moe") / "hf"
     save_tiny_qwen3_moe(path)
     logps, margin = moe_reference(path, _rows())
-    return path, logps, margin
+    forced = [
+        x if x is not None else [[[-1, -1]] * 3] * len(r)
+        for r, x in zip(_rows(), _forced_routing(), strict=True)
+    ]
+    replayed = moe_reference_replayed(path, _rows(), forced)
+    # the forced experts change those rows' log-probs: the replay is visible
+    assert _max_error([replayed[1], replayed[3]], [logps[1], logps[3]]) > 1e-2
+    return path, replayed, margin
 
 
 @pytest.mark.parametrize(
@@ -63,8 +92,11 @@ def checkpoint(tmp_path_factory):
     ids=["ep1", "dp2_ep2", "tp2"],
 )
 def test_logprobs_equal_transformers(bin_dir, subprocess_env, tmp_path, checkpoint, layout):
+    """Rows routed freely, and rows whose "routing" the routers replay (rows 1 and 3: the
+    relayout at ep 2 and tp 2 too), equal transformers' float64 forward with the same experts."""
     hf, want, margin = checkpoint
-    got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "out", *layout)
+    routing = _forced_routing()
+    got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "out", *layout, routing=routing)
     # a top-k near a tie could flip between the fp32 and float64 forwards (another expert
     # set, another log-prob): the closest the routing comes to a tie is in the message
     error = _max_error(got, want)
