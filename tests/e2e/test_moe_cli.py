@@ -153,13 +153,18 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
     resume at dp 2 x ep 2 run in tests/e2e/test_shape_twins.py: grpo_qwen3_moe's twin.)
     The same run replays routing r2 (two iterations a round): each round's old-logprob pass
     records its routing at dp 2 x ep 2, and with the weights that sampled it that is the
-    rollout's routing, token by token (prompt included; the last token has none)."""
+    rollout's routing, token by token (prompt included; the last token has none). And it
+    caps each expert at its fair share (model.moe_expert_capacity_factor=1.0): the dropped
+    assignments are counted (moe/dropped_tokens)."""
     hf, _, _ = checkpoint
     ref_dir = tmp_path / "ref"
     _train(bin_dir, subprocess_env, "trainer.max_steps=3", f"model.hf_path={hf}",
            "model.tokenizer=bytes", "model.moe_freeze_router=true",
            "grpo.routing_replay=r2", "grpo.num_iterations=2", "logging.samples=true",
-           f"hydra.run.dir={ref_dir}")  # fmt: skip
+           "model.moe_expert_capacity_factor=1.0", f"hydra.run.dir={ref_dir}")  # fmt: skip
+    # a capacity of 1.0 x the fair share drops some assignments, counted, never all
+    records = _metrics(ref_dir)
+    assert all(r["moe/dropped_tokens"] > 0 and 0 < r["moe/dropped_fraction"] < 0.5 for r in records)
     same = total_pairs = 0
     for step in (1, 3):  # a round's first step: the old pass ran with the sampling weights
         for s in _samples(ref_dir, step):

@@ -33,8 +33,11 @@ class MoeFields:
     the step's loss and gradient do not depend on how the planner cuts micro-batches
     (docs/engine.md, "Load-balancing loss"); needs pp = 1 and no sequence parallelism."""
     moe_expert_capacity_factor: Optional[float] = None
-    """Tokens an expert takes at most, as a multiple of its fair share. Only null (dropless:
-    no token is ever dropped) for now; a capacity would drop tokens uncounted."""
+    """Tokens an expert takes at most in one forward, as a multiple of its fair share of that
+    forward's token-to-expert assignments (megatron's capacity, per micro-batch and rank,
+    padding included; the lowest-probability assignments beyond it are dropped). null =
+    dropless. Dropped assignments of the training forward are counted: moe/dropped_tokens and
+    moe/dropped_fraction."""
     moe_freeze_router: bool = False
     """Keep the router weights fixed during training (no gradient, no optimizer state)."""
 

@@ -92,13 +92,13 @@ def _check_sizes(cfg: RunConfig, errors: list[ConfigError]) -> None:
 def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
     m, p = cfg.model, cfg.parallel
     _check_aux_loss(cfg, errors)
-    if m.moe_expert_capacity_factor is not None:
+    capacity = m.moe_expert_capacity_factor
+    if capacity is not None and capacity <= 0:
         errors.append(
             ConfigError(
                 "model.moe_expert_capacity_factor",
-                m.moe_expert_capacity_factor,
-                "must be null (dropless): a capacity drops tokens, which rlbatch does not "
-                "count yet",
+                capacity,
+                "must be > 0, or null (dropless: no token is ever dropped)",
             )
         )
     if m.lora.rank > 0:

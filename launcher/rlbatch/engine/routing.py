@@ -347,3 +347,22 @@ def mismatch_metrics(counts: torch.Tensor) -> dict[str, float]:
 
 def num_experts(chunks: Sequence[Any]) -> int:
     return int(_unwrap(chunks[0]).config.num_moe_experts)
+
+
+def drop_counts(chunk: Any, inputs: Any, topk: int) -> torch.Tensor:
+    """``[2]`` float64 over the chunk's MoE layers in its last forward (while
+    :func:`capturing`): the real tokens' token-to-expert assignments (k each) and those a
+    capacity factor dropped (k minus the experts left in the routing map). Padding and filler
+    rows are not counted."""
+    mb = inputs.micro_batch
+    rows, width = max(1, mb.num_rows), mb.padded_len
+    real = torch.zeros(width, rows, dtype=torch.bool)
+    for seg in inputs.segments:  # none for a filler
+        real[seg.start : seg.start + seg.length, seg.row] = True
+    real_flat = _sequence_slice(_unwrap(chunk).config, real.reshape(1, -1))[0]
+    out = torch.zeros(2, dtype=torch.float64)
+    for _, routing_map in captured(chunk).values():
+        kept = routing_map.sum(-1).cpu()[real_flat]  # [real tokens]
+        out[0] += float(kept.numel() * topk)
+        out[1] += float((topk - kept).sum())
+    return out

@@ -227,15 +227,22 @@ def make_balance(
 
 
 class RoutingMismatch:
-    """``moe/routing_mismatch``: per MoE layer, the tokens with rollout routing and those whose
-    expert set the training forward's routers chose differently (before any replay)."""
+    """What the training forward's routers did, counted per step: ``moe/routing_mismatch``
+    (per MoE layer, the tokens with rollout routing and those whose expert set the routers
+    chose differently, before any replay) and, with a capacity factor (``count_drops``: on one
+    rank of each tensor-parallel group, whose ranks route the same tokens), the token-to-expert
+    assignments of real tokens (padding excluded) and how many of them the capacity dropped."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, topk: int, count_drops: bool = False) -> None:
         self.counts = torch.zeros(2, num_layers, dtype=torch.float64)
+        self.drops = torch.zeros(2, dtype=torch.float64)
+        self.topk, self.count_drops = topk, count_drops
 
     def sink(self, chunk: Any, natural: dict, inputs: Any) -> None:
         from rlbatch.engine import routing
 
+        if self.count_drops:
+            self.drops += routing.drop_counts(chunk, inputs, self.topk)
         rollout = getattr(inputs.payload, "rollout_routing", None)
         if rollout is None or not natural:
             return
@@ -245,6 +252,10 @@ class RoutingMismatch:
     def take(self) -> torch.Tensor:
         counts, self.counts = self.counts, torch.zeros_like(self.counts)
         return counts
+
+    def take_drops(self) -> torch.Tensor:
+        drops, self.drops = self.drops, torch.zeros_like(self.drops)
+        return drops
 
 
 def _current_layout() -> ParallelLayout:
@@ -440,7 +451,7 @@ def run_train_step(
         inject_nan=inject_nan,
         balance=balance,
     )
-    if balance is not None:
+    if cfg.model.num_moe_experts is not None:  # the routers' logits and routing maps
         from rlbatch.engine import routing
 
         routing.attach(model)

@@ -260,20 +260,28 @@ def routing_mismatch(cfg: RunConfig, model: list[Any]) -> Any:
     ``moe/routing_mismatch``; None for a dense model."""
     if cfg.model.num_moe_experts is None:
         return None
-    from rlbatch.engine import routing
+    from rlbatch.engine import parallel, routing
     from rlbatch.grpo.step import RoutingMismatch
 
-    return RoutingMismatch(routing.attach(model))
+    drops = cfg.model.moe_expert_capacity_factor is not None
+    tp_rank = parallel.current_layout().tp_rank if parallel.is_initialized() else 0
+    return RoutingMismatch(routing.attach(model), cfg.model.moe_router_topk, drops and tp_rank == 0)
 
 
 def routing_mismatch_metrics(mismatch: Any) -> dict[str, float]:
     """The step's moe/routing_mismatch figures, counts summed over the world (each rank counted
-    its own micro-batches at its own stage's layers; tensor-parallel copies scale both counts)."""
+    its own micro-batches at its own stage's layers; tensor-parallel copies scale both counts),
+    and with a capacity factor moe/dropped_tokens (token-to-expert assignments of real tokens
+    the capacity dropped in the step's training forwards) and moe/dropped_fraction."""
     from rlbatch import distributed
     from rlbatch.engine.routing import mismatch_metrics
 
-    (counts,) = distributed.all_reduce_sum([mismatch.take()], group=None)
-    return mismatch_metrics(counts)
+    counts, drops = distributed.all_reduce_sum([mismatch.take(), mismatch.take_drops()], group=None)
+    out = mismatch_metrics(counts)
+    if float(drops[0]) > 0:  # a capacity factor (counted on one rank of each tp group)
+        out["moe/dropped_tokens"] = float(drops[1])
+        out["moe/dropped_fraction"] = float(drops[1] / drops[0]) if drops[0] > 0 else 0.0
+    return out
 
 
 def adapter_guard(cfg: RunConfig, model: list[Any]) -> Any:

@@ -37,7 +37,7 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
         [
             "model=tiny_moe", "parallel.dp=2", "parallel.ep=3", "model.moe_router_topk=9",
             "model.moe_layer_freq=[1,0,1]", "model.moe_aux_loss_coeff=-0.01",
-            "model.moe_expert_capacity_factor=1.5", "rollout.backend=vllm",
+            "model.moe_expert_capacity_factor=0", "rollout.backend=vllm",
         ]
     )  # fmt: skip
     assert "must divide parallel.dp * parallel.cp = 2" in errors["parallel.ep"]
