@@ -258,3 +258,50 @@ def moe_reference(path: Path, rows: list[list[int]]) -> tuple[list[list[float]],
                 top = torch.softmax(router_logits, -1).topk(k + 1, dim=-1).values
                 margin = min(margin, float((top[:, k - 1] - top[:, k]).min()))
     return logps, margin
+
+
+def moe_reference_replayed(
+    path: Path, rows: list[list[int]], routing: list[Any]
+) -> list[list[float]]:
+    """transformers' float64 forward of a local Qwen3-MoE directory with each sparse layer's
+    experts forced: ``routing[i]`` is row i's ``[len, num_sparse_layers, k]`` expert ids (-1 =
+    the router's own top-k), sparse layers in model order. The routing weights stay the
+    router's: softmax over every expert, gathered at the forced ids, renormalised when
+    norm_topk_prob (transformers' own rule, in float64). Returns per-token log-probs."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, experts_implementation="eager", attn_implementation="eager"
+    )
+    model = model.double().eval()
+    gates = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    forced: list[Any] = [None] * len(gates)
+
+    def forward_of(slot: int, gate: Any) -> Any:
+        def forward(hidden: Any) -> Any:
+            hidden = hidden.reshape(-1, gate.hidden_dim)
+            logits = torch.nn.functional.linear(hidden, gate.weight)
+            probs = torch.softmax(logits, dim=-1)
+            ids = probs.topk(gate.top_k, dim=-1).indices
+            want = forced[slot]
+            ids = torch.where(want[:, :1] >= 0, want, ids)
+            values = probs.gather(1, ids)
+            if gate.norm_topk_prob:
+                values = values / values.sum(dim=-1, keepdim=True)
+            return logits, values.to(logits.dtype), ids
+
+        return forward
+
+    for slot, gate in enumerate(gates):
+        gate.forward = forward_of(slot, gate)
+    logps = []
+    with torch.no_grad():
+        for ids, route in zip(rows, routing, strict=True):
+            route_t = torch.as_tensor(route, dtype=torch.long)  # [len, layers, k]
+            for slot in range(len(gates)):
+                forced[slot] = route_t[:, slot]
+            out = model(input_ids=torch.tensor([ids]))
+            logp = torch.log_softmax(out.logits[0], -1)
+            logps.append(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist())
+    return logps

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_reference import moe_reference, save_tiny_qwen3_moe
+from hf_reference import moe_reference, moe_reference_replayed, save_tiny_qwen3_moe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -28,10 +28,32 @@ def _rows() -> list[list[int]]:
     return [torch.randint(0, 259, (n,), generator=g).tolist() for n in (9, 25, 4, 17, 30, 2)]
 
 
-def _logprobs(bin_dir, env, tmp_path: Path, hf: Path, name: str, *layout: str) -> list[list]:
+def _forced_routing() -> list:
+    """Expert ids to replay on rows 1 and 3 (random pairs of the 4 experts at each of the 3
+    sparse layers, a few -1 = the router's own choice); None = route freely."""
+    g = torch.Generator().manual_seed(2)
+    out: list = [None] * len(_rows())
+    for i in (1, 3):
+        n = len(_rows()[i])
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(n * 3)])
+        ids = ids.view(n, 3, 2)
+        ids[::5] = -1
+        out[i] = ids.tolist()
+    return out
+
+
+def _logprobs(
+    bin_dir, env, tmp_path: Path, hf: Path, name: str, *layout: str, routing=None
+) -> list[list]:
     rows = _rows()
+    routes = routing or [None] * len(rows)
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    src.write_text(
+        "".join(
+            json.dumps({"input_ids": r} | ({} if x is None else {"routing": x})) + "\n"
+            for r, x in zip(rows, routes, strict=True)
+        )
+    )
     out = tmp_path / f"{name}.jsonl"
     cmd = [str(bin_dir / "rlbatch-logprobs"), f"model.hf_path={hf}", f"logprobs.input={src}",
            f"logprobs.output={out}", "model.tokenizer=bytes", *layout]  # fmt: skip
@@ -50,11 +72,18 @@ def _max_error(got: list[list], want: list[list]) -> float:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A transformers-made Qwen3-MoE (4 experts, top-2, layer 1 dense) and its float64
-    reference log-probs."""
+    reference log-probs (rows 1 and 3 with their experts forced: _forced_routing)."""
     path = tmp_path_factory.mktemp("moe") / "hf"
     save_tiny_qwen3_moe(path)
     logps, margin = moe_reference(path, _rows())
-    return path, logps, margin
+    forced = [
+        x if x is not None else [[[-1, -1]] * 3] * len(r)
+        for r, x in zip(_rows(), _forced_routing(), strict=True)
+    ]
+    replayed = moe_reference_replayed(path, _rows(), forced)
+    # the forced experts change those rows' log-probs: the replay is visible
+    assert _max_error([replayed[1], replayed[3]], [logps[1], logps[3]]) > 1e-2
+    return path, replayed, margin
 
 
 @pytest.mark.parametrize(
@@ -63,8 +92,11 @@ def checkpoint(tmp_path_factory):
     ids=["ep1", "dp2_ep2", "tp2"],
 )
 def test_logprobs_equal_transformers(bin_dir, subprocess_env, tmp_path, checkpoint, layout):
+    """Rows routed freely, and rows whose "routing" the routers replay (rows 1 and 3: the
+    relayout at ep 2 and tp 2 too), equal transformers' float64 forward with the same experts."""
     hf, want, margin = checkpoint
-    got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "out", *layout)
+    routing = _forced_routing()
+    got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "out", *layout, routing=routing)
     # a top-k near a tie could flip between the fp32 and float64 forwards (another expert
     # set, another log-prob): the closest the routing comes to a tie is in the message
     error = _max_error(got, want)
@@ -118,12 +150,36 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
 ):
     """Training the transformers-made checkpoint (a dense layer between sparse ones) with the
     router frozen: the routers come out as they went in, the experts trained. (SIGKILL and
-    resume at dp 2 x ep 2 run in tests/e2e/test_shape_twins.py: grpo_qwen3_moe's twin.)"""
+    resume at dp 2 x ep 2 run in tests/e2e/test_shape_twins.py: grpo_qwen3_moe's twin.)
+    The same run replays routing r2 (two iterations a round): each round's old-logprob pass
+    records its routing at dp 2 x ep 2, and with the weights that sampled it that is the
+    rollout's routing, token by token (prompt included; the last token has none). And it
+    caps each expert at its fair share (model.moe_expert_capacity_factor=1.0): the dropped
+    assignments are counted (moe/dropped_tokens)."""
     hf, _, _ = checkpoint
     ref_dir = tmp_path / "ref"
     _train(bin_dir, subprocess_env, "trainer.max_steps=3", f"model.hf_path={hf}",
            "model.tokenizer=bytes", "model.moe_freeze_router=true",
-           f"hydra.run.dir={ref_dir}")  # fmt: skip
+           "grpo.routing_replay=r2", "grpo.num_iterations=2", "logging.samples=true",
+           "model.moe_expert_capacity_factor=1.0", f"hydra.run.dir={ref_dir}")  # fmt: skip
+    # a capacity of 1.0 x the fair share drops some assignments, counted, never all
+    records = _metrics(ref_dir)
+    assert all(r["moe/dropped_tokens"] > 0 and 0 < r["moe/dropped_fraction"] < 0.5 for r in records)
+    same = total_pairs = 0
+    for step in (1, 3):  # a round's first step: the old pass ran with the sampling weights
+        for s in _samples(ref_dir, step):
+            rollout, old = torch.tensor(s["routing"]), torch.tensor(s["old_routing"])
+            assert (
+                rollout.shape == old.shape == (len(s["prompt_ids"]) + len(s["response_ids"]), 3, 2)
+            )
+            assert (rollout[-1] == -1).all() and (old[:-1] >= 0).all()
+            sets = rollout[:-1].sort(-1).values == old[:-1].sort(-1).values  # [len - 1, 3, 2]
+            same += int(sets.all(-1).sum())
+            total_pairs += sets.shape[0] * sets.shape[1]
+    # decoding with a KV cache and the pass's full forward round differently, and the capacity
+    # drops per forward (one token a row when decoding): a later layer's top-k may flip where
+    # an earlier one was near a tie or dropped differently; a wrong layout would flip most
+    assert total_pairs > 0 and same >= 0.99 * total_pairs
 
     from safetensors.torch import load_file
 
@@ -139,3 +195,63 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
     total = sum(t.numel() for t in before.values())
     frozen = sum(before[k].numel() for k in routers)
     assert _metrics(ref_dir)[0]["trainable_params"] == total - frozen
+
+
+def _samples(run_dir: Path, step: int) -> list[dict]:
+    lines = (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+def _response_error(samples: list[dict], key: str, reference: list[list[float]]) -> float:
+    """Largest gap between the samples' logged response log-probs ``key`` and a reference over
+    the whole sequence (the response's start at len(prompt) - 1)."""
+    return max(
+        abs(a - b)
+        for s, ref in zip(samples, reference, strict=True)
+        for a, b in zip(s[key], ref[len(s["prompt_ids"]) - 1 :], strict=True)
+    )
+
+
+def test_r3_replays_the_rollout_routing_through_a_resume(
+    bin_dir, subprocess_env, tmp_path, checkpoint
+):
+    """grpo.routing_replay=r3 with one step of run-ahead and two iterations a round: round 2
+    (steps 3-4) was sampled by policy 1 ahead of time and saved in step 2's checkpoint with its
+    routing; after the resume, step 3's old-logprob pass runs with the weights of step 2, which
+    route some tokens elsewhere (moe/routing_mismatch > 0), and replays the rollout's routing:
+    its log-probs equal transformers' float64 forward of step 2's weights with that routing
+    forced, and differ from the same forward routing freely. The reference pass routes for
+    itself: its log-probs are transformers' free forward of the initial checkpoint. The run
+    trains with the load-balancing loss (model.moe_aux_loss_coeff) and logs it."""
+    hf, _, _ = checkpoint
+    run_dir = tmp_path / "r3"
+    args = ["+recipe=grpo_qwen", "logging.tensorboard=false", "model=tiny_moe", f"model.hf_path={hf}",
+            "model.tokenizer=bytes", "grpo.num_steps_async=1", "grpo.num_iterations=2",
+            "grpo.overlap_generation=false", "grpo.routing_replay=r3",
+            "grpo.global_batch_size=16", "grpo.num_generations=4", "logging.samples=true",
+            "model.moe_aux_loss_coeff=0.01", f"hydra.run.dir={run_dir}"]  # fmt: skip
+
+    def train(*extra: str) -> None:
+        cmd = [str(bin_dir / "rlbatch-train"), *args, *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    train("trainer.max_steps=2")
+    step2 = tmp_path / "hf_step2"
+    (run_dir / "hf").rename(step2)  # the weights step 3's old-logprob pass runs with
+    train("trainer.max_steps=3", "trainer.resume=auto")
+
+    record = _metrics(run_dir)[-1]
+    assert record["step"] == 3 and record["moe/routing_mismatch"] > 0.02
+    assert 0.5 < record["moe/aux_loss"] <= 2.0  # the balance loss trained with it (E / k = 2)
+    samples = _samples(run_dir, 3)
+    assert {s["policy_version"] for s in samples} == {1}  # sampled ahead, before the resume
+    rows = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    routing = [s["routing"] for s in samples]
+    assert all(len(r) == len(x) for r, x in zip(routing, rows, strict=True))
+    replayed = moe_reference_replayed(step2, rows, routing)
+    assert _response_error(samples, "old_logps", replayed) <= TOL
+    free, _ = moe_reference(step2, rows)
+    assert _response_error(samples, "old_logps", free) > 100 * TOL
+    initial, _ = moe_reference(hf, rows)
+    assert _response_error(samples, "ref_logps", initial) <= TOL

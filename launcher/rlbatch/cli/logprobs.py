@@ -50,14 +50,16 @@ def main(argv: list[str] | None = None) -> None:
 
 def check_input(cfg: RunConfig) -> list[ConfigError]:
     """The input file, read and checked here before any worker starts: JSON lines of the two
-    shapes, token ids inside the vocabulary, lengths within model.max_position_embeddings."""
+    shapes, token ids inside the vocabulary, lengths within model.max_position_embeddings, an
+    MoE row's "routing" of the model's shape."""
     from rlbatch.engine.tokenizer import build_tokenizer
-    from rlbatch.jobs.logprobs import check_rows, read_rows
+    from rlbatch.jobs.logprobs import check_rows, read_rows, routing_arrays
 
     path = str(cfg.logprobs.input)
     try:
         rows = read_rows(path, lambda: build_tokenizer(cfg.model))
         check_rows(rows, cfg.model.vocab_size, cfg.model.max_position_embeddings, path)
+        routing_arrays(rows, cfg.model, path)
     except ValueError as err:
         return [ConfigError("logprobs.input", path, str(err))]
     return []

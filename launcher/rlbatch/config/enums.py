@@ -255,6 +255,17 @@ class RolloutCorrection(str, Enum):
     seq_mask = "seq_mask"
 
 
+class RoutingReplay(str, Enum):
+    """Which routing an MoE policy's training passes replay (docs/grpo_loss.md, "Routing
+    replay"): ``none`` = every pass routes for itself; ``r2`` = the training forward and
+    backward replay the old-logprob pass's routing; ``r3`` = every policy pass (old-logprob
+    pass, training forward and backward) replays the routing the rollout sampled with."""
+
+    none = "none"
+    r2 = "r2"
+    r3 = "r3"
+
+
 class FilterGroups(str, Enum):
     """DAPO dynamic sampling: which groups are dropped before training (and replaced)."""
 

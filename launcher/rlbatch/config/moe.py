@@ -27,11 +27,24 @@ class MoeFields:
     """Renormalise the top-k routing weights to sum to 1 (HF norm_topk_prob; Qwen3-MoE: true);
     false = the softmax over all experts, kept as it is for the chosen k."""
     moe_aux_loss_coeff: float = 0.0
-    """Weight of a load-balancing loss added to the policy loss. Only 0 for now: megatron's
-    balance losses are statistics of each micro-batch (padding included), so their gradient
-    would depend on how the planner cuts a step; docs/engine.md ("MoE models")."""
+    """Weight of the load-balancing loss added to the policy loss (0 = none; the metric
+    moe/aux_loss is logged either way). Per sample, over its own tokens (padding excluded) and
+    averaged over the MoE layers, then averaged like the policy loss (grpo.loss_agg_mode), so
+    the step's loss and gradient do not depend on how the planner cuts micro-batches
+    (docs/engine.md, "Load-balancing loss"); needs pp = 1 and no sequence parallelism."""
     moe_expert_capacity_factor: Optional[float] = None
-    """Tokens an expert takes at most, as a multiple of its fair share. Only null (dropless:
-    no token is ever dropped) for now; a capacity would drop tokens uncounted."""
+    """Tokens an expert takes at most in one forward, as a multiple of its fair share of that
+    forward's token-to-expert assignments (megatron's capacity, per micro-batch and rank,
+    padding included; the lowest-probability assignments beyond it are dropped). null =
+    dropless. Dropped assignments of the training forward are counted: moe/dropped_tokens and
+    moe/dropped_fraction."""
     moe_freeze_router: bool = False
     """Keep the router weights fixed during training (no gradient, no optimizer state)."""
+
+
+def num_moe_layers(model: MoeFields) -> int:
+    """MoE layers of the model (0 for a dense one): ``moe_layer_freq``'s ones, or every layer."""
+    if model.num_moe_experts is None:
+        return 0
+    pattern = list(model.moe_layer_freq)
+    return sum(1 for f in pattern if f) if pattern else int(getattr(model, "num_layers", 0))

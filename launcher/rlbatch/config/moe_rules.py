@@ -109,23 +109,14 @@ def _check_sizes(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
     m, p = cfg.model, cfg.parallel
-    if m.moe_aux_loss_coeff != 0:
-        errors.append(
-            ConfigError(
-                "model.moe_aux_loss_coeff",
-                m.moe_aux_loss_coeff,
-                "must be 0: megatron's load-balancing losses are per-micro-batch statistics "
-                "(padding included), so their gradient would depend on how the planner cuts "
-                "a step (docs/engine.md, 'MoE models')",
-            )
-        )
-    if m.moe_expert_capacity_factor is not None:
+    _check_aux_loss(cfg, errors)
+    capacity = m.moe_expert_capacity_factor
+    if capacity is not None and capacity <= 0:
         errors.append(
             ConfigError(
                 "model.moe_expert_capacity_factor",
-                m.moe_expert_capacity_factor,
-                "must be null (dropless): a capacity drops tokens, which rlbatch does not "
-                "count yet",
+                capacity,
+                "must be > 0, or null (dropless: no token is ever dropped)",
             )
         )
     if m.lora.rank > 0:
@@ -166,3 +157,98 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "parallel.sequence_parallel=true",
             )
         )
+
+
+def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """``grpo.routing_replay``: an MoE policy rolled out on the built-in engine (the only one
+    that records routing here), a pass to replay for r2, and no layout whose token order the
+    replay does not follow (docs/grpo_loss.md, "Routing replay")."""
+    from rlbatch.config.enums import Recompute, RoutingReplay
+    from rlbatch.grpo.lcm import old_pass_runs
+
+    mode = RoutingReplay(cfg.grpo.routing_replay)
+    if mode == RoutingReplay.none:
+        return
+    key = "grpo.routing_replay"
+    if cfg.model.num_moe_experts is None:
+        errors.append(
+            ConfigError(key, mode.value, "replays expert routing: it needs an MoE model "
+                        "(model.num_moe_experts): set grpo.routing_replay=none")
+        )  # fmt: skip
+        return
+    backend = RolloutBackend(cfg.rollout.backend)
+    if mode == RoutingReplay.r3 and backend != RolloutBackend.megatron:
+        errors.append(
+            ConfigError(
+                key,
+                mode.value,
+                f"r3 replays the rollout's routing, which rollout.backend={backend.value} does "
+                "not return here (vLLM's CPU build refuses routed-expert capture: 'AuxOutput "
+                "Connector requires Model Runner V2'; megatron's dynamic engine records none): "
+                "set rollout.backend=megatron, or grpo.routing_replay=r2 or none",
+            )
+        )
+    if mode == RoutingReplay.r2 and not old_pass_runs(cfg):
+        errors.append(
+            ConfigError(
+                key,
+                mode.value,
+                "r2 replays the old-logprob pass's routing, and this run has no such pass (it "
+                "runs for rounds of several optimizer steps under a rollout correction: "
+                "grpo.num_iterations or grpo.steps_per_generation > 1 and "
+                "grpo.rollout_correction != none); otherwise pi_old is the training forward "
+                "itself, whose routing r2 would replay onto itself: set grpo.routing_replay=none "
+                "or r3",
+            )
+        )
+    if Recompute(cfg.model.recompute) == Recompute.full:
+        errors.append(
+            ConfigError(
+                "model.recompute",
+                "full",
+                f"with grpo.routing_replay={mode.value} is not supported: full recompute runs "
+                "the routers again in backward, after later micro-batches set their routing; "
+                "set model.recompute=selective or none",
+            )
+        )
+    if cfg.parallel.cp > 1:
+        errors.append(
+            ConfigError(
+                "parallel.cp",
+                cfg.parallel.cp,
+                f"with grpo.routing_replay={mode.value} is not supported yet (the replayed "
+                "routing is laid out per whole sequence, not per context-parallel chunk): set "
+                "parallel.cp=1",
+            )
+        )
+
+
+def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """rlbatch's load-balancing loss is computed from the routers' logits on the stage that
+    computes the policy loss, over whole samples."""
+    m, p = cfg.model, cfg.parallel
+    coeff = m.moe_aux_loss_coeff
+    if coeff < 0:
+        errors.append(ConfigError("model.moe_aux_loss_coeff", coeff, "must be >= 0"))
+    if coeff <= 0:
+        return
+    why = (
+        "the load-balancing loss is computed on the stage of the policy loss from every "
+        "router's logits over whole samples"
+    )
+    if p.pp > 1:
+        errors.append(
+            ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.pp > 1 is not "
+                        f"supported yet ({why}): set parallel.pp=1 or the coefficient to 0")
+        )  # fmt: skip
+    if p.sequence_parallel and p.tp > 1:
+        errors.append(
+            ConfigError("model.moe_aux_loss_coeff", coeff, "with sequence parallelism is not "
+                        f"supported yet ({why}; each tensor-parallel rank's routers see a slice"
+                        "): set parallel.sequence_parallel=false or the coefficient to 0")
+        )  # fmt: skip
+    if p.cp > 1:
+        errors.append(
+            ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.cp > 1 is not "
+                        f"supported yet ({why}): set parallel.cp=1 or the coefficient to 0")
+        )  # fmt: skip

@@ -37,11 +37,14 @@ FIXED = (
     "grpo.num_iterations",
     "parallel.ep",
     "grpo.distill.",
+    "grpo.routing_replay",
 )
 """Keys (or prefixes ending in '.') a resume may not change. parallel.ep: resharding a
 checkpoint across expert-parallel sizes is not supported yet (megatron's optimizer groups the
 experts' parameters by their expert-parallel layout; loading across sizes stops with a
-KeyError). grpo.distill: the pending samples of the checkpoint carry the teacher's advantages,
+KeyError). grpo.routing_replay: the pending samples carry the routing the run's mode recorded
+(r2: the old-logprob pass's, taken at a round's first step), and a round continued under
+another mode would train its remaining steps on routing no pass recorded. grpo.distill: the pending samples of the checkpoint carry the teacher's advantages,
 and the objective is the run's."""
 CHANGEABLE = (
     "model.hf_path",

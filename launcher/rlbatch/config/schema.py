@@ -42,6 +42,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     RolloutBackend,
     RolloutCorrection,
     RopeScaling,
+    RoutingReplay,
     ScaleRewards,
     ServerFailure,
     ServerTransfer,
@@ -386,6 +387,12 @@ class GRPOConfig(ObjectiveConfig):
     """With partial_rollouts: what a round trains. batch = exactly its own draw of prompts
     (waiting for their slowest row while other rows keep the slots busy); group = the first
     groups to finish (groups at the staleness bound first), longer ones trained in later rounds."""
+    routing_replay: RoutingReplay = RoutingReplay.none
+    """MoE policies: the expert routing the policy passes replay. none = each pass routes for
+    itself; r2 = the training forward and backward replay the old-logprob pass's routing (needs
+    that pass: a round of several steps under a rollout correction); r3 = the old-logprob pass
+    and the training forward and backward replay the routing the built-in rollout engine sampled
+    each token with (prompt tokens included). The reference pass always routes for itself."""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     """LCM aggregation of rollout / ref / old / train micro sizes (docs/lcm_aggregation.md)."""
     distill: DistillConfig = field(default_factory=DistillConfig)

@@ -16,7 +16,7 @@ from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.evaluation_rules import check_eval
 from rlbatch.config.lengths import longest_sequence, longest_sequence_text
 from rlbatch.config.lora_rules import check_lora
-from rlbatch.config.moe_rules import check_expert_layout, check_moe
+from rlbatch.config.moe_rules import check_expert_layout, check_moe, check_routing_replay
 from rlbatch.config.objectives import objective_errors
 from rlbatch.config.parallel_rules import check_layout, check_world, world_size
 from rlbatch.config.schema import (
@@ -518,6 +518,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"model", "parallel"}), _check_model_split),
     Rule(frozenset({"parallel"}), check_expert_layout),
     Rule(frozenset({"model", "parallel", "rollout", "env", "grpo"}), check_moe),
+    Rule(frozenset({"model", "grpo", "parallel", "rollout"}), check_routing_replay),
     Rule(frozenset({"debug", "grpo", "parallel", "rollout"}), _check_debug),
     Rule(frozenset({"debug", "rollout", "env"}), check_response_lengths),
     Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),

@@ -99,7 +99,9 @@ def moe_kwargs(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
     without permute fusion (a TE kernel), the router in fp32 with a softmax score, top-k taken
     on the logits then softmaxed over the k (= HF's softmax, top-k, renormalise:
     ``moe_norm_topk_prob``) or softmax over every expert then top-k (not renormalised), expert
-    parallelism ``parallel.ep`` with the experts' tensor parallelism equal to ``parallel.tp``."""
+    parallelism ``parallel.ep`` with the experts' tensor parallelism equal to ``parallel.tp``.
+    megatron's load-balancing losses stay off: ``model.moe_aux_loss_coeff`` weights rlbatch's
+    (rlbatch.grpo.step.make_balance)."""
     if not model.num_moe_experts:
         return {}
     kwargs: dict[str, Any] = dict(
@@ -112,8 +114,10 @@ def moe_kwargs(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
         moe_router_dtype="fp32",
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not model.moe_norm_topk_prob,
-        moe_router_load_balancing_type="none" if not model.moe_aux_loss_coeff else "seq_aux_loss",
-        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        # rlbatch's own load-balancing loss (per sample, padding masked, normalized with the
+        # policy loss: rlbatch.engine.routing.load_balance); megatron's are per micro-batch
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
         moe_expert_capacity_factor=model.moe_expert_capacity_factor,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.tp,

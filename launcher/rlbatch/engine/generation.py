@@ -386,7 +386,14 @@ class PipelineForward:
     returns logits, the others None. One StaticInferenceContext per chunk with kv_cache.
     """
 
-    def __init__(self, chunks: list[Any], batch: int, max_len: int, kv_cache: bool) -> None:
+    def __init__(
+        self,
+        chunks: list[Any],
+        batch: int,
+        max_len: int,
+        kv_cache: bool,
+        record_routing: bool = False,
+    ) -> None:
         self.chunks = chunks
         self.pp = distributed.pp_size()
         self.device = next(chunks[0].parameters()).device
@@ -395,9 +402,21 @@ class PipelineForward:
             from megatron.core.inference.contexts import StaticInferenceContext
 
             self.contexts = [StaticInferenceContext(batch, max_len) for _ in chunks]
+        self.routing: Optional[torch.Tensor] = None
+        """MoE (``record_routing``): ``[max_len, batch, num_moe_layers, k]`` the experts every
+        fed position was routed to by this rank's layers (-1 = not fed / another stage's)."""
+        if record_routing:
+            from rlbatch.engine import routing
+
+            layers = routing.attach(chunks)
+            config = unwrap(chunks[0]).config
+            self.routing = torch.full(
+                (max_len, batch, layers, config.moe_router_topk), -1, dtype=torch.int16
+            )
 
     def __call__(self, tokens: torch.Tensor, start: int, end: int) -> Optional[torch.Tensor]:
         batch = tokens.shape[0]
+        fed = start  # the positions this call feeds for the first time: [fed, end)
         if self.contexts[0] is None:
             start = 0  # recompute the whole prefix
         positions = torch.arange(start, end, device=self.device)[None].expand(batch, end - start)
@@ -412,6 +431,10 @@ class PipelineForward:
                 assert start == ctx.sequence_len_offset, "KV cache steps must be consecutive"
                 if start > 0:
                     ctx.enable_decode_mode()
+            if self.routing is not None:
+                from rlbatch.engine import routing
+
+                routing.set_routing(chunk, None)
             with lm_head.output_layer_mode([unwrap(chunk)], "last"):  # project one position
                 out = chunk(
                     inputs,
@@ -420,6 +443,8 @@ class PipelineForward:
                     inference_context=ctx,
                     runtime_gather_output=True,
                 )  # last stage: logits [B, 1, V]; other stages: hidden [S, B, H]
+            if self.routing is not None:
+                self._record(chunk, end - start, batch, fed, end)
             if ctx is not None:
                 ctx.sequence_len_offset = end
             if stage == last_stage:
@@ -427,6 +452,38 @@ class PipelineForward:
             else:
                 _send_hidden(out)
         return logits
+
+    def _record(self, chunk: Any, fed_len: int, batch: int, fed: int, end: int) -> None:
+        """The routers' choice for the positions [fed, end) (tokens are sequence-major:
+        ``[fed_len * batch, k]`` per layer, the last ``end - fed`` positions new)."""
+        from rlbatch.engine import routing
+
+        assert self.routing is not None
+        for slot, ids in routing.taken(chunk).items():
+            grid = ids.view(fed_len, batch, -1)[fed_len - (end - fed) :]
+            self.routing[fed:end, :, slot] = grid.to(torch.int16).cpu()
+
+    def row_routing(self, lengths: Sequence[int]) -> list[Any]:
+        """Each row's ``[length, num_moe_layers, k]`` routing (int8, or int16 past 128 experts:
+        rlbatch.engine.routing.routing_dtype), every pipeline stage's layers merged; a row's last position is left -1: the rollout never feeds a
+        row's last token as an input (when other rows go on it does, but then what it would
+        replay would depend on the batch), and nothing scored depends on its routing."""
+        from rlbatch.engine import routing
+
+        assert self.routing is not None
+        dtype = routing.routing_dtype(unwrap(self.chunks[0]).config.num_moe_experts)
+        rows: list[Any] = []
+        for b, n in enumerate(lengths):
+            arr = self.routing[:n, b].numpy().astype(dtype)
+            arr[n - 1 :] = -1
+            rows.append(arr)
+        if self.pp > 1:
+            _, _, group = distributed.pipeline_stage()
+            parts = distributed.all_gather_object(rows, group)
+            rows = [routing.merge(list(p)) for p in zip(*parts, strict=True)]
+        for c in self.chunks:
+            routing.clear([c])
+        return rows
 
     def idle(self) -> None:
         """A forward whose output nobody reads, for the MoE layers' all-to-all when this

@@ -19,7 +19,7 @@ import torch
 
 from rlbatch import distributed
 from rlbatch.batching.plan import MicroBatch, PassPlan
-from rlbatch.engine import schedule
+from rlbatch.engine import routing, schedule
 from rlbatch.engine.lm_head import scale_logits, token_entropy, token_logprobs
 
 __all__ = ["compute_logprobs", "forward_logits", "scale_logits", "token_entropy", "token_logprobs"]
@@ -58,6 +58,8 @@ def compute_logprobs(
     on_micro_batch: Optional[Any] = None,
     score_from: Optional[Sequence[int]] = None,
     score_mask: Optional[Sequence[Sequence[int]]] = None,
+    replay: Optional[Sequence[Any]] = None,
+    record: Optional[dict[int, Any]] = None,
 ) -> Any:
     """Per-token logprobs (float32 tensors, ``len(sequences[i]) - 1`` each, in sample order)
     of every sample of ``plan`` (an infer plan over ``[len(s) for s in sequences]``); with
@@ -71,13 +73,19 @@ def compute_logprobs(
     (and entropy 0.0) in the result, so every sample keeps one value per scored position.
     ``plan.dp`` == the DP size: each DP rank runs its own share and the results are gathered;
     ``plan.dp == 1``: every DP rank runs the whole plan. ``on_micro_batch(mb)``: called on every
-    rank when the schedule pulls a micro-batch (progress bars). Logits are divided by ``temperature``."""
+    rank when the schedule pulls a micro-batch (progress bars). Logits are divided by ``temperature``.
+
+    MoE policies (rlbatch.engine.routing): ``replay[i]``, sample i's ``[length, num_moe_layers,
+    k]`` routing (or None), is replayed by every router; ``record`` (a dict) receives each
+    sample's routing as this pass's routers chose it, every pipeline stage's layers merged, on
+    every rank (``plan.dp == 1`` only)."""
     dp_rank = distributed.dp_rank() if plan.dp > 1 else 0
     if plan.dp > 1 and plan.dp != distributed.dp_size():
         raise ValueError(f"plan for dp={plan.dp} on a run with dp={distributed.dp_size()}")
     rank_plan = plan.for_rank(dp_rank)
     results: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
     first = list(score_from) if score_from is not None else [0] * len(sequences)
+    shape = _routing_shape(model) if replay is not None or record is not None else None
 
     def batch_fn(mb: MicroBatch) -> schedule.MicroBatchInputs:
         if on_micro_batch is not None:
@@ -90,7 +98,28 @@ def compute_logprobs(
                 lo, hi = seg.start + first[i], seg.start + seg.length - 1
                 keep = torch.tensor(score_mask[i][: max(0, hi - lo)], dtype=torch.float32)
                 inputs.loss_mask[seg.row, lo : lo + len(keep)] *= keep.to(inputs.loss_mask.device)
+        if replay is not None and shape is not None:
+            rows = max(1, mb.num_rows)
+            arrays = [replay[i] for i in mb.samples]
+            if any(a is not None for a in arrays):
+                inputs.routing = routing.micro_batch_routing(
+                    arrays, inputs.segments, rows, mb.padded_len, *shape
+                )
         return inputs
+
+    def routing_sink(chunk: Any, natural: dict, inputs: schedule.MicroBatchInputs) -> None:
+        assert record is not None and shape is not None
+        mb = inputs.micro_batch
+        arrays = routing.sample_routing(
+            natural,
+            inputs.segments,
+            max(1, mb.num_rows),
+            mb.padded_len,
+            *shape,
+            routing.routing_dtype(routing.num_experts(model)),
+        )
+        for i, arr in zip(mb.samples, arrays, strict=True):
+            record[i] = routing.merge([record.get(i), arr])
 
     def loss_fn(output: Any, inputs: schedule.MicroBatchInputs):
         assert inputs.labels is not None and inputs.loss_mask is not None
@@ -109,9 +138,37 @@ def compute_logprobs(
             results[i] = (lp.clone(), None if en is None else en.clone())
         return torch.zeros((), device=output.device), {}
 
+    if record is not None and plan.dp > 1:
+        raise ValueError("compute_logprobs(record=...) needs a plan with dp = 1")
     with torch.no_grad():
-        schedule.run_pass(model, rank_plan, plan, batch_fn, loss_fn, forward_only=True)
+        schedule.run_pass(
+            model,
+            rank_plan,
+            plan,
+            batch_fn,
+            loss_fn,
+            forward_only=True,
+            routing_sink=routing_sink if record is not None else None,
+        )
+    if record is not None:
+        _merge_stages(record)
     return _collect(results, sequences, plan, entropy)
+
+
+def _routing_shape(model: Sequence[Any]) -> tuple[int, int]:
+    """(MoE layers, k) of the model; attaches the routers' replay slots."""
+    layers = routing.attach(list(model))
+    return layers, schedule._unwrap(model[0]).config.moe_router_topk
+
+
+def _merge_stages(record: dict[int, Any]) -> None:
+    """Each pipeline stage recorded its own layers: every stage gets them all."""
+    if distributed.pp_size() == 1:
+        return
+    _, _, group = distributed.pipeline_stage()
+    for part in distributed.all_gather_object(dict(record), group):
+        for i, arr in part.items():
+            record[i] = routing.merge([record.get(i), arr])
 
 
 def _scatter(values: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from rlbatch.batching.plan import MicroBatch, PassPlan, RankPlan
-from rlbatch.engine import lm_head
+from rlbatch.engine import lm_head, routing
 
 
 def round_up(n: int, r: int) -> int:
@@ -177,6 +177,9 @@ class MicroBatchInputs:
     """[R, S] float: 1 where labels is a real next token (0 for fillers / padding)"""
     payload: Any = None
     """The caller's own per-micro-batch object (e.g. the GRPO batch)."""
+    routing: Optional[torch.Tensor] = None
+    """MoE routing to replay, ``[num_moe_layers, S * R, k]`` long in megatron's token order
+    (-1 = the router's own choice; rlbatch.engine.routing); None = the routers choose."""
 
 
 def make_inputs(
@@ -335,13 +338,18 @@ def run_pass(
     forward_only: bool = False,
     *,
     zero_grad: bool = True,
+    routing_sink: Optional[Callable[[Any, dict, MicroBatchInputs], None]] = None,
 ) -> list[Any]:
     """Run this rank's micro-batches (``rank_plan``) through megatron's forward/backward
     schedule. Returns the loss_fn metrics of every micro-batch on the last pipeline stage (an
     empty list on other stages).
 
     Training (``forward_only=False``): grad buffers are zeroed first when ``zero_grad``; after
-    the last backward megatron runs ``finalize_model_grads`` (DP reduction, tied embeddings)."""
+    the last backward megatron runs ``finalize_model_grads`` (DP reduction, tied embeddings).
+
+    MoE: each chunk's routers replay ``inputs.routing`` (else route freely), and after each
+    chunk's forward ``routing_sink(chunk, {slot: [N, k]}, inputs)`` gets what they chose
+    themselves (rlbatch.engine.routing)."""
     mbs = rank_plan.micro_batches
     if len(mbs) != plan.num_micro_batches:
         raise ValueError(
@@ -363,9 +371,15 @@ def run_pass(
     gpts = [_unwrap(c) for c in model]
     chunk_tokens = lm_head.logits_chunk_tokens(gpts[-1])
 
+    routed = any(routing.chunk_replays(c) for c in model)
+
     def forward_step(data_iterator: Iterator[MicroBatchInputs], chunk: Any):
         inputs = next(data_iterator)
+        if routed:
+            routing.set_routing(chunk, inputs.routing)
         output = model_forward(chunk, inputs)
+        if routed and routing_sink is not None:
+            routing_sink(chunk, routing.taken(chunk), inputs)
         gpt = _unwrap(chunk)
 
         def loss_func(output_tensor: torch.Tensor, **_: Any):
@@ -388,6 +402,8 @@ def run_pass(
     finally:
         for c, was in zip(model, was_training, strict=True):
             c.train(was)
+        if routed:
+            routing.clear(model)
 
 
 def _unwrap(chunk: Any) -> Any:
@@ -424,11 +440,13 @@ def run_grpo_pass(
     loss_fn: Callable[[lm_head.LMOutput, Any], tuple],
     *,
     round_to: Optional[int] = None,
+    routing_sink: Optional[Callable[[Any, dict, MicroBatchInputs], None]] = None,
 ) -> list[Any]:
     """Training pass over caller-built batches (the GRPO step): ``batches`` yields, lazily
     and in plan order, objects with ``.tokens`` ([R, S] long) and ``.micro_batch``;
     ``loss_fn(output, batch)`` follows megatron's contract (``output``: an LMOutput). ``round_to``: the pass's
-    sequence_length_round (needed for packed micro-batches whose layout is ambiguous)."""
+    sequence_length_round (needed for packed micro-batches whose layout is ambiguous). A batch's
+    ``replay_routing`` (if any) is the MoE routing its forward and backward replay."""
     stream = iter(batches)
     if round_to is None:  # the planner may record it; else inferred per packed micro-batch
         round_to = plan.extra.get("sequence_length_round")
@@ -436,8 +454,15 @@ def run_grpo_pass(
     def batch_fn(micro_batch: MicroBatch) -> MicroBatchInputs:
         batch = next(stream)
         mb = getattr(batch, "micro_batch", micro_batch)
-        return inputs_from_tokens(batch.tokens, mb, round_to=round_to, payload=batch)
+        inputs = inputs_from_tokens(batch.tokens, mb, round_to=round_to, payload=batch)
+        inputs.routing = getattr(batch, "replay_routing", None)
+        return inputs
 
     return run_pass(
-        model, rank_plan, plan, batch_fn, lambda out, inputs: loss_fn(out, inputs.payload)
+        model,
+        rank_plan,
+        plan,
+        batch_fn,
+        lambda out, inputs: loss_fn(out, inputs.payload),
+        routing_sink=routing_sink,
     )

@@ -62,6 +62,7 @@ STAT_KEYS: tuple[str, ...] = (
     "w_raw",  # sum of the raw token weight pi_trainer / pi_rollout
     "w_raw_sq",  # sum of its square (effective sample size)
     "masked_truncated",  # sequences excluded because they were truncated (option)
+    "aux",  # MoE: the load-balancing loss's numerator, aggregated like the policy loss's
 )
 STAT_INDEX = {key: i for i, key in enumerate(STAT_KEYS)}
 
@@ -96,6 +97,8 @@ class LossSettings:
     reward_coef: float = 1.0
     """grpo.distill.reward_coef with a teacher (1 without): the weight of the sample's group
     reward advantage beside the per-token teacher advantage."""
+    aux_coeff: float = 0.0
+    """model.moe_aux_loss_coeff: the weight of an MoE policy's load-balancing loss."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LossSettings:
@@ -119,6 +122,7 @@ class LossSettings:
             rollout_correction=RolloutCorrection(g.rollout_correction),
             rollout_correction_lower=g.rollout_correction_lower,
             reward_coef=reward_weight(cfg),
+            aux_coeff=cfg.model.moe_aux_loss_coeff,
         )
 
     @property
@@ -317,10 +321,13 @@ def build_grpo_batch(
 # ------------------------------------------------------------------------------------------
 
 
-def grpo_loss(output: Any, batch: GRPOBatch, settings: LossSettings) -> LossTerms:
+def grpo_loss(
+    output: Any, batch: GRPOBatch, settings: LossSettings, aux: Optional[torch.Tensor] = None
+) -> LossTerms:
     """GRPO loss of one micro-batch from the training forward's output: the schedule's
     ``LMOutput`` (hidden states projected in chunks at the loss positions only, or logits), or
-    plain logits ``[R, S, V/tp]``."""
+    plain logits ``[R, S, V/tp]``. ``aux``: an MoE policy's per-sample load-balancing loss
+    (:func:`loss_from_logps`)."""
     from rlbatch.engine.lm_head import LMOutput
 
     if isinstance(output, torch.Tensor):
@@ -334,7 +341,7 @@ def grpo_loss(output: Any, batch: GRPOBatch, settings: LossSettings) -> LossTerm
         entropy_grad=torch.is_grad_enabled() and settings.entropy_coef != 0.0,
         inplace=True,  # the logits are not read again
     )  # [N], [N]: loss positions only, in loss_mask order
-    return loss_from_logps(logps, batch, settings, entropy=entropy)
+    return loss_from_logps(logps, batch, settings, entropy=entropy, aux=aux)
 
 
 def loss_from_logps(
@@ -343,13 +350,19 @@ def loss_from_logps(
     settings: LossSettings,
     *,
     entropy: Optional[torch.Tensor] = None,
+    aux: Optional[torch.Tensor] = None,
 ) -> LossTerms:
     """The loss from the current policy's logps at the valid positions (flat ``[N]``,
     in ``loss_mask`` order). Returns the numerator, the local count and the metric sums.
 
     l_t = w_t * pg_t + beta * kl_t - entropy_coef * H_t, with pg from grpo.policy_loss, w from
     grpo.rollout_correction and kl from grpo.kl_estimator (docs/grpo_loss.md); pg's advantage is
-    the sample's A_i, or reward_coef * A_i + D_t with per-token (teacher) advantages D_t."""
+    the sample's A_i, or reward_coef * A_i + D_t with per-token (teacher) advantages D_t.
+
+    ``aux`` (MoE, ``[num_seqs]`` with autograd): each sample's load-balancing loss b_i, added
+    to every loss token of the sample as aux_coeff * b_i, so it is averaged exactly like the
+    policy loss (grpo.loss_agg_mode: token-weighted under token-mean, one share a sequence in the
+    seq-mean modes); its aggregated value is the ``aux`` metric sum either way."""
     mask = batch.loss_mask
     seq = batch.seq_index[mask]  # [N]
     if settings.old_from_forward:  # pi_old = this forward's policy: ratio 1, gradient of logps
@@ -381,9 +394,16 @@ def loss_from_logps(
             raise ValueError("grpo.entropy_coef != 0 needs the per-token entropy")
         per_token = per_token - settings.entropy_coef * entropy.to(per_token.dtype)
 
+    aux_sum = None
+    if aux is not None:
+        aux_token = aux.to(per_token.dtype)[seq]  # [N]
+        if settings.aux_coeff != 0.0:
+            per_token = per_token + settings.aux_coeff * aux_token
+        with torch.no_grad():
+            aux_sum = aggregate(aux_token.detach(), seq, batch.num_seqs, settings)[0]
     numerator, count = aggregate(per_token, seq, batch.num_seqs, settings)
     with torch.no_grad():
-        stats = _stats(batch, settings, term, is_weight, hit, log_w, seq, kl, entropy)
+        stats = _stats(batch, settings, term, is_weight, hit, log_w, seq, kl, entropy, aux_sum)
     return LossTerms(numerator=numerator, count=count, stats=stats, weight_max=weight_max)
 
 
@@ -423,6 +443,7 @@ def _stats(
     seq: torch.Tensor,
     kl: Optional[torch.Tensor],
     entropy: Optional[torch.Tensor],
+    aux: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The metric sums (STAT_KEYS order, float64, on the device)."""
     zero = torch.zeros((), dtype=torch.float64, device=log_w.device)
@@ -447,6 +468,7 @@ def _stats(
         "w_raw": w.sum(),
         "w_raw_sq": (w * w).sum(),
         "masked_truncated": zero + batch.num_truncated_masked,
+        "aux": aux if aux is not None else zero,
     }
     return torch.stack([values[k].to(torch.float64) for k in STAT_KEYS])
 
@@ -503,4 +525,7 @@ def summarize_stats(stats: torch.Tensor, loss_numerator: float, divisor: float) 
         "mismatch_log_ppl_gap": s["log_ppl_gap"] / max(s["seqs"], 1.0),
         "mismatch_ess": s["w_raw"] ** 2 / (tokens * s["w_raw_sq"]) if s["w_raw_sq"] > 0 else 1.0,
         "masked_truncated": s["masked_truncated"],
+        # MoE policies only (a balance loss is never 0): what the loss averaged, before the
+        # coefficient model.moe_aux_loss_coeff
+        **({"moe/aux_loss": s["aux"] / divisor} if s["aux"] and divisor > 0 else {}),
     }

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
-from rlbatch.config.schema import RunConfig, ScaleRewards
+from rlbatch.config.schema import RoutingReplay, RunConfig, ScaleRewards
 from rlbatch.grpo.lcm import LCMAggregator
 from rlbatch.grpo.rewards import (
     RewardComponent,
@@ -98,19 +98,28 @@ def single_component(fn: RewardFn) -> RewardComponent:
     return RewardComponent("reward", 1.0, lambda inputs: score(fn, inputs))
 
 
-def make_logps_fn(model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], list]:
+def make_logps_fn(
+    model: list[Any], cfg: RunConfig, *, old_pass: bool = False
+) -> Callable[[list[Sample]], list]:
     """Logprobs of the response tokens under ``model`` (the reference model, or the policy for
     the old pass) at ``rollout.temperature``, chunked by an infer plan (batching.infer) over this
-    rank's samples (every DP rank scores its own samples: plan dp = 1)."""
+    rank's samples (every DP rank scores its own samples: plan dp = 1).
+
+    ``old_pass`` (the policy's old-logprob pass) with an MoE policy: under
+    grpo.routing_replay=r3 it replays each sample's rollout routing, under r2 it records its own
+    into ``Sample.old_routing`` (what the training forward then replays). Every other pass (the
+    reference, a teacher) routes for itself."""
     from rlbatch.batching.cost import cost_model_for
     from rlbatch.batching.planner import plan_pass
     from rlbatch.engine.logprobs import compute_logprobs
 
     infer = cfg.batching.infer
     cost = cost_model_for(cfg.model, infer)
+    mode = RoutingReplay(cfg.grpo.routing_replay) if old_pass else RoutingReplay.none
 
     def ref_logps(samples: list[Sample]) -> list[list[float]]:
         sequences = [s.input_ids for s in samples]
+        recorded: Optional[dict[int, Any]] = {} if mode == RoutingReplay.r2 else None
         plan = plan_pass(
             [len(x) for x in sequences],
             infer,
@@ -133,7 +142,12 @@ def make_logps_fn(model: list[Any], cfg: RunConfig) -> Callable[[list[Sample]], 
             score_from=[len(s.prompt.prompt_ids) - 1 for s in samples],
             # observation tokens of multi-turn samples carry no loss: not projected either
             score_mask=[s.loss_mask or [] for s in samples] if any_masked(samples) else None,
+            replay=[s.routing for s in samples] if mode == RoutingReplay.r3 else None,
+            record=recorded,
         )
+        if recorded is not None:
+            for i, s in enumerate(samples):
+                s.old_routing = recorded.get(i)
         return [lp.tolist() for lp in logps]
 
     return ref_logps

@@ -133,10 +133,12 @@ def make_prepare(
     rank_plan: RankPlan,
 ) -> Callable[[int], GRPOBatch]:
     """prepare(i): the GRPO fields and tokens of this rank's i-th micro-batch (called lazily,
-    once per micro-batch, by the normalizer's iterator)."""
+    once per micro-batch, by the normalizer's iterator). An MoE policy's micro-batch also gets
+    its samples' routing laid out for it (:func:`attach_routing`)."""
     round_to = cfg.batching.train.sequence_length_round
     device = _device()
     with_behaviour = old_from_forward(cfg)
+    moe = cfg.model.num_moe_experts is not None
 
     def prepare(i: int) -> GRPOBatch:
         mb: MicroBatch = rank_plan.micro_batches[i]
@@ -148,9 +150,112 @@ def make_prepare(
             with_behaviour=with_behaviour,
         )
         batch.tokens, batch.micro_batch = tokens, mb
-        return batch.to(device)
+        batch = batch.to(device)
+        if moe:
+            attach_routing(cfg, batch, [samples[j] for j in mb.samples], round_to)
+        return batch
 
     return prepare
+
+
+def attach_routing(
+    cfg: RunConfig, batch: GRPOBatch, samples: Sequence[Sample], round_to: int
+) -> None:
+    """The micro-batch's MoE routing in megatron's token order (rlbatch.engine.routing):
+    ``rollout_routing`` (what ``moe/routing_mismatch`` compares the routers' own choice with)
+    and ``replay_routing`` (what the forward and backward replay: the rollout's under r3, the
+    old-logprob pass's under r2, none under none)."""
+    from rlbatch.config.enums import RoutingReplay
+    from rlbatch.config.moe import num_moe_layers
+    from rlbatch.engine import routing, schedule
+
+    mb = batch.micro_batch
+    assert mb is not None
+    segs = schedule.segments(mb, round_to)
+    shape = (
+        max(1, mb.num_rows),
+        mb.padded_len,
+        num_moe_layers(cfg.model),
+        cfg.model.moe_router_topk,
+    )
+
+    def laid_out(arrays: list[Any]) -> Optional[torch.Tensor]:
+        if all(a is None for a in arrays):
+            return None
+        return routing.micro_batch_routing(arrays, segs, *shape)
+
+    rollout = laid_out([s.routing for s in samples])
+    mode = RoutingReplay(cfg.grpo.routing_replay)
+    batch.rollout_routing = rollout  # type: ignore[attr-defined]
+    batch.replay_routing = (  # type: ignore[attr-defined]
+        rollout
+        if mode == RoutingReplay.r3
+        else laid_out([s.old_routing for s in samples])
+        if mode == RoutingReplay.r2
+        else None
+    )
+    if mode != RoutingReplay.none and batch.replay_routing is None and samples:  # type: ignore[attr-defined]
+        raise RuntimeError(
+            f"grpo.routing_replay={mode.value}: a training micro-batch has no recorded routing"
+        )
+
+
+def make_balance(
+    cfg: RunConfig, model: list[Any], layout: ParallelLayout
+) -> Optional[Callable[[GRPOBatch], torch.Tensor]]:
+    """An MoE policy's load-balancing loss per sample (rlbatch.engine.routing.load_balance) of
+    the micro-batch the (single) chunk just ran, from its routers' captured logits; None for a
+    dense model or where the routers are not on the loss's stage (pp > 1) or see part of the
+    sequence (sequence parallelism: refused with a coefficient, docs/engine.md)."""
+    if cfg.model.num_moe_experts is None or layout.pp > 1 or len(model) > 1:
+        return None
+    if cfg.parallel.sequence_parallel and layout.tp > 1:
+        return None
+    from rlbatch.engine import routing, schedule
+
+    round_to = cfg.batching.train.sequence_length_round
+    topk = cfg.model.moe_router_topk
+
+    def balance(batch: GRPOBatch) -> torch.Tensor:
+        mb = batch.micro_batch
+        assert mb is not None
+        segs = schedule.segments(mb, round_to)
+        taken = routing.captured(model[0])
+        return routing.load_balance(taken, segs, max(1, mb.num_rows), mb.padded_len, topk)
+
+    return balance
+
+
+class RoutingMismatch:
+    """What the training forward's routers did, counted per step: ``moe/routing_mismatch``
+    (per MoE layer, the tokens with rollout routing and those whose expert set the routers
+    chose differently, before any replay) and, with a capacity factor (``count_drops``: on one
+    rank of each tensor-parallel group, whose ranks route the same tokens), the token-to-expert
+    assignments of real tokens (padding excluded) and how many of them the capacity dropped."""
+
+    def __init__(self, num_layers: int, topk: int, count_drops: bool = False) -> None:
+        self.counts = torch.zeros(2, num_layers, dtype=torch.float64)
+        self.drops = torch.zeros(2, dtype=torch.float64)
+        self.topk, self.count_drops = topk, count_drops
+
+    def sink(self, chunk: Any, natural: dict, inputs: Any) -> None:
+        from rlbatch.engine import routing
+
+        if self.count_drops:
+            self.drops += routing.drop_counts(chunk, inputs, self.topk)
+        rollout = getattr(inputs.payload, "rollout_routing", None)
+        if rollout is None or not natural:
+            return
+        local = routing.local_routing(chunk, rollout)
+        self.counts += routing.mismatch_counts(natural, local, self.counts.shape[1])
+
+    def take(self) -> torch.Tensor:
+        counts, self.counts = self.counts, torch.zeros_like(self.counts)
+        return counts
+
+    def take_drops(self) -> torch.Tensor:
+        drops, self.drops = self.drops, torch.zeros_like(self.drops)
+        return drops
 
 
 def _current_layout() -> ParallelLayout:
@@ -174,12 +279,16 @@ def make_loss_fn(
     *,
     detect_nan: bool,
     inject_nan: bool = False,
+    balance: Optional[Callable[[GRPOBatch], torch.Tensor]] = None,
 ) -> Callable[[Any, GRPOBatch], tuple[torch.Tensor, torch.Tensor, dict]]:
     """Megatron's loss_func contract: (loss to back-propagate, count for Megatron, metrics).
-    The first argument is the last stage's output (rlbatch.engine.lm_head.LMOutput)."""
+    The first argument is the last stage's output (rlbatch.engine.lm_head.LMOutput).
+    ``balance(batch)``: an MoE policy's per-sample load-balancing loss of the micro-batch the
+    model just ran (:func:`make_balance`)."""
 
     def loss_fn(output: Any, batch: GRPOBatch):
-        terms = grpo_loss(output, batch, settings)
+        aux = balance(batch) if balance is not None else None
+        terms = grpo_loss(output, batch, settings, aux=aux)
         if inject_nan and state.micro_batches == 0:  # debug.fail_kind=nan_loss
             terms.numerator = terms.numerator * float("nan")
         if detect_nan:  # no host sync here: flags are read once, after the schedule
@@ -201,6 +310,7 @@ def run_train_pass(
     normalizer: Normalizer,
     loss_fn: Callable,
     round_to: int,
+    routing_sink: Optional[Callable] = None,
 ) -> None:
     """Forward/backward over this rank's micro-batches through the engine's schedule (which
     zeroes the grad buffers first and runs finalize_model_grads after the last backward); the
@@ -209,7 +319,9 @@ def run_train_pass(
 
     rank_plan = plan.for_rank(layout.dp_rank)
     batches = normalizer.iterate(prepare, plan.num_micro_batches)
-    schedule.run_grpo_pass(model, rank_plan, plan, batches, loss_fn, round_to=round_to)
+    schedule.run_grpo_pass(
+        model, rank_plan, plan, batches, loss_fn, round_to=round_to, routing_sink=routing_sink
+    )
 
 
 def finish_gradients(
@@ -301,11 +413,13 @@ def run_train_step(
     reducers: Optional[Reducers] = None,
     inject_nan: bool = False,
     plan_sink: Optional[Callable[[list[int], PassPlan], None]] = None,
+    routing_mismatch: Optional[RoutingMismatch] = None,
 ) -> dict[str, Any]:
     """One GRPO optimizer step on this rank's share of the mini-batch; returns metrics that
     are identical on every rank. A non-finite loss or gradient (debug.detect_nan) skips the
     update and reports ``nonfinite_micro_batch`` / NaN loss and grad_norm. ``plan_sink(lengths,
-    plan)`` receives the mini-batch's lengths and the train pass's plan (logging.plans)."""
+    plan)`` receives the mini-batch's lengths and the train pass's plan (logging.plans);
+    ``routing_mismatch`` (MoE) counts the tokens whose routing moved since the rollout."""
     started = time.perf_counter()
     # Megatron's optimizer leaves param.grad aliased to main_grad after step(); without clearing
     # it, the next backward adds the first micro-batch's gradient twice (Megatron's own
@@ -328,11 +442,29 @@ def run_train_step(
     )
     state = StepState()
     prepare = make_prepare(cfg, mini_batch, plan.for_rank(layout.dp_rank))
+    balance = make_balance(cfg, model, layout)
     loss_fn = make_loss_fn(
-        settings, normalizer, state, detect_nan=cfg.debug.detect_nan, inject_nan=inject_nan
+        settings,
+        normalizer,
+        state,
+        detect_nan=cfg.debug.detect_nan,
+        inject_nan=inject_nan,
+        balance=balance,
     )
+    if cfg.model.num_moe_experts is not None:  # the routers' logits and routing maps
+        from rlbatch.engine import routing
+
+        routing.attach(model)
+        routing.capturing(model, True)  # until the pass ends (schedule.run_pass clears it)
     run_train_pass(
-        model, plan, layout, prepare, normalizer, loss_fn, cfg.batching.train.sequence_length_round
+        model,
+        plan,
+        layout,
+        prepare,
+        normalizer,
+        loss_fn,
+        cfg.batching.train.sequence_length_round,
+        routing_sink=None if routing_mismatch is None else routing_mismatch.sink,
     )
     result, nonfinite = finish_gradients(model, normalizer, state, layout)
     seconds = lambda: time.perf_counter() - started  # noqa: E731

@@ -75,6 +75,15 @@ class Sample:
     """Multi-turn rollouts (env.path): the episode's record (rlbatch.env.driver.Episode: turns
     with role and text, the environment's rewards, why it ended, seconds in environment calls);
     None for single-turn samples."""
+    routing: Optional[Any] = None
+    """MoE policies rolled out on the built-in engine: the experts every token (prompt and
+    response) was routed to as the rollout fed it, an int8 / int16 array ``[length,
+    num_moe_layers, k]`` (-1 = unknown: the last token, never fed), what
+    grpo.routing_replay=r3 replays and ``moe/routing_mismatch`` compares against
+    (rlbatch.engine.routing)."""
+    old_routing: Optional[Any] = None
+    """grpo.routing_replay=r2: the same record from the old-logprob pass, which the training
+    forward and backward replay."""
     reward_failures: list[str] = field(default_factory=list)
     """Why the sample's brought rewards (code_exec tests, served requests) failed, one line per
     failure: ``<reward part>: <reason>: <detail>`` (logged samples)."""
@@ -101,6 +110,8 @@ class Sample:
         self.__dict__.setdefault("episode", None)
         self.__dict__.setdefault("reward_failures", [])
         self.__dict__.setdefault("token_advantages", None)
+        self.__dict__.setdefault("routing", None)
+        self.__dict__.setdefault("old_routing", None)
         if self.__dict__.get("loss_mask") is None or self.__dict__.get("token_versions") is None:
             self.__dict__.setdefault("loss_mask", None)
             self.__dict__.setdefault("token_versions", None)

@@ -1,6 +1,8 @@
 """Worker side of rlbatch-logprobs: ``run(cfg)`` inside every torchrun worker.
 
-Reads ``logprobs.input`` (JSONL: {"input_ids": [...]} or {"prompt": str, "completion": str}),
+Reads ``logprobs.input`` (JSONL: {"input_ids": [...]} or {"prompt": str, "completion": str};
+an MoE model's row may add "routing": one [k expert ids] list per MoE layer per token, which
+the routers replay, -1 = the router's own choice: how a rollout's recorded routing is scored),
 builds the model (``model.hf_path`` weights when set), plans the pass with the planner over
 ``batching.infer`` (token budget, dp / pp / vpp), computes per-token logprobs chunk by chunk and
 rank 0 writes ``logprobs.output`` in input order:
@@ -35,6 +37,8 @@ class Row:
     ids: list[int]
     completion_start: Optional[int]
     """None for input_ids rows."""
+    routing: Optional[list] = None
+    """MoE: ``[len(ids)][num MoE layers][k]`` expert ids to replay (-1 = route freely)."""
 
 
 def read_rows(path: str, tokenizer_factory: Any) -> list[Row]:
@@ -54,13 +58,13 @@ def read_rows(path: str, tokenizer_factory: Any) -> list[Row]:
                 ids = obj["input_ids"]
                 if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
                     raise ValueError(f"{path}:{line_no}: input_ids must be a list of ints")
-                rows.append(Row(list(ids), None))
+                rows.append(Row(list(ids), None, obj.get("routing")))
             elif "prompt" in obj and "completion" in obj:
                 if tokenizer is None:
                     tokenizer = tokenizer_factory()
                 prompt = tokenizer.encode(str(obj["prompt"]))
                 completion = tokenizer.encode(str(obj["completion"]))
-                rows.append(Row(prompt + completion, len(prompt)))
+                rows.append(Row(prompt + completion, len(prompt), obj.get("routing")))
             else:
                 raise ValueError(
                     f'{path}:{line_no}: expected {{"input_ids": [...]}} or '
@@ -90,6 +94,40 @@ def check_rows(rows: list[Row], vocab_size: int, max_len: int, path: str) -> Non
     if errors:
         more = f"; and {len(errors) - 10} more" if len(errors) > 10 else ""
         raise ValueError(f"{path}: " + "; ".join(errors[:10]) + more)
+
+
+def routing_arrays(rows: list[Row], model: Any, path: str) -> Optional[list[Any]]:
+    """The rows' "routing" as ``[len, layers, k]`` arrays to replay (None when no row has one);
+    a ValueError naming every bad row: routing on a dense model, a shape that is not
+    (tokens, MoE layers, k), ids outside [-1, num_moe_experts)."""
+    import numpy as np
+
+    from rlbatch.config.moe import num_moe_layers
+
+    if all(r.routing is None for r in rows):
+        return None
+    if model.num_moe_experts is None:
+        raise ValueError(f'{path}: "routing" needs an MoE model (model.num_moe_experts)')
+    layers, k, experts = num_moe_layers(model), model.moe_router_topk, model.num_moe_experts
+    out: list[Any] = []
+    errors = []
+    for i, row in enumerate(rows):
+        if row.routing is None:
+            out.append(None)
+            continue
+        try:
+            arr = np.asarray(row.routing, dtype=np.int64)
+        except (TypeError, ValueError):
+            arr = np.zeros(0, dtype=np.int64)
+        if arr.shape != (len(row.ids), layers, k):
+            errors.append(f"row {i}: routing of shape {arr.shape}, expected "
+                          f"({len(row.ids)} tokens, {layers} MoE layers, k={k})")  # fmt: skip
+        elif arr.min() < -1 or arr.max() >= experts:
+            errors.append(f"row {i}: expert ids must be in [-1, {experts})")
+        out.append(arr)
+    if errors:
+        raise ValueError(f"{path}: " + "; ".join(errors[:10]))
+    return out
 
 
 def first_scored(row: Row) -> int:
@@ -163,6 +201,7 @@ def run(cfg: RunConfig) -> None:
     cfg, model, state = setup.cfg, setup.model, setup.state
     rows = read_rows(source, lambda: build_tokenizer(cfg.model))
     check_rows(rows, cfg.model.vocab_size, cfg.model.max_position_embeddings, source)
+    replay = routing_arrays(rows, cfg.model, source)
     infer = cfg.batching.infer
     lengths = [len(r.ids) for r in rows]
     plan = plan_pass(
@@ -192,6 +231,7 @@ def run(cfg: RunConfig) -> None:
             entropy=cfg.logprobs.entropy,
             on_micro_batch=progress.advance,
             score_from=[first_scored(r) for r in rows],
+            replay=replay,
         )
     finally:
         progress.stop()

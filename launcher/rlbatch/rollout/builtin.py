@@ -60,12 +60,18 @@ class Decoded:
     response_ids: list[list[int]]
     logps: list[list[float]]
     truncated: list[bool]
+    routing: Optional[list[Any]] = None
+    """MoE with routing recorded: per row, prompt and response, rlbatch.engine.routing's
+    ``[length, num_moe_layers, k]`` array."""
 
     def rows(self) -> list[DecodedRow]:
         """Each row's completion in the rollout protocol's form."""
+        routing = self.routing or [None] * len(self.response_ids)
         return [
-            DecodedRow(t, lp, tr)
-            for t, lp, tr in zip(self.response_ids, self.logps, self.truncated, strict=True)
+            DecodedRow(t, lp, tr, r)
+            for t, lp, tr, r in zip(
+                self.response_ids, self.logps, self.truncated, routing, strict=True
+            )
         ]
 
 
@@ -223,7 +229,11 @@ def decode_lockstep(
             break
         logits = forward(tokens, t, t + 1) if going else forward.idle()
         t += 1
-    return out.decoded()
+    decoded = out.decoded()
+    if getattr(forward, "routing", None) is not None:
+        lengths = [len(p) + len(r) for p, r in zip(prompt_ids, decoded.response_ids, strict=True)]
+        decoded.routing = forward.row_routing(lengths)
+    return decoded
 
 
 def _sample_step(
@@ -268,6 +278,7 @@ class MegatronRolloutEngine:
         continuous: bool = True,
         driver: Any = None,
         max_total_tokens: int = 0,
+        record_routing: bool = False,
     ) -> None:
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.params = params
@@ -284,6 +295,9 @@ class MegatronRolloutEngine:
         self.max_total_tokens = max_total_tokens
         self.slot_stats: Any = None
         """Multi-turn: decode-slot occupancy of the last generate (rlbatch.rollout.multiturn)."""
+        self.record_routing = record_routing
+        """MoE: record every token's routing (prompt and response) into its Sample
+        (rlbatch.engine.routing; the lockstep path through megatron's forward)."""
         self.decode_stats = DecodeStats()
         """Single-turn decode-slot occupancy, accumulated over generate() calls (a caller
         that wants it per round assigns a fresh DecodeStats())."""
@@ -322,7 +336,11 @@ class MegatronRolloutEngine:
                 for start in range(0, len(rows), size):
                     part = prompt_ids[start : start + size]
                     forward = generation.PipelineForward(
-                        self.chunks, len(part), max_len, self.kv_cache
+                        self.chunks,
+                        len(part),
+                        max_len,
+                        self.kv_cache,
+                        record_routing=self.record_routing,
                     )
                     done = decode_lockstep(
                         forward, part, self.params, keys[start : start + size], self.decode_stats
@@ -331,6 +349,8 @@ class MegatronRolloutEngine:
                     out.response_ids += done.response_ids
                     out.logps += done.logps
                     out.truncated += done.truncated
+                    if done.routing is not None:
+                        out.routing = (out.routing or []) + done.routing
         return row_samples(rows, out.rows(), policy_version)
 
     def _generate_turns(
@@ -382,6 +402,7 @@ def _megatron_engine(
         chunk_size=chunk_size,
         driver=driver,
         max_total_tokens=cfg.env.max_total_tokens,
+        record_routing=cfg.model.num_moe_experts is not None,
     )
 
 

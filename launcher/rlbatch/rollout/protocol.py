@@ -96,6 +96,9 @@ class DecodedRow:
     tokens: list[int]
     logps: list[float]
     truncated: bool
+    routing: Any = None
+    """MoE, recorded by the built-in engine: the ``[prompt + response length, num_moe_layers,
+    k]`` experts of every token (rlbatch.engine.routing); None elsewhere."""
 
 
 class TokenBackend(Protocol):
@@ -137,6 +140,7 @@ def row_samples(
             behaviour_logps=d.logps,
             truncated=d.truncated,
             policy_version=version,
+            routing=d.routing,
         )
         for (g, p), d in zip(rows, decoded, strict=True)
     ]

@@ -108,7 +108,7 @@ def make_round_start(cfg: RunConfig, model: list[Any]) -> Callable[[list[Sample]
     from rlbatch.grpo.proximal import compute_old_logps, normalize_over_batch, scale_by_batch_std
 
     plan = aggregation_plan(cfg)
-    old_fn = make_logps_fn(model, cfg) if plan.old_pass else None
+    old_fn = make_logps_fn(model, cfg, old_pass=True) if plan.old_pass else None
     estimator = AdvantageEstimator(cfg.grpo.advantage_estimator)
     batch_scale = (
         ScaleRewards(cfg.grpo.scale_rewards) == ScaleRewards.batch
@@ -192,6 +192,7 @@ def make_train_step(
 
     guard = adapter_guard(cfg, model)
     expert_load = ExpertLoad(model) if cfg.model.num_moe_experts else None
+    mismatch = routing_mismatch(cfg, model)
 
     def train_step(batch: Any, step: int, inject_nan: bool) -> dict[str, Any]:
         checked = check_served(batch, step) if check_served is not None else {}
@@ -203,9 +204,12 @@ def make_train_step(
                 cfg, model, optimizer, scheduler, batch.samples, step=step, layout=ps,
                 reducers=reducers, inject_nan=inject_nan,
                 plan_sink=None if write_plan is None else partial(write_plan, step),
+                routing_mismatch=mismatch,
             )  # fmt: skip
         if expert_load is not None:
             metrics.update(expert_load_metrics(cfg, expert_load))
+        if mismatch is not None:
+            metrics.update(routing_mismatch_metrics(mismatch))
         if guard is not None:
             guard.after(metrics, step)
         if write_samples is not None:
@@ -249,6 +253,35 @@ def expert_load_metrics(cfg: RunConfig, load: Any) -> dict[str, float]:
         counts[index] = row
     (counts,) = distributed.all_reduce_sum([counts], group=None)
     return imbalance_metrics(counts)
+
+
+def routing_mismatch(cfg: RunConfig, model: list[Any]) -> Any:
+    """An MoE policy's routing replay slots (rlbatch.engine.routing) and the counter of
+    ``moe/routing_mismatch``; None for a dense model."""
+    if cfg.model.num_moe_experts is None:
+        return None
+    from rlbatch.engine import parallel, routing
+    from rlbatch.grpo.step import RoutingMismatch
+
+    drops = cfg.model.moe_expert_capacity_factor is not None
+    tp_rank = parallel.current_layout().tp_rank if parallel.is_initialized() else 0
+    return RoutingMismatch(routing.attach(model), cfg.model.moe_router_topk, drops and tp_rank == 0)
+
+
+def routing_mismatch_metrics(mismatch: Any) -> dict[str, float]:
+    """The step's moe/routing_mismatch figures, counts summed over the world (each rank counted
+    its own micro-batches at its own stage's layers; tensor-parallel copies scale both counts),
+    and with a capacity factor moe/dropped_tokens (token-to-expert assignments of real tokens
+    the capacity dropped in the step's training forwards) and moe/dropped_fraction."""
+    from rlbatch import distributed
+    from rlbatch.engine.routing import mismatch_metrics
+
+    counts, drops = distributed.all_reduce_sum([mismatch.take(), mismatch.take_drops()], group=None)
+    out = mismatch_metrics(counts)
+    if float(drops[0]) > 0:  # a capacity factor (counted on one rank of each tp group)
+        out["moe/dropped_tokens"] = float(drops[1])
+        out["moe/dropped_fraction"] = float(drops[1] / drops[0]) if drops[0] > 0 else 0.0
+    return out
 
 
 def adapter_guard(cfg: RunConfig, model: list[Any]) -> Any:

@@ -126,6 +126,10 @@ def sample_record(s: Sample) -> dict[str, Any]:
         "token_versions": list(s.token_versions or []),
         "behaviour_logps": list(s.behaviour_logps),
         "token_advantages": None if s.token_advantages is None else list(s.token_advantages),
+        "old_logps": None if s.old_logps is None else list(s.old_logps),
+        "ref_logps": None if s.ref_logps is None else list(s.ref_logps),
+        "routing": None if s.routing is None else s.routing.tolist(),
+        "old_routing": None if s.old_routing is None else s.old_routing.tolist(),
     }
 
 

@@ -36,15 +36,15 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     errors = _errors_for(
         [
             "model=tiny_moe", "parallel.dp=2", "parallel.ep=3", "model.moe_router_topk=9",
-            "model.moe_layer_freq=[1,0,1]", "model.moe_aux_loss_coeff=0.01",
-            "model.moe_expert_capacity_factor=1.5", "rollout.backend=vllm",
+            "model.moe_layer_freq=[1,0,1]", "model.moe_aux_loss_coeff=-0.01",
+            "model.moe_expert_capacity_factor=0", "rollout.backend=vllm",
         ]
     )  # fmt: skip
     assert "must divide parallel.dp * parallel.cp = 2" in errors["parallel.ep"]
     assert "must divide model.num_moe_experts = 4" in errors["parallel.ep"]
     assert "[1, model.num_moe_experts = 4]" in errors["model.moe_router_topk"]
     assert "one 0 (dense) / 1 (MoE) per layer" in errors["model.moe_layer_freq"]
-    assert "planner cuts" in errors["model.moe_aux_loss_coeff"]
+    assert "must be >= 0" in errors["model.moe_aux_loss_coeff"]
     assert "dropless" in errors["model.moe_expert_capacity_factor"]
     assert "rollout.backend=megatron" in errors["rollout.backend"]
 
@@ -163,3 +163,52 @@ def test_rlbatch_plan_refuses_the_expert_layouts_training_refuses(bin_dir, subpr
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "parallel.ep=3: must divide parallel.dp * parallel.cp = 2" in proc.stdout + proc.stderr
+
+
+def test_routing_replay_needs_an_moe_model():
+    errors = _errors_for(["grpo.routing_replay=r3"])
+    assert "needs an MoE model" in errors["grpo.routing_replay"]
+
+
+def test_routing_replay_refusals_name_their_keys_all_at_once():
+    errors = _errors_for(
+        [
+            "model=tiny_moe", "grpo.routing_replay=r2", "grpo.num_iterations=1",
+            "model.recompute=full", "parallel.dp=2", "parallel.cp=2", "grpo.num_steps_async=1",
+            "grpo.partial_rollouts=true", "grpo.max_staleness=4",
+        ]
+    )  # fmt: skip
+    # r2 without an old-logprob pass would replay the training forward onto itself
+    assert "has no such pass" in errors["grpo.routing_replay"]
+    assert "set model.recompute=selective or none" in errors["model.recompute"]
+    assert "set parallel.cp=1" in errors["parallel.cp"]
+    assert "dense models only" in errors["model.num_moe_experts"]  # partial rollouts
+
+
+def test_r3_is_refused_on_a_backend_that_returns_no_routing():
+    errors = _errors_for(["model=tiny_moe", "grpo.routing_replay=r3", "rollout.backend=vllm"])
+    assert "AuxOutput Connector requires Model Runner V2" in errors["grpo.routing_replay"]
+
+
+def test_r2_with_an_old_pass_validates():
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    overrides = ["+recipe=grpo_qwen", "model=tiny_moe", "grpo.routing_replay=r2",
+                 "grpo.num_iterations=2"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))
+
+
+def test_the_balance_loss_is_refused_where_its_routers_are_not_on_the_loss_stage():
+    errors = _errors_for(
+        ["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
+         "parallel.tp=2", "parallel.sequence_parallel=true"]
+    )  # fmt: skip
+    assert "with parallel.pp > 1" in errors["model.moe_aux_loss_coeff"]
+    assert "with sequence parallelism" in errors["model.moe_aux_loss_coeff"]

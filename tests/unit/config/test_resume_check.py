@@ -73,3 +73,14 @@ def test_relative_and_absolute_data_paths_of_one_file_are_the_same(tmp_path, mon
     assert compare(to_container(saved), to_container(new)) == ([], [])
     new.data.path = str(tmp_path / "other.jsonl")
     assert [k for k, _, _ in compare(to_container(saved), to_container(new))[0]] == ["data.path"]
+
+
+def test_the_routing_replay_mode_is_fixed():
+    """A checkpoint's pending samples carry the routing their mode recorded (r2: the old
+    pass's, taken at a round's first step): a resume may not switch modes."""
+    from rlbatch.config.enums import RoutingReplay
+
+    new = RunConfig()
+    new.grpo.routing_replay = RoutingReplay.r3
+    refused, _ = compare(to_container(RunConfig()), to_container(new))
+    assert [k for k, _, _ in refused] == ["grpo.routing_replay"]

@@ -53,3 +53,23 @@ def test_logprobs_job_matches_transformers(megatron_world, tmp_path):
             assert len(want) == len(completion)
         assert len(o["token_logprobs"]) == len(want) == len(o["entropy"])
         assert o["token_logprobs"] == pytest.approx(want, abs=1e-4)
+
+
+def test_routing_rows_are_checked_naming_each_bad_row():
+    moe = RunConfig().model
+    moe.num_moe_experts, moe.moe_router_topk, moe.num_layers = 4, 2, 2
+    rows = [
+        logprobs_job.Row([1, 2], None, [[[0, 1], [2, 3]], [[1, 2], [-1, -1]]]),  # fine
+        logprobs_job.Row([1, 2, 3], None, [[[0, 1], [2, 3]]]),  # one token of three
+        logprobs_job.Row([1], None, [[[0, 4], [1, 2]]]),  # expert 4 of 4
+        logprobs_job.Row([5], None),  # routes freely
+    ]
+    with pytest.raises(ValueError) as info:
+        logprobs_job.routing_arrays(rows, moe, "in.jsonl")
+    message = str(info.value)
+    assert "row 1: routing of shape (1, 2, 2), expected (3 tokens" in message
+    assert "row 2: expert ids must be in [-1, 4)" in message and "row 0" not in message
+    arrays = logprobs_job.routing_arrays([rows[0], rows[3]], moe, "in.jsonl")
+    assert arrays is not None and arrays[1] is None and arrays[0].shape == (2, 2, 2)
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        logprobs_job.routing_arrays(rows[:1], RunConfig().model, "in.jsonl")

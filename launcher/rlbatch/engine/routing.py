@@ -1,0 +1,368 @@
+"""Expert routing of an MoE policy: recorded where it is computed, replayed where it is asked.
+
+    attach(chunks)                          # once per model: a replay slot on every router
+    set_routing(chunk, routing)             # before a chunk's forward: replay, or record
+    natural = taken(chunk)                  # after it: what each router itself chose
+
+Built on megatron-core's ``RouterReplay`` (moe/router_replay.py), whose hook in the top-k
+routing (``topk_routing_with_score_function(router_replay=...)``) returns the replayed expert
+ids and gathers their scores, so the routing weights still come from this forward's router
+(and its gradient). Two things of megatron's class do not fit and are changed here:
+
+- its instances register in one process-global list ordered by construction, and its
+  ``set_replay_data`` hands them one tensor each in that order: the policy, the reference copy
+  and a generation worker's snapshot are separate models in one process, and with pipeline
+  parallelism a process holds some layers only. Each router's slot here is found from its own
+  model chunk and its global layer number instead (:func:`attach`), never from the list;
+- when it replays it does not compute what the router would have chosen, and a replayed tensor
+  must cover every token. Here the router's own top-k is always computed too (kept for
+  ``moe/routing_mismatch`` and for the old-logprob pass under r2), and a token whose replayed
+  ids are unknown (-1: padding, and a sequence's last token, which the rollout never fed) keeps
+  its own routing: no scored log-prob depends on those positions.
+
+Layout. Per sample, routing is an integer array ``[length, num_moe_layers, k]`` (int8 when
+expert ids fit, else int16; -1 = unknown), position t holding the experts token t was routed to
+as an input (prompt tokens included), MoE layers in model order. A micro-batch's routing is
+``[num_moe_layers, S * R, k]`` in megatron's token order inside a layer (hidden states are
+``[S, R, H]``, flattened sequence-major: token (s, r) is row s * R + r), built from the samples'
+arrays and the micro-batch's segments (:func:`micro_batch_routing`): padded rows, packed rows
+(one row, consecutive blocks) and filler micro-batches alike. With sequence parallelism each
+tensor-parallel rank's routers see its own slice of the sequence, and get that slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+UNKNOWN = -1
+
+
+def moe_layer_indices(config: Any) -> list[int]:
+    """0-based global indices of the MoE layers of a model with megatron's TransformerConfig
+    (``moe_layer_freq``: an int k = every k-th layer, or one 0/1 per layer); [] if dense."""
+    if not getattr(config, "num_moe_experts", None):
+        return []
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i for i in range(config.num_layers) if i % freq == 0]
+    return [i for i, f in enumerate(freq) if f]
+
+
+def routing_dtype(num_experts: int) -> np.dtype:
+    """int8 while expert ids fit (<= 127 experts: Qwen3-30B-A3B's 128 ids 0..127 do), else
+    int16."""
+    return np.dtype(np.int8) if num_experts <= 128 else np.dtype(np.int16)
+
+
+def _replay_class() -> type:
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class LayerReplay(RouterReplay):
+        """megatron's RouterReplay for one router, outside the process-global list; replay
+        also computes the router's own choice, and tokens without replayed ids keep it."""
+
+        def __init__(self, slot: int) -> None:  # no super().__init__: no global registration
+            self.slot = slot
+            self.capture = False
+            """Keep the next forwards' router logits (with autograd) and routing map."""
+            self.captured: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+            self.target_topk_idx: Optional[torch.Tensor] = None
+            self.recorded_topk_idx: Optional[torch.Tensor] = None
+            self.router_replay_action: Optional[RouterReplayAction] = None
+            self.replay_backward_list: list[torch.Tensor] = []
+
+        def get_replay_topk(
+            self,
+            scores: torch.Tensor,
+            topk: int,
+            num_groups: Optional[int] = None,
+            group_topk: Optional[int] = None,
+            default_compute_topk: Any = None,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+                return super().get_replay_topk(
+                    scores, topk, num_groups, group_topk, default_compute_topk
+                )
+            with torch.no_grad():
+                _, natural = default_compute_topk(
+                    scores.detach(), topk, num_groups=num_groups, group_topk=group_topk
+                )
+            self.recorded_topk_idx = natural
+            assert self.target_topk_idx is not None, "replay without routing"
+            target = self.target_topk_idx.to(scores.device)
+            if target.shape != natural.shape:
+                raise ValueError(
+                    f"replayed routing of MoE layer slot {self.slot} has shape "
+                    f"{tuple(target.shape)}, the router computes {tuple(natural.shape)}"
+                )
+            chosen = torch.where(target[:, :1] >= 0, target, natural)
+            return scores.gather(1, chosen), chosen
+
+    return LayerReplay
+
+
+_CLASS: Optional[type] = None
+
+
+def _layer_replay(slot: int) -> Any:
+    global _CLASS
+    if _CLASS is None:
+        _CLASS = _replay_class()
+    return _CLASS(slot)
+
+
+def _unwrap(chunk: Any) -> Any:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def chunk_replays(chunk: Any) -> list[Any]:
+    """The replay slots of one model chunk's routers (empty for a dense model or before
+    :func:`attach`)."""
+    return list(getattr(_unwrap(chunk), "_rlbatch_replays", []))
+
+
+def attach(chunks: Sequence[Any]) -> int:
+    """Give every router of these chunks a replay slot (its MoE layer's place among the
+    model's MoE layers); idempotent. Returns the number of MoE layers of the whole model."""
+    count = 0
+    for chunk in chunks:
+        gpt = _unwrap(chunk)
+        slots = {layer: s for s, layer in enumerate(moe_layer_indices(gpt.config))}
+        count = len(slots)
+        if hasattr(gpt, "_rlbatch_replays"):
+            continue
+        replays = []
+        for layer in gpt.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is None:
+                continue
+            replay = _layer_replay(slots[layer.layer_number - 1])
+            router.router_replay = replay
+            router.routing = _capturing(router.routing, replay)
+            replays.append(replay)
+        gpt._rlbatch_replays = replays
+    return count
+
+
+def _capturing(routing_fn: Any, replay: Any) -> Any:
+    """The router's ``routing(logits, padding_mask)`` that also keeps its logits ``[N, E]``
+    (autograd intact) and routing map ``[N, E]`` bool while ``replay.capture`` is on."""
+
+    def routing(logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> Any:
+        probs, routing_map = routing_fn(logits, padding_mask)
+        if replay.capture:
+            replay.captured = (logits.view(-1, logits.shape[-1]), routing_map)
+        return probs, routing_map
+
+    return routing
+
+
+def capturing(chunks: Sequence[Any], on: bool) -> None:
+    """Start (or stop and drop) keeping every router's logits and routing map."""
+    for chunk in chunks:
+        for r in chunk_replays(chunk):
+            r.capture, r.captured = on, None
+
+
+def captured(chunk: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``{slot: (logits [N, E] with autograd, routing map [N, E] bool)}`` of the chunk's last
+    forward (while :func:`capturing` is on)."""
+    return {r.slot: r.captured for r in chunk_replays(chunk) if r.captured is not None}
+
+
+def load_balance(
+    captured_layers: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    segments: Sequence[Any],
+    rows: int,
+    width: int,
+    topk: int,
+) -> torch.Tensor:
+    """``[num samples]`` with autograd: each sample's load-balancing loss, the mean over MoE
+    layers of E * sum_e f_e * P_e over the sample's own tokens (padding excluded), f_e = the
+    share of its token-to-expert assignments that went to expert e (sum_e f_e = 1), P_e = the
+    mean router probability (softmax over every expert) of expert e over its tokens: 1.0 when
+    the sample's routing is perfectly balanced, up to E / k when all its tokens go to the same
+    k experts with all the probability there (the Switch / GShard balance loss taken per
+    sequence, as DeepSeek-V3's sequence-wise one)."""
+    out = None
+    for logits, routing_map in captured_layers.values():
+        experts = logits.shape[-1]
+        probs = torch.softmax(logits.float(), dim=-1).view(width, rows, experts)
+        chosen = routing_map.view(width, rows, experts).float()
+        per_sample = []
+        for seg in segments:
+            p = probs[seg.start : seg.start + seg.length, seg.row]  # [n, E]
+            f = chosen[seg.start : seg.start + seg.length, seg.row].sum(0) / (seg.length * topk)
+            per_sample.append(experts * (f * p.mean(0)).sum())
+        layer = torch.stack(per_sample) if per_sample else probs.new_zeros(0)
+        out = layer if out is None else out + layer
+    assert out is not None, "no MoE layer captured"
+    return out / len(captured_layers)
+
+
+def set_routing(chunk: Any, routing: Optional[torch.Tensor]) -> None:
+    """Before a forward of ``chunk``: replay ``routing`` (``[num_moe_layers, S * R, k]``, -1 =
+    the router's own choice) or, with None, route freely and record."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = chunk_replays(chunk)
+    if not replays:
+        return
+    if routing is None:
+        for r in replays:
+            r.target_topk_idx = None
+            r.router_replay_action = RouterReplayAction.RECORD
+        return
+    part = _sequence_slice(_unwrap(chunk).config, routing)
+    for r in replays:
+        r.target_topk_idx = part[r.slot].long()
+        r.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+
+
+def clear(chunks: Sequence[Any]) -> None:
+    """Routers back to megatron's plain top-k, nothing held."""
+    for chunk in chunks:
+        for r in chunk_replays(chunk):
+            r.target_topk_idx = r.recorded_topk_idx = None
+            r.router_replay_action = None
+            r.replay_backward_list = []
+            r.capture, r.captured = False, None
+
+
+def taken(chunk: Any) -> dict[int, torch.Tensor]:
+    """After a forward of ``chunk``: each of its MoE layers' own choice ``{slot: [N, k]}`` (what
+    it recorded, or what it would have chosen while replaying), N = the tokens it routed."""
+    return {
+        r.slot: r.recorded_topk_idx.detach()
+        for r in chunk_replays(chunk)
+        if r.recorded_topk_idx is not None
+    }
+
+
+def _sequence_slice(config: Any, routing: torch.Tensor) -> torch.Tensor:
+    """With sequence parallelism the routers of tp rank i see rows [i * S / tp, (i + 1) * S /
+    tp) of the sequence-major tokens: that slice."""
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if not getattr(config, "sequence_parallel", False) or tp == 1:
+        return routing
+    from megatron.core import parallel_state as ps
+
+    rank, n = ps.get_tensor_model_parallel_rank(), routing.shape[1]
+    return routing[:, rank * n // tp : (rank + 1) * n // tp]
+
+
+# ------------------------------------------------------------------------------ layouts
+def micro_batch_routing(
+    arrays: Sequence[Optional[np.ndarray]],
+    segments: Sequence[Any],
+    rows: int,
+    width: int,
+    num_layers: int,
+    k: int,
+) -> torch.Tensor:
+    """``[num_layers, width * rows, k]`` long: sample j's array (``[length, num_layers, k]``)
+    at its segment (row, start), sequence-major; -1 wherever no sample has routing."""
+    grid = np.full((width, rows, num_layers, k), UNKNOWN, dtype=np.int64)
+    for seg, arr in zip(segments, arrays, strict=True):
+        if arr is None:
+            continue
+        n = min(seg.length, len(arr))
+        grid[seg.start : seg.start + n, seg.row] = arr[:n]
+    return torch.from_numpy(grid.reshape(width * rows, num_layers, k).transpose(1, 0, 2).copy())
+
+
+def sample_routing(
+    natural: dict[int, torch.Tensor],
+    segments: Sequence[Any],
+    rows: int,
+    width: int,
+    num_layers: int,
+    k: int,
+    dtype: np.dtype,
+) -> list[np.ndarray]:
+    """The inverse of :func:`micro_batch_routing` for what a forward's routers chose
+    (``{slot: [width * rows, k]}``, this rank's layers): one ``[length, num_layers, k]`` array
+    per segment, -1 in the layers this rank does not hold."""
+    out = [np.full((seg.length, num_layers, k), UNKNOWN, dtype=dtype) for seg in segments]
+    for slot, ids in natural.items():
+        grid = ids.view(width, rows, k).cpu().numpy()
+        for arr, seg in zip(out, segments, strict=True):
+            arr[:, slot] = grid[seg.start : seg.start + seg.length, seg.row]
+    return out
+
+
+def merge(parts: Sequence[Optional[np.ndarray]]) -> Optional[np.ndarray]:
+    """One array from the parts pipeline stages recorded (each knows its own layers: -1
+    elsewhere); None if none has any."""
+    known = [p for p in parts if p is not None]
+    if not known:
+        return None
+    out = known[0].copy()
+    for p in known[1:]:
+        out = np.where(out >= 0, out, p)
+    return out
+
+
+def mismatch_counts(
+    natural: dict[int, torch.Tensor], replayed: torch.Tensor, num_layers: int
+) -> torch.Tensor:
+    """``[2, num_layers]`` float64: per MoE layer, tokens with known rollout routing and, of
+    them, those whose expert set (order ignored) differs from the router's own choice."""
+    out = torch.zeros(2, num_layers, dtype=torch.float64)
+    for slot, ids in natural.items():
+        ref = replayed[slot].to(ids.device)
+        known = ref[:, 0] >= 0
+        same = (ids.sort(dim=1).values == ref.sort(dim=1).values).all(dim=1)
+        out[0, slot] = float(known.sum())
+        out[1, slot] = float((known & ~same).sum())
+    return out
+
+
+def local_routing(chunk: Any, routing: torch.Tensor) -> torch.Tensor:
+    """The part of a micro-batch's routing this chunk's routers see (all of it, or this tensor-
+    parallel rank's slice under sequence parallelism)."""
+    return _sequence_slice(_unwrap(chunk).config, routing)
+
+
+def mismatch_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """``moe/routing_mismatch`` (mismatched / known over every (token, MoE layer) pair: the
+    fraction of tokens whose expert set moved, averaged over the layers by their tokens) and
+    ``moe/routing_mismatch_layer_<slot>`` from :func:`mismatch_counts` summed over ranks."""
+    known, moved = counts[0], counts[1]
+    out: dict[str, float] = {}
+    if float(known.sum()) <= 0:
+        return out
+    out["moe/routing_mismatch"] = float(moved.sum() / known.sum())
+    for slot in range(counts.shape[1]):
+        if known[slot] > 0:
+            out[f"moe/routing_mismatch_layer_{slot}"] = float(moved[slot] / known[slot])
+    return out
+
+
+def num_experts(chunks: Sequence[Any]) -> int:
+    return int(_unwrap(chunks[0]).config.num_moe_experts)
+
+
+def drop_counts(chunk: Any, inputs: Any, topk: int) -> torch.Tensor:
+    """``[2]`` float64 over the chunk's MoE layers in its last forward (while
+    :func:`capturing`): the real tokens' token-to-expert assignments (k each) and those a
+    capacity factor dropped (k minus the experts left in the routing map). Padding and filler
+    rows are not counted."""
+    mb = inputs.micro_batch
+    rows, width = max(1, mb.num_rows), mb.padded_len
+    real = torch.zeros(width, rows, dtype=torch.bool)
+    for seg in inputs.segments:  # none for a filler
+        real[seg.start : seg.start + seg.length, seg.row] = True
+    real_flat = _sequence_slice(_unwrap(chunk).config, real.reshape(1, -1))[0]
+    out = torch.zeros(2, dtype=torch.float64)
+    for _, routing_map in captured(chunk).values():
+        kept = routing_map.sum(-1).cpu()[real_flat]  # [real tokens]
+        out[0] += float(kept.numel() * topk)
+        out[1] += float((topk - kept).sum())
+    return out
