@@ -12,8 +12,10 @@ gives the same episodes again (resume included). At most env.max_concurrency epi
 once; each is bounded by env.agent.episode_timeout_s.
 
 Each episode's calls become samples by rlbatch.rollout.agent.episodes (exact sampled ids,
-splice, divergence); the harness's return value is the episode's reward (``Sample.episode``
-carries it and the calls, as an environment's episode record does).
+splice, divergence): one per segment. The row's sample is the last segment and carries the
+earlier ones (``Sample.earlier_segments``: a split episode trains every segment, with the
+episode's reward and advantage). The harness's return value is the episode's reward
+(``Sample.episode`` carries it and the calls, as an environment's episode record does).
 """
 
 from __future__ import annotations
@@ -466,34 +468,40 @@ class AgentRolloutEngine:
             "error": problem,
             "truncated": bool(segments) and segments[-1].truncated,
             "env_seconds": seconds,
-            "observation_tokens": 0,
+            "observation_tokens": sum(len(s.ids) - sum(s.mask) for s in segments),
             "observations_cut": 0,
             "reached_env": True,
             "splits": max(0, len(segments) - 1),
-            "untrained_tokens": sum(sum(s.mask) for s in segments[:-1]),
+            "segment": max(0, len(segments) - 1),
+            "calls": segments[-1].calls if segments else [],
         }
         metrics = {f"reward/harness.{k}": v for k, v in parts.items()}  # the logged parts
         if not segments:  # a failed episode with nothing sampled: one masked token, no loss
             return Sample(ep.prompt, group, [eos], [0.0], False, version, loss_mask=[0], episode=record, metrics=metrics)  # fmt: skip
-        last = segments[-1]
-        record["observation_tokens"] = len(last.ids) - sum(last.mask)
-        prompt = dataclasses.replace(  # the prompt the harness sent, as logged samples show it
+        *earlier, last = [self._segment_sample(ep, group, seg, version) for seg in segments]
+        last.episode, last.metrics = record, metrics
+        last.earlier_segments = earlier
+        for k, part in enumerate(earlier):  # what logging.samples shows of an earlier segment
+            part.episode = {"segment": k, "calls": segments[k].calls, "end": "split"}
+        return last
+
+    def _segment_sample(self, ep: Episode, group: int, seg: Any, version: int) -> Sample:
+        """One segment as a training sample: its own prompt (the prompt its first call sent;
+        logged samples show its text), its tokens, mask and behaviour logps."""
+        prompt = dataclasses.replace(
             ep.prompt,
-            prompt_ids=tuple(last.prompt_ids),
-            text=self.tokenizer.decode(list(last.prompt_ids)),
+            prompt_ids=tuple(seg.prompt_ids),
+            text=self.tokenizer.decode(list(seg.prompt_ids)),
         )
-        versions = [version] * len(last.ids)
         return Sample(
             prompt,
             group,
-            last.ids,
-            last.logps,
-            last.truncated,
+            seg.ids,
+            seg.logps,
+            seg.truncated,
             version,
-            loss_mask=last.mask,
-            token_versions=versions,
-            episode=record,
-            metrics=metrics,
+            loss_mask=seg.mask,
+            token_versions=[version] * len(seg.ids),
         )
 
 
