@@ -96,6 +96,8 @@ class DecodedRow:
     tokens: list[int]
     logps: list[float]
     truncated: bool
+    server: Optional[str] = None
+    """The rollout server that decoded it (rollout.backend=vllm_server); None elsewhere."""
 
 
 class TokenBackend(Protocol):
