@@ -1,9 +1,11 @@
 """Agent harnesses through the real rlbatch-train (env.harness): an openai-client harness whose
 episodes make a chat call, a streamed chat call that continues it (spliced: the first call's
 sampled ids, never re-tokenized) and, for half the rows, a call that rewrites the history (a
-split, counted); every trained token checked against the endpoint's records; the data reward,
-the reference pass and evaluation through the harness; a SIGKILLed run resumed exactly; and
-env.agent.on_divergence=error stopping the run. The faults are in test_agent_faults_cli.py."""
+split, counted, and every segment trained); every trained token checked against the
+endpoint's records, the step's loss against a float64 token-mean reference; the data reward,
+the reference pass and evaluation through the harness, generation one step ahead; a SIGKILLed
+run resumed exactly; and env.agent.on_divergence=error stopping the run. The faults are in
+test_agent_faults_cli.py."""
 
 from __future__ import annotations
 
@@ -53,8 +55,11 @@ AGENT_RUN = (
     "env.harness=harness.py:run", "logging.samples=true", "trainer.max_steps=2",
     "env.max_concurrency=3", "env.agent.auth_token=s3cret", "data.reward_fn=bonus.py:bonus",
     "grpo.beta=0.02", "eval.every_steps=2", "eval.data.path=held_out.jsonl", "eval.num_samples=1",
-    "eval.at_start=false", "eval.temperature=0",
+    "eval.at_start=false", "eval.temperature=0", "grpo.num_steps_async=1",
+    "grpo.overlap_generation=false",
 )  # fmt: skip
+"""Generation one step ahead (inline: a harness runs in the training process): step 2 trains
+the episodes the step-1 policy (version 0) ran, as the schedule names."""
 
 
 QWEN_PROMPT = (
@@ -213,6 +218,9 @@ def test_rewards_splits_and_metrics(agent_run):
     proc, metrics, steps, _ = agent_run
     assert [r["step"] for r in metrics] == [1, 2]
     assert sum(r["episode_splits"] for r in metrics) > 0
+    # run-ahead by one step: both rounds' episodes ran on version 0, step 2's one step stale
+    assert [r["staleness_mean"] for r in metrics] == [0.0, 1.0]
+    assert {s["policy_version"] for lines in steps for s in lines} == {0}
     for r, lines in zip(metrics, steps, strict=True):
         samples = [e[-1] for e in _episodes(lines)]
         odd = sum(int(s["answer"]) % 2 for s in samples)

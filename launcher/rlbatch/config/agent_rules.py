@@ -3,8 +3,10 @@ rlbatch.config.validate runs :func:`check_agent`. Pure: no torch.
 
 What runs today is stated by what is refused: the built-in engine's per-row decoding
 (rollout.backend=megatron, KV cache on) or the run's vLLM servers (vllm_server), tp = pp = cp =
-1, rounds generated between steps (no generation worker, no partial-rollout stream). Each
-refusal names its fix.
+1, rounds generated in the training process between steps: run-ahead (grpo.num_steps_async)
+generates the due rounds inline, at the policy version the schedule names
+(grpo.overlap_generation=false: a harness's endpoint and event loop are the trainer
+process's), and no partial-rollout stream. Each refusal names its fix.
 """
 
 from __future__ import annotations
@@ -79,12 +81,13 @@ def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
         "parallel.tp": (p.tp, 1),
         "parallel.pp": (p.pp, 1),
         "parallel.cp": (p.cp, 1),
-        "grpo.num_steps_async": (g.num_steps_async, 0),
         "grpo.partial_rollouts": (g.partial_rollouts, False),
         "debug.response_length_median": (cfg.debug.response_length_median, 0),
     }
     if backend == RolloutBackend.megatron:
         needs["rollout.kv_cache"] = (r.kv_cache, True)
+    if min(g.num_steps_async, g.max_staleness) > 0:  # run-ahead: inline, in this process
+        needs["grpo.overlap_generation"] = (g.overlap_generation, False)
     for key, (got, wanted) in needs.items():
         if got != wanted:
             errors.append(

@@ -36,3 +36,13 @@ def test_other_backends_and_layouts_are_refused_with_their_fix():
         assert "rollout.backend=megatron or vllm_server" in errors["rollout.backend"].message
     errors = _errors(parallel__tp=2, grpo__partial_rollouts=True)
     assert set(errors) == {"parallel.tp", "grpo.partial_rollouts"}
+
+
+def test_run_ahead_generates_inline():
+    """grpo.num_steps_async > 0 runs with a harness when its rounds generate in the training
+    process (grpo.overlap_generation=false), and is refused with that fix otherwise."""
+    errors = _errors(grpo__num_steps_async=1)
+    assert set(errors) == {"grpo.overlap_generation"}
+    assert "grpo.overlap_generation=false" in errors["grpo.overlap_generation"].message
+    assert _errors(grpo__num_steps_async=1, grpo__overlap_generation=False) == {}
+    assert _errors(grpo__num_steps_async=1, grpo__max_staleness=0) == {}  # no lag: synchronous
