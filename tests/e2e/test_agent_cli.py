@@ -1,9 +1,11 @@
 """Agent harnesses through the real rlbatch-train (env.harness): an openai-client harness whose
 episodes make a chat call, a streamed chat call that continues it (spliced: the first call's
 sampled ids, never re-tokenized) and, for half the rows, a call that rewrites the history (a
-split, counted); every trained token checked against the endpoint's records; the data reward,
-the reference pass and evaluation through the harness; a SIGKILLed run resumed exactly; and
-env.agent.on_divergence=error stopping the run. The faults are in test_agent_faults_cli.py."""
+split, counted, and every segment trained); every trained token checked against the
+endpoint's records, the step's loss against a float64 token-mean reference; the data reward,
+the reference pass and evaluation through the harness, generation one step ahead; a SIGKILLed
+run resumed exactly; and env.agent.on_divergence=error stopping the run. The faults are in
+test_agent_faults_cli.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import socket
 import subprocess
 
+import numpy as np
 import pytest
 
 from agent_runs import train as _run
@@ -52,8 +55,11 @@ AGENT_RUN = (
     "env.harness=harness.py:run", "logging.samples=true", "trainer.max_steps=2",
     "env.max_concurrency=3", "env.agent.auth_token=s3cret", "data.reward_fn=bonus.py:bonus",
     "grpo.beta=0.02", "eval.every_steps=2", "eval.data.path=held_out.jsonl", "eval.num_samples=1",
-    "eval.at_start=false", "eval.temperature=0",
+    "eval.at_start=false", "eval.temperature=0", "grpo.num_steps_async=1",
+    "grpo.overlap_generation=false",
 )  # fmt: skip
+"""Generation one step ahead (inline: a harness runs in the training process): step 2 trains
+the episodes the step-1 policy (version 0) ran, as the schedule names."""
 
 
 QWEN_PROMPT = (
@@ -109,43 +115,90 @@ def test_killed_and_resumed_agent_run_continues_exactly(agent_run, bin_dir, subp
     assert (run_dir / name).read_text() == (tmp / "run" / name).read_text()
 
 
+def _episodes(lines):
+    """The logged lines of a step grouped by episode: a split episode's earlier segments, then
+    its last (which carries the episode's calls under ``turns``)."""
+    episodes, current = [], []
+    for line in lines:
+        current.append(line)
+        assert line["segment"] == len(current) - 1 and line["segments"] == current[0]["segments"]
+        if line["segment"] == line["segments"] - 1:
+            episodes.append(current)
+            current = []
+    assert not current
+    return episodes
+
+
 def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
+    """Every sampled token of every segment is trained, exactly once, with the log-probability
+    the endpoint recorded; a split episode trains each of its segments."""
     _, _, steps, _ = agent_run
     tok = ByteTokenizer()
     spliced = lossy = 0
-    for samples in steps:
-        assert len(samples) == 16
-        for s in samples:
+    for lines in steps:
+        episodes = _episodes(lines)
+        assert len(episodes) == 16
+        for segments in episodes:
+            s = segments[-1]
             calls = s["turns"]
             assert 2 <= len(calls) <= 3 and s["error"] is None
+            assert all(not part["turns"] for part in segments[:-1])
             first, second = calls[0], calls[1]
             # the harness's message as Qwen2.5's template renders it
             assert first["prompt_ids"] == tok.encode(QWEN_PROMPT)
-            assert s["prompt"] == tok.decode(
-                s["prompt_ids"]
-            )  # the logged prompt is the trained one
             # the second continues the first token for token: its sampled ids, not a re-render
             history = first["prompt_ids"] + first["completion_ids"]
             assert second["spliced"] and second["prompt_ids"][: len(history)] == history
             spliced += 1
             text = tok.decode(first["completion_ids"])
             lossy += tok.encode(text) != [t for t in first["completion_ids"] if t < 256]
-            # the trained sample is the last segment: its sampled tokens are exactly the
-            # calls' completions with their log-probs, everything else masked
-            segment = calls[2:] if len(calls) == 3 else calls[:2]
-            assert s["prompt_ids"] == segment[0]["prompt_ids"]
-            trained = [t for t, m in zip(s["response_ids"], s["loss_mask"], strict=True) if m]
-            assert trained == [t for c in segment for t in c["completion_ids"]]
-            logps = [lp for lp, m in zip(s["behaviour_logps"], s["loss_mask"], strict=True) if m]
-            assert logps == pytest.approx([lp for c in segment for lp in c["logps"]], abs=1e-6)
+            # odd secrets rewrote their history at call 2: two segments, both trained
+            assert len(segments) == (2 if int(s["answer"]) % 2 else 1)
+            assert [c for part in segments for c in part["calls"]] == list(range(len(calls)))
+            for part in segments:
+                mine = [calls[i] for i in part["calls"]]
+                assert part["prompt_ids"] == mine[0]["prompt_ids"]
+                assert part["prompt"] == tok.decode(part["prompt_ids"])  # the trained prompt
+                mask = part["loss_mask"]
+                trained = [t for t, m in zip(part["response_ids"], mask, strict=True) if m]
+                assert trained == [t for c in mine for t in c["completion_ids"]]
+                logps = [lp for lp, m in zip(part["behaviour_logps"], mask, strict=True) if m]
+                assert logps == pytest.approx([lp for c in mine for lp in c["logps"]], abs=1e-6)
+                full = part["prompt_ids"] + part["response_ids"]
+                assert full[: len(mine[-1]["prompt_ids"])] == mine[-1]["prompt_ids"]
+                assert len(full) <= 320
+                # the episode's reward and advantage, on every one of its samples
+                assert (part["reward"], part["advantage"]) == (s["reward"], s["advantage"])
+                assert part["group_id"] == s["group_id"]
             assert all(c["version"] == s["policy_version"] for c in calls)
-            full = s["prompt_ids"] + s["response_ids"]
-            assert full[: len(segment[-1]["prompt_ids"])] == segment[-1]["prompt_ids"]
-            assert len(full) <= 320
             if int(s["answer"]) % 2:
                 assert calls[2]["diverged"] and not calls[2]["spliced"]
     assert spliced == 32
     assert lossy > 0  # some sampled bytes do not survive decode / encode: the splice kept them
+
+
+def test_advantages_per_episode_and_the_token_mean_loss_in_float64(agent_run):
+    """Advantages are the group's episodes' (float64 reference from the logged rewards), and the
+    step-1 loss is the token mean over every trained token of every segment: at step 1 the
+    policy is the sampling one and the reference (ratio 1, weight 1, KL 0), so under token_mean
+    loss = -sum_i A_i n_i / sum_i n_i over the trained samples i with n_i loss tokens."""
+    _, metrics, steps, _ = agent_run
+    episodes = _episodes(steps[0])
+    groups = {}
+    for k, e in enumerate(episodes):
+        groups.setdefault(e[-1]["group_id"], []).append(k)
+    assert sorted(len(g) for g in groups.values()) == [4] * 4
+    want = np.zeros(len(episodes), dtype=np.float64)
+    for members in groups.values():
+        r = np.array([episodes[k][-1]["reward"] for k in members], dtype=np.float64)
+        want[members] = (r - r.mean()) / (r.std(ddof=1) + 1e-4)
+    assert [e[-1]["advantage"] for e in episodes] == pytest.approx(want, abs=1e-9)
+    tokens = [(want[k], float(sum(p["loss_mask"]))) for k, e in enumerate(episodes) for p in e]
+    loss = -sum(a * n for a, n in tokens) / sum(n for _, n in tokens)
+    last_only = [(want[k], float(sum(e[-1]["loss_mask"]))) for k, e in enumerate(episodes)]
+    dropped = -sum(a * n for a, n in last_only) / sum(n for _, n in last_only)
+    assert abs(loss - dropped) > 1e-3  # the earlier segments weigh: the check can tell
+    assert metrics[0]["loss"] == pytest.approx(loss, abs=2e-5)
 
 
 def test_evaluation_runs_the_harness(agent_run):
@@ -164,9 +217,17 @@ def test_evaluation_runs_the_harness(agent_run):
 def test_rewards_splits_and_metrics(agent_run):
     proc, metrics, steps, _ = agent_run
     assert [r["step"] for r in metrics] == [1, 2]
-    for r, samples in zip(metrics, steps, strict=True):
+    assert sum(r["episode_splits"] for r in metrics) > 0
+    # run-ahead by one step: both rounds' episodes ran on version 0, step 2's one step stale
+    assert [r["staleness_mean"] for r in metrics] == [0.0, 1.0]
+    assert {s["policy_version"] for lines in steps for s in lines} == {0}
+    for r, lines in zip(metrics, steps, strict=True):
+        samples = [e[-1] for e in _episodes(lines)]
         odd = sum(int(s["answer"]) % 2 for s in samples)
         assert r["episode_splits"] == odd
+        assert len(lines) == 16 + odd  # each split is one more trained sample
+        assert r["samples"] == 16  # grpo.global_batch_size counts episodes
+        assert "episode_untrained_tokens" not in r
         assert r["turns_mean"] == pytest.approx(sum(len(s["turns"]) for s in samples) / 16)
         for s in samples:
             assert s["reward_parts"]["harness.auth"] == 1.0  # answer 0: checked against 401

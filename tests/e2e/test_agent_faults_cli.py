@@ -111,5 +111,5 @@ def test_configuration_errors_before_launch(fault_run, bin_dir, subprocess_env):
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
     for needle in ("env.harness", "env.path=null for a harness", "data.chat_template",
-                   "grpo.num_steps_async", "env.agent.port", "is not an async function"):  # fmt: skip
+                   "grpo.overlap_generation=false", "env.agent.port", "is not an async function"):  # fmt: skip
         assert needle in out, needle

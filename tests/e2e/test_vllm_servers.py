@@ -17,7 +17,8 @@ from the generation worker of an overlapping run); a server whose engine stopped
 live HTTP server fails its requests within seconds and, with
 rollout.servers.on_failure=continue, leaves the pool (and the broadcast group) while the run
 finishes on the other one with the metrics of a run on that one alone with the file transfer;
-async run-ahead overlaps training at dp 2 with the inline run's samples; partial rollouts
+async run-ahead overlaps training at dp 2 with the inline run's samples; an agent harness's
+episodes keep their server and train on policy; partial rollouts
 continue rows across weight updates (abort:
 bit-identical to the in-process vLLM stream, resumed exactly; keep: on the old prefix cache).
 The servers (two shared, two spares to kill) are started once for the module."""
@@ -360,6 +361,63 @@ def test_multi_turn_episodes_run_on_the_servers(servers, bin_dir, subprocess_env
                 pos += turn["tokens"]
             assert pos == len(s["response_ids"])
     assert observed > 0
+
+
+AGENT_HARNESS = """
+async def run(client, model, row):
+    prompt, score = f"count {row['answer']}:", 0.0
+    for turn in range(3):  # each call's prompt: the last one, its completion, one more line
+        out = await client.completions.create(model=model, prompt=prompt, max_tokens=6)
+        text = out.choices[0].text
+        score += float(any(c.isdigit() for c in text)) / 3
+        prompt += text + f" {turn}:"
+    return score
+"""
+
+
+def test_agent_episodes_keep_their_server_and_train_on_policy(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """An openai-client harness of three completion calls per episode on the two servers
+    (rollout.backend=vllm_server): every call of an episode goes to one server (its prefix
+    cache holds the episode), new episodes spread over both, each call is trained with the
+    log-probs the server sampled it with (the trainer's own at both steps, after the weights
+    moved), and every sampled token of every segment is trained."""
+    (tmp_path / "harness.py").write_text(AGENT_HARNESS)
+    chat = [{"role": "system", "content": "count"}, {"role": "user", "content": "go"}]
+    rows = [{"prompt": chat, "answer": str(k)} for k in range(8)]  # short under the template
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    proc = _train(
+        bin_dir, subprocess_env, run_dir, _urls(servers), "env.harness=harness.py:run",
+        "data.source=jsonl", "data.path=rows.jsonl", "data.reward=none",
+        "data.chat_template=qwen", "data.max_prompt_len=96", "env.max_total_tokens=150",
+        "rollout.max_new_tokens=8", "grpo.global_batch_size=8", "grpo.num_generations=2",
+        "trainer.max_steps=2", "logging.samples=true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["samples"] == 8 and r["turns_mean"] == 3.0
+        assert abs(r["mismatch_kl_k1"]) < 1e-6
+        assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    used = set()
+    for step in (1, 2):
+        lines = [json.loads(x) for x in (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()]  # fmt: skip
+        episodes = [s for s in lines if s["segment"] == s["segments"] - 1]
+        assert len(episodes) == 8
+        for s in episodes:
+            calls = s["turns"]
+            assert len(calls) == 3 and len({c["server"] for c in calls}) == 1
+            assert calls[0]["server"] in servers
+            used.add(calls[0]["server"])
+        sampled = sorted(t for s in episodes for c in s["turns"] for t in c["completion_ids"])
+        trained = sorted(
+            t for s in lines for t, m in zip(s["response_ids"], s["loss_mask"], strict=True) if m
+        )
+        assert trained == sampled  # every call of every segment, once
+    assert used == set(servers)
 
 
 DP2 = (

@@ -2,9 +2,11 @@
 rlbatch.config.validate runs :func:`check_agent`. Pure: no torch.
 
 What runs today is stated by what is refused: the built-in engine's per-row decoding
-(rollout.backend=megatron, tp = pp = cp = 1, KV cache on), rounds generated between steps (no
-generation worker, no partial-rollout stream). Each refusal
-names its fix.
+(rollout.backend=megatron, KV cache on) or the run's vLLM servers (vllm_server), tp = pp = cp =
+1, rounds generated in the training process between steps: run-ahead (grpo.num_steps_async)
+generates the due rounds inline, at the policy version the schedule names
+(grpo.overlap_generation=false: a harness's endpoint and event loop are the trainer
+process's), and no partial-rollout stream. Each refusal names its fix.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from rlbatch.config.enums import ChatTemplate, RolloutBackend
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import RunConfig
 from rlbatch.config.streaming import per_row_decoder_errors
+
+SERVED_BY = (RolloutBackend.megatron, RolloutBackend.vllm_server)
+"""The rollout backends a harness's calls are decoded on."""
 
 
 def check_agent(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -62,25 +67,37 @@ def check_agent(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
     p, r, g = cfg.parallel, cfg.rollout, cfg.grpo
+    backend = RolloutBackend(r.backend)
+    if backend not in SERVED_BY:
+        errors.append(
+            ConfigError(
+                "rollout.backend",
+                backend.value,
+                "agent harnesses (env.harness) run on the built-in engine (megatron) or on vLLM"
+                " servers (vllm_server) today: set rollout.backend=megatron or vllm_server, or"
+                " env.harness=null",
+            )
+        )
     needs: dict[str, tuple[object, object]] = {
-        "rollout.backend": (RolloutBackend(r.backend).value, "megatron"),
         "parallel.tp": (p.tp, 1),
         "parallel.pp": (p.pp, 1),
         "parallel.cp": (p.cp, 1),
-        "rollout.kv_cache": (r.kv_cache, True),
-        "grpo.num_steps_async": (g.num_steps_async, 0),
         "grpo.partial_rollouts": (g.partial_rollouts, False),
         "debug.response_length_median": (cfg.debug.response_length_median, 0),
     }
+    if backend == RolloutBackend.megatron:
+        needs["rollout.kv_cache"] = (r.kv_cache, True)
+    if min(g.num_steps_async, g.max_staleness) > 0:  # run-ahead: inline, in this process
+        needs["grpo.overlap_generation"] = (g.overlap_generation, False)
     for key, (got, wanted) in needs.items():
         if got != wanted:
             errors.append(
                 ConfigError(
                     key,
                     got,
-                    f"agent harnesses (env.harness) run on the built-in engine between"
-                    f" training steps today, which needs {key}={str(wanted).lower()}: set it,"
-                    " or env.harness=null",
+                    f"agent harnesses (env.harness) run between training steps, one process"
+                    f" per model replica, today, which needs {key}={str(wanted).lower()}: set"
+                    " it, or env.harness=null",
                 )
             )
     errors += per_row_decoder_errors(cfg, "agent harnesses (env.harness)")

@@ -27,8 +27,9 @@ class AgentConfig:
     Qwen2.5 / Qwen3 / Hermes), none (the text is the content)."""
     on_divergence: OnDivergence = OnDivergence.split
     """A call whose messages are not the episode's earlier turns (the harness rewrote or cut its
-    history): split (a new segment starts there, counted in ``agent/splits``), error (stop the
-    run naming the episode and the call)."""
+    history): split (a new segment starts there, trained as one more sample with the episode's
+    reward and advantage; counted in ``episode_splits``), error (stop the run naming the
+    episode and the call)."""
     episode_timeout_s: float = 300.0
     """Longest one episode (the harness's run call) may take; beyond it the episode is an
     error (env.on_error decides what that does)."""

@@ -8,6 +8,12 @@ Flow of one round: buffer micro-batches until the buffered prompt count >= servi
 (or a forced flush) -> merge -> repeat each prompt sample_repeat times contiguously -> rollout
 in chunks -> teacher logps (on-policy distillation: the per-token teacher advantages) ->
 rewards -> group advantages on the merged batch -> ref logps (skipped at beta 0) -> old logps -> split back at the original micro-batch boundaries (x sample_repeat).
+
+A row is one sample, or one agent episode split into several (env.agent.on_divergence=split):
+the row's sample is the episode's last segment and carries the earlier ones
+(``Sample.earlier_segments``). Rewards and advantages are computed per row (per episode,
+within its group) and handed to every segment (rlbatch.grpo.types.trained_samples); the logp
+passes cover every segment; the split back and the rows' counts are the rows'.
 ``run`` then enqueues each produced example batch_repeat times in the order a a b b.
 
 The stages are injected callables (:class:`Stages`), so the bookkeeping is testable with
@@ -32,7 +38,7 @@ from rlbatch.config.schema import (
 )
 from rlbatch.grpo.advantages import compute_advantages
 from rlbatch.grpo.distill import DistillSettings, apply_teacher
-from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.grpo.types import Prompt, Sample, trained_samples
 
 RolloutFn = Callable[[list[Prompt], int], list[Sample]]
 """(rows: prompts already repeated, seed) -> one Sample per row, in row order."""
@@ -372,19 +378,21 @@ class LCMAggregator:
         rows = [p for p in merged for _ in range(G)]  # each prompt G times, contiguous
         samples = self._rollout(rows, record)
         self._assign_groups(samples, merged)
-        self._teach(samples, record)
+        trained = trained_samples(samples)  # + the earlier segments of split agent episodes
+        self._teach(trained, record)
         self._score(samples, record)
+        trained_samples(samples)  # each episode's advantage to all of its samples
         if self.beta > 0:
             logps = self._logps(
-                self.stages.ref_logps_fn, samples, self.plan.ref_micro, record.ref_chunks
+                self.stages.ref_logps_fn, trained, self.plan.ref_micro, record.ref_chunks
             )
-            for s, lp in zip(samples, logps, strict=True):
+            for s, lp in zip(trained, logps, strict=True):
                 s.ref_logps = lp
         if self.stages.old_logps_fn is not None:
             logps = self._logps(
-                self.stages.old_logps_fn, samples, self.plan.old_micro, record.old_chunks
+                self.stages.old_logps_fn, trained, self.plan.old_micro, record.old_chunks
             )
-            for s, lp in zip(samples, logps, strict=True):
+            for s, lp in zip(trained, logps, strict=True):
                 s.old_logps = lp
         fields = self.stages.collate_fn(samples) if self.stages.collate_fn else {}
         self.records.append(record)

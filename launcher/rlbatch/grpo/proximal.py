@@ -49,13 +49,20 @@ def scale_by_batch_std(samples: Sequence[Sample], eps: float, gather: GatherFn) 
 def normalize_over_batch(samples: Sequence[Sample], eps: float, gather: GatherFn) -> float:
     """REINFORCE++'s global normalization: each sample's advantage (the estimator's value)
     becomes (value - mean) / (std + eps), mean and std over the loss tokens of every DP rank's
-    round samples. Returns the std."""
-    shares = gather([(s.advantage, s.num_loss_tokens) for s in samples])
+    round samples (a split agent episode weighs with all of its segments' tokens). Returns the
+    std."""
+    shares = gather([(s.advantage, _episode_loss_tokens(s)) for s in samples])
     pairs = [p for share in shares for p in share]
     mean, std = normalize_over_tokens([v for v, _ in pairs], [n for _, n in pairs], eps)
     for s in samples:
         s.advantage = (s.advantage - mean) / (std + eps)
     return std
+
+
+def _episode_loss_tokens(sample: Sample) -> int:
+    """Loss tokens of a row's episode: a split agent episode's advantage reaches every one of
+    its segments' tokens."""
+    return sum(p.num_loss_tokens for p in (sample, *sample.earlier_segments))
 
 
 def compute_old_logps(

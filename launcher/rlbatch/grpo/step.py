@@ -32,7 +32,7 @@ from rlbatch.grpo.normalization import (
     identity_reduce,
     scale_gradients,
 )
-from rlbatch.grpo.types import Sample
+from rlbatch.grpo.types import Sample, trained_samples
 from rlbatch.layout import ParallelLayout
 
 
@@ -415,7 +415,9 @@ def run_train_step(
     plan_sink: Optional[Callable[[list[int], PassPlan], None]] = None,
     routing_mismatch: Optional[RoutingMismatch] = None,
 ) -> dict[str, Any]:
-    """One GRPO optimizer step on this rank's share of the mini-batch; returns metrics that
+    """One GRPO optimizer step on this rank's share of the mini-batch (``samples``: one per
+    episode; a split agent episode trains each of its segments: rlbatch.grpo.types.trained_samples,
+    after the gather, so every rank plans the same global list); returns metrics that
     are identical on every rank. A non-finite loss or gradient (debug.detect_nan) skips the
     update and reports ``nonfinite_micro_batch`` / NaN loss and grad_norm. ``plan_sink(lengths,
     plan)`` receives the mini-batch's lengths and the train pass's plan (logging.plans);
@@ -427,7 +429,7 @@ def run_train_step(
     optimizer.zero_grad()
     layout = layout or _current_layout()
     reducers = reducers or Reducers.from_distributed()
-    mini_batch = gather_mini_batch(samples, reducers)
+    mini_batch = trained_samples(gather_mini_batch(samples, reducers))
     plan = plan_train_pass(cfg, mini_batch, layout, step)
     if plan_sink is not None:
         plan_sink([s.length for s in mini_batch], plan)

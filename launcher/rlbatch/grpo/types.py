@@ -87,6 +87,12 @@ class Sample:
     reward_failures: list[str] = field(default_factory=list)
     """Why the sample's brought rewards (code_exec tests, served requests) failed, one line per
     failure: ``<reward part>: <reason>: <detail>`` (logged samples)."""
+    earlier_segments: list[Sample] = field(default_factory=list)
+    """A split agent episode (env.agent.on_divergence=split): the segments before its last, in
+    order, each its own training sample (its own prompt, tokens, mask and behaviour logps).
+    This sample is the episode's last segment and the row of its group: reward and advantage
+    are the episode's, computed on this sample, and :func:`trained_samples` hands them to the
+    earlier segments. Empty for every other sample."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -112,6 +118,7 @@ class Sample:
         self.__dict__.setdefault("token_advantages", None)
         self.__dict__.setdefault("routing", None)
         self.__dict__.setdefault("old_routing", None)
+        self.__dict__.setdefault("earlier_segments", [])
         if self.__dict__.get("loss_mask") is None or self.__dict__.get("token_versions") is None:
             self.__dict__.setdefault("loss_mask", None)
             self.__dict__.setdefault("token_versions", None)
@@ -131,6 +138,20 @@ class Sample:
     @property
     def input_ids(self) -> list[int]:
         return list(self.prompt.prompt_ids) + list(self.response_ids)
+
+
+def trained_samples(rows: Sequence[Sample]) -> list[Sample]:
+    """Every sample an optimizer step trains from ``rows`` (one per episode): the rows in order,
+    then the earlier segments of split agent episodes (:attr:`Sample.earlier_segments`), in row
+    and segment order, each handed its episode's group, reward and advantage. Without split
+    episodes: ``rows`` itself, in the same order (the rows' groups stay contiguous runs, which
+    the planner's sibling spreading reads)."""
+    extra = []
+    for row in rows:
+        for part in row.earlier_segments:
+            part.group_id, part.reward, part.advantage = row.group_id, row.reward, row.advantage
+            extra.append(part)
+    return [*rows, *extra]
 
 
 def group_rows(prompts: Sequence[Prompt], num_generations: int) -> list[tuple[int, Prompt]]:

@@ -82,14 +82,17 @@ def perturb_behaviour_logps(samples: Sequence[Sample], std: float, seed: int, gr
     logprob, seeded by (seed, group id, sibling index): the same noise on any layout and after
     a resume. The rollout-mismatch correction and its diagnostics then act visibly on CPU, where
     the rollout engine and the trainer agree to ~1e-6."""
-    for i, s in enumerate(samples):
-        rng = np.random.default_rng([_PERTURB_TAG, seed, s.group_id, i % group])
-        noise = rng.normal(0.0, std, size=len(s.behaviour_logps))
-        assert s.loss_mask is not None
-        s.behaviour_logps = [
-            lp + float(z) if m else lp
-            for lp, z, m in zip(s.behaviour_logps, noise, s.loss_mask, strict=True)
-        ]
+    for i, row in enumerate(samples):
+        # a split agent episode's earlier segments: their own streams, after the row's
+        for k, s in enumerate([row, *row.earlier_segments]):
+            key = [_PERTURB_TAG, seed, row.group_id, i % group] + ([k] if k else [])
+            rng = np.random.default_rng(key)
+            noise = rng.normal(0.0, std, size=len(s.behaviour_logps))
+            assert s.loss_mask is not None
+            s.behaviour_logps = [
+                lp + float(z) if m else lp
+                for lp, z, m in zip(s.behaviour_logps, noise, s.loss_mask, strict=True)
+            ]
 
 
 class SequenceParallelOffEngine:

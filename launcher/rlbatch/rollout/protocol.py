@@ -99,6 +99,8 @@ class DecodedRow:
     routing: Any = None
     """MoE, recorded by the built-in engine: the ``[prompt + response length, num_moe_layers,
     k]`` experts of every token (rlbatch.engine.routing); None elsewhere."""
+    server: Optional[str] = None
+    """The rollout server that decoded it (rollout.backend=vllm_server); None elsewhere."""
 
 
 class TokenBackend(Protocol):

@@ -6,7 +6,9 @@ replica of the model) sends its own data-parallel shard's rows, one request per 
 (``POST /inference/v1/generate``: prompt ids, the row's own seed, the EOS ids as its only stop
 ids, log-probs of the sampled tokens; what an answer may be: rlbatch.rollout.server_answers), at
 most ``rollout.servers.max_concurrency`` in flight, each to the server with the fewest of this
-rank's requests outstanding; the decoded rows are broadcast to the group's other ranks, as with
+rank's requests outstanding (an agent episode's calls, env.harness: all to the server its first
+call went to, whose prefix cache holds the conversation; a new episode to the server with the
+fewest episodes); the decoded rows are broadcast to the group's other ranks, as with
 the colocated engines. Every replica thus sends its own share at the same time, with no extra
 hop through one client.
 
@@ -48,6 +50,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -120,6 +123,9 @@ class _Servers:
         self.model_id: Optional[int] = None
         self.version: Optional[int] = None
         self.outstanding = dict.fromkeys(urls, 0)
+        self.pinned: dict[str, str] = {}
+        """Agent episode -> the server its calls go to (its prefix cache holds the episode's
+        conversation), from the episode's first call until the agent engine releases it."""
         self.cache_version: Optional[int] = None
         """The policy version at which a sync last dropped the servers' prefix cache."""
         self.synced_version: Optional[int] = None
@@ -138,13 +144,33 @@ class _Servers:
     def label(self) -> str:
         return f"{self.nonce}-{self.syncs}"
 
-    def least_loaded(self) -> str:
+    def least_loaded(self, episode: Optional[str] = None) -> str:
+        """The server for one request, counted outstanding until :meth:`done`. A request of an
+        agent episode goes to the episode's server while that server is in the pool; an
+        episode's first call (or one whose server left the pool) goes to the server with the
+        fewest episodes pinned, then the fewest requests outstanding, and is pinned there; a
+        request of no episode to the one with the fewest requests outstanding. Ties: the
+        pool's order."""
         with self.lock:
             if not self.urls:
                 raise self.none_left()
-            url = min(self.urls, key=lambda u: self.outstanding[u])
+            url = self.pinned.get(episode) if episode is not None else None
+            if url not in self.urls:
+                if episode is None:
+                    url = min(self.urls, key=lambda u: self.outstanding[u])
+                else:
+                    held = Counter(self.pinned.values())
+                    url = min(self.urls, key=lambda u: (held[u], self.outstanding[u]))
+                    self.pinned[episode] = url
+            assert url is not None
             self.outstanding[url] += 1
         return url
+
+    def unpin(self, episodes: Sequence[str]) -> None:
+        """Forget the servers of ``episodes`` (they ended)."""
+        with self.lock:
+            for key in episodes:
+                self.pinned.pop(key, None)
 
     def drop(self, url: str, error: ServerError) -> None:
         """Leave ``url`` out from now on (on_failure=continue and a server that is down), or
@@ -422,12 +448,19 @@ class ServerBackend:
         seeds: Sequence[int],
         sampling: TokenSampling,
         max_tokens: Optional[Sequence[int]] = None,
+        episodes: Optional[Sequence[str]] = None,
     ) -> list[DecodedRow]:
+        """The TokenBackend's decode; ``episodes``: the agent episode of each row, whose
+        requests stay on one server (:meth:`_Servers.least_loaded`) until :meth:`release`."""
         return decode_on_group_leader(
-            lambda: self._generate(prompt_ids, seeds, sampling, max_tokens),
+            lambda: self._generate(prompt_ids, seeds, sampling, max_tokens, episodes),
             self.group_size,
             self.leader,
         )
+
+    def release(self, episodes: Sequence[str]) -> None:
+        """The agent ``episodes`` ended: their servers take new episodes."""
+        self.servers.unpin(episodes)
 
     def _generate(
         self,
@@ -435,21 +468,33 @@ class ServerBackend:
         seeds: Sequence[int],
         sampling: TokenSampling,
         max_tokens: Optional[Sequence[int]],
+        episodes: Optional[Sequence[str]] = None,
     ) -> list[DecodedRow]:
         limits = [sampling.max_new_tokens] * len(seeds) if max_tokens is None else max_tokens
+        keys: Sequence[Optional[str]] = [None] * len(seeds) if episodes is None else episodes
         futures = [
-            self.servers.pool.submit(self._balanced, list(ids), seed, sampling, limit)
-            for ids, seed, limit in zip(prompt_ids, seeds, limits, strict=True)
+            self.servers.pool.submit(self._balanced, list(ids), seed, sampling, limit, key)
+            for ids, seed, limit, key in zip(prompt_ids, seeds, limits, keys, strict=True)
         ]
         return [f.result() for f in futures]
 
-    def _balanced(self, ids: list[int], seed: int, sampling: TokenSampling, limit: int):
-        """The row from the least loaded server; with on_failure=continue, from the next one
-        when that server is down (the same row: the request carries the row's seed)."""
+    def _balanced(
+        self,
+        ids: list[int],
+        seed: int,
+        sampling: TokenSampling,
+        limit: int,
+        episode: Optional[str] = None,
+    ) -> DecodedRow:
+        """The row from the least loaded server (an agent episode's: its own); with
+        on_failure=continue, from the next one when that server is down (the same row: the
+        request carries the row's seed)."""
         while True:
-            url = self.servers.least_loaded()
+            url = self.servers.least_loaded(episode)
             try:
-                return self._request(url, ids, seed, sampling, limit)
+                row = self._request(url, ids, seed, sampling, limit)
+                row.server = url
+                return row
             except ServerError as err:
                 self.servers.drop(url, err)
             finally:

@@ -25,7 +25,7 @@ from rlbatch.config.schema import (
 )
 from rlbatch.config.streaming import overlaps_generation
 from rlbatch.grpo.stages import build_aggregator, build_reference, make_logps_fn
-from rlbatch.grpo.types import Sample
+from rlbatch.grpo.types import Sample, trained_samples
 from rlbatch.rollout.generation import weights_snapshot
 from rlbatch.train.loop import Components, train
 
@@ -128,7 +128,7 @@ def make_round_start(cfg: RunConfig, model: list[Any]) -> Callable[[list[Sample]
             metrics["advantage_batch_std"] = std
         if old_fn is not None:
             started = time.perf_counter()
-            compute_old_logps(samples, old_fn, plan)
+            compute_old_logps(trained_samples(samples), old_fn, plan)
             metrics["old_logps_seconds"] = time.perf_counter() - started
         return metrics
 
@@ -218,7 +218,7 @@ def make_train_step(
         distill = {}  # a teacher's figures, summed over the ranks' samples
         if cfg.grpo.distill.teacher:
             distill = distill_metrics(
-                world.all_reduce_sum(sample_sums(batch.samples)), cfg.parallel.dp
+                world.all_reduce_sum(sample_sums(trained_samples(batch.samples))), cfg.parallel.dp
             )
         failures = failure_counts(batch.samples, world) if count_failures else {}
         if episodes:

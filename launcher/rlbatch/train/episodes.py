@@ -10,9 +10,13 @@ env.on_error=zero_reward), ``observations_cut`` (observations cut to
 env.max_observation_tokens) and ``env_episodes`` (episodes that reached their environment: at
 least one step call, or a failed reset; an episode whose every turn was cut by
 rollout.max_new_tokens never does); agent harnesses (env.harness) add ``episode_splits``
-(calls that rewrote their episode's history and started a new segment) and
-``episode_untrained_tokens`` (sampled tokens of the segments before an episode's last, which
-is the one trained today).
+(calls that rewrote their episode's history and started a new segment: each is one more
+trained sample, rlbatch.grpo.types.trained_samples).
+
+A logged sample is one trained sample: an episode split in k segments writes k lines (its
+earlier segments first, then the last, which carries the episode's calls under ``turns``), each
+with ``segment`` (0-based), ``segments`` (k), ``calls`` (the indices of the episode's calls it
+trains) and the episode's reward and advantage.
 
 :func:`check_env_errors` reads them after each step: a warning when more than
 env.max_error_fraction of the episodes that reached the environment failed, a stop when all of
@@ -27,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.env.protocol import EnvCallError
-from rlbatch.grpo.types import Sample
+from rlbatch.grpo.types import Sample, trained_samples
 
 _SUMS = (
     "samples", "turns", "env_seconds", "observation_tokens", "truncated", "errors", "cut",
-    "reached", "splits", "untrained",
+    "reached", "splits",
 )  # fmt: skip
 
 
@@ -50,7 +54,6 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         local["cut"] += ep.get("observations_cut", 0)
         local["reached"] += bool(ep.get("reached_env", False))
         local["splits"] += ep.get("splits", 0)
-        local["untrained"] += ep.get("untrained_tokens", 0)
         turns_max = max(turns_max, ep.get("num_turns", 1))
     total = dict(zip(_SUMS, dist.all_reduce_sum([local[k] for k in _SUMS]), strict=True))
     n = max(total["samples"], 1.0)
@@ -64,7 +67,6 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         "observations_cut": total["cut"],
         "env_episodes": total["reached"],
         "episode_splits": total["splits"],
-        "episode_untrained_tokens": total["untrained"],
     }
 
 
@@ -99,10 +101,13 @@ def check_env_errors(
     return []
 
 
-def sample_record(s: Sample) -> dict[str, Any]:
-    """One line of samples/step_NNNNN.jsonl."""
+def sample_record(s: Sample, segment: int = 0, segments: int = 1) -> dict[str, Any]:
+    """One line of samples/step_NNNNN.jsonl: a trained sample, segment ``segment`` of the
+    ``segments`` its episode was split into (0 of 1 unless an agent episode was split)."""
     ep = s.episode or {}
     return {
+        "segment": segment,
+        "segments": segments,
         "prompt_index": s.prompt.index,
         "group_id": s.group_id,
         "prompt": s.prompt.text,
@@ -111,6 +116,7 @@ def sample_record(s: Sample) -> dict[str, Any]:
         "response_ids": list(s.response_ids),
         "loss_mask": list(s.loss_mask or []),
         "turns": ep.get("turns", []),
+        "calls": ep.get("calls"),
         "num_turns": ep.get("num_turns", 1),
         "end": ep.get("end") or ("max_new_tokens" if s.truncated else "done"),
         "error": ep.get("error"),
@@ -133,6 +139,13 @@ def sample_record(s: Sample) -> dict[str, Any]:
     }
 
 
+def episode_lines(row: Sample) -> list[str]:
+    """The logged lines of one row: its episode's earlier segments (each handed the episode's
+    reward and advantage), then the row itself."""
+    episode = [*trained_samples([row])[1:], row]
+    return [json.dumps(sample_record(s, k, len(episode))) + "\n" for k, s in enumerate(episode)]
+
+
 def make_sample_writer(
     run_dir: str, gather: Callable[[list[Sample]], list[list[Sample]]], rank: int
 ):
@@ -144,7 +157,7 @@ def make_sample_writer(
         if rank != 0:
             return
         folder.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps(sample_record(s)) + "\n" for share in shares for s in share]
+        lines = [line for share in shares for row in share for line in episode_lines(row)]
         tmp = folder / f".step_{step:05d}.jsonl.tmp"
         tmp.write_text("".join(lines))
         tmp.replace(folder / f"step_{step:05d}.jsonl")

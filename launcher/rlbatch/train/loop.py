@@ -406,7 +406,7 @@ def _record(
         local[2] += s.reward * s.reward
         local[3] += len(s.response_ids)
         local[4] += batch.round_start_version - oldest_version(s)
-        local[5] += s.length
+        local[5] += sum(p.length for p in (s, *s.earlier_segments))  # every trained sample
         local[6] += float(zero_advantage(s, reward_coef))
     figures = dict(batch.filter_metrics)
     reported = [float(k in figures) for k in ROLLOUT_COUNTERS]  # present, even when 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rlbatch.grpo.types import trained_samples
 from rlbatch.train.producer import oldest_version
 
 ROLLOUT_COUNTERS = (
@@ -51,7 +52,7 @@ def staleness_sums(batch: Any) -> list[float]:
     samples on this rank (x = response length, y = sample staleness)."""
     out = [0.0] * 8
     start = batch.round_start_version
-    for s in batch.samples:
+    for s in trained_samples(batch.samples):  # a split episode's segments each count
         x = float(len(s.response_ids))
         y = float(start - oldest_version(s))
         for i, v in enumerate((1.0, x, y, x * y, x * x, y * y)):

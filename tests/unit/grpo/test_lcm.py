@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rlbatch.config.schema import RunConfig, ScaleRewards
 from rlbatch.grpo.lcm import AggregationPlan, LCMAggregator, Stages, plan_aggregation
-from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.grpo.types import Prompt, Sample, trained_samples
 
 
 def prompts(n, start=0):
@@ -310,3 +310,53 @@ def test_property_every_prompt_once_in_order_groups_whole(sizes, micro, G, repea
         assert max(r.rollout_chunks) <= rollout * G and sum(r.rollout_chunks) == r.num_prompts * G
         if not infer:
             assert max(r.ref_chunks) <= ref * G and max(r.old_chunks) <= old * G
+
+
+def test_a_split_episode_trains_every_segment_with_its_episodes_advantage():
+    """A row whose sample carries earlier segments (a split agent episode): one reward per row,
+    advantages over the group's episodes, the logp passes over every segment, and each segment
+    handed its episode's advantage; rows, groups and the split back stay the rows'."""
+    f = Fakes()
+    rollout = f.rollout
+
+    def split_every_third(rows, seed):
+        out = rollout(rows, seed)
+        for k, s in enumerate(out):
+            if k % 3 == 0:  # two earlier segments of 2 and 3 tokens
+                s.earlier_segments = [
+                    Sample(s.prompt, -1, [9] * n, [-2.0] * n, False, 0) for n in (2, 3)
+                ]
+        return out
+
+    f.rollout = split_every_third
+    agg, _ = make(plan(rollout=2, ref=2, old=2, train=2, G=4), fakes=f, beta=0.1)
+    out = agg.push(prompts(2))
+    rows = [s for ex in out for s in ex.samples]
+    assert len(rows) == 8 and f.reward_calls == [8]  # one reward per episode
+    rewards = [s.reward for s in rows]
+    for g in range(2):  # float64 reference: the group's 4 episodes
+        grp = rewards[4 * g : 4 * g + 4]
+        want = [(r - statistics.fmean(grp)) / (statistics.stdev(grp) + 1e-4) for r in grp]
+        assert [s.advantage for s in rows[4 * g : 4 * g + 4]] == pytest.approx(want, rel=1e-12)
+    split = [s for s in rows if s.earlier_segments]
+    assert len(split) == 3
+    assert sum(f.ref_calls) == sum(f.old_calls) == 8 + 2 * 3  # every segment scored
+    for row in split:
+        for part in row.earlier_segments:
+            assert part.advantage == row.advantage and part.reward == row.reward
+            assert part.group_id == row.group_id
+            assert part.ref_logps == [-0.5] * len(part.response_ids)
+            assert part.old_logps == [-0.25] * len(part.response_ids)
+
+
+def test_trained_samples_lists_rows_then_earlier_segments():
+    def sample(n):
+        return Sample(prompts(1)[0], 7, [1] * n, [-1.0] * n, False, 0)
+
+    a, b, c = sample(1), sample(2), sample(3)
+    b.earlier_segments = [sample(4), sample(5)]
+    b.reward, b.advantage = 2.0, -0.5
+    assert trained_samples([a, c]) == [a, c]
+    out = trained_samples([a, b, c])
+    assert out[:3] == [a, b, c] and out[3:] == b.earlier_segments
+    assert [(s.advantage, s.reward, s.group_id) for s in out[3:]] == [(-0.5, 2.0, 7)] * 2

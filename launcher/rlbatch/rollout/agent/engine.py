@@ -12,8 +12,10 @@ gives the same episodes again (resume included). At most env.max_concurrency epi
 once; each is bounded by env.agent.episode_timeout_s.
 
 Each episode's calls become samples by rlbatch.rollout.agent.episodes (exact sampled ids,
-splice, divergence); the harness's return value is the episode's reward (``Sample.episode``
-carries it and the calls, as an environment's episode record does).
+splice, divergence): one per segment. The row's sample is the last segment and carries the
+earlier ones (``Sample.earlier_segments``: a split episode trains every segment, with the
+episode's reward and advantage). The harness's return value is the episode's reward
+(``Sample.episode`` carries it and the calls, as an environment's episode record does).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from rlbatch.config.enums import ChatTemplate, EnvOnError, OnDivergence, ToolParser
 from rlbatch.env.protocol import EnvCallError
@@ -73,6 +75,7 @@ class Episode:
 
 @dataclasses.dataclass
 class _Job:
+    key: str
     episode: Episode
     prompt_ids: list[int]
     seed: int
@@ -120,7 +123,7 @@ class AgentSession:
         if index >= self.limits.max_turns or limit <= 0:
             call.reply = {"role": "assistant", "content": ""}
             return self._reply(call, "", [], "", [])
-        job = _Job(ep, prompt_ids, call.seed, limit, Future())
+        job = _Job(key, ep, prompt_ids, call.seed, limit, Future())
         with self.changed:
             ep.waiting += 1
             self.jobs.append(job)
@@ -235,6 +238,7 @@ class AgentSession:
             ids, logps, eos = ids[:keep], logps[:keep], False
         finish = "stop" if eos or cut is not None else "length" if len(ids) >= limit else "stop"
         call.completion_ids, call.logps, call.version = ids, logps, version
+        call.server = row.server
         content: Optional[str] = text
         tool_calls: list[dict[str, Any]] = []
         if call.messages is not None:
@@ -328,15 +332,41 @@ def shared_endpoint(host: str, port: int, token: Optional[str]) -> Endpoint:
     return _ENDPOINTS[key]
 
 
+class AgentDecoder(Protocol):
+    """What the agent engine decodes its calls on: the built-in engine
+    (:class:`BuiltinDecoder`) or a backend with its own weights (:class:`SyncedDecoder`)."""
+
+    def __call__(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        max_tokens: Sequence[int],
+        version: int,
+        episodes: Sequence[str],
+    ) -> list[DecodedRow]:
+        """One row per call, sampled from its seed alone at policy ``version``, at most
+        max_tokens[i] tokens; ``episodes``: each call's episode (a server backend keeps an
+        episode's calls on one server)."""
+        ...
+
+    def release(self, episodes: Sequence[str]) -> None:
+        """The round's ``episodes`` ended."""
+        ...
+
+    def take_figures(self) -> dict[str, float]:
+        """The backend's ``rollout/*`` counters since the last call (weight syncs, servers)."""
+        ...
+
+
 class AgentRolloutEngine:
     """The loop's RolloutEngine for env.harness (see the module docstring)."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, decode: Any, row_of: Any, rank: int) -> None:
+    def __init__(
+        self, cfg: Any, tokenizer: Any, decode: AgentDecoder, row_of: Any, rank: int
+    ) -> None:
         env = cfg.env
         self.cfg, self.tokenizer = cfg, tokenizer
         self.decode = decode
-        """decode(prompt_ids, seeds, max_tokens, version) -> list[DecodedRow], at policy
-        ``version``."""
         self.row_of = row_of
         """Prompt -> the row dict the harness gets."""
         self.harness_spec = env.harness
@@ -357,6 +387,10 @@ class AgentRolloutEngine:
         self.loop = _Loop()
         self.version = -1
 
+    def take_figures(self) -> dict[str, float]:
+        """The decoder's ``rollout/*`` counters (a backend with its own weights: its syncs)."""
+        return self.decode.take_figures()
+
     def generate(
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
     ) -> list[Sample]:
@@ -373,6 +407,7 @@ class AgentRolloutEngine:
         finally:
             session.fail_waiting(RuntimeError("the episode's round is over"))
             self.endpoint.session = None
+            self.decode.release(list(episodes))
         return [
             self._sample(g, ep, outcome, policy_version)
             for (g, _), ep, outcome in zip(rows, episodes.values(), outcomes, strict=True)
@@ -404,6 +439,7 @@ class AgentRolloutEngine:
                         [j.seed for j in jobs],
                         [j.max_tokens for j in jobs],
                         self.version,
+                        [j.key for j in jobs],
                     )
                 except BaseException as err:
                     for job in jobs:
@@ -466,34 +502,40 @@ class AgentRolloutEngine:
             "error": problem,
             "truncated": bool(segments) and segments[-1].truncated,
             "env_seconds": seconds,
-            "observation_tokens": 0,
+            "observation_tokens": sum(len(s.ids) - sum(s.mask) for s in segments),
             "observations_cut": 0,
             "reached_env": True,
             "splits": max(0, len(segments) - 1),
-            "untrained_tokens": sum(sum(s.mask) for s in segments[:-1]),
+            "segment": max(0, len(segments) - 1),
+            "calls": segments[-1].calls if segments else [],
         }
         metrics = {f"reward/harness.{k}": v for k, v in parts.items()}  # the logged parts
         if not segments:  # a failed episode with nothing sampled: one masked token, no loss
             return Sample(ep.prompt, group, [eos], [0.0], False, version, loss_mask=[0], episode=record, metrics=metrics)  # fmt: skip
-        last = segments[-1]
-        record["observation_tokens"] = len(last.ids) - sum(last.mask)
-        prompt = dataclasses.replace(  # the prompt the harness sent, as logged samples show it
+        *earlier, last = [self._segment_sample(ep, group, seg, version) for seg in segments]
+        last.episode, last.metrics = record, metrics
+        last.earlier_segments = earlier
+        for k, part in enumerate(earlier):  # what logging.samples shows of an earlier segment
+            part.episode = {"segment": k, "calls": segments[k].calls, "end": "split"}
+        return last
+
+    def _segment_sample(self, ep: Episode, group: int, seg: Any, version: int) -> Sample:
+        """One segment as a training sample: its own prompt (the prompt its first call sent;
+        logged samples show its text), its tokens, mask and behaviour logps."""
+        prompt = dataclasses.replace(
             ep.prompt,
-            prompt_ids=tuple(last.prompt_ids),
-            text=self.tokenizer.decode(list(last.prompt_ids)),
+            prompt_ids=tuple(seg.prompt_ids),
+            text=self.tokenizer.decode(list(seg.prompt_ids)),
         )
-        versions = [version] * len(last.ids)
         return Sample(
             prompt,
             group,
-            last.ids,
-            last.logps,
-            last.truncated,
+            seg.ids,
+            seg.logps,
+            seg.truncated,
             version,
-            loss_mask=last.mask,
-            token_versions=versions,
-            episode=record,
-            metrics=metrics,
+            loss_mask=seg.mask,
+            token_versions=[version] * len(seg.ids),
         )
 
 
@@ -510,23 +552,30 @@ def _outcome(future: Future, late: bool, seconds: float) -> tuple[Any, Optional[
 
 
 # ------------------------------------------------------------------------------ building
-def builtin_decoder(engine: Any, rollout: Any, pad_id: int) -> Any:
-    """decode(prompt_ids, seeds, max_tokens, version) on the built-in engine's continuous
-    batch (its live weights are the policy's current version): each call sampled from its own
-    key, so its tokens are those of the same call decoded alone; a call asking fewer tokens
-    than the longest keeps its first ``max_tokens``."""
-    import torch
+class BuiltinDecoder:
+    """Calls decoded on the built-in engine's continuous batch (its live weights are the
+    policy's current version): each call sampled from its own key, so its tokens are those of
+    the same call decoded alone; a call asking fewer tokens than the longest keeps its first
+    ``max_tokens``."""
 
-    from rlbatch.engine import generation
-    from rlbatch.rollout.builtin import decode_continuous
-    from rlbatch.rollout.sampling import SamplingParams, row_keys
+    def __init__(self, engine: Any, rollout: Any, pad_id: int) -> None:
+        self.engine, self.rollout, self.pad_id = engine, rollout, pad_id
 
-    def decode(
+    def __call__(
+        self,
         prompt_ids: Sequence[Sequence[int]],
         seeds: Sequence[int],
         max_tokens: Sequence[int],
         version: int,
+        episodes: Sequence[str],
     ) -> list[DecodedRow]:
+        import torch
+
+        from rlbatch.engine import generation
+        from rlbatch.rollout.builtin import decode_continuous
+        from rlbatch.rollout.sampling import SamplingParams, row_keys
+
+        engine, rollout = self.engine, self.rollout
         eos = engine.params.eos_ids
         params = SamplingParams(
             max(max_tokens),
@@ -534,7 +583,7 @@ def builtin_decoder(engine: Any, rollout: Any, pad_id: int) -> Any:
             rollout.temperature,
             top_p=rollout.top_p,
             top_k=rollout.top_k,
-            pad_id=pad_id,
+            pad_id=self.pad_id,
             extra_eos_ids=tuple(eos[1:]),
         )
         keys = torch.cat([row_keys(s, 1) for s in seeds])
@@ -549,14 +598,53 @@ def builtin_decoder(engine: Any, rollout: Any, pad_id: int) -> Any:
             rows.append(DecodedRow(ids, logps, not ended and len(ids) >= limit))
         return rows
 
-    return decode
+    def release(self, episodes: Sequence[str]) -> None:
+        return None
+
+    def take_figures(self) -> dict[str, float]:
+        return {}
+
+
+class SyncedDecoder:
+    """Calls decoded on a backend with its own copy of the weights (rollout.backend=
+    vllm_server): the weights synced to the call's policy version first (a no-op when the
+    backend holds it), each call sampled from its own seed, an episode's calls kept on one
+    server (its prefix cache holds the conversation), a new episode on the server with the
+    fewest (rlbatch.rollout.server_backend)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        """The run's SyncedRolloutEngine (its backend, sampling and sync figures)."""
+
+    def __call__(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        max_tokens: Sequence[int],
+        version: int,
+        episodes: Sequence[str],
+    ) -> list[DecodedRow]:
+        self.engine.ensure_version(version)
+        rows: list[DecodedRow] = self.engine.backend.decode(
+            prompt_ids, seeds, self.engine.sampling, max_tokens, episodes
+        )
+        return rows
+
+    def release(self, episodes: Sequence[str]) -> None:
+        self.engine.backend.release(episodes)
+
+    def take_figures(self) -> dict[str, float]:
+        figures: dict[str, float] = self.engine.take_figures()
+        return figures
 
 
 def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngine:
     """The agent engine of env.harness on the run's built-in engine (rollout.backend=megatron,
-    tp = pp = cp = 1, KV cache on: config rules refuse the rest before launch), sampling with
-    ``cfg.rollout`` (evaluation passes its own) over ``cfg.data``'s rows."""
+    KV cache on) or on its vLLM servers (vllm_server), tp = pp = cp = 1 (config rules refuse
+    the rest before launch), sampling with ``cfg.rollout`` (evaluation passes its own) over
+    ``cfg.data``'s rows."""
     from rlbatch import distributed
+    from rlbatch.config.enums import RolloutBackend
     from rlbatch.rollout.builtin import build_rollout_engine
 
     inner = build_rollout_engine(
@@ -567,7 +655,11 @@ def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngi
         chunked=False,
         extra_eos_ids=tokenizer.eos_ids,
     )
-    decode = builtin_decoder(inner, cfg.rollout, tokenizer.pad_id)
+    decode: AgentDecoder
+    if RolloutBackend(cfg.rollout.backend) == RolloutBackend.megatron:
+        decode = BuiltinDecoder(inner, cfg.rollout, tokenizer.pad_id)
+    else:  # a SyncedRolloutEngine (rlbatch.rollout.protocol.build_synced_engine)
+        decode = SyncedDecoder(inner)
     data = cfg.data
 
     def row_of(prompt: Prompt) -> dict[str, Any]:

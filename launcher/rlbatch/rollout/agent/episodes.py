@@ -51,6 +51,8 @@ class Call:
     tools: Optional[list[Any]] = None
     reply: Optional[dict[str, Any]] = None
     """The assistant message returned (chat calls)."""
+    server: Optional[str] = None
+    """The rollout server that decoded it (rollout.backend=vllm_server); None elsewhere."""
 
     def record(self) -> dict[str, Any]:
         """What the episode record (logging.samples) shows of it."""
@@ -63,6 +65,7 @@ class Call:
             "finish_reason": self.finish_reason,
             "spliced": self.spliced,
             "diverged": self.diverged,
+            "server": self.server,
         }
 
 

@@ -1,0 +1,50 @@
+"""Which vLLM server a request goes to (rlbatch.rollout.server_backend._Servers.least_loaded):
+an agent episode's calls stay on the server of its first call (its prefix cache holds the
+conversation), new episodes go to the server with the fewest episodes, requests of no episode
+to the one with the fewest requests outstanding, and a server that left the pool gives its
+episodes to the others."""
+
+from rlbatch.rollout.server_backend import _Servers
+from rlbatch.rollout.server_http import ServerDownError
+
+A, B, C = "http://a", "http://b", "http://c"
+
+
+def _servers(keep_going=False):
+    return _Servers([A, B, C], 5.0, 2, "n", keep_going)
+
+
+def test_new_episodes_spread_and_calls_stay_on_their_episodes_server():
+    s = _servers()
+    first = [s.least_loaded(f"ep{i}") for i in range(6)]
+    assert first == [A, B, C, A, B, C]  # fewest episodes first, the pool's order on ties
+    for url in first:
+        s.done(url)
+    # later calls: each on its episode's server, whatever the load says
+    for _ in range(3):
+        s.done(s.least_loaded("ep1"))
+    held = s.least_loaded("ep1")
+    assert held == B and s.outstanding == {A: 0, B: 1, C: 0}
+    assert [s.least_loaded(f"ep{i}") for i in (0, 2, 5)] == [A, C, C]
+
+
+def test_a_new_episode_goes_where_fewest_episodes_are_pinned_then_fewest_requests():
+    s = _servers()
+    s.least_loaded("x")  # A: one episode, one request outstanding
+    s.least_loaded(None)  # a request of no episode: the fewest outstanding, B
+    assert s.outstanding == {A: 1, B: 1, C: 0}
+    assert s.least_loaded("y") == C  # B and C hold no episode; C has fewer requests
+    assert s.least_loaded("z") == B
+
+
+def test_released_episodes_free_their_server_and_a_dropped_server_gives_its_episodes_up():
+    s = _servers(keep_going=True)
+    urls = [s.least_loaded(k) for k in ("e0", "e1", "e2")]
+    for url in urls:
+        s.done(url)
+    s.unpin(["e0"])
+    assert s.least_loaded("e3") == A  # A holds no episode any more
+    s.done(A)
+    s.drop(B, ServerDownError("gone"))
+    moved = s.least_loaded("e1")  # its server left the pool: the least loaded of the rest
+    assert moved == A and s.pinned["e1"] == A  # A and C hold one episode each, none waiting
