@@ -64,7 +64,10 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
                 "env.harness=faults.py:run", "env.on_error=zero_reward", "data.path=rows.jsonl",
                 "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=28",
                 "env.agent.episode_timeout_s=20", "env.timeout_s=1", "env.max_error_fraction=1.0",
-                "env.max_turns=3")  # fmt: skip
+                "env.max_turns=3",
+                # the hang detector's bound is below the episode deadline: the round's wait on
+                # its harnesses is bounded by their deadlines, not by trainer.timeout_s
+                "trainer.timeout_s=19")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip
     expected = {

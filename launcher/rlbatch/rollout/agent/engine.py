@@ -37,6 +37,7 @@ from rlbatch.rollout.agent.endpoint import CallError, Endpoint
 from rlbatch.rollout.agent.episodes import Call, DivergenceError, assemble
 from rlbatch.rollout.agent.harness import episode_reward, load_harness
 from rlbatch.rollout.protocol import DecodedRow, row_seeds, segment_seed
+from rlbatch.runtime import progress
 
 log = logging.getLogger(__name__)
 
@@ -402,8 +403,14 @@ class AgentRolloutEngine:
         episodes = {f"{seed:x}-{i}": Episode(i, p, s) for i, ((_, p), s) in enumerate(zip(rows, seeds, strict=True))}  # fmt: skip
         session = AgentSession(self.limits, self.tokenizer, episodes, self.cfg.env.timeout_s)
         self.endpoint.session = session
+        env = self.cfg.env
+        waves = -(-len(episodes) // max(1, env.max_concurrency))
+        # the round waits on the harnesses, each bounded by its own deadline: the watchdog
+        # (trainer.timeout_s) must let the deadline score a late episode, not stop the run
+        bound = waves * (env.agent.episode_timeout_s + 5.0) + self.cfg.trainer.timeout_s
         try:
-            outcomes = self._run(session, list(episodes.items()))
+            with progress.user_call(f"{len(episodes)} harness episodes ({env.harness})", bound):
+                outcomes = self._run(session, list(episodes.items()))
         finally:
             session.fail_waiting(RuntimeError("the episode's round is over"))
             self.endpoint.session = None
