@@ -413,13 +413,22 @@ class TextDecoder(Protocol):
 def reward_input(sample: Sample, tokenizer: TextDecoder) -> RewardInput:
     """What the reward function sees of `sample`: response decoded without its final EOS (a
     multi-turn trajectory: everything after the prompt, assistant turns and the rendered
-    observations between them, special tokens dropped by the tokenizer's decode)."""
+    observations between them, special tokens dropped by the tokenizer's decode; an agent
+    harness's episode: its sampled turns only, one a line)."""
     ids = list(sample.response_ids)
     if ids and ids[-1] in tokenizer.eos_ids:
         ids = ids[:-1]
+    text = None
+    if sample.episode and "calls" in sample.episode and sample.loss_mask is not None:
+        # an agent harness's episode: the harness wrote everything between the sampled turns
+        # (its user and tool messages, tool results that may hold the answer), so the data
+        # reward reads what the policy sampled only, each turn on a line of its own
+        turns = _sampled_spans(ids, sample.loss_mask)
+        ids = [t for turn in turns for t in turn]
+        text = "\n".join(tokenizer.decode(turn) for turn in turns)
     return RewardInput(
         prompt=sample.prompt.text,
-        response=tokenizer.decode(ids),
+        response=tokenizer.decode(ids) if text is None else text,
         answer=sample.prompt.answer,
         num_response_tokens=len(ids),
         response_ids=tuple(ids),
@@ -427,6 +436,19 @@ def reward_input(sample: Sample, tokenizer: TextDecoder) -> RewardInput:
         prompt_index=sample.prompt.index,
         raw_prompt=sample.prompt.raw,
     )
+
+
+def _sampled_spans(ids: Sequence[int], mask: Sequence[int]) -> list[list[int]]:
+    """The runs of ``ids`` whose ``mask`` is 1 (the tokens the policy sampled), in order."""
+    spans: list[list[int]] = []
+    inside = False
+    for token, keep in zip(ids, mask, strict=False):  # ids may have lost a final EOS
+        if keep and not inside:
+            spans.append([])
+        if keep:
+            spans[-1].append(token)
+        inside = bool(keep)
+    return spans
 
 
 def sample_reward_fn(fn: RewardFn, tokenizer: TextDecoder):

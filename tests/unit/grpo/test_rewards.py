@@ -156,3 +156,30 @@ def test_math_verify_works_off_the_main_thread():
     thread.start()
     thread.join()
     assert out == [1.0]
+
+
+def test_a_harness_episodes_data_reward_reads_only_what_the_policy_sampled():
+    """An agent harness writes the messages between the sampled turns (a tool result may hold
+    the answer): data.reward scores the sampled turns, one a line, so a math reward takes the
+    policy's last number, not the harness's. A multi-turn environment's trajectory is read
+    whole, as documented."""
+    from rlbatch.config.schema import ModelConfig
+    from rlbatch.engine.tokenizer import build_tokenizer
+    from rlbatch.grpo.rewards import math_reward, reward_input
+    from rlbatch.grpo.types import Prompt, Sample
+
+    tok = build_tokenizer(ModelConfig())
+    parts = [("call calc 17*23", 1), ("\ntool: 391\n", 0), ("so it is 390", 1)]
+    ids = [t for text, _ in parts for t in tok.encode(text)]
+    mask = [keep for text, keep in parts for _ in tok.encode(text)]
+    prompt = Prompt(index=0, prompt_ids=(1, 2), answer="391", text="What is 17*23?")
+
+    def sample(episode):
+        return Sample(prompt, 0, ids, [0.0] * len(ids), False, 0, loss_mask=mask, episode=episode)
+
+    harness = reward_input(sample({"calls": [0, 1]}), tok)
+    assert harness.response == "call calc 17*23\nso it is 390"
+    assert harness.num_response_tokens == sum(mask)
+    assert math_reward(harness) == 0.0  # the tool's 391 is not the policy's answer
+    trajectory = reward_input(sample({"turns": []}), tok)
+    assert "tool: 391" in trajectory.response
