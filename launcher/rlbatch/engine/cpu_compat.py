@@ -382,6 +382,13 @@ def _eager(fn: Any = None, *args: Any, **kwargs: Any) -> Any:
     return fn if fn is not None else (lambda f: f)
 
 
+def _quiet_cpu_notices() -> None:
+    """megatron's import-time notices about the CUDA-only extras it cannot use here (Apex,
+    Transformer Engine), filtered before its first import."""
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+
+
 def import_megatron() -> None:
     """The process's first import of megatron-core, without ``torch.compile`` on the CPU.
 
@@ -395,6 +402,7 @@ def import_megatron() -> None:
     torch is as it was afterwards. A no-op on CUDA and once megatron is imported."""
     if "megatron.core.jit" in sys.modules or not needed():
         return
+    _quiet_cpu_notices()
     compile_ = torch.compile
     torch.compile = _eager  # type: ignore[assignment]
     try:
@@ -415,11 +423,9 @@ def install() -> bool:
     if not needed():
         _define_missing_te_gemm()
         return False
+    _quiet_cpu_notices()
     import_megatron()
     check_version()
-    # megatron's import-time notices about the CUDA-only extras it cannot use here
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
-    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
     for name in PATCHED_MODULES:
         module = importlib.import_module(name)
         module.torch = TorchProxy(cpu_rng=name.endswith("tensor_parallel.random"))  # type: ignore[attr-defined]
