@@ -26,12 +26,15 @@ def save_tiny_qwen2(path: Path, num_layers: int, seed: int = 0) -> Any:
 def save_tiny_teacher(path: Path, num_layers: int = 2, seed: int = 1) -> Any:
     """A distillation teacher for tests: :func:`save_tiny_qwen2` (another shape than the tiny
     student, no tokenizer files, the byte vocabulary's size) with its tied embeddings scaled by
-    10, so that its next-token distributions are peaked, far from a fresh student's."""
+    10, so that its next-token distributions are peaked, far from a fresh student's; a context
+    of 1024 positions."""
     import torch
 
     model = save_tiny_qwen2(path, num_layers=num_layers, seed=seed)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(10.0)  # tied: the output layer too
+    # a context that covers every run it teaches (a teacher shorter than the run is refused)
+    model.config.max_position_embeddings = 1024
     model.save_pretrained(path)
     return model
 
