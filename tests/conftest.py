@@ -86,6 +86,18 @@ def pytest_sessionstart(session):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+SANDBOX_FILES = frozenset(
+    {
+        "test_documented_commands.py", "test_reward_integrity_cli.py", "test_rewards_cli.py",
+        "test_sandbox_battery.py", "test_code_exec.py", "test_sandbox.py", "test_shape_twins.py",
+    }
+)  # fmt: skip
+"""Test files that run code_exec sandboxes (the grpo_code recipe among the shape twins and the
+documented commands), some under CPU and wall-time limits a hostile program is classified by:
+they form one unit, run one after the other on one worker, so that two of them never load
+the machine at once (their leftover checks count only their own sandboxes)."""
+
+
 SERVER_FILES = frozenset({"test_vllm_servers.py", "test_server_sync_cli.py"})
 """Test files that train on the session's vLLM servers (:func:`vllm_server_pool`): one unit,
 so the pool is started once, on one worker."""
@@ -121,8 +133,9 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_xdist_make_scheduler(config, log):
     """How the test command's workers (``-n 2``) share the suite: a file with module-scoped
     fixtures (servers, reference runs) goes whole to one worker, so they are made once; the
-    files on the session's vLLM servers (:data:`SERVER_FILES`) form one such unit; every other
-    test is a unit of its own, so the two workers stay busy to the end. xdist hands out the
+    files on the session's vLLM servers (:data:`SERVER_FILES`) form one such unit, and so do
+    the files that run sandboxes (:data:`SANDBOX_FILES`); every other test is a unit of its
+    own, so the two workers stay busy to the end. xdist hands out the
     units with the most tests first, so the long shared units start early and single tests
     fill in around them."""
     from functools import cache
@@ -136,7 +149,10 @@ def pytest_xdist_make_scheduler(config, log):
     class Units(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = str(nodeid).split("::", 1)[0]
-            if Path(path).name in SERVER_FILES:
+            name = Path(path).name
+            if name in SANDBOX_FILES:
+                return "sandbox"
+            if name in SERVER_FILES:
                 return "vllm-servers"
             return path if shares_fixtures(path) else nodeid
 
