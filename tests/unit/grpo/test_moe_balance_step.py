@@ -7,14 +7,13 @@ the token-mean policy loss)."""
 
 from __future__ import annotations
 
-import random
-
 import megatron.core  # noqa: F401
 import pytest
 import torch
 
 from rlbatch.config.schema import Architecture, BatchingMode, RunConfig
-from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.grpo.types import Sample
+from step_samples import random_samples
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +40,7 @@ def make_cfg(max_tokens: int, coeff: float) -> RunConfig:
 
 
 def make_samples(n: int = 12) -> list[Sample]:
-    rng = random.Random(5)
-    out = []
-    for i in range(n):
-        p_len, r_len = rng.randint(3, 8), rng.randint(2, 20)
-        prompt = Prompt(i // 4, tuple(rng.randrange(1, 250) for _ in range(p_len)), "")
-        out.append(
-            Sample(
-                prompt=prompt,
-                group_id=i // 4,
-                response_ids=[rng.randrange(1, 250) for _ in range(r_len)],
-                behaviour_logps=[-rng.uniform(3.0, 7.0) for _ in range(r_len)],
-                truncated=False,
-                policy_version=0,
-                advantage=rng.uniform(-1.5, 1.5),
-            )
-        )
-    return out
+    return random_samples(n, seed=5, max_response=20)
 
 
 def reference_aux(gpt, samples: list[Sample], topk: int) -> float:
