@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlbatch.config.errors import ConfigError
+from rlbatch.config.moe import MoeFields
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
 from rlbatch.config.streaming import overlaps_generation
 
@@ -63,9 +66,27 @@ def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     "model.architecture=qwen3_moe needs experts: set model.num_moe_experts",
                 )
             )
+        _check_dense(cfg, errors)
         return
     _check_sizes(cfg, errors)
     _check_unsupported(cfg, errors)
+
+
+def _check_dense(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """A dense model takes no expert key: one set away from its default would do nothing."""
+    defaults = MoeFields()
+    for name in (f.name for f in dataclasses.fields(MoeFields)):
+        value = getattr(cfg.model, name)
+        if name != "num_moe_experts" and value != getattr(defaults, name):
+            errors.append(
+                ConfigError(
+                    f"model.{name}",
+                    value,
+                    "applies to MoE models only, and this model is dense (model.num_moe_experts "
+                    f"is null): remove it, or choose an MoE model (model=tiny_moe, or a "
+                    "Qwen3-MoE model.hf_path)",
+                )
+            )
 
 
 def _check_sizes(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -212,3 +212,27 @@ def test_the_balance_loss_is_refused_where_its_routers_are_not_on_the_loss_stage
     )  # fmt: skip
     assert "with parallel.pp > 1" in errors["model.moe_aux_loss_coeff"]
     assert "with sequence parallelism" in errors["model.moe_aux_loss_coeff"]
+
+
+def test_expert_keys_on_a_dense_preset(bin_dir, subprocess_env, tmp_path):
+    """Every preset has the expert keys: a plain override works on a dense preset whose
+    model.hf_path is a Qwen3-MoE checkpoint (the experts come from its config.json); on a
+    dense model the same key would do nothing, so rlbatch-train refuses it before launch."""
+    import subprocess
+
+    hf = _write(tmp_path)
+    plan = subprocess.run(
+        [str(bin_dir / "rlbatch-plan"), "+recipe=grpo_qwen", f"model.hf_path={hf}",
+         "model.tokenizer=bytes", "model.moe_expert_capacity_factor=1.5",
+         "plan.synthetic=grpo_math", "batching.train.max_tokens=65536"],
+        capture_output=True, text=True, env=subprocess_env, timeout=120,
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr[-2000:]
+    train = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", "model.moe_aux_loss_coeff=0.01",
+         "model.moe_router_topk=3"],
+        capture_output=True, text=True, env=subprocess_env, timeout=120,
+    )  # fmt: skip
+    assert train.returncode == 2, train.stdout[-2000:] + train.stderr[-2000:]
+    for key in ("model.moe_aux_loss_coeff=0.01", "model.moe_router_topk=3"):
+        assert f"{key}: applies to MoE models only" in train.stderr
