@@ -83,7 +83,7 @@ def _check_dense(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     f"model.{name}",
                     value,
                     "applies to MoE models only, and this model is dense (model.num_moe_experts "
-                    f"is null): remove it, or choose an MoE model (model=tiny_moe, or a "
+                    "is null): remove it, or choose an MoE model (model=tiny_moe, or a "
                     "Qwen3-MoE model.hf_path)",
                 )
             )
@@ -168,6 +168,18 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "generated inline, the same samples) or parallel.ep=1",
             )
         )
+    if p.tp > 1 and capacity is not None and capacity > 0:
+        errors.append(
+            ConfigError(
+                "model.moe_expert_capacity_factor",
+                capacity,
+                f"at parallel.tp={p.tp} is not supported yet: after the drops the "
+                "tensor-parallel ranks hold different numbers of tokens, which the token "
+                "dispatcher's all-gather over them cannot take (gloo refuses uneven sizes; "
+                "not verified on NCCL): set it to null (dropless) or parallel.tp=1 "
+                "(parallel.ep scales the experts)",
+            )
+        )
     if p.tp > 1 and not p.sequence_parallel:
         errors.append(
             ConfigError(
@@ -232,6 +244,18 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "set model.recompute=selective or none",
             )
         )
+    if mode == RoutingReplay.r2 and cfg.parallel.tp > 1:
+        errors.append(
+            ConfigError(
+                key,
+                mode.value,
+                f"at parallel.tp={cfg.parallel.tp} is not supported yet: an MoE model trains "
+                "with sequence parallelism there, so each tensor-parallel rank's routers see "
+                "only its slice of the old pass's tokens and the record r2 replays is never "
+                "whole: set grpo.routing_replay=r3 (the rollout's routing, replayed at any tp) "
+                "or parallel.tp=1 (parallel.ep scales the experts)",
+            )
+        )
     if cfg.parallel.cp > 1:
         errors.append(
             ConfigError(
@@ -262,11 +286,12 @@ def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
             ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.pp > 1 is not "
                         f"supported yet ({why}): set parallel.pp=1 or the coefficient to 0")
         )  # fmt: skip
-    if p.sequence_parallel and p.tp > 1:
+    if p.tp > 1:
         errors.append(
-            ConfigError("model.moe_aux_loss_coeff", coeff, "with sequence parallelism is not "
-                        f"supported yet ({why}; each tensor-parallel rank's routers see a slice"
-                        "): set parallel.sequence_parallel=false or the coefficient to 0")
+            ConfigError("model.moe_aux_loss_coeff", coeff, f"at parallel.tp={p.tp} is not "
+                        f"supported yet ({why}; an MoE model trains with sequence parallelism "
+                        "there, so each tensor-parallel rank's routers see a slice): set "
+                        "parallel.tp=1 (parallel.ep scales the experts) or the coefficient to 0")
         )  # fmt: skip
     if p.cp > 1:
         errors.append(

@@ -229,8 +229,8 @@ def make_balance(
 class RoutingMismatch:
     """What the training forward's routers did, counted per step: ``moe/routing_mismatch``
     (per MoE layer, the tokens with rollout routing and those whose expert set the routers
-    chose differently, before any replay) and, with a capacity factor (``count_drops``: on one
-    rank of each tensor-parallel group, whose ranks route the same tokens), the token-to-expert
+    chose differently, before any replay) and, with a capacity factor (``count_drops``; it
+    needs tensor parallelism 1, so each rank counts its own tokens), the token-to-expert
     assignments of real tokens (padding excluded) and how many of them the capacity dropped."""
 
     def __init__(self, num_layers: int, topk: int, count_drops: bool = False) -> None:

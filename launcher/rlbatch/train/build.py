@@ -277,12 +277,11 @@ def routing_mismatch(cfg: RunConfig, model: list[Any]) -> Any:
     ``moe/routing_mismatch``; None for a dense model."""
     if cfg.model.num_moe_experts is None:
         return None
-    from rlbatch.engine import parallel, routing
+    from rlbatch.engine import routing
     from rlbatch.grpo.step import RoutingMismatch
 
-    drops = cfg.model.moe_expert_capacity_factor is not None
-    tp_rank = parallel.current_layout().tp_rank if parallel.is_initialized() else 0
-    return RoutingMismatch(routing.attach(model), cfg.model.moe_router_topk, drops and tp_rank == 0)
+    drops = cfg.model.moe_expert_capacity_factor is not None  # needs tp = 1: every rank counts
+    return RoutingMismatch(routing.attach(model), cfg.model.moe_router_topk, drops)
 
 
 def routing_mismatch_metrics(mismatch: Any) -> dict[str, float]:
@@ -295,7 +294,7 @@ def routing_mismatch_metrics(mismatch: Any) -> dict[str, float]:
 
     counts, drops = distributed.all_reduce_sum([mismatch.take(), mismatch.take_drops()], group=None)
     out = mismatch_metrics(counts)
-    if float(drops[0]) > 0:  # a capacity factor (counted on one rank of each tp group)
+    if float(drops[0]) > 0:  # a capacity factor (counted on every rank, each its own tokens)
         out["moe/dropped_tokens"] = float(drops[1])
         out["moe/dropped_fraction"] = float(drops[1] / drops[0]) if drops[0] > 0 else 0.0
     return out

@@ -70,6 +70,18 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
          "grpo.max_staleness=3"]
     )  # fmt: skip
     assert "partial rollouts" in partial["model.num_moe_experts"]
+    # tensor parallelism (with the sequence parallelism MoE needs there): routers see a slice
+    sliced = _errors_for(
+        ["model=tiny_moe", "parallel.tp=2", "parallel.sequence_parallel=true",
+         "model.moe_expert_capacity_factor=1.0", "model.moe_aux_loss_coeff=0.01",
+         "grpo.routing_replay=r2", "grpo.num_iterations=2"]
+    )  # fmt: skip
+    assert "gloo refuses uneven sizes" in sliced["model.moe_expert_capacity_factor"]
+    assert "set parallel.tp=1" in sliced["model.moe_aux_loss_coeff"]
+    assert "parallel.sequence_parallel=false" not in sliced["model.moe_aux_loss_coeff"]
+    assert "grpo.routing_replay=r3" in sliced["grpo.routing_replay"]
+    few = _errors_for(["model=tiny_moe", "parallel.dp=2", "parallel.ep=2", "eval.max_prompts=1"])
+    assert "set eval.max_prompts=2 or more" in few["eval.max_prompts"]
 
 
 def test_yarn_rope_is_refused_where_the_per_row_decoder_would_run():
