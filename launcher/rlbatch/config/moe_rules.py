@@ -10,6 +10,8 @@ from rlbatch.config.moe import MoeFields
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
 from rlbatch.config.streaming import overlaps_generation
 
+VLLM_BACKENDS = (RolloutBackend.vllm, RolloutBackend.vllm_server)
+
 
 def check_expert_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """``parallel.ep`` against the model and the other layout keys: run wherever the layout is
@@ -147,13 +149,24 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
         )  # fmt: skip
     backend = RolloutBackend(cfg.rollout.backend)
-    if backend != RolloutBackend.megatron:
+    if backend == RolloutBackend.megatron_dynamic:
         errors.append(
             ConfigError(
                 "rollout.backend",
                 backend.value,
-                "MoE models roll out on the built-in engine only for now (the vLLM weight "
-                "stream and megatron's dynamic engine are not verified with experts): set "
+                "MoE models do not roll out on megatron's dynamic engine yet (its MoE "
+                "inference path is not verified here): set rollout.backend=megatron, vllm or "
+                "vllm_server",
+            )
+        )
+    if capacity is not None and capacity > 0 and backend in VLLM_BACKENDS:
+        errors.append(
+            ConfigError(
+                "model.moe_expert_capacity_factor",
+                capacity,
+                f"with rollout.backend={backend.value}: vLLM's MoE layer has no capacity (it "
+                "never drops a token), so the rollout would route what the trainer drops and "
+                "sample from another policy: set the factor to null (dropless), or "
                 "rollout.backend=megatron",
             )
         )
@@ -217,8 +230,10 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 mode.value,
                 f"r3 replays the rollout's routing, which rollout.backend={backend.value} does "
                 "not return here (vLLM's CPU build refuses routed-expert capture: 'AuxOutput "
-                "Connector requires Model Runner V2'; megatron's dynamic engine records none): "
-                "set rollout.backend=megatron, or grpo.routing_replay=r2 or none",
+                "Connector requires Model Runner V2', which needs Triton; on GPUs vLLM's V2 "
+                "runner returns it as the 'routed_experts' of each request, which rlbatch does "
+                "not request yet; megatron's dynamic engine records none): set "
+                "rollout.backend=megatron, or grpo.routing_replay=r2 or none",
             )
         )
     if mode == RoutingReplay.r2 and not old_pass_runs(cfg):
