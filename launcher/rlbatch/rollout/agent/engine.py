@@ -27,12 +27,13 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 from rlbatch.config.enums import ChatTemplate, EnvOnError, OnDivergence, ToolParser
 from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Prompt, Sample, group_rows
 from rlbatch.rollout.agent import chat
+from rlbatch.rollout.agent.decoders import AgentDecoder, build_decoder
 from rlbatch.rollout.agent.endpoint import CallError, Endpoint
 from rlbatch.rollout.agent.episodes import Call, DivergenceError, assemble
 from rlbatch.rollout.agent.harness import episode_reward, load_harness
@@ -333,32 +334,6 @@ def shared_endpoint(host: str, port: int, token: Optional[str]) -> Endpoint:
     return _ENDPOINTS[key]
 
 
-class AgentDecoder(Protocol):
-    """What the agent engine decodes its calls on: the built-in engine
-    (:class:`BuiltinDecoder`) or a backend with its own weights (:class:`SyncedDecoder`)."""
-
-    def __call__(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        seeds: Sequence[int],
-        max_tokens: Sequence[int],
-        version: int,
-        episodes: Sequence[str],
-    ) -> list[DecodedRow]:
-        """One row per call, sampled from its seed alone at policy ``version``, at most
-        max_tokens[i] tokens; ``episodes``: each call's episode (a server backend keeps an
-        episode's calls on one server)."""
-        ...
-
-    def release(self, episodes: Sequence[str]) -> None:
-        """The round's ``episodes`` ended."""
-        ...
-
-    def take_figures(self) -> dict[str, float]:
-        """The backend's ``rollout/*`` counters since the last call (weight syncs, servers)."""
-        ...
-
-
 class AgentRolloutEngine:
     """The loop's RolloutEngine for env.harness (see the module docstring)."""
 
@@ -559,99 +534,12 @@ def _outcome(future: Future, late: bool, seconds: float) -> tuple[Any, Optional[
 
 
 # ------------------------------------------------------------------------------ building
-class BuiltinDecoder:
-    """Calls decoded on the built-in engine's continuous batch (its live weights are the
-    policy's current version): each call sampled from its own key, so its tokens are those of
-    the same call decoded alone; a call asking fewer tokens than the longest keeps its first
-    ``max_tokens``."""
-
-    def __init__(self, engine: Any, rollout: Any, pad_id: int) -> None:
-        self.engine, self.rollout, self.pad_id = engine, rollout, pad_id
-
-    def __call__(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        seeds: Sequence[int],
-        max_tokens: Sequence[int],
-        version: int,
-        episodes: Sequence[str],
-    ) -> list[DecodedRow]:
-        import torch
-
-        from rlbatch.engine import generation
-        from rlbatch.rollout.builtin import decode_continuous
-        from rlbatch.rollout.sampling import SamplingParams, row_keys
-
-        engine, rollout = self.engine, self.rollout
-        eos = engine.params.eos_ids
-        params = SamplingParams(
-            max(max_tokens),
-            eos[0],
-            rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-            pad_id=self.pad_id,
-            extra_eos_ids=tuple(eos[1:]),
-        )
-        keys = torch.cat([row_keys(s, 1) for s in seeds])
-        longest = max(len(p) for p in prompt_ids) + params.max_new_tokens
-        with generation.inference_mode(engine.chunks), torch.inference_mode():
-            decoder = generation.LeanDecoder(engine.chunks[0], len(prompt_ids), longest)
-            out = decode_continuous(decoder, prompt_ids, params, keys, len(prompt_ids), [])
-        rows = []
-        for ids, logps, limit in zip(out.response_ids, out.logps, max_tokens, strict=True):
-            ids, logps = ids[:limit], logps[:limit]
-            ended = bool(ids) and ids[-1] in eos
-            rows.append(DecodedRow(ids, logps, not ended and len(ids) >= limit))
-        return rows
-
-    def release(self, episodes: Sequence[str]) -> None:
-        return None
-
-    def take_figures(self) -> dict[str, float]:
-        return {}
-
-
-class SyncedDecoder:
-    """Calls decoded on a backend with its own copy of the weights (rollout.backend=
-    vllm_server): the weights synced to the call's policy version first (a no-op when the
-    backend holds it), each call sampled from its own seed, an episode's calls kept on one
-    server (its prefix cache holds the conversation), a new episode on the server with the
-    fewest (rlbatch.rollout.server_backend)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        """The run's SyncedRolloutEngine (its backend, sampling and sync figures)."""
-
-    def __call__(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        seeds: Sequence[int],
-        max_tokens: Sequence[int],
-        version: int,
-        episodes: Sequence[str],
-    ) -> list[DecodedRow]:
-        self.engine.ensure_version(version)
-        rows: list[DecodedRow] = self.engine.backend.decode(
-            prompt_ids, seeds, self.engine.sampling, max_tokens, episodes
-        )
-        return rows
-
-    def release(self, episodes: Sequence[str]) -> None:
-        self.engine.backend.release(episodes)
-
-    def take_figures(self) -> dict[str, float]:
-        figures: dict[str, float] = self.engine.take_figures()
-        return figures
-
-
 def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngine:
     """The agent engine of env.harness on the run's built-in engine (rollout.backend=megatron,
     KV cache on) or on its vLLM servers (vllm_server), tp = pp = cp = 1 (config rules refuse
     the rest before launch), sampling with ``cfg.rollout`` (evaluation passes its own) over
     ``cfg.data``'s rows."""
     from rlbatch import distributed
-    from rlbatch.config.enums import RolloutBackend
     from rlbatch.rollout.builtin import build_rollout_engine
 
     inner = build_rollout_engine(
@@ -662,11 +550,7 @@ def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngi
         chunked=False,
         extra_eos_ids=tokenizer.eos_ids,
     )
-    decode: AgentDecoder
-    if RolloutBackend(cfg.rollout.backend) == RolloutBackend.megatron:
-        decode = BuiltinDecoder(inner, cfg.rollout, tokenizer.pad_id)
-    else:  # a SyncedRolloutEngine (rlbatch.rollout.protocol.build_synced_engine)
-        decode = SyncedDecoder(inner)
+    decode = build_decoder(cfg, inner, tokenizer.pad_id)
     data = cfg.data
 
     def row_of(prompt: Prompt) -> dict[str, Any]:
