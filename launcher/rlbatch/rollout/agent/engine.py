@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -99,6 +100,21 @@ class AgentSession:
         self.jobs: list[_Job] = []
         self.changed = threading.Condition()
         self.warned: set[str] = set()
+        self.retired: list[str] = []
+        """Keys of episodes given up on (their calls are answered 404 from then on)."""
+
+    def retire(self, key: str, err: BaseException) -> None:
+        """Stop serving episode ``key``: its waiting calls fail with ``err``, later ones 404."""
+        with self.changed:
+            ep = self.episodes.pop(key, None)
+            self.retired.append(key)
+            for job in [j for j in self.jobs if j.episode is ep]:
+                job.future.set_exception(err)
+                self.jobs.remove(job)
+
+    def keys(self) -> list[str]:
+        """Every episode key of the round, retired ones included."""
+        return [*self.episodes, *self.retired]
 
     # --------------------------------------------------------------- endpoint threads
     def answer(self, key: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -309,15 +325,68 @@ def _stop_cut(tokenizer: Any, ids: list[int], stops: list[str]) -> Optional[tupl
     return None
 
 
+async def _harness_call(key: str, harness: Any, client: Any, model: str, row: Any) -> Any:
+    """The harness's run, awaited in a frame :meth:`_Loop.holder` recognises (``key``: the
+    episode whose harness holds the loop when its code is on the loop thread's stack)."""
+    return await harness(client, model, row)
+
+
 class _Loop:
-    """One event loop in a daemon thread: where harnesses run."""
+    """One event loop in a daemon thread: where harnesses run. A heartbeat callback every
+    ``BEAT_S`` tells how long the loop has gone without running its callbacks (:meth:`lag`):
+    code that holds it without awaiting, which :meth:`holder` names."""
+
+    BEAT_S = 0.1
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="rlbatch-harness", daemon=True).start()
+        self.beat = time.monotonic()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="rlbatch-harness", daemon=True
+        )
+        self.thread.start()
+        self.loop.call_soon_threadsafe(self._beat)
+
+    def _beat(self) -> None:
+        self.beat = time.monotonic()
+        self.loop.call_later(self.BEAT_S, self._beat)
 
     def submit(self, coro: Any) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def lag(self) -> float:
+        """Seconds since the loop last ran its heartbeat."""
+        return time.monotonic() - self.beat
+
+    def holder(self, source: str) -> tuple[Optional[str], str]:
+        """(the key of the episode whose harness runs on the loop now, or None when the code
+        running is no episode's run call; ``file:line in function`` where it runs: the
+        innermost frame in ``source``, the harness's file, else the innermost)."""
+        frame = sys._current_frames().get(self.thread.ident or -1)
+        frames, key = [], None
+        while frame is not None and key is None:
+            if frame.f_code is _harness_call.__code__:
+                key = frame.f_locals.get("key")
+            else:
+                frames.append(frame)
+            frame = frame.f_back
+        at = next((f for f in frames if f.f_code.co_filename == source), None)
+        at = at or (frames[0] if frames else None)
+        if at is None:
+            return key, "an unknown place"
+        return key, f"{at.f_code.co_filename}:{at.f_lineno} in {at.f_code.co_name}"
+
+
+@dataclasses.dataclass
+class _Running:
+    """An episode in flight."""
+
+    slot: str
+    """Its key when the round began: its place among the round's rows (a restart gives it a
+    new key, never a new slot)."""
+    episode: Episode
+    future: Future
+    started: float
 
 
 _ENDPOINTS: dict[tuple[str, int], Endpoint] = {}
@@ -361,6 +430,9 @@ class AgentRolloutEngine:
         for name in ("httpx", "httpx2"):  # the clients' per-call lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self.loop = _Loop()
+        self.source = getattr(getattr(self.harness, "__code__", None), "co_filename", "")
+        """The harness's file: where the loop watchdog looks for the line that blocks."""
+        self.restarts = 0
         self.version = -1
 
     def take_figures(self) -> dict[str, float]:
@@ -389,48 +461,102 @@ class AgentRolloutEngine:
         finally:
             session.fail_waiting(RuntimeError("the episode's round is over"))
             self.endpoint.session = None
-            self.decode.release(list(episodes))
+            self.decode.release(session.keys())
         return [
             self._sample(g, ep, outcome, policy_version)
-            for (g, _), ep, outcome in zip(rows, episodes.values(), outcomes, strict=True)
+            for (g, _), (ep, outcome) in zip(rows, outcomes, strict=True)
         ]
 
-    def _run(self, session: AgentSession, episodes: list[tuple[str, Episode]]) -> list[Any]:
-        """Every episode's (value or exception, seconds), decoding their calls meanwhile."""
+    def _run(
+        self, session: AgentSession, episodes: list[tuple[str, Episode]]
+    ) -> list[tuple[Episode, Any]]:
+        """Every episode's (Episode, (value, error text, seconds)) in the round's order,
+        decoding their calls meanwhile; a harness that holds the loop past
+        env.agent.block_timeout_s is an error of its own episode (:meth:`_unblock`)."""
         env = self.cfg.env
         queue = list(episodes)
-        running: dict[str, tuple[Episode, Future, float]] = {}
-        outcomes: dict[str, Any] = {}
+        running: dict[str, _Running] = {}
+        outcomes: dict[str, tuple[Episode, Any]] = {}
         while queue or running:
             while queue and len(running) < env.max_concurrency:
                 key, ep = queue.pop(0)
-                ep.idle_since = time.monotonic()
-                future = self.loop.submit(self._episode(key, ep))
-                running[key] = (ep, future, time.monotonic())
-            for key, (_, future, started) in list(running.items()):
-                late = time.monotonic() - started > env.agent.episode_timeout_s + 5.0
-                if future.done() or late:
-                    outcomes[key] = _outcome(future, late, time.monotonic() - started)
-                    del running[key]
-            live = [ep for ep, future, _ in running.values() if not future.done()]
-            jobs = session.take(live, timeout=0.05)
-            if jobs:
-                try:
-                    decoded = self.decode(
-                        [j.prompt_ids for j in jobs],
-                        [j.seed for j in jobs],
-                        [j.max_tokens for j in jobs],
-                        self.version,
-                        [j.key for j in jobs],
-                    )
-                except BaseException as err:
-                    for job in jobs:
-                        job.future.set_exception(err)
-                    raise
-                for job, row in zip(jobs, decoded, strict=True):
-                    job.episode.idle_since = time.monotonic()
-                    job.future.set_result((row, self.version))
+                running[key] = self._start(key, key, ep)
+            self._collect(running, outcomes)
+            if running and self.loop.lag() > env.agent.block_timeout_s:
+                self._unblock(session, running, outcomes)
+            self._decode(session, running)
         return [outcomes[key] for key, _ in episodes]
+
+    def _start(self, key: str, slot: str, ep: Episode) -> _Running:
+        ep.idle_since = time.monotonic()
+        return _Running(slot, ep, self.loop.submit(self._episode(key, ep)), time.monotonic())
+
+    def _collect(self, running: dict[str, _Running], outcomes: dict[str, Any]) -> None:
+        """Move the ended and the late episodes of ``running`` to ``outcomes``. Nobody is late
+        while the loop is held (the watchdog names who holds it)."""
+        deadline = self.cfg.env.agent.episode_timeout_s + 5.0
+        held = self.loop.lag() > 1.0
+        for key, r in list(running.items()):
+            seconds = time.monotonic() - r.started
+            late = seconds > deadline and not held
+            if r.future.done() or late:
+                outcomes[r.slot] = (r.episode, _outcome(r.future, late, seconds))
+                del running[key]
+
+    def _unblock(
+        self, session: AgentSession, running: dict[str, _Running], outcomes: dict[str, Any]
+    ) -> None:
+        """The loop has not run for env.agent.block_timeout_s: the episode whose harness holds
+        it is an error naming it and the line. raise_error stops the run; zero_reward scores
+        it 0 and restarts the other running episodes from their start on a fresh loop (a
+        call's seed is its episode's and its index, so they sample what they would have)."""
+        lag = self.loop.lag()
+        key, where = self.loop.holder(self.source)
+        problem = (
+            f"held the rank's event loop {lag:.0f} s without awaiting (at {where}), and every"
+            " episode of the rank waited: await slow work (`await asyncio.to_thread(f, ...)`,"
+            " an async client), or raise env.agent.block_timeout_s"
+        )
+        culprit = running.pop(key, None) if key is not None else None
+        if culprit is None:  # a task the harness started, a callback: no episode to score
+            raise EnvCallError(f"harness {self.harness_spec}: code outside a run call {problem}")
+        if EnvOnError(self.cfg.env.on_error) == EnvOnError.raise_error:
+            raise EnvCallError(f"{self._where(culprit.episode)} {problem}")
+        log.warning("%s %s", self._where(culprit.episode), problem)
+        seconds = time.monotonic() - culprit.started
+        outcomes[culprit.slot] = (culprit.episode, (None, problem, seconds))
+        gone = RuntimeError("the episode restarts on a fresh event loop")
+        session.retire(str(key), gone)
+        self.loop, self.restarts = _Loop(), self.restarts + 1
+        for old, r in list(running.items()):
+            fresh = Episode(r.episode.row, r.episode.prompt, r.episode.seed)
+            new = f"{r.slot}-r{self.restarts}"
+            session.retire(old, gone)
+            session.episodes[new] = fresh
+            del running[old]
+            running[new] = self._start(new, r.slot, fresh)
+
+    def _decode(self, session: AgentSession, running: dict[str, _Running]) -> None:
+        """Decode the waiting calls once every live episode has one (AgentSession.take)."""
+        live = [r.episode for r in running.values() if not r.future.done()]
+        jobs = session.take(live, timeout=0.05)
+        if not jobs:
+            return
+        try:
+            decoded = self.decode(
+                [j.prompt_ids for j in jobs],
+                [j.seed for j in jobs],
+                [j.max_tokens for j in jobs],
+                self.version,
+                [j.key for j in jobs],
+            )
+        except BaseException as err:
+            for job in jobs:
+                job.future.set_exception(err)
+            raise
+        for job, row in zip(jobs, decoded, strict=True):
+            job.episode.idle_since = time.monotonic()
+            job.future.set_result((row, self.version))
 
     async def _episode(self, key: str, ep: Episode) -> Any:
         import openai
@@ -443,9 +569,8 @@ class AgentRolloutEngine:
             timeout=agent.episode_timeout_s,
         )
         try:
-            return await asyncio.wait_for(
-                self.harness(client, "policy", self.row_of(ep.prompt)), agent.episode_timeout_s
-            )
+            call = _harness_call(key, self.harness, client, "policy", self.row_of(ep.prompt))
+            return await asyncio.wait_for(call, agent.episode_timeout_s)
         finally:
             await client.close()
 
