@@ -29,6 +29,13 @@ async def run(client, model, row):
             time.sleep(40)  # BLOCKS HERE
         await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
         return 1.0
+    if kind == 8:  # two calls at once on one prompt (best-of-2, its own seeds), then on from the 1st
+        messages = [{"role": "user", "content": "x"}]
+        a, b = await asyncio.gather(*[client.chat.completions.create(
+            model=model, messages=messages, max_tokens=3, seed=s) for s in (0, 1)])
+        messages += [a.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "y"}]
+        await client.chat.completions.create(model=model, messages=messages, max_tokens=3)
+        return 1.0
     if kind == 0:
         raise ValueError("broken harness")
     if kind == 1:
@@ -63,7 +70,7 @@ async def run(client, model, row):
 def fault_run(bin_dir, subprocess_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     (tmp / "faults.py").write_text(FAULTS)
-    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(8)]
+    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(9)]
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp / "blocking.jsonl").write_text("".join(json.dumps(rows[k]) + "\n" for k in (6, 7, 6, 6)))
     return tmp
@@ -73,18 +80,26 @@ def _blocking_line() -> int:
     return next(n for n, line in enumerate(FAULTS.splitlines(), 1) if "BLOCKS HERE" in line)
 
 
-def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subprocess_env):
+@pytest.fixture(scope="module")
+def zero_run(fault_run, bin_dir, subprocess_env):
+    """One step of every kind of harness under env.on_error=zero_reward: (metrics, samples)."""
     run_dir = fault_run / "zero"
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
                 "env.harness=faults.py:run", "env.on_error=zero_reward", "data.path=rows.jsonl",
-                "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=32",
+                "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=36",
                 "env.agent.episode_timeout_s=20", "env.timeout_s=1", "env.max_error_fraction=1.0",
                 "env.max_turns=3", "env.agent.block_timeout_s=4",
                 # the hang detector's bound is below the episode deadline: the round's wait on
                 # its harnesses is bounded by their deadlines, not by trainer.timeout_s
                 "trainer.timeout_s=19")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (metrics,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip
+    return metrics, samples
+
+
+def test_harness_faults_score_zero_under_zero_reward(zero_run):
+    _, samples = zero_run
     expected = {
         0: "raised ValueError: broken harness",
         1: "returned str 'not a number'",
@@ -92,7 +107,7 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
         3: "made no call to the endpoint",
         4: "took longer than env.agent.episode_timeout_s",
     }
-    assert len(samples) == 32
+    assert len(samples) == 36 + 4  # each best-of-2 episode (answer 8) trains 2 samples
     # one episode held the loop: it alone is the error, named with the line it blocked at; the
     # episodes beside it restarted on a fresh loop and ended as they would have
     blocked = [s for s in samples if s["answer"] == "7" and s["end"] == "error"]
@@ -100,6 +115,8 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
     assert "held the rank's event loop" in blocked[0]["error"]
     assert f"faults.py:{_blocking_line()} in run" in blocked[0]["error"], blocked[0]["error"]
     for s in samples:
+        if s["answer"] == "8":
+            continue
         if s["answer"] == "7" and s["end"] == "done":
             assert s["reward"] == 1.0 and s["num_turns"] == 1
             continue
@@ -120,6 +137,49 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
         assert s["end"] == "error" and s["reward"] == 0.0
         assert "harness" in s["error"] and "faults.py:run" in s["error"]
         assert expected[int(s["answer"])] in s["error"], s["error"]
+
+
+def test_concurrent_calls_on_one_prompt_are_branches_and_every_one_trains(zero_run):
+    """A harness sending two calls at once on one prompt (answer 8), then going on from the
+    first's reply: the second call is a branch (a sample of its own, no split), the third joins
+    the first's sample by the splice, and every sampled token is trained once."""
+    metrics, samples = zero_run
+    assert metrics["episode_splits"] == 0  # no harness of this run rewrote its history
+    assert metrics["episode_branches"] == 4  # one per best-of-2 episode
+    lines = [s for s in samples if s["answer"] == "8"]
+    assert len(lines) == 8
+    for first, last in zip(lines[::2], lines[1::2], strict=True):
+        assert (first["segment"], last["segment"], first["segments"]) == (0, 1, 2)
+        calls = last["turns"]
+        assert len(calls) == 3 and calls[0]["prompt_ids"] == calls[1]["prompt_ids"]
+        assert not any(c["diverged"] for c in calls) and calls[2]["spliced"]
+        on = [i for i in (0, 1) if calls[2]["prompt_ids"][: len(calls[i]["prompt_ids"]) + len(calls[i]["completion_ids"])] == calls[i]["prompt_ids"] + calls[i]["completion_ids"]]  # fmt: skip
+        assert len(on) == 1  # it went on from one of the two replies
+        assert sorted([first["calls"], last["calls"]]) == sorted([[on[0], 2], [1 - on[0]]])
+        for part in (first, last):
+            mine = [calls[i] for i in part["calls"]]
+            trained = [t for t, m in zip(part["response_ids"], part["loss_mask"], strict=True) if m]  # fmt: skip
+            assert trained == [t for c in mine for t in c["completion_ids"]]
+            assert part["prompt_ids"] == mine[0]["prompt_ids"]
+            assert part["reward"] == 1.0 and not part["truncated"]
+
+
+def test_truncated_means_a_limit_of_the_run(zero_run):
+    """A call cut by the client's own max_tokens (3 or 5 here) answers finish_reason=length but
+    is not truncated (grpo.mask_truncated_completions leaves it in the loss); one cut by
+    rollout.max_new_tokens (16) or refused past env.max_turns is."""
+    metrics, samples = zero_run
+    calls = [c for s in samples for c in s["turns"]]
+    client_cut = [c for c in calls if c["finish_reason"] == "length" and 0 < len(c["completion_ids"]) < 16]  # fmt: skip
+    assert len(client_cut) >= 8  # the best-of-2 calls mostly stop at their max_tokens=3
+    for c in calls:
+        run_cut = c["finish_reason"] == "length" and len(c["completion_ids"]) in (0, 16)
+        assert c["truncated"] == run_cut, c
+    assert metrics["episodes_truncated"] == sum(bool(s["turns"]) and s["turns"][-1]["truncated"] for s in samples)  # fmt: skip
+    for s in samples:  # a sample is truncated when its last call is
+        if s["turns"]:
+            mine = [s["turns"][i] for i in s["calls"]]
+            assert s["truncated"] == mine[-1]["truncated"]
 
 
 def test_harness_error_stops_the_run_naming_harness_and_row(fault_run, bin_dir, subprocess_env):

@@ -100,7 +100,9 @@ def test_continuation_leaves_earlier_reasoning_to_the_sampled_ids():
 
 
 def _call(i, prompt, completion, finish="stop"):
-    return Call(i, prompt, completion, [-0.5 - t for t in range(len(completion))], 3, finish, 0)
+    call = Call(i, prompt, completion, [-0.5 - t for t in range(len(completion))], 3, finish, 0)
+    call.truncated = finish == "length"
+    return call
 
 
 def test_assemble_joins_extending_calls_and_splits_the_rest():
@@ -116,8 +118,29 @@ def test_assemble_joins_extending_calls_and_splits_the_rest():
     assert first.logps == [-0.5, -1.5, 0.0, 0.0, -0.5]
     assert first.calls == [0, 1] and not first.truncated
     assert second.prompt_ids == [1, 5] and second.ids == [13, 14] and second.mask == [1, 1]
-    assert second.truncated
+    assert second.truncated and not second.branch
     assert json.dumps(calls[0].record())  # the episode record is plain JSON
+
+
+def test_assemble_tells_branches_from_splits():
+    calls = [
+        _call(0, [1, 2], [10, 11]),
+        _call(1, [1, 2], [12, 13]),  # the same prompt again (two calls at once): a branch
+        _call(2, [1, 2, 10, 11, 20], [14]),  # goes on from call 0's reply: joins its segment
+        _call(3, [1, 2, 12, 13, 21], [15]),  # goes on from call 1's: joins the branch
+        _call(4, [1, 2, 10, 11, 22], [16]),  # call 0's reply, other new turns: a branch
+        _call(5, [1, 3], [17]),  # none of the episode's points: a split (rewritten history)
+    ]
+    first, second, third, fourth = assemble(calls)
+    assert (first.calls, second.calls, third.calls, fourth.calls) == ([0, 2], [1, 3], [4], [5])
+    assert first.ids == [10, 11, 20, 14] and first.mask == [1, 1, 0, 1]
+    assert second.ids == [12, 13, 21, 15] and second.mask == [1, 1, 0, 1]
+    assert third.prompt_ids == [1, 2, 10, 11, 22] and third.ids == [16]
+    assert [s.branch for s in (first, second, third, fourth)] == [False, True, True, False]
+    # every sampled token is trained once
+    segments = (first, second, third, fourth)
+    trained = sorted(t for s in segments for t, m in zip(s.ids, s.mask, strict=True) if m)
+    assert trained == sorted(t for c in calls for t in c.completion_ids)
 
 
 def _reply(**over):

@@ -36,7 +36,7 @@ from rlbatch.grpo.types import Prompt, Sample, group_rows
 from rlbatch.rollout.agent import chat
 from rlbatch.rollout.agent.decoders import AgentDecoder, build_decoder
 from rlbatch.rollout.agent.endpoint import CallError, Endpoint
-from rlbatch.rollout.agent.episodes import Call, DivergenceError, assemble
+from rlbatch.rollout.agent.episodes import Call, DivergenceError, assemble, branches_from
 from rlbatch.rollout.agent.harness import episode_reward, load_harness
 from rlbatch.rollout.protocol import DecodedRow, row_seeds, segment_seed
 from rlbatch.runtime import progress
@@ -129,17 +129,16 @@ class AgentSession:
         with ep.lock:
             index = len(ep.calls)
             prompt_ids, spliced, diverged = self._prompt(ep, kind, body)
-            call = Call(
-                index, prompt_ids, [], [], -1, "length", segment_seed(ep.seed, index), spliced
-            )
+            call = Call(index, prompt_ids, [], [], -1, "length", _seed(ep, index, body), spliced)
             call.diverged = diverged
             if kind == "chat":
                 call.messages = list(body.get("messages") or [])
                 call.tools = body.get("tools") or None
             ep.calls.append(call)
-        limit = self._max_tokens(body, len(prompt_ids))
+        limit, run_limit = self._max_tokens(body, len(prompt_ids))
         if index >= self.limits.max_turns or limit <= 0:
             call.reply = {"role": "assistant", "content": ""}
+            call.truncated = True  # the run's limits answered it, not the client's
             return self._reply(call, "", [], "", [])
         job = _Job(key, ep, prompt_ids, call.seed, limit, Future())
         with self.changed:
@@ -148,7 +147,9 @@ class AgentSession:
             self.changed.notify_all()
         row: DecodedRow
         row, version = job.future.result()
-        return self._finish(call, row, version, limit, body)
+        reply = self._finish(call, row, version, limit, body)
+        call.truncated = call.finish_reason == "length" and limit >= run_limit
+        return reply
 
     def _warn_ignored(self, body: dict[str, Any]) -> None:
         for key in IGNORED_SAMPLING:
@@ -161,12 +162,14 @@ class AgentSession:
                     body[key],
                 )
 
-    def _max_tokens(self, body: dict[str, Any], prompt_len: int) -> int:
+    def _max_tokens(self, body: dict[str, Any], prompt_len: int) -> tuple[int, int]:
+        """(the call's token limit, the run's part of it): the least of the client's
+        max_tokens, rollout.max_new_tokens and what env.max_total_tokens leaves."""
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        limits = [self.limits.max_new_tokens, self.limits.max_total_tokens - prompt_len]
+        run_limit = min(self.limits.max_new_tokens, self.limits.max_total_tokens - prompt_len)
         if isinstance(asked, int) and asked > 0:
-            limits.append(asked)
-        return min(limits)
+            return min(asked, run_limit), run_limit
+        return run_limit, run_limit
 
     def _prompt(self, ep: Episode, kind: str, body: dict[str, Any]) -> tuple[list[int], bool, bool]:
         """(prompt ids, spliced, diverged) of a call (see rlbatch.rollout.agent.episodes)."""
@@ -203,31 +206,30 @@ class AgentSession:
     def _splice(
         self, ep: Episode, messages: list[Any], tools: Optional[list[Any]]
     ) -> Optional[list[int]]:
-        """The previous call's ids + the new messages' rendering, when ``messages`` are the
-        previous call's, its reply, then new ones (None otherwise)."""
-        last = next((c for c in reversed(ep.calls) if c.completion_ids), None)
-        if last is None or last.messages is None or last.reply is None:
-            return None
-        known = len(last.messages)
-        if (
-            len(messages) <= known
-            or (tools or None) != last.tools
-            or not chat.same_messages(messages[:known], last.messages)
-            or not chat.same_assistant_turn(messages[known], last.reply)
-        ):
-            return None
-        eos = last.completion_ids[-1] in self.limits.eos_ids
-        added = chat.continuation_text(
-            self.limits.template, self.tokenizer, messages[known + 1 :], tools, eos
-        )
-        return [*last.prompt_ids, *last.completion_ids, *self.tokenizer.encode(added)]
+        """An earlier call's ids + the new messages' rendering, when ``messages`` are that
+        call's, its reply, then new ones (the latest such call; None when there is none)."""
+        for last in reversed([c for c in ep.calls if c.completion_ids]):
+            if last.messages is None or last.reply is None:
+                continue
+            known = len(last.messages)
+            if (
+                len(messages) <= known
+                or (tools or None) != last.tools
+                or not chat.same_messages(messages[:known], last.messages)
+                or not chat.same_assistant_turn(messages[known], last.reply)
+            ):
+                continue
+            eos = last.completion_ids[-1] in self.limits.eos_ids
+            added = chat.continuation_text(
+                self.limits.template, self.tokenizer, messages[known + 1 :], tools, eos
+            )
+            return [*last.prompt_ids, *last.completion_ids, *self.tokenizer.encode(added)]
+        return None
 
     def _diverges(self, ep: Episode, ids: list[int]) -> bool:
-        last = next((c for c in reversed(ep.calls) if c.completion_ids), None)
-        if last is None:
-            return False
-        history = [*last.prompt_ids, *last.completion_ids]
-        if ids[: len(history)] == history:
+        """Whether a call's prompt ``ids`` rewrites the episode's history: it neither continues
+        an earlier call nor samples again from a prompt already sent (a branch)."""
+        if not any(c.completion_ids for c in ep.calls) or branches_from(ids, ep.calls):
             return False
         if OnDivergence(self.limits.on_divergence) == OnDivergence.error:
             message = (
@@ -312,6 +314,16 @@ class AgentSession:
             for job in self.jobs:
                 job.future.set_exception(err)
             self.jobs = []
+
+
+def _seed(ep: Episode, index: int, body: dict[str, Any]) -> int:
+    """A call's sampling seed: from the row's seed and the call's index in its episode, or the
+    client's ``seed`` when it sends one (calls sent at once arrive in any order, so their
+    indices do; their seeds need not)."""
+    asked = body.get("seed")
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
+        return segment_seed(ep.seed, (1 << 40) + asked)
+    return segment_seed(ep.seed, index)
 
 
 def _stop_cut(tokenizer: Any, ids: list[int], stops: list[str]) -> Optional[tuple[int, str]]:
@@ -607,12 +619,13 @@ class AgentRolloutEngine:
             "reward": reward,
             "end": "error" if problem else "done",
             "error": problem,
-            "truncated": bool(segments) and segments[-1].truncated,
+            "truncated": bool(ep.calls) and ep.calls[-1].truncated,
             "env_seconds": seconds,
             "observation_tokens": sum(len(s.ids) - sum(s.mask) for s in segments),
             "observations_cut": 0,
             "reached_env": True,
-            "splits": max(0, len(segments) - 1),
+            "splits": sum(1 for s in segments[1:] if not s.branch),
+            "branches": sum(1 for s in segments[1:] if s.branch),
             "segment": max(0, len(segments) - 1),
             "calls": segments[-1].calls if segments else [],
         }
