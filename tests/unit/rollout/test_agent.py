@@ -185,3 +185,32 @@ def test_responses_parse_as_the_openai_client_reads_them():
     stop_cut = _reply(text="a", content="a", tokens=["a", "b"], ids=[97, 98], logps=[-0.1, -0.2])
     pieces = stream_chunks("completion", {}, stop_cut)
     assert "".join(c["choices"][0]["text"] for c in pieces) == "a"  # the stop string's "b" unshown
+
+
+def test_the_loop_watchdog_names_the_episode_and_line_that_hold_the_loop(tmp_path):
+    """A harness that holds its event loop (time.sleep in async code) is seen from another
+    thread: the loop's lag grows and the holder is the episode's key and the harness's line,
+    through the same wait_for wrapping the engine uses."""
+    import asyncio
+    import importlib.util
+    import time
+
+    from rlbatch.rollout.agent.engine import _harness_call, _Loop
+
+    path = tmp_path / "blocker.py"
+    path.write_text("import time\n\nasync def run(client, model, row):\n    time.sleep(2)\n")
+    spec = importlib.util.spec_from_file_location("blocker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loop = _Loop()
+    assert loop.holder(str(path))[0] is None  # idle: no episode holds it
+    call = _harness_call("ep-3", module.run, None, "policy", {})
+    future = loop.submit(asyncio.wait_for(call, 30))
+    deadline = time.monotonic() + 10
+    while loop.lag() < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loop.lag() >= 1.0
+    assert loop.holder(str(path)) == ("ep-3", f"{path}:4 in run")
+    future.result(timeout=10)
+    time.sleep(0.3)
+    assert loop.lag() < 0.3  # the heartbeat runs again once the harness lets go
