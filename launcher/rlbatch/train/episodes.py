@@ -93,8 +93,12 @@ def check_env_errors(
         raise EnvCallError(
             f"step {step}: every one of the {errors:.0f} episodes that reached the environment"
             f" failed (env.on_error=zero_reward would train on reward 0 alone), e.g. {example}:"
-            " fix the environment, or raise env.timeout_s / env.max_concurrency if its calls"
-            " time out"
+            + (
+                " fix the harness (env.harness)"
+                if env.harness
+                else " fix the environment, or raise env.timeout_s / env.max_concurrency if its"
+                " calls time out"
+            )
         )
     if errors / reached > env.max_error_fraction:
         return [

@@ -214,3 +214,28 @@ def test_the_loop_watchdog_names_the_episode_and_line_that_hold_the_loop(tmp_pat
     future.result(timeout=10)
     time.sleep(0.3)
     assert loop.lag() < 0.3  # the heartbeat runs again once the harness lets go
+
+
+def test_a_step_whose_every_harness_episode_failed_names_the_harness_fix():
+    """The stop after a step where every episode failed points at the harness, not at
+    env.timeout_s / env.max_concurrency (which an environment's calls use, a harness's not)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from rlbatch.env.protocol import EnvCallError
+    from rlbatch.grpo.types import Prompt, Sample
+    from rlbatch.train.episodes import check_env_errors
+
+    error = "harness h.py:run on sample 0 (prompt index 3) raised ValueError: x"
+    sample = Sample(Prompt(3, (1,), "a"), 0, [2], [0.0], False, 0, episode={"error": error})
+    metrics = {"env_errors": 1.0, "env_episodes": 1.0}
+    for harness, fix, other in (
+        ("h.py:run", "fix the harness (env.harness)", "env.max_concurrency"),
+        (None, "raise env.timeout_s / env.max_concurrency", "env.harness"),
+    ):
+        env = SimpleNamespace(harness=harness, max_error_fraction=0.5)
+        with pytest.raises(EnvCallError) as caught:
+            check_env_errors(metrics, [sample], env, step=1)
+        assert error in str(caught.value) and fix in str(caught.value)
+        assert other not in str(caught.value)

@@ -512,7 +512,8 @@ class AgentRolloutEngine:
             seconds = time.monotonic() - r.started
             late = seconds > deadline and not held
             if r.future.done() or late:
-                outcomes[r.slot] = (r.episode, _outcome(r.future, late, seconds))
+                result = _outcome(r.future, late, seconds, deadline - 5.0)
+                outcomes[r.slot] = (r.episode, result)
                 del running[key]
 
     def _unblock(
@@ -659,14 +660,22 @@ class AgentRolloutEngine:
         )
 
 
-def _outcome(future: Future, late: bool, seconds: float) -> tuple[Any, Optional[str], float]:
-    """(value, error text or None, seconds) of an episode's future."""
+def _outcome(
+    future: Future, late: bool, seconds: float, deadline: float
+) -> tuple[Any, Optional[str], float]:
+    """(value, error text or None, seconds) of an episode's future; ``deadline``:
+    env.agent.episode_timeout_s."""
+    late_text = (
+        f"took longer than env.agent.episode_timeout_s={deadline:g} s (it awaited something"
+        " that did not answer in time: a tool, a sandbox, a call of its own): raise"
+        " env.agent.episode_timeout_s if its episodes need longer"
+    )
     if late and not future.done():
-        return None, "took longer than env.agent.episode_timeout_s", seconds
+        return None, late_text, seconds
     try:
         return future.result(), None, seconds
     except TimeoutError:
-        return None, "took longer than env.agent.episode_timeout_s", seconds
+        return None, late_text, seconds
     except Exception as err:  # noqa: BLE001 - the user's harness: any exception
         return None, f"raised {type(err).__name__}: {err}", seconds
 
