@@ -195,16 +195,16 @@ def test_the_loop_watchdog_names_the_episode_and_line_that_hold_the_loop(tmp_pat
     import importlib.util
     import time
 
-    from rlbatch.rollout.agent.engine import _harness_call, _Loop
+    from rlbatch.rollout.agent.loop import HarnessLoop, run_harness
 
     path = tmp_path / "blocker.py"
     path.write_text("import time\n\nasync def run(client, model, row):\n    time.sleep(2)\n")
     spec = importlib.util.spec_from_file_location("blocker", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    loop = _Loop()
+    loop = HarnessLoop()
     assert loop.holder(str(path))[0] is None  # idle: no episode holds it
-    call = _harness_call("ep-3", module.run, None, "policy", {})
+    call = run_harness("ep-3", module.run, None, "policy", {})
     future = loop.submit(asyncio.wait_for(call, 30))
     deadline = time.monotonic() + 10
     while loop.lag() < 1.0 and time.monotonic() < deadline:
