@@ -1,8 +1,9 @@
 """Agent harness faults through the real rlbatch-train: a harness that raises, returns a
-non-number, asks n > 1, makes no call or hangs, next to one whose calls run past env.max_turns
-and one that sends token ids to /v1/completions (streamed), in one run under
-env.on_error=zero_reward; the same harness stopping the run under raise_error, naming the harness
-and the row without a traceback; and the configuration errors before launch, all at once."""
+non-number, asks n > 1, makes no call, hangs or holds the event loop, next to one whose calls
+run past env.max_turns and one that sends token ids to /v1/completions (streamed), in one run
+under env.on_error=zero_reward; the harness holding the loop stopping the run under
+raise_error, naming its episode and line without a traceback; and the configuration errors
+before launch, all at once."""
 
 from __future__ import annotations
 
@@ -16,9 +17,25 @@ pytestmark = pytest.mark.e2e
 
 FAULTS = """
 import asyncio
+import time
+
+BLOCKED = []
 
 async def run(client, model, row):
     kind = int(row["answer"])
+    if kind == 7:  # the first one holds the event loop (synchronous code), the others call once
+        if not BLOCKED:
+            BLOCKED.append(1)
+            time.sleep(40)  # BLOCKS HERE
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
+        return 1.0
+    if kind == 8:  # two calls at once on one prompt (best-of-2, its own seeds), then on from the 1st
+        messages = [{"role": "user", "content": "x"}]
+        a, b = await asyncio.gather(*[client.chat.completions.create(
+            model=model, messages=messages, max_tokens=3, seed=s) for s in (0, 1)])
+        messages += [a.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "y"}]
+        await client.chat.completions.create(model=model, messages=messages, max_tokens=3)
+        return 1.0
     if kind == 0:
         raise ValueError("broken harness")
     if kind == 1:
@@ -53,23 +70,36 @@ async def run(client, model, row):
 def fault_run(bin_dir, subprocess_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     (tmp / "faults.py").write_text(FAULTS)
-    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(7)]
+    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(9)]
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "blocking.jsonl").write_text("".join(json.dumps(rows[k]) + "\n" for k in (6, 7, 6, 6)))
     return tmp
 
 
-def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subprocess_env):
+def _blocking_line() -> int:
+    return next(n for n, line in enumerate(FAULTS.splitlines(), 1) if "BLOCKS HERE" in line)
+
+
+@pytest.fixture(scope="module")
+def zero_run(fault_run, bin_dir, subprocess_env):
+    """One step of every kind of harness under env.on_error=zero_reward: (metrics, samples)."""
     run_dir = fault_run / "zero"
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
                 "env.harness=faults.py:run", "env.on_error=zero_reward", "data.path=rows.jsonl",
-                "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=28",
+                "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=36",
                 "env.agent.episode_timeout_s=20", "env.timeout_s=1", "env.max_error_fraction=1.0",
-                "env.max_turns=3",
+                "env.max_turns=3", "env.agent.block_timeout_s=4",
                 # the hang detector's bound is below the episode deadline: the round's wait on
                 # its harnesses is bounded by their deadlines, not by trainer.timeout_s
                 "trainer.timeout_s=19")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (metrics,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip
+    return metrics, samples
+
+
+def test_harness_faults_score_zero_under_zero_reward(zero_run):
+    _, samples = zero_run
     expected = {
         0: "raised ValueError: broken harness",
         1: "returned str 'not a number'",
@@ -77,8 +107,21 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
         3: "made no call to the endpoint",
         4: "took longer than env.agent.episode_timeout_s",
     }
-    assert len(samples) == 28
+    assert len(samples) == 36 + 4  # each best-of-2 episode (answer 8) trains 2 samples
+    # one episode held the loop: it alone is the error, named with the line it blocked at; the
+    # episodes beside it restarted on a fresh loop and ended as they would have
+    blocked = [s for s in samples if s["answer"] == "7" and s["end"] == "error"]
+    assert len(blocked) == 1, [s["error"] for s in samples if s["answer"] == "7"]
+    assert "held the rank's event loop" in blocked[0]["error"]
+    assert f"faults.py:{_blocking_line()} in run" in blocked[0]["error"], blocked[0]["error"]
     for s in samples:
+        if s["answer"] == "8":
+            continue
+        if s["answer"] == "7" and s["end"] == "done":
+            assert s["reward"] == 1.0 and s["num_turns"] == 1
+            continue
+        if s["answer"] == "7":
+            continue
         if s["answer"] == "5":  # the calls past env.max_turns were answered with no tokens
             assert s["end"] == "done" and s["reward"] == 1.0 and s["num_turns"] == 3
             assert len(s["turns"]) == 5 and s["turns"][3]["completion_ids"] == []
@@ -96,13 +139,59 @@ def test_harness_faults_score_zero_under_zero_reward(fault_run, bin_dir, subproc
         assert expected[int(s["answer"])] in s["error"], s["error"]
 
 
+def test_concurrent_calls_on_one_prompt_are_branches_and_every_one_trains(zero_run):
+    """A harness sending two calls at once on one prompt (answer 8), then going on from the
+    first's reply: the second call is a branch (a sample of its own, no split), the third joins
+    the first's sample by the splice, and every sampled token is trained once."""
+    metrics, samples = zero_run
+    assert metrics["episode_splits"] == 0  # no harness of this run rewrote its history
+    assert metrics["episode_branches"] == 4  # one per best-of-2 episode
+    lines = [s for s in samples if s["answer"] == "8"]
+    assert len(lines) == 8
+    for first, last in zip(lines[::2], lines[1::2], strict=True):
+        assert (first["segment"], last["segment"], first["segments"]) == (0, 1, 2)
+        calls = last["turns"]
+        assert len(calls) == 3 and calls[0]["prompt_ids"] == calls[1]["prompt_ids"]
+        assert not any(c["diverged"] for c in calls) and calls[2]["spliced"]
+        on = [i for i in (0, 1) if calls[2]["prompt_ids"][: len(calls[i]["prompt_ids"]) + len(calls[i]["completion_ids"])] == calls[i]["prompt_ids"] + calls[i]["completion_ids"]]  # fmt: skip
+        assert len(on) == 1  # it went on from one of the two replies
+        assert sorted([first["calls"], last["calls"]]) == sorted([[on[0], 2], [1 - on[0]]])
+        for part in (first, last):
+            mine = [calls[i] for i in part["calls"]]
+            trained = [t for t, m in zip(part["response_ids"], part["loss_mask"], strict=True) if m]  # fmt: skip
+            assert trained == [t for c in mine for t in c["completion_ids"]]
+            assert part["prompt_ids"] == mine[0]["prompt_ids"]
+            assert part["reward"] == 1.0 and not part["truncated"]
+
+
+def test_truncated_means_a_limit_of_the_run(zero_run):
+    """A call cut by the client's own max_tokens (3 or 5 here) answers finish_reason=length but
+    is not truncated (grpo.mask_truncated_completions leaves it in the loss); one cut by
+    rollout.max_new_tokens (16) or refused past env.max_turns is."""
+    metrics, samples = zero_run
+    calls = [c for s in samples for c in s["turns"]]
+    client_cut = [c for c in calls if c["finish_reason"] == "length" and 0 < len(c["completion_ids"]) < 16]  # fmt: skip
+    assert len(client_cut) >= 8  # the best-of-2 calls mostly stop at their max_tokens=3
+    for c in calls:
+        run_cut = c["finish_reason"] == "length" and len(c["completion_ids"]) in (0, 16)
+        assert c["truncated"] == run_cut, c
+    assert metrics["episodes_truncated"] == sum(bool(s["turns"]) and s["turns"][-1]["truncated"] for s in samples)  # fmt: skip
+    for s in samples:  # a sample is truncated when its last call is
+        if s["turns"]:
+            mine = [s["turns"][i] for i in s["calls"]]
+            assert s["truncated"] == mine[-1]["truncated"]
+
+
 def test_harness_error_stops_the_run_naming_harness_and_row(fault_run, bin_dir, subprocess_env):
+    """A harness holding the event loop (the second of four rows blocks, the others stream) stops
+    the run within env.agent.block_timeout_s, naming its episode and line, not a bystander."""
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={fault_run / 'raise'}",
-                "env.harness=faults.py:run", "data.path=rows.jsonl", "trainer.max_steps=1",
-                "grpo.global_batch_size=28", "env.agent.episode_timeout_s=3")  # fmt: skip
+                "env.harness=faults.py:run", "data.path=blocking.jsonl", "trainer.max_steps=1",
+                "grpo.global_batch_size=16", "env.agent.block_timeout_s=4")  # fmt: skip
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
-    assert "faults.py:run on sample" in out and "prompt index" in out
+    assert "faults.py:run on sample" in out and "(prompt index 1) held the rank's event loop" in out
+    assert f"faults.py:{_blocking_line()} in run" in out and "asyncio.to_thread" in out
     assert "Traceback" not in out
 
 
@@ -110,9 +199,10 @@ def test_configuration_errors_before_launch(fault_run, bin_dir, subprocess_env):
     (fault_run / "sync.py").write_text("def run(client, model, row):\n    return 1.0\n")
     proc = _run(bin_dir, subprocess_env, fault_run, "env.harness=sync.py:run",
                 "env.path=rlbatch.env.guess_number:GuessNumber", "data.chat_template=none",
-                "grpo.num_steps_async=1", "env.agent.port=70000")  # fmt: skip
+                "grpo.num_steps_async=1", "env.agent.port=70000", "env.agent.block_timeout_s=0")  # fmt: skip
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
     for needle in ("env.harness", "env.path=null for a harness", "data.chat_template",
-                   "grpo.overlap_generation=false", "env.agent.port", "is not an async function"):  # fmt: skip
+                   "grpo.overlap_generation=false", "env.agent.port", "is not an async function",
+                   "env.agent.block_timeout_s=0.0: must be > 0"):  # fmt: skip
         assert needle in out, needle

@@ -46,6 +46,7 @@ def check_agent(cfg: RunConfig, errors: list[ConfigError]) -> None:
         ("env.max_turns", env.max_turns),
         ("env.max_concurrency", env.max_concurrency),
         ("env.agent.episode_timeout_s", env.agent.episode_timeout_s),
+        ("env.agent.block_timeout_s", env.agent.block_timeout_s),
     ):
         if not value > 0:
             errors.append(ConfigError(key, value, "must be > 0"))

@@ -33,6 +33,11 @@ class AgentConfig:
     episode_timeout_s: float = 300.0
     """Longest one episode (the harness's run call) may take; beyond it the episode is an
     error (env.on_error decides what that does)."""
+    block_timeout_s: float = 10.0
+    """Longest a harness may hold the rank's event loop without awaiting (synchronous code:
+    ``time.sleep``, a blocking tool); beyond it that episode is an error naming it and the line
+    it blocks at (raise_error stops the run; zero_reward scores it 0 and restarts the others
+    on a fresh loop)."""
 
 
 @dataclass
@@ -61,7 +66,9 @@ class EnvConfig:
     """Tokens of a whole trajectory (prompt, every assistant turn and observation); reaching it
     ends the episode as truncated. Also the longest sequence the token budgets must hold."""
     timeout_s: float = 30.0
-    """Longest one reset / step call may take; beyond it the call counts as an error."""
+    """Longest one reset / step call may take; beyond it the call counts as an error.
+    env.harness: how long the other episodes' calls wait for an episode working on its own
+    between two calls before they decode without it (docs/agents.md)."""
     max_concurrency: int = 16
     """Threads that run synchronous reset / step calls at once (async ones share one loop)."""
     on_error: EnvOnError = EnvOnError.raise_error

@@ -11,7 +11,9 @@ env.max_observation_tokens) and ``env_episodes`` (episodes that reached their en
 least one step call, or a failed reset; an episode whose every turn was cut by
 rollout.max_new_tokens never does); agent harnesses (env.harness) add ``episode_splits``
 (calls that rewrote their episode's history and started a new segment: each is one more
-trained sample, rlbatch.grpo.types.trained_samples).
+trained sample, rlbatch.grpo.types.trained_samples) and ``episode_branches`` (calls that sampled
+again from a point their episode had reached, e.g. two calls at once on one prompt: one more
+trained sample each, no divergence).
 
 A logged sample is one trained sample: an episode split in k segments writes k lines (its
 earlier segments first, then the last, which carries the episode's calls under ``turns``), each
@@ -35,7 +37,7 @@ from rlbatch.grpo.types import Sample, trained_samples
 
 _SUMS = (
     "samples", "turns", "env_seconds", "observation_tokens", "truncated", "errors", "cut",
-    "reached", "splits",
+    "reached", "splits", "branches",
 )  # fmt: skip
 
 
@@ -54,6 +56,7 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         local["cut"] += ep.get("observations_cut", 0)
         local["reached"] += bool(ep.get("reached_env", False))
         local["splits"] += ep.get("splits", 0)
+        local["branches"] += ep.get("branches", 0)
         turns_max = max(turns_max, ep.get("num_turns", 1))
     total = dict(zip(_SUMS, dist.all_reduce_sum([local[k] for k in _SUMS]), strict=True))
     n = max(total["samples"], 1.0)
@@ -67,6 +70,7 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         "observations_cut": total["cut"],
         "env_episodes": total["reached"],
         "episode_splits": total["splits"],
+        "episode_branches": total["branches"],
     }
 
 
@@ -89,8 +93,12 @@ def check_env_errors(
         raise EnvCallError(
             f"step {step}: every one of the {errors:.0f} episodes that reached the environment"
             f" failed (env.on_error=zero_reward would train on reward 0 alone), e.g. {example}:"
-            " fix the environment, or raise env.timeout_s / env.max_concurrency if its calls"
-            " time out"
+            + (
+                " fix the harness (env.harness)"
+                if env.harness
+                else " fix the environment, or raise env.timeout_s / env.max_concurrency if its"
+                " calls time out"
+            )
         )
     if errors / reached > env.max_error_fraction:
         return [

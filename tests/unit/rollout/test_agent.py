@@ -100,7 +100,9 @@ def test_continuation_leaves_earlier_reasoning_to_the_sampled_ids():
 
 
 def _call(i, prompt, completion, finish="stop"):
-    return Call(i, prompt, completion, [-0.5 - t for t in range(len(completion))], 3, finish, 0)
+    call = Call(i, prompt, completion, [-0.5 - t for t in range(len(completion))], 3, finish, 0)
+    call.truncated = finish == "length"
+    return call
 
 
 def test_assemble_joins_extending_calls_and_splits_the_rest():
@@ -116,8 +118,29 @@ def test_assemble_joins_extending_calls_and_splits_the_rest():
     assert first.logps == [-0.5, -1.5, 0.0, 0.0, -0.5]
     assert first.calls == [0, 1] and not first.truncated
     assert second.prompt_ids == [1, 5] and second.ids == [13, 14] and second.mask == [1, 1]
-    assert second.truncated
+    assert second.truncated and not second.branch
     assert json.dumps(calls[0].record())  # the episode record is plain JSON
+
+
+def test_assemble_tells_branches_from_splits():
+    calls = [
+        _call(0, [1, 2], [10, 11]),
+        _call(1, [1, 2], [12, 13]),  # the same prompt again (two calls at once): a branch
+        _call(2, [1, 2, 10, 11, 20], [14]),  # goes on from call 0's reply: joins its segment
+        _call(3, [1, 2, 12, 13, 21], [15]),  # goes on from call 1's: joins the branch
+        _call(4, [1, 2, 10, 11, 22], [16]),  # call 0's reply, other new turns: a branch
+        _call(5, [1, 3], [17]),  # none of the episode's points: a split (rewritten history)
+    ]
+    first, second, third, fourth = assemble(calls)
+    assert (first.calls, second.calls, third.calls, fourth.calls) == ([0, 2], [1, 3], [4], [5])
+    assert first.ids == [10, 11, 20, 14] and first.mask == [1, 1, 0, 1]
+    assert second.ids == [12, 13, 21, 15] and second.mask == [1, 1, 0, 1]
+    assert third.prompt_ids == [1, 2, 10, 11, 22] and third.ids == [16]
+    assert [s.branch for s in (first, second, third, fourth)] == [False, True, True, False]
+    # every sampled token is trained once
+    segments = (first, second, third, fourth)
+    trained = sorted(t for s in segments for t, m in zip(s.ids, s.mask, strict=True) if m)
+    assert trained == sorted(t for c in calls for t in c.completion_ids)
 
 
 def _reply(**over):
@@ -162,3 +185,57 @@ def test_responses_parse_as_the_openai_client_reads_them():
     stop_cut = _reply(text="a", content="a", tokens=["a", "b"], ids=[97, 98], logps=[-0.1, -0.2])
     pieces = stream_chunks("completion", {}, stop_cut)
     assert "".join(c["choices"][0]["text"] for c in pieces) == "a"  # the stop string's "b" unshown
+
+
+def test_the_loop_watchdog_names_the_episode_and_line_that_hold_the_loop(tmp_path):
+    """A harness that holds its event loop (time.sleep in async code) is seen from another
+    thread: the loop's lag grows and the holder is the episode's key and the harness's line,
+    through the same wait_for wrapping the engine uses."""
+    import asyncio
+    import importlib.util
+    import time
+
+    from rlbatch.rollout.agent.loop import HarnessLoop, run_harness
+
+    path = tmp_path / "blocker.py"
+    path.write_text("import time\n\nasync def run(client, model, row):\n    time.sleep(2)\n")
+    spec = importlib.util.spec_from_file_location("blocker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loop = HarnessLoop()
+    assert loop.holder(str(path))[0] is None  # idle: no episode holds it
+    call = run_harness("ep-3", module.run, None, "policy", {})
+    future = loop.submit(asyncio.wait_for(call, 30))
+    deadline = time.monotonic() + 10
+    while loop.lag() < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loop.lag() >= 1.0
+    assert loop.holder(str(path)) == ("ep-3", f"{path}:4 in run")
+    future.result(timeout=10)
+    time.sleep(0.3)
+    assert loop.lag() < 0.3  # the heartbeat runs again once the harness lets go
+
+
+def test_a_step_whose_every_harness_episode_failed_names_the_harness_fix():
+    """The stop after a step where every episode failed points at the harness, not at
+    env.timeout_s / env.max_concurrency (which an environment's calls use, a harness's not)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from rlbatch.env.protocol import EnvCallError
+    from rlbatch.grpo.types import Prompt, Sample
+    from rlbatch.train.episodes import check_env_errors
+
+    error = "harness h.py:run on sample 0 (prompt index 3) raised ValueError: x"
+    sample = Sample(Prompt(3, (1,), "a"), 0, [2], [0.0], False, 0, episode={"error": error})
+    metrics = {"env_errors": 1.0, "env_episodes": 1.0}
+    for harness, fix, other in (
+        ("h.py:run", "fix the harness (env.harness)", "env.max_concurrency"),
+        (None, "raise env.timeout_s / env.max_concurrency", "env.harness"),
+    ):
+        env = SimpleNamespace(harness=harness, max_error_fraction=0.5)
+        with pytest.raises(EnvCallError) as caught:
+            check_env_errors(metrics, [sample], env, step=1)
+        assert error in str(caught.value) and fix in str(caught.value)
+        assert other not in str(caught.value)

@@ -5,7 +5,7 @@ server-sent events when ``stream`` is true), ``GET /e/<episode>/v1/models``. Eac
 its own address (the harness's client is pointed at it), so calls group into episodes without
 the harness's help. With env.agent.auth_token set, a call without ``Authorization: Bearer
 <token>`` is refused (401). The server runs in daemon threads (one per connection); the work of
-a call is :class:`rlbatch.rollout.agent.engine.AgentSession`'s.
+a call is :class:`rlbatch.rollout.agent.session.AgentSession`'s.
 """
 
 from __future__ import annotations

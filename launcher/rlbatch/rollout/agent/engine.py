@@ -1,20 +1,21 @@
 """Rollouts through agent harnesses (env.harness): the loop's RolloutEngine for them.
 
-``generate`` runs one episode per row: the harness's ``run(client, model, row)`` on an event
-loop thread, its client pointed at the episode's address on this rank's endpoint
-(rlbatch.rollout.agent.endpoint). The endpoint's threads hand each call's prompt ids here
-(:class:`AgentSession`); the calling thread decodes them on the run's engine at the current
-weights and answers. Decoding waits until every running episode has a call waiting (or has
-ended, or has worked on its own longer than env.timeout_s since its last answer), so for
-harnesses whose own work between calls stays under env.timeout_s, which calls share a decode
-batch follows the harnesses' progress, never their timing; each call samples from ``segment_seed(row seed, call index)``: a deterministic harness
-gives the same episodes again (resume included). At most env.max_concurrency episodes run at
-once; each is bounded by env.agent.episode_timeout_s.
+``generate`` runs one episode per row: the harness's ``run(client, model, row)`` on the rank's
+harness loop (rlbatch.rollout.agent.loop), its client pointed at the episode's address on this
+rank's endpoint (rlbatch.rollout.agent.endpoint). The endpoint's threads hand each call to the
+round's :class:`~rlbatch.rollout.agent.session.AgentSession`; this thread decodes the waiting
+calls (rlbatch.rollout.agent.decoders) at the current weights once every running episode has
+one (or has ended, or has worked on its own longer than env.timeout_s since its last answer),
+and answers them. Each call samples from ``segment_seed(row seed, call index)`` (or the
+client's ``seed``): a deterministic harness gives the same episodes again (resume included).
+At most env.max_concurrency episodes run at once; each is bounded by
+env.agent.episode_timeout_s, and a harness that holds the loop past env.agent.block_timeout_s
+is an error of its own episode (:meth:`AgentRolloutEngine._unblock`).
 
 Each episode's calls become samples by rlbatch.rollout.agent.episodes (exact sampled ids,
-splice, divergence): one per segment. The row's sample is the last segment and carries the
-earlier ones (``Sample.earlier_segments``: a split episode trains every segment, with the
-episode's reward and advantage). The harness's return value is the episode's reward
+splice, divergence, branches): one per segment. The row's sample is the last segment and
+carries the earlier ones (``Sample.earlier_segments``: a split episode trains every segment,
+with the episode's reward and advantage). The harness's return value is the episode's reward
 (``Sample.episode`` carries it and the calls, as an environment's episode record does).
 """
 
@@ -23,300 +24,36 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 from rlbatch.config.enums import ChatTemplate, EnvOnError, OnDivergence, ToolParser
 from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Prompt, Sample, group_rows
-from rlbatch.rollout.agent import chat
-from rlbatch.rollout.agent.endpoint import CallError, Endpoint
-from rlbatch.rollout.agent.episodes import Call, DivergenceError, assemble
+from rlbatch.rollout.agent.decoders import AgentDecoder, build_decoder
+from rlbatch.rollout.agent.endpoint import Endpoint
+from rlbatch.rollout.agent.episodes import assemble
 from rlbatch.rollout.agent.harness import episode_reward, load_harness
-from rlbatch.rollout.protocol import DecodedRow, row_seeds, segment_seed
+from rlbatch.rollout.agent.loop import HarnessLoop, run_harness
+from rlbatch.rollout.agent.session import AgentSession, Episode, Limits
+from rlbatch.rollout.protocol import row_seeds
 from rlbatch.runtime import progress
 
 log = logging.getLogger(__name__)
 
-IGNORED_SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
-
 
 @dataclasses.dataclass
-class Limits:
-    """The run's settings a call is answered under."""
+class _Running:
+    """An episode in flight."""
 
-    max_new_tokens: int
-    max_total_tokens: int
-    max_turns: int
-    eos_ids: tuple[int, ...]
-    template: ChatTemplate
-    tool_parser: ToolParser
-    on_divergence: OnDivergence
-
-
-class Episode:
-    """One row's episode: its calls and what the session knows of its state."""
-
-    def __init__(self, row: int, prompt: Prompt, seed: int) -> None:
-        self.row, self.prompt, self.seed = row, prompt, seed
-        self.calls: list[Call] = []
-        self.errors: list[str] = []
-        """Calls the endpoint refused for a harness fault (n > 1, ...)."""
-        self.diverged = False
-        """A call diverged under env.agent.on_divergence=error."""
-        self.waiting = 0
-        """Calls waiting to be decoded."""
-        self.idle_since = time.monotonic()
-        """When it last started or had a call answered (its harness's own work since)."""
-        self.lock = threading.Lock()
-
-
-@dataclasses.dataclass
-class _Job:
-    key: str
+    slot: str
+    """Its key when the round began: its place among the round's rows (a restart gives it a
+    new key, never a new slot)."""
     episode: Episode
-    prompt_ids: list[int]
-    seed: int
-    max_tokens: int
     future: Future
-
-
-class AgentSession:
-    """The episodes of one generate call, answered by the endpoint's threads (``answer``) and
-    decoded by the generating thread (``take``)."""
-
-    def __init__(
-        self, limits: Limits, tokenizer: Any, episodes: dict[str, Episode], idle_s: float
-    ) -> None:
-        self.limits, self.tokenizer, self.episodes = limits, tokenizer, episodes
-        self.idle_s = idle_s
-        """env.timeout_s: an episode whose harness works longer than this between calls is
-        not waited for (the others decode meanwhile)."""
-        self.jobs: list[_Job] = []
-        self.changed = threading.Condition()
-        self.warned: set[str] = set()
-
-    # --------------------------------------------------------------- endpoint threads
-    def answer(self, key: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        ep = self.episodes.get(key)
-        if ep is None:
-            raise CallError(404, f"episode {key} is not running")
-        n = body.get("n", 1)
-        if n not in (1, None):
-            ep.errors.append(f"asked for n={n} completions in one call: ask one per call")
-            raise CallError(400, f"n={n}: this endpoint samples one completion per call (n=1)")
-        self._warn_ignored(body)
-        with ep.lock:
-            index = len(ep.calls)
-            prompt_ids, spliced, diverged = self._prompt(ep, kind, body)
-            call = Call(
-                index, prompt_ids, [], [], -1, "length", segment_seed(ep.seed, index), spliced
-            )
-            call.diverged = diverged
-            if kind == "chat":
-                call.messages = list(body.get("messages") or [])
-                call.tools = body.get("tools") or None
-            ep.calls.append(call)
-        limit = self._max_tokens(body, len(prompt_ids))
-        if index >= self.limits.max_turns or limit <= 0:
-            call.reply = {"role": "assistant", "content": ""}
-            return self._reply(call, "", [], "", [])
-        job = _Job(key, ep, prompt_ids, call.seed, limit, Future())
-        with self.changed:
-            ep.waiting += 1
-            self.jobs.append(job)
-            self.changed.notify_all()
-        row: DecodedRow
-        row, version = job.future.result()
-        return self._finish(call, row, version, limit, body)
-
-    def _warn_ignored(self, body: dict[str, Any]) -> None:
-        for key in IGNORED_SAMPLING:
-            if body.get(key) is not None and key not in self.warned:
-                self.warned.add(key)
-                log.warning(
-                    "agent endpoint: the client's %s=%s is ignored: completions are sampled"
-                    " with rollout.temperature (the loss compares log-probs at it)",
-                    key,
-                    body[key],
-                )
-
-    def _max_tokens(self, body: dict[str, Any], prompt_len: int) -> int:
-        asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        limits = [self.limits.max_new_tokens, self.limits.max_total_tokens - prompt_len]
-        if isinstance(asked, int) and asked > 0:
-            limits.append(asked)
-        return min(limits)
-
-    def _prompt(self, ep: Episode, kind: str, body: dict[str, Any]) -> tuple[list[int], bool, bool]:
-        """(prompt ids, spliced, diverged) of a call (see rlbatch.rollout.agent.episodes)."""
-        if kind == "completion":
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-                if len(prompt) != 1:
-                    raise CallError(400, "one prompt per call")
-                prompt = prompt[0]
-            vocab = getattr(self.tokenizer, "vocab_size", None)
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
-                if bad:
-                    raise CallError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")  # fmt: skip
-                ids = [int(t) for t in prompt]  # token in
-            elif isinstance(prompt, str):
-                ids = [int(t) for t in self.tokenizer.encode(prompt)]
-            else:
-                raise CallError(400, "prompt must be a string or a non-empty list of token ids")
-            if not ids:
-                raise CallError(400, "the prompt has no tokens")
-            return ids, False, self._diverges(ep, ids)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise CallError(400, "messages must be a non-empty list")
-        tools = body.get("tools") or None
-        spliced = self._splice(ep, messages, tools)
-        if spliced is not None:
-            return spliced, True, False
-        text = chat.render(self.limits.template, messages, self.tokenizer, tools)
-        ids = [int(t) for t in self.tokenizer.encode(text)]
-        return ids, False, self._diverges(ep, ids)
-
-    def _splice(
-        self, ep: Episode, messages: list[Any], tools: Optional[list[Any]]
-    ) -> Optional[list[int]]:
-        """The previous call's ids + the new messages' rendering, when ``messages`` are the
-        previous call's, its reply, then new ones (None otherwise)."""
-        last = next((c for c in reversed(ep.calls) if c.completion_ids), None)
-        if last is None or last.messages is None or last.reply is None:
-            return None
-        known = len(last.messages)
-        if (
-            len(messages) <= known
-            or (tools or None) != last.tools
-            or not chat.same_messages(messages[:known], last.messages)
-            or not chat.same_assistant_turn(messages[known], last.reply)
-        ):
-            return None
-        eos = last.completion_ids[-1] in self.limits.eos_ids
-        added = chat.continuation_text(
-            self.limits.template, self.tokenizer, messages[known + 1 :], tools, eos
-        )
-        return [*last.prompt_ids, *last.completion_ids, *self.tokenizer.encode(added)]
-
-    def _diverges(self, ep: Episode, ids: list[int]) -> bool:
-        last = next((c for c in reversed(ep.calls) if c.completion_ids), None)
-        if last is None:
-            return False
-        history = [*last.prompt_ids, *last.completion_ids]
-        if ids[: len(history)] == history:
-            return False
-        if OnDivergence(self.limits.on_divergence) == OnDivergence.error:
-            message = (
-                f"call {len(ep.calls)} of episode {ep.row} (prompt index {ep.prompt.index})"
-                " does not continue the episode's earlier calls (the harness rewrote or cut"
-                " its history): env.agent.on_divergence=error; set it to split to train each"
-                " part apart"
-            )
-            ep.errors.append(message)
-            ep.diverged = True
-            raise DivergenceError(message)
-        return True
-
-    def _finish(
-        self, call: Call, row: DecodedRow, version: int, limit: int, body: dict[str, Any]
-    ) -> dict[str, Any]:
-        ids, logps = list(row.tokens), list(row.logps)
-        stops = body.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else list(stops)
-        eos = bool(ids) and ids[-1] in self.limits.eos_ids
-        shown_ids = ids[:-1] if eos else ids
-        text = self.tokenizer.decode(shown_ids)
-        cut = _stop_cut(self.tokenizer, shown_ids, stops) if stops else None
-        if cut is not None:
-            keep, text = cut
-            ids, logps, eos = ids[:keep], logps[:keep], False
-        finish = "stop" if eos or cut is not None else "length" if len(ids) >= limit else "stop"
-        call.completion_ids, call.logps, call.version = ids, logps, version
-        call.server = row.server
-        content: Optional[str] = text
-        tool_calls: list[dict[str, Any]] = []
-        if call.messages is not None:
-            content, tool_calls = chat.parse_tool_calls(text, self.limits.tool_parser)
-            if tool_calls and finish == "stop":
-                finish = "tool_calls"
-        call.finish_reason = finish
-        call.reply = {"role": "assistant", "content": content, "tool_calls": tool_calls}
-        return self._reply(call, text, ids, content, tool_calls)
-
-    def _reply(
-        self,
-        call: Call,
-        text: str,
-        ids: list[int],
-        content: Optional[str],
-        tool_calls: list[Any],
-    ) -> dict[str, Any]:
-        call.finish_reason = call.finish_reason if ids else "length"
-        return {
-            "text": text,
-            "ids": ids,
-            "logps": call.logps,
-            "tokens": [self.tokenizer.decode([t]) for t in ids],
-            "finish_reason": call.finish_reason,
-            "content": content,
-            "tool_calls": tool_calls,
-            "prompt_tokens": len(call.prompt_ids),
-        }
-
-    # --------------------------------------------------------------- generating thread
-    def take(self, running: Sequence[Episode], timeout: float) -> list[_Job]:
-        """The waiting calls once every running episode has one or has worked longer than
-        env.timeout_s since its last answer ([] when that is not so within ``timeout``)."""
-
-        def ready() -> bool:
-            now = time.monotonic()
-            return bool(self.jobs) and all(
-                ep.waiting or now - ep.idle_since > self.idle_s for ep in running
-            )
-
-        with self.changed:
-            self.changed.wait_for(ready, timeout)
-            if not ready():
-                return []
-            jobs, self.jobs = self.jobs, []
-            for job in jobs:
-                job.episode.waiting -= 1
-            return jobs
-
-    def fail_waiting(self, err: BaseException) -> None:
-        with self.changed:
-            for job in self.jobs:
-                job.future.set_exception(err)
-            self.jobs = []
-
-
-def _stop_cut(tokenizer: Any, ids: list[int], stops: list[str]) -> Optional[tuple[int, str]]:
-    """(tokens kept, text shown) at the first stop string: the tokens up to the one that
-    completes it (all sampled), the text before it."""
-    for n in range(1, len(ids) + 1):
-        text = tokenizer.decode(ids[:n])
-        found = [text.find(s) for s in stops if s and s in text]
-        if found:
-            return n, text[: min(found)]
-    return None
-
-
-class _Loop:
-    """One event loop in a daemon thread: where harnesses run."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="rlbatch-harness", daemon=True).start()
-
-    def submit(self, coro: Any) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+    started: float
 
 
 _ENDPOINTS: dict[tuple[str, int], Endpoint] = {}
@@ -331,32 +68,6 @@ def shared_endpoint(host: str, port: int, token: Optional[str]) -> Endpoint:
     if key not in _ENDPOINTS:
         _ENDPOINTS[key] = Endpoint(host, port, token)
     return _ENDPOINTS[key]
-
-
-class AgentDecoder(Protocol):
-    """What the agent engine decodes its calls on: the built-in engine
-    (:class:`BuiltinDecoder`) or a backend with its own weights (:class:`SyncedDecoder`)."""
-
-    def __call__(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        seeds: Sequence[int],
-        max_tokens: Sequence[int],
-        version: int,
-        episodes: Sequence[str],
-    ) -> list[DecodedRow]:
-        """One row per call, sampled from its seed alone at policy ``version``, at most
-        max_tokens[i] tokens; ``episodes``: each call's episode (a server backend keeps an
-        episode's calls on one server)."""
-        ...
-
-    def release(self, episodes: Sequence[str]) -> None:
-        """The round's ``episodes`` ended."""
-        ...
-
-    def take_figures(self) -> dict[str, float]:
-        """The backend's ``rollout/*`` counters since the last call (weight syncs, servers)."""
-        ...
 
 
 class AgentRolloutEngine:
@@ -385,7 +96,10 @@ class AgentRolloutEngine:
         self.endpoint = shared_endpoint(env.agent.host, port, env.agent.auth_token)
         for name in ("httpx", "httpx2"):  # the clients' per-call lines
             logging.getLogger(name).setLevel(logging.WARNING)
-        self.loop = _Loop()
+        self.loop = HarnessLoop()
+        self.source = getattr(getattr(self.harness, "__code__", None), "co_filename", "")
+        """The harness's file: where the loop watchdog looks for the line that blocks."""
+        self.restarts = 0
         self.version = -1
 
     def take_figures(self) -> dict[str, float]:
@@ -414,48 +128,116 @@ class AgentRolloutEngine:
         finally:
             session.fail_waiting(RuntimeError("the episode's round is over"))
             self.endpoint.session = None
-            self.decode.release(list(episodes))
+            self.decode.release(session.keys())
         return [
             self._sample(g, ep, outcome, policy_version)
-            for (g, _), ep, outcome in zip(rows, episodes.values(), outcomes, strict=True)
+            for (g, _), (ep, outcome) in zip(rows, outcomes, strict=True)
         ]
 
-    def _run(self, session: AgentSession, episodes: list[tuple[str, Episode]]) -> list[Any]:
-        """Every episode's (value or exception, seconds), decoding their calls meanwhile."""
+    def _run(
+        self, session: AgentSession, episodes: list[tuple[str, Episode]]
+    ) -> list[tuple[Episode, Any]]:
+        """Every episode's (Episode, (value, error text, seconds)) in the round's order,
+        decoding their calls meanwhile; a harness that holds the loop past
+        env.agent.block_timeout_s is an error of its own episode (:meth:`_unblock`)."""
         env = self.cfg.env
         queue = list(episodes)
-        running: dict[str, tuple[Episode, Future, float]] = {}
-        outcomes: dict[str, Any] = {}
+        running: dict[str, _Running] = {}
+        outcomes: dict[str, tuple[Episode, Any]] = {}
         while queue or running:
             while queue and len(running) < env.max_concurrency:
                 key, ep = queue.pop(0)
-                ep.idle_since = time.monotonic()
-                future = self.loop.submit(self._episode(key, ep))
-                running[key] = (ep, future, time.monotonic())
-            for key, (_, future, started) in list(running.items()):
-                late = time.monotonic() - started > env.agent.episode_timeout_s + 5.0
-                if future.done() or late:
-                    outcomes[key] = _outcome(future, late, time.monotonic() - started)
-                    del running[key]
-            live = [ep for ep, future, _ in running.values() if not future.done()]
-            jobs = session.take(live, timeout=0.05)
-            if jobs:
-                try:
-                    decoded = self.decode(
-                        [j.prompt_ids for j in jobs],
-                        [j.seed for j in jobs],
-                        [j.max_tokens for j in jobs],
-                        self.version,
-                        [j.key for j in jobs],
-                    )
-                except BaseException as err:
-                    for job in jobs:
-                        job.future.set_exception(err)
-                    raise
-                for job, row in zip(jobs, decoded, strict=True):
-                    job.episode.idle_since = time.monotonic()
-                    job.future.set_result((row, self.version))
+                running[key] = self._start(key, key, ep)
+            self._collect(running, outcomes)
+            holder = self._holder(running, env.agent.block_timeout_s) if running else None
+            if holder is not None:
+                self._unblock(session, running, outcomes, *holder)
+            self._decode(session, running)
         return [outcomes[key] for key, _ in episodes]
+
+    def _start(self, key: str, slot: str, ep: Episode) -> _Running:
+        ep.idle_since = time.monotonic()
+        return _Running(slot, ep, self.loop.submit(self._episode(key, ep)), time.monotonic())
+
+    def _collect(self, running: dict[str, _Running], outcomes: dict[str, Any]) -> None:
+        """Move the ended and the late episodes of ``running`` to ``outcomes``. Nobody is late
+        while the loop is held (the watchdog names who holds it)."""
+        deadline = self.cfg.env.agent.episode_timeout_s + 5.0
+        held = self._holder(running, 1.0) is not None
+        for key, r in list(running.items()):
+            seconds = time.monotonic() - r.started
+            late = seconds > deadline and not held
+            if r.future.done() or late:
+                result = _outcome(r.future, late, seconds, deadline - 5.0)
+                outcomes[r.slot] = (r.episode, result)
+                del running[key]
+
+    def _holder(self, running: dict[str, _Running], seconds: float) -> Optional[tuple[str, str]]:
+        """(key, where) of the running episode whose harness has held the loop for longer
+        than ``seconds``, or None. A loop that lags with no episode's harness on its stack (a task
+        a harness started; its thread not scheduled on a loaded machine) is nobody's fault
+        here: the episodes' deadlines and the hang detector still bound it."""
+        if self.loop.lag() <= seconds:
+            return None
+        key, where = self.loop.holder(self.source)
+        return (key, where) if key in running else None
+
+    def _unblock(
+        self,
+        session: AgentSession,
+        running: dict[str, _Running],
+        outcomes: dict[str, Any],
+        key: str,
+        where: str,
+    ) -> None:
+        """The loop has not run for env.agent.block_timeout_s: the episode whose harness holds
+        it is an error naming it and the line. raise_error stops the run; zero_reward scores
+        it 0 and restarts the other running episodes from their start on a fresh loop (a
+        call's seed is its episode's and its index, so they sample what they would have)."""
+        lag = self.loop.lag()
+        problem = (
+            f"held the rank's event loop {lag:.0f} s without awaiting (at {where}), and every"
+            " episode of the rank waited: await slow work (`await asyncio.to_thread(f, ...)`,"
+            " an async client), or raise env.agent.block_timeout_s"
+        )
+        culprit = running.pop(key)
+        if EnvOnError(self.cfg.env.on_error) == EnvOnError.raise_error:
+            raise EnvCallError(f"{self._where(culprit.episode)} {problem}")
+        log.warning("%s %s", self._where(culprit.episode), problem)
+        seconds = time.monotonic() - culprit.started
+        outcomes[culprit.slot] = (culprit.episode, (None, problem, seconds))
+        gone = RuntimeError("the episode restarts on a fresh event loop")
+        session.retire(key, gone)
+        self.loop, self.restarts = HarnessLoop(), self.restarts + 1
+        for old, r in list(running.items()):
+            fresh = Episode(r.episode.row, r.episode.prompt, r.episode.seed)
+            new = f"{r.slot}-r{self.restarts}"
+            session.retire(old, gone)
+            session.episodes[new] = fresh
+            del running[old]
+            running[new] = self._start(new, r.slot, fresh)
+
+    def _decode(self, session: AgentSession, running: dict[str, _Running]) -> None:
+        """Decode the waiting calls once every live episode has one (AgentSession.take)."""
+        live = [r.episode for r in running.values() if not r.future.done()]
+        jobs = session.take(live, timeout=0.05)
+        if not jobs:
+            return
+        try:
+            decoded = self.decode(
+                [j.prompt_ids for j in jobs],
+                [j.seed for j in jobs],
+                [j.max_tokens for j in jobs],
+                self.version,
+                [j.key for j in jobs],
+            )
+        except BaseException as err:
+            for job in jobs:
+                job.future.set_exception(err)
+            raise
+        for job, row in zip(jobs, decoded, strict=True):
+            job.episode.idle_since = time.monotonic()
+            job.future.set_result((row, self.version))
 
     async def _episode(self, key: str, ep: Episode) -> Any:
         import openai
@@ -468,9 +250,8 @@ class AgentRolloutEngine:
             timeout=agent.episode_timeout_s,
         )
         try:
-            return await asyncio.wait_for(
-                self.harness(client, "policy", self.row_of(ep.prompt)), agent.episode_timeout_s
-            )
+            call = run_harness(key, self.harness, client, "policy", self.row_of(ep.prompt))
+            return await asyncio.wait_for(call, agent.episode_timeout_s)
         finally:
             await client.close()
 
@@ -507,12 +288,13 @@ class AgentRolloutEngine:
             "reward": reward,
             "end": "error" if problem else "done",
             "error": problem,
-            "truncated": bool(segments) and segments[-1].truncated,
+            "truncated": bool(ep.calls) and ep.calls[-1].truncated,
             "env_seconds": seconds,
             "observation_tokens": sum(len(s.ids) - sum(s.mask) for s in segments),
             "observations_cut": 0,
             "reached_env": True,
-            "splits": max(0, len(segments) - 1),
+            "splits": sum(1 for s in segments[1:] if not s.branch),
+            "branches": sum(1 for s in segments[1:] if s.branch),
             "segment": max(0, len(segments) - 1),
             "calls": segments[-1].calls if segments else [],
         }
@@ -546,112 +328,33 @@ class AgentRolloutEngine:
         )
 
 
-def _outcome(future: Future, late: bool, seconds: float) -> tuple[Any, Optional[str], float]:
-    """(value, error text or None, seconds) of an episode's future."""
+def _outcome(
+    future: Future, late: bool, seconds: float, deadline: float
+) -> tuple[Any, Optional[str], float]:
+    """(value, error text or None, seconds) of an episode's future; ``deadline``:
+    env.agent.episode_timeout_s."""
+    late_text = (
+        f"took longer than env.agent.episode_timeout_s={deadline:g} s (it awaited something"
+        " that did not answer in time: a tool, a sandbox, a call of its own): raise"
+        " env.agent.episode_timeout_s if its episodes need longer"
+    )
     if late and not future.done():
-        return None, "took longer than env.agent.episode_timeout_s", seconds
+        return None, late_text, seconds
     try:
         return future.result(), None, seconds
     except TimeoutError:
-        return None, "took longer than env.agent.episode_timeout_s", seconds
+        return None, late_text, seconds
     except Exception as err:  # noqa: BLE001 - the user's harness: any exception
         return None, f"raised {type(err).__name__}: {err}", seconds
 
 
 # ------------------------------------------------------------------------------ building
-class BuiltinDecoder:
-    """Calls decoded on the built-in engine's continuous batch (its live weights are the
-    policy's current version): each call sampled from its own key, so its tokens are those of
-    the same call decoded alone; a call asking fewer tokens than the longest keeps its first
-    ``max_tokens``."""
-
-    def __init__(self, engine: Any, rollout: Any, pad_id: int) -> None:
-        self.engine, self.rollout, self.pad_id = engine, rollout, pad_id
-
-    def __call__(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        seeds: Sequence[int],
-        max_tokens: Sequence[int],
-        version: int,
-        episodes: Sequence[str],
-    ) -> list[DecodedRow]:
-        import torch
-
-        from rlbatch.engine import generation
-        from rlbatch.rollout.builtin import decode_continuous
-        from rlbatch.rollout.sampling import SamplingParams, row_keys
-
-        engine, rollout = self.engine, self.rollout
-        eos = engine.params.eos_ids
-        params = SamplingParams(
-            max(max_tokens),
-            eos[0],
-            rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-            pad_id=self.pad_id,
-            extra_eos_ids=tuple(eos[1:]),
-        )
-        keys = torch.cat([row_keys(s, 1) for s in seeds])
-        longest = max(len(p) for p in prompt_ids) + params.max_new_tokens
-        with generation.inference_mode(engine.chunks), torch.inference_mode():
-            decoder = generation.LeanDecoder(engine.chunks[0], len(prompt_ids), longest)
-            out = decode_continuous(decoder, prompt_ids, params, keys, len(prompt_ids), [])
-        rows = []
-        for ids, logps, limit in zip(out.response_ids, out.logps, max_tokens, strict=True):
-            ids, logps = ids[:limit], logps[:limit]
-            ended = bool(ids) and ids[-1] in eos
-            rows.append(DecodedRow(ids, logps, not ended and len(ids) >= limit))
-        return rows
-
-    def release(self, episodes: Sequence[str]) -> None:
-        return None
-
-    def take_figures(self) -> dict[str, float]:
-        return {}
-
-
-class SyncedDecoder:
-    """Calls decoded on a backend with its own copy of the weights (rollout.backend=
-    vllm_server): the weights synced to the call's policy version first (a no-op when the
-    backend holds it), each call sampled from its own seed, an episode's calls kept on one
-    server (its prefix cache holds the conversation), a new episode on the server with the
-    fewest (rlbatch.rollout.server_backend)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        """The run's SyncedRolloutEngine (its backend, sampling and sync figures)."""
-
-    def __call__(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        seeds: Sequence[int],
-        max_tokens: Sequence[int],
-        version: int,
-        episodes: Sequence[str],
-    ) -> list[DecodedRow]:
-        self.engine.ensure_version(version)
-        rows: list[DecodedRow] = self.engine.backend.decode(
-            prompt_ids, seeds, self.engine.sampling, max_tokens, episodes
-        )
-        return rows
-
-    def release(self, episodes: Sequence[str]) -> None:
-        self.engine.backend.release(episodes)
-
-    def take_figures(self) -> dict[str, float]:
-        figures: dict[str, float] = self.engine.take_figures()
-        return figures
-
-
 def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngine:
     """The agent engine of env.harness on the run's built-in engine (rollout.backend=megatron,
     KV cache on) or on its vLLM servers (vllm_server), tp = pp = cp = 1 (config rules refuse
     the rest before launch), sampling with ``cfg.rollout`` (evaluation passes its own) over
     ``cfg.data``'s rows."""
     from rlbatch import distributed
-    from rlbatch.config.enums import RolloutBackend
     from rlbatch.rollout.builtin import build_rollout_engine
 
     inner = build_rollout_engine(
@@ -662,11 +365,7 @@ def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngi
         chunked=False,
         extra_eos_ids=tokenizer.eos_ids,
     )
-    decode: AgentDecoder
-    if RolloutBackend(cfg.rollout.backend) == RolloutBackend.megatron:
-        decode = BuiltinDecoder(inner, cfg.rollout, tokenizer.pad_id)
-    else:  # a SyncedRolloutEngine (rlbatch.rollout.protocol.build_synced_engine)
-        decode = SyncedDecoder(inner)
+    decode = build_decoder(cfg, inner, tokenizer.pad_id)
     data = cfg.data
 
     def row_of(prompt: Prompt) -> dict[str, Any]:

@@ -13,10 +13,15 @@ is rendered whole; unless its ids still extend the episode's token for token, it
 env.agent.on_divergence=split starts a new segment there (counted), error stops the run.
 
 :func:`assemble` turns the calls into segments, purely from their token ids: a call whose
-prompt extends the current segment's prompt + response joins it (the tokens between the last
-completion and the new one are masked: the policy did not sample them), any other starts a new
-one. Every sampled token is in exactly one segment, with the log-probability it was sampled
-with.
+prompt extends a segment's prompt + response joins it (the tokens between the last completion
+and the new one are masked: the policy did not sample them), any other starts a new one. Every
+sampled token is in exactly one segment, with the log-probability it was sampled with.
+
+A new segment is a *branch* when its call samples again from a point the episode already
+reached: the same prompt as an earlier call (two calls at once, best-of-k), or an earlier
+call's prompt + completion followed by new turns (the harness went on from a reply other than
+the latest). Anything else is a *split*: the harness rewrote its history. Both train as their
+own samples; only splits are divergences (env.agent.on_divergence).
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class Call:
     """The assistant message returned (chat calls)."""
     server: Optional[str] = None
     """The rollout server that decoded it (rollout.backend=vllm_server); None elsewhere."""
+    truncated: bool = False
+    """It stopped at a token limit of the run (rollout.max_new_tokens, env.max_total_tokens),
+    not at the client's own smaller ``max_tokens`` (both answer finish_reason=length)."""
 
     def record(self) -> dict[str, Any]:
         """What the episode record (logging.samples) shows of it."""
@@ -65,6 +73,7 @@ class Call:
             "finish_reason": self.finish_reason,
             "spliced": self.spliced,
             "diverged": self.diverged,
+            "truncated": self.truncated,
             "server": self.server,
         }
 
@@ -79,7 +88,9 @@ class Segment:
     logps: list[float] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)
     truncated: bool = False
-    """Its last completion stopped at a length limit."""
+    """Its last completion stopped at a token limit of the run (:attr:`Call.truncated`)."""
+    branch: bool = False
+    """It samples again from a point the episode already reached (not a rewritten history)."""
 
     @property
     def sequence(self) -> list[int]:
@@ -95,19 +106,38 @@ class Segment:
         self.mask += [0] * len(gap) + [1] * len(call.completion_ids)
         self.logps += [0.0] * len(gap) + list(call.logps)
         self.calls.append(call.index)
-        self.truncated = call.finish_reason == "length"
+        self.truncated = call.truncated
+
+
+def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
+    return len(ids) >= len(prefix) and list(ids[: len(prefix)]) == list(prefix)
+
+
+def branches_from(prompt_ids: Sequence[int], earlier: Sequence[Call]) -> bool:
+    """Whether a prompt samples again from a point the ``earlier`` calls reached: one's prompt
+    exactly, or one's prompt + completion followed by new turns (a branch, not a rewrite)."""
+    return any(
+        list(prompt_ids) == c.prompt_ids
+        or (c.completion_ids and _extends(prompt_ids, [*c.prompt_ids, *c.completion_ids]))
+        for c in earlier
+    )
 
 
 def assemble(calls: Sequence[Call]) -> list[Segment]:
     """The segments of an episode's calls (see the module docstring); calls answered without
     sampling (past env.max_turns) add nothing."""
     segments: list[Segment] = []
+    sampled: list[Call] = []
     for call in calls:
         if not call.completion_ids:
             continue
-        if not segments or not segments[-1].extended_by(call.prompt_ids):
-            segments.append(Segment(list(call.prompt_ids)))
-        segments[-1].add(call)
+        home = next((s for s in reversed(segments) if s.extended_by(call.prompt_ids)), None)
+        if home is None:
+            home = Segment(list(call.prompt_ids))
+            home.branch = bool(segments) and branches_from(call.prompt_ids, sampled)
+            segments.append(home)
+        home.add(call)
+        sampled.append(call)
     return segments
 
 
