@@ -105,12 +105,25 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
                 "groups on: set grpo.filter_groups=none",
             )
         )
+    if d.reward_coef == 0 and cfg.grpo.overlong_buffer_len > 0:
+        errors.append(
+            ConfigError(
+                "grpo.overlong_buffer_len",
+                cfg.grpo.overlong_buffer_len,
+                "the overlong penalty is a part of the reward, and pure distillation "
+                "(grpo.distill.reward_coef=0) computes no reward: set grpo.overlong_buffer_len=0,"
+                " or grpo.distill.reward_coef > 0 to train on the reward (and its penalty) too",
+            )
+        )
     return errors
 
 
 def distill_warnings(cfg: Any) -> list[str]:
-    """A warning for each distill key set away from its default without a teacher."""
+    """A warning for each distill key set away from its default without a teacher; under pure
+    distillation, one for each reward setting that then goes unused."""
     d, default = cfg.grpo.distill, DistillConfig()
+    if pure_distillation(cfg):
+        return _unused_rewards(cfg)
     if distill_on(cfg):
         return []
     return [
@@ -119,3 +132,20 @@ def distill_warnings(cfg: Any) -> list[str]:
         if getattr(d, key) != getattr(default, key)
         and not (key == "reward_coef" and d.reward_coef == 0)
     ]
+
+
+def _unused_rewards(cfg: Any) -> list[str]:
+    """What pure distillation leaves unused: an environment's step rewards, and data.reward_fn
+    when evaluation does not score with it either."""
+    out = []
+    why = "pure distillation (grpo.distill.reward_coef=0) computes and trains on no reward"
+    if cfg.env.path:
+        out.append(
+            f"env.path={cfg.env.path}: the environment's step rewards are not trained on or "
+            f"logged: {why} (its observations still shape the episodes)"
+        )
+    # evaluation (eval.every_steps > 0) scores with data.reward_fn unless eval has its own
+    scored = cfg.eval.every_steps > 0 and not cfg.eval.reward_fn and cfg.eval.reward is None
+    if cfg.data.reward_fn and not scored:
+        out.append(f"data.reward_fn={list(cfg.data.reward_fn)} is ignored: {why}")
+    return out
