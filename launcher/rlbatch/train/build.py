@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from rlbatch.config.distill import pure_distillation
+from rlbatch.config.distill import distill_on, pure_distillation
 from rlbatch.config.enums import RewardKind
 from rlbatch.config.env import multi_turn
 from rlbatch.config.schema import (
@@ -216,7 +216,7 @@ def make_train_step(
             write_samples(step, batch.samples)
         episodes = episode_metrics(batch.samples, world) if multi_turn(cfg.env) else {}
         distill = {}  # a teacher's figures, summed over the ranks' samples
-        if cfg.grpo.distill.teacher:
+        if distill_on(cfg):
             distill = distill_metrics(
                 world.all_reduce_sum(sample_sums(trained_samples(batch.samples))), cfg.parallel.dp
             )
