@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rlbatch.config.enums import DistillEstimator, FilterGroups, PolicyLoss
+from rlbatch.config.enums import DistillEstimator, FilterGroups, PolicyLoss, RolloutBackend
 from rlbatch.config.errors import ConfigError
 
 
@@ -167,6 +167,17 @@ def _served_errors(cfg: Any) -> list[ConfigError]:
                 "grpo.distill.teacher_url",
                 d.teacher_url,
                 "is not an http:// or https:// URL: write it as http://HOST:PORT",
+            )
+        )
+    urls = {str(u).rstrip("/") for u in cfg.rollout.servers.urls or []}
+    on_servers = RolloutBackend(cfg.rollout.backend) == RolloutBackend.vllm_server
+    if on_servers and str(d.teacher_url).rstrip("/") in urls:
+        errors.append(
+            ConfigError(
+                "grpo.distill.teacher_url",
+                d.teacher_url,
+                "is also one of rollout.servers.urls: every weight sync of the student would "
+                "replace the teacher's weights on it; serve the teacher on a server of its own",
             )
         )
     if cfg.rollout.temperature != 1.0:

@@ -45,6 +45,12 @@ def test_served_teacher_rules_name_each_key_at_once(tmp_path):
     assert any("exclusive with grpo.distill.teacher" in m for m in messages)
     assert any("http://HOST:PORT" in m for m in messages)
     assert "raw logits" in found[("rollout.temperature", "0.7")]
+    # the teacher's server cannot be a rollout server too: the student's syncs would land on it
+    cfg = compose(["+recipe=grpo_qwen"], "test")
+    cfg.grpo.distill.teacher_url = "http://127.0.0.1:8000/"
+    cfg.rollout.backend, cfg.rollout.servers.urls = "vllm_server", ["http://127.0.0.1:8000"]
+    (shared,) = distill_errors(cfg)
+    assert shared.key == url[0] and "also one of rollout.servers.urls" in shared.message
     # a served teacher alone, at temperature 1, is a teacher: pure distillation is allowed
     assert _errors(teacher_url="http://127.0.0.1:8000", reward_coef=0.0) == {}
 
