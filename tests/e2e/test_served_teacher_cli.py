@@ -4,8 +4,9 @@ start of its own). A rollout-server run loads a peaked teacher (model.hf_path) a
 the server, which then serves the teacher's weights. Pure distillation of a fresh student at
 temperature 1 scored by that server gives, token by token, the same advantages as the
 in-process teacher built from the same directory (both fp32); SIGKILLed during its last step
-and resumed it reproduces every step; a bad served teacher is refused before launch, naming the
-key, the URL and the fix, all at once."""
+and resumed it reproduces every step; on a multi-turn environment only the sampled turns get an
+advantage; a bad served teacher is refused before launch, naming the key, the URL and the fix,
+all at once."""
 
 from __future__ import annotations
 
@@ -130,6 +131,54 @@ def test_served_teacher_run_killed_and_resumed_matches_the_uninterrupted(
     assert killed.returncode != 0 and len(_metrics(run)) == 2
     _train(bin_dir, subprocess_env, run, *overrides, "trainer.resume=auto")
     assert _metrics(run) == _metrics(uninterrupted)
+
+
+def test_served_teacher_scores_only_the_sampled_turns_of_an_episode(
+    served, bin_dir, subprocess_env
+):
+    """Pure distillation on the guess-the-number environment (a student whose turns end with
+    EOS, so episodes reach the environment): the served teacher sees the whole episode as
+    context, only the tokens the student sampled get an advantage, each its transformers
+    float64 teacher log-prob minus the behaviour log-prob, observations 0; no reward part or
+    reward failure is logged (none is computed)."""
+    import torch
+    import transformers
+
+    from hf_reference import save_turn_ending_qwen2
+    from rlbatch.engine.tokenizer import ByteTokenizer
+
+    url, root = served
+    student = root / "student"
+    save_turn_ending_qwen2(student, eos_id=ByteTokenizer().eos_ids[0])
+    (student / "rlbatch_tokenizer.json").write_text('{"tokenizer": "bytes"}')
+    run = root / "episodes"
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", f"model.hf_path={student}",
+         f"hydra.run.dir={run}", *SMALL, *_distill(url), "trainer.max_steps=1"],
+        capture_output=True, text=True, env=subprocess_env, cwd=root, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (record,) = _metrics(run)
+    assert record["turns_mean"] > 1.0 and not [k for k in record if k.startswith("reward")]
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(root / "teacher").double().eval()
+    worst, sampled, observed = 0.0, 0, 0
+    for s in _samples(run, 1):
+        ids = s["prompt_ids"] + s["response_ids"]
+        with torch.no_grad():
+            logits = teacher(input_ids=torch.tensor([ids])).logits[0]
+        logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        scored = logp[len(s["prompt_ids"]) - 1 :].tolist()
+        for t, b, adv, mask in zip(
+            scored, s["behaviour_logps"], s["token_advantages"], s["loss_mask"], strict=True
+        ):
+            if mask:
+                sampled += 1
+                worst = max(worst, abs(adv - (t - b)))
+            else:
+                observed += 1
+                assert adv == 0.0
+    assert sampled > 0 and observed > 0
+    assert worst < TOLERANCE, worst
 
 
 def test_bad_served_teacher_settings_are_refused_before_launch(served, bin_dir, subprocess_env,

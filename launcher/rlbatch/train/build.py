@@ -172,7 +172,9 @@ def make_train_step(
     from rlbatch.train.episodes import check_env_errors, episode_metrics, make_sample_writer
 
     names = run_component_names(cfg)
-    count_failures = bool(brought_kinds(cfg.data)) or multi_turn(cfg.env)
+    count_failures = not pure_distillation(cfg) and (  # pure distillation scores nothing
+        bool(brought_kinds(cfg.data)) or multi_turn(cfg.env)
+    )
     world = WorldDist()
     check_served = make_served_check(cfg, world)
 
