@@ -169,6 +169,7 @@ def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
                 assert len(full) <= 320
                 # the episode's reward and advantage, on every one of its samples
                 assert (part["reward"], part["advantage"]) == (s["reward"], s["advantage"])
+                assert part["truncated"] == s["truncated"]  # masked as the episode is
                 assert part["group_id"] == s["group_id"]
             assert all(c["version"] == s["policy_version"] for c in calls)
             if int(s["answer"]) % 2:

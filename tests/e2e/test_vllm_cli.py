@@ -101,15 +101,21 @@ def _untimed(records):
 
 @pytest.mark.slow
 @pytest.mark.optional_extra
-def test_a_killed_dp2_vllm_run_resumes_with_identical_metrics(bin_dir, subprocess_env, tmp_path):
-    """Two data-parallel replicas, each with its own engine on its own prompts, two steps
-    with a checkpoint after each: the run SIGKILLed during step 2 and resumed with
+def test_a_killed_dp2_ep2_moe_vllm_run_resumes_with_identical_metrics(
+    bin_dir, subprocess_env, tmp_path
+):
+    """An MoE policy (tiny Qwen3-MoE) on two data-parallel replicas that split its experts
+    (dp 2 x ep 2), each with its own engine on its own prompts, two steps with a checkpoint
+    after each: every engine gets every expert (the stream gathers each expert tensor over the
+    expert-parallel group), and on-policy the trainer's logprobs are vLLM's at every step (an
+    expert left out of the stream, or left in the checkpoint's layout by the CPU build's
+    update, puts them ~1e-2 apart); the run SIGKILLed during step 2 and resumed with
     trainer.resume=auto (a fresh engine, started from the config and synced from the
-    checkpoint's weights) gives the uninterrupted run's metrics exactly, and on-policy the
-    trainer's logprobs are vLLM's at every step."""
+    checkpoint's weights) gives the uninterrupted run's metrics exactly."""
     pytest.importorskip("vllm")
     common = (
-        *HEADS_OF_32, "parallel.dp=2", "trainer.max_steps=2", "trainer.checkpoint.every_steps=1",
+        "model=tiny_moe", *HEADS_OF_32, "model.head_dim=32", "parallel.dp=2", "parallel.ep=2",
+        "trainer.max_steps=2", "trainer.checkpoint.every_steps=1",
         "rollout.vllm.kv_cache_space_gb=0.25",
     )  # fmt: skip
     ref = _train(bin_dir, subprocess_env, tmp_path / "ref", *common)
@@ -118,6 +124,8 @@ def test_a_killed_dp2_vllm_run_resumes_with_identical_metrics(bin_dir, subproces
     assert [r["step"] for r in expected] == [1, 2]
     for r in expected:
         assert abs(r["mismatch_kl_k1"]) < 1e-6 and r["rollout/weight_sync_s"] > 0
+        assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert expected[-1]["kl"] > 0  # step 2 sampled the updated experts
     run_dir = tmp_path / "killed"
     killed = _train(bin_dir, subprocess_env, run_dir, *common, "debug.fail_at_step=2",
                     "debug.fail_kind=kill")  # fmt: skip

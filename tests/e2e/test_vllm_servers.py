@@ -737,15 +737,23 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
 
 def test_servers_started_by_the_run_stop_with_it(bin_dir, subprocess_env, tmp_path):
     """rollout.servers.count=1: the launcher starts a server, trains on it, and stops it: no
-    process of the run is left once rlbatch-train returns."""
+    process of the run is left once rlbatch-train returns. The policy is MoE (tiny Qwen3-MoE)
+    with its experts split over dp 2 x ep 2: the first replica's stream gathers the other
+    replica's experts, the transfer plugin's check finds every layer whole, the probe passes
+    after each sync, and at both steps (the second with updated experts) vLLM's logprobs are
+    the trainer's."""
     pytest.importorskip("vllm")
     run_dir = tmp_path / "run"
     proc = _train(
-        bin_dir, subprocess_env, run_dir, "rollout.servers.count=1", "trainer.max_steps=1"
-    )
+        bin_dir, subprocess_env, run_dir, "rollout.servers.count=1", "trainer.max_steps=2",
+        "model=tiny_moe", "model.head_dim=32", "parallel.dp=2", "parallel.ep=2",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (record,) = _records(run_dir)
-    assert abs(record["mismatch_kl_k1"]) < 1e-6 and record["rollout/weight_sync_s"] > 0
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2] and records[-1]["kl"] > 0
+    for record in records:
+        assert abs(record["mismatch_kl_k1"]) < 1e-6 and record["rollout/weight_sync_s"] > 0
+        assert record["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
     deadline = time.monotonic() + 30
     while _processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)

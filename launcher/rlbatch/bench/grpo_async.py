@@ -1,6 +1,6 @@
 """rlbatch-bench grpo --async: step time of the default recipe, synchronous vs asynchronous.
 
-Variants of the real training loop (``rlbatch.train.loop.run``, in this process, the default
+Variants of the real training loop (``rlbatch.train.build.run``, in this process, the default
 recipe ``+recipe=grpo_qwen`` composed with Hydra), run in turns (every variant once per
 repeat) so that machine noise hits all of them alike. ``--threads`` T: a variant that overlaps
 generation and training gets trainer.num_threads = 2T, T per side; the others T.

@@ -203,10 +203,11 @@ def check_override_keys(args: list[str]) -> list[ConfigError]:
 
 
 def config_groups() -> dict[str, list[str]]:
-    """Each config group under conf/ with its options (batching@... slots share 'batching')."""
+    """Each config group under conf/ with its options (batching@... slots share 'batching');
+    not model_base, the keys every model preset has (composed under the chosen preset)."""
     groups: dict[str, list[str]] = {}
     for path in sorted(conf_dir().iterdir()):
-        if path.is_dir() and path.name not in ("hydra", "__pycache__"):
+        if path.is_dir() and path.name not in ("hydra", "__pycache__", "model_base"):
             groups[path.name] = sorted(p.stem for p in path.glob("*.yaml"))
     return groups
 

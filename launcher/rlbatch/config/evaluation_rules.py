@@ -58,6 +58,17 @@ def _check_numbers(cfg: RunConfig, errors: list[ConfigError]) -> None:
          ev.data.max_prompt_len is None or ev.data.max_prompt_len > 0, "must be positive"),
     ]  # fmt: skip
     errors += [ConfigError(key, value, fix) for key, value, ok, fix in checks if not ok]
+    dp, ep = cfg.parallel.dp, cfg.parallel.ep
+    if ep > 1 and ev.max_prompts is not None and 0 < ev.max_prompts < dp:
+        errors.append(
+            ConfigError(
+                "eval.max_prompts",
+                ev.max_prompts,
+                f"at parallel.ep={ep} every one of the {dp} data-parallel ranks must decode "
+                "some held-out prompts (each MoE forward is an all-to-all over the expert "
+                f"group): set eval.max_prompts={dp} or more",
+            )
+        )
     if ev.temperature == GREEDY and ev.num_samples > 1:
         errors.append(
             ConfigError(

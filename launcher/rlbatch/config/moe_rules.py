@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlbatch.config.errors import ConfigError
+from rlbatch.config.moe import MoeFields
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
 from rlbatch.config.streaming import overlaps_generation
+
+VLLM_BACKENDS = (RolloutBackend.vllm, RolloutBackend.vllm_server)
 
 
 def check_expert_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -63,9 +68,27 @@ def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     "model.architecture=qwen3_moe needs experts: set model.num_moe_experts",
                 )
             )
+        _check_dense(cfg, errors)
         return
     _check_sizes(cfg, errors)
     _check_unsupported(cfg, errors)
+
+
+def _check_dense(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """A dense model takes no expert key: one set away from its default would do nothing."""
+    defaults = MoeFields()
+    for name in (f.name for f in dataclasses.fields(MoeFields)):
+        value = getattr(cfg.model, name)
+        if name != "num_moe_experts" and value != getattr(defaults, name):
+            errors.append(
+                ConfigError(
+                    f"model.{name}",
+                    value,
+                    "applies to MoE models only, and this model is dense (model.num_moe_experts "
+                    "is null): remove it, or choose an MoE model (model=tiny_moe, or a "
+                    "Qwen3-MoE model.hf_path)",
+                )
+            )
 
 
 def _check_sizes(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -126,13 +149,24 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
         )  # fmt: skip
     backend = RolloutBackend(cfg.rollout.backend)
-    if backend != RolloutBackend.megatron:
+    if backend == RolloutBackend.megatron_dynamic:
         errors.append(
             ConfigError(
                 "rollout.backend",
                 backend.value,
-                "MoE models roll out on the built-in engine only for now (the vLLM weight "
-                "stream and megatron's dynamic engine are not verified with experts): set "
+                "MoE models do not roll out on megatron's dynamic engine yet (its MoE "
+                "inference path is not verified here): set rollout.backend=megatron, vllm or "
+                "vllm_server",
+            )
+        )
+    if capacity is not None and capacity > 0 and backend in VLLM_BACKENDS:
+        errors.append(
+            ConfigError(
+                "model.moe_expert_capacity_factor",
+                capacity,
+                f"with rollout.backend={backend.value}: vLLM's MoE layer has no capacity (it "
+                "never drops a token), so the rollout would route what the trainer drops and "
+                "sample from another policy: set the factor to null (dropless), or "
                 "rollout.backend=megatron",
             )
         )
@@ -145,6 +179,18 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "generation worker is a one-process world per training rank, so it holds no "
                 "expert-parallel group: set grpo.overlap_generation=false (the due rounds are "
                 "generated inline, the same samples) or parallel.ep=1",
+            )
+        )
+    if p.tp > 1 and capacity is not None and capacity > 0:
+        errors.append(
+            ConfigError(
+                "model.moe_expert_capacity_factor",
+                capacity,
+                f"at parallel.tp={p.tp} is not supported yet: after the drops the "
+                "tensor-parallel ranks hold different numbers of tokens, which the token "
+                "dispatcher's all-gather over them cannot take (gloo refuses uneven sizes; "
+                "not verified on NCCL): set it to null (dropless) or parallel.tp=1 "
+                "(parallel.ep scales the experts)",
             )
         )
     if p.tp > 1 and not p.sequence_parallel:
@@ -184,8 +230,10 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 mode.value,
                 f"r3 replays the rollout's routing, which rollout.backend={backend.value} does "
                 "not return here (vLLM's CPU build refuses routed-expert capture: 'AuxOutput "
-                "Connector requires Model Runner V2'; megatron's dynamic engine records none): "
-                "set rollout.backend=megatron, or grpo.routing_replay=r2 or none",
+                "Connector requires Model Runner V2', which needs Triton; on GPUs vLLM's V2 "
+                "runner returns it as the 'routed_experts' of each request, which rlbatch does "
+                "not request yet; megatron's dynamic engine records none): set "
+                "rollout.backend=megatron, or grpo.routing_replay=r2 or none",
             )
         )
     if mode == RoutingReplay.r2 and not old_pass_runs(cfg):
@@ -209,6 +257,18 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"with grpo.routing_replay={mode.value} is not supported: full recompute runs "
                 "the routers again in backward, after later micro-batches set their routing; "
                 "set model.recompute=selective or none",
+            )
+        )
+    if mode == RoutingReplay.r2 and cfg.parallel.tp > 1:
+        errors.append(
+            ConfigError(
+                key,
+                mode.value,
+                f"at parallel.tp={cfg.parallel.tp} is not supported yet: an MoE model trains "
+                "with sequence parallelism there, so each tensor-parallel rank's routers see "
+                "only its slice of the old pass's tokens and the record r2 replays is never "
+                "whole: set grpo.routing_replay=r3 (the rollout's routing, replayed at any tp) "
+                "or parallel.tp=1 (parallel.ep scales the experts)",
             )
         )
     if cfg.parallel.cp > 1:
@@ -241,11 +301,12 @@ def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
             ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.pp > 1 is not "
                         f"supported yet ({why}): set parallel.pp=1 or the coefficient to 0")
         )  # fmt: skip
-    if p.sequence_parallel and p.tp > 1:
+    if p.tp > 1:
         errors.append(
-            ConfigError("model.moe_aux_loss_coeff", coeff, "with sequence parallelism is not "
-                        f"supported yet ({why}; each tensor-parallel rank's routers see a slice"
-                        "): set parallel.sequence_parallel=false or the coefficient to 0")
+            ConfigError("model.moe_aux_loss_coeff", coeff, f"at parallel.tp={p.tp} is not "
+                        f"supported yet ({why}; an MoE model trains with sequence parallelism "
+                        "there, so each tensor-parallel rank's routers see a slice): set "
+                        "parallel.tp=1 (parallel.ep scales the experts) or the coefficient to 0")
         )  # fmt: skip
     if p.cp > 1:
         errors.append(

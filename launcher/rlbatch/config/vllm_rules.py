@@ -196,6 +196,16 @@ def _check_model(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f" {head_dim}, not {own}: set model.head_dim=null, or rollout.backend=megatron",
             )
         )
+    elif cpu_build_installed() and head_dim not in CPU_HEAD_DIMS and m.head_dim:
+        errors.append(
+            ConfigError(
+                "model.head_dim",
+                m.head_dim,
+                f"the attention kernels of vLLM's CPU build do not support heads of width"
+                f" {head_dim} (supported: {', '.join(map(str, CPU_HEAD_DIMS))}): choose one of"
+                " them (e.g. model.head_dim=32), or rollout.backend=megatron",
+            )
+        )
     elif cpu_build_installed() and head_dim not in CPU_HEAD_DIMS:
         heads = _heads_for(m.hidden_size)
         errors.append(

@@ -19,6 +19,7 @@ bookkeeping here.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -131,6 +132,50 @@ def _first_expert(chunk_layer: Any) -> int:
 def is_expert_tensor(hf_name: str) -> bool:
     """An HF tensor of one routed expert (held by one expert-parallel rank)."""
     return ".mlp.experts." in hf_name
+
+
+_EXPERT_INDEX = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
+
+
+def _expert_parallel() -> tuple[int, int, Any]:
+    """(rank, size, group) of expert parallelism (the ranks that hold different experts)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return (
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_model_parallel_group(),
+    )
+
+
+def with_every_expert(
+    tensors: Iterator[tuple[str, torch.Tensor]], num_experts: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` (one chunk's HF-named full tensors, this rank's routed experts only) with
+    every routed expert: each expert tensor is gathered over the expert-parallel group and
+    yielded once per expert-parallel rank under that rank's global expert index (ranks hold
+    equal, contiguous blocks of experts and iterate their tensors in the same order).
+    Collective over the expert-parallel group: its ranks iterate to the end in step."""
+    rank, size, group = _expert_parallel()
+    if size == 1:
+        yield from tensors
+        return
+    local = num_experts // size
+    for name, tensor in tensors:
+        if not is_expert_tensor(name):
+            yield name, tensor
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        for other, part in enumerate(parts):
+            yield _expert_renumbered(name, (other - rank) * local), part
+
+
+def _expert_renumbered(hf_name: str, shift: int) -> str:
+    """``hf_name`` of routed expert E as the name of expert E + ``shift``."""
+    return _EXPERT_INDEX.sub(lambda m: f"{m[1]}{int(m[2]) + shift}{m[3]}", hf_name, count=1)
 
 
 def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:

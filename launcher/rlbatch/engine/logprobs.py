@@ -12,9 +12,11 @@ and gathered over DP when the plan spreads the samples over the DP ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from rlbatch import distributed
@@ -82,77 +84,116 @@ def compute_logprobs(
     dp_rank = distributed.dp_rank() if plan.dp > 1 else 0
     if plan.dp > 1 and plan.dp != distributed.dp_size():
         raise ValueError(f"plan for dp={plan.dp} on a run with dp={distributed.dp_size()}")
-    rank_plan = plan.for_rank(dp_rank)
-    results: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
-    first = list(score_from) if score_from is not None else [0] * len(sequences)
+    if record is not None and plan.dp > 1:
+        raise ValueError("compute_logprobs(record=...) needs a plan with dp = 1")
     shape = _routing_shape(model) if replay is not None or record is not None else None
+    scoring = _Scoring(
+        sequences,
+        first=list(score_from) if score_from is not None else [0] * len(sequences),
+        score_mask=score_mask,
+        temperature=temperature,
+        entropy=entropy,
+        round_to=round_to,
+        on_micro_batch=on_micro_batch,
+        replay=replay,
+        record=record,
+        routing_shape=shape,
+        routing_dtype=routing.routing_dtype(routing.num_experts(model)) if shape else None,
+    )
+    with torch.no_grad():
+        schedule.run_pass(
+            model,
+            plan.for_rank(dp_rank),
+            plan,
+            scoring.batch_fn,
+            scoring.loss_fn,
+            forward_only=True,
+            routing_sink=scoring.routing_sink if record is not None else None,
+        )
+    if record is not None:
+        _merge_stages(record)
+    return _collect(scoring.results, sequences, plan, entropy)
 
-    def batch_fn(mb: MicroBatch) -> schedule.MicroBatchInputs:
-        if on_micro_batch is not None:
-            on_micro_batch(mb)
-        inputs = schedule.make_inputs([sequences[i] for i in mb.samples], mb, round_to=round_to)
-        assert inputs.loss_mask is not None
-        for seg, i in zip(inputs.segments, mb.samples, strict=True):
-            inputs.loss_mask[seg.row, seg.start : seg.start + min(first[i], seg.length)] = 0.0
-            if score_mask is not None:
-                lo, hi = seg.start + first[i], seg.start + seg.length - 1
-                keep = torch.tensor(score_mask[i][: max(0, hi - lo)], dtype=torch.float32)
-                inputs.loss_mask[seg.row, lo : lo + len(keep)] *= keep.to(inputs.loss_mask.device)
-        if replay is not None and shape is not None:
-            rows = max(1, mb.num_rows)
-            arrays = [replay[i] for i in mb.samples]
+
+@dataclasses.dataclass
+class _Scoring:
+    """One logprob pass's callbacks for schedule.run_pass: the micro-batch inputs (scored
+    positions masked in, routing to replay laid out), the per-sample results, the routing record.
+    """
+
+    sequences: Sequence[Sequence[int]]
+    first: list[int]
+    score_mask: Optional[Sequence[Sequence[int]]]
+    temperature: float
+    entropy: bool
+    round_to: Optional[int]
+    on_micro_batch: Optional[Any]
+    replay: Optional[Sequence[Any]]
+    record: Optional[dict[int, Any]]
+    routing_shape: Optional[tuple[int, int]]
+    routing_dtype: Optional[np.dtype] = None
+    results: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def batch_fn(self, mb: MicroBatch) -> schedule.MicroBatchInputs:
+        if self.on_micro_batch is not None:
+            self.on_micro_batch(mb)
+        inputs = schedule.make_inputs(
+            [self.sequences[i] for i in mb.samples], mb, round_to=self.round_to
+        )
+        self._mask_scored(inputs)
+        if self.replay is not None and self.routing_shape is not None:
+            arrays = [self.replay[i] for i in mb.samples]
             if any(a is not None for a in arrays):
                 inputs.routing = routing.micro_batch_routing(
-                    arrays, inputs.segments, rows, mb.padded_len, *shape
-                )
+                    arrays, inputs.segments, max(1, mb.num_rows), mb.padded_len,
+                    *self.routing_shape,
+                )  # fmt: skip
         return inputs
 
-    def routing_sink(chunk: Any, natural: dict, inputs: schedule.MicroBatchInputs) -> None:
-        assert record is not None and shape is not None
+    def _mask_scored(self, inputs: schedule.MicroBatchInputs) -> None:
+        """Loss mask 1 on the scored positions only: from ``first[i]`` on, times ``score_mask``."""
+        assert inputs.loss_mask is not None
+        for seg, i in zip(inputs.segments, inputs.micro_batch.samples, strict=True):
+            first = self.first[i]
+            inputs.loss_mask[seg.row, seg.start : seg.start + min(first, seg.length)] = 0.0
+            if self.score_mask is not None:
+                lo, hi = seg.start + first, seg.start + seg.length - 1
+                keep = torch.tensor(self.score_mask[i][: max(0, hi - lo)], dtype=torch.float32)
+                inputs.loss_mask[seg.row, lo : lo + len(keep)] *= keep.to(inputs.loss_mask.device)
+
+    def routing_sink(self, chunk: Any, natural: dict, inputs: schedule.MicroBatchInputs) -> None:
+        assert self.record is not None and self.routing_shape is not None
+        assert self.routing_dtype is not None
         mb = inputs.micro_batch
         arrays = routing.sample_routing(
             natural,
             inputs.segments,
             max(1, mb.num_rows),
             mb.padded_len,
-            *shape,
-            routing.routing_dtype(routing.num_experts(model)),
+            *self.routing_shape,
+            self.routing_dtype,
         )
         for i, arr in zip(mb.samples, arrays, strict=True):
-            record[i] = routing.merge([record.get(i), arr])
+            self.record[i] = routing.merge([self.record.get(i), arr])
 
-    def loss_fn(output: Any, inputs: schedule.MicroBatchInputs):
+    def loss_fn(self, output: Any, inputs: schedule.MicroBatchInputs):
         assert inputs.labels is not None and inputs.loss_mask is not None
         mask = inputs.loss_mask > 0
         logps, ents = output.logprobs(
-            mask, inputs.labels, temperature=temperature, entropy=entropy
+            mask, inputs.labels, temperature=self.temperature, entropy=self.entropy
         )  # [N]: row-major over the mask, i.e. sample after sample
         counts = [int(mask[s.row, s.start : s.start + s.length].sum()) for s in inputs.segments]
         parts = zip(logps.detach().split(counts), _split(ents, counts), strict=True)
         for seg, i, (lp, en) in zip(
             inputs.segments, inputs.micro_batch.samples, parts, strict=True
         ):
-            if score_mask is not None:  # back to one value per position from score_from on
-                kept = mask[seg.row, seg.start + first[i] : seg.start + seg.length - 1]
+            if self.score_mask is not None:  # back to one value per position from first[i] on
+                kept = mask[seg.row, seg.start + self.first[i] : seg.start + seg.length - 1]
                 lp, en = _scatter(lp, kept), None if en is None else _scatter(en, kept)
-            results[i] = (lp.clone(), None if en is None else en.clone())
+            self.results[i] = (lp.clone(), None if en is None else en.clone())
         return torch.zeros((), device=output.device), {}
-
-    if record is not None and plan.dp > 1:
-        raise ValueError("compute_logprobs(record=...) needs a plan with dp = 1")
-    with torch.no_grad():
-        schedule.run_pass(
-            model,
-            rank_plan,
-            plan,
-            batch_fn,
-            loss_fn,
-            forward_only=True,
-            routing_sink=routing_sink if record is not None else None,
-        )
-    if record is not None:
-        _merge_stages(record)
-    return _collect(results, sequences, plan, entropy)
 
 
 def _routing_shape(model: Sequence[Any]) -> tuple[int, int]:

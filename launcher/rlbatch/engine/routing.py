@@ -185,16 +185,20 @@ def load_balance(
 ) -> torch.Tensor:
     """``[num samples]`` with autograd: each sample's load-balancing loss, the mean over MoE
     layers of E * sum_e f_e * P_e over the sample's own tokens (padding excluded), f_e = the
-    share of its token-to-expert assignments that went to expert e (sum_e f_e = 1), P_e = the
+    share of the router's own top-k choices that went to expert e (sum_e f_e = 1), P_e = the
     mean router probability (softmax over every expert) of expert e over its tokens: 1.0 when
     the sample's routing is perfectly balanced, up to E / k when all its tokens go to the same
     k experts with all the probability there (the Switch / GShard balance loss taken per
-    sequence, as DeepSeek-V3's sequence-wise one)."""
+    sequence, as DeepSeek-V3's sequence-wise one). f_e counts the top-k of the router's logits,
+    as megatron-core's own balance loss does: before a capacity factor drops any assignment
+    (dropping would hide exactly the overflowing experts' load) and whatever routing replay
+    dispatches (the loss is about the router's preference, which replay does not change)."""
     out = None
-    for logits, routing_map in captured_layers.values():
+    for logits, _ in captured_layers.values():
         experts = logits.shape[-1]
         probs = torch.softmax(logits.float(), dim=-1).view(width, rows, experts)
-        chosen = routing_map.view(width, rows, experts).float()
+        own = logits.detach().view(width, rows, experts).topk(topk, dim=-1).indices
+        chosen = torch.zeros_like(probs).scatter_(-1, own, 1.0)
         per_sample = []
         for seg in segments:
             p = probs[seg.start : seg.start + seg.length, seg.row]  # [n, E]

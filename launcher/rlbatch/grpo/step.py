@@ -229,8 +229,8 @@ def make_balance(
 class RoutingMismatch:
     """What the training forward's routers did, counted per step: ``moe/routing_mismatch``
     (per MoE layer, the tokens with rollout routing and those whose expert set the routers
-    chose differently, before any replay) and, with a capacity factor (``count_drops``: on one
-    rank of each tensor-parallel group, whose ranks route the same tokens), the token-to-expert
+    chose differently, before any replay) and, with a capacity factor (``count_drops``; it
+    needs tensor parallelism 1, so each rank counts its own tokens), the token-to-expert
     assignments of real tokens (padding excluded) and how many of them the capacity dropped."""
 
     def __init__(self, num_layers: int, topk: int, count_drops: bool = False) -> None:
@@ -433,6 +433,42 @@ def run_train_step(
     plan = plan_train_pass(cfg, mini_batch, layout, step)
     if plan_sink is not None:
         plan_sink([s.length for s in mini_batch], plan)
+    result, nonfinite, state = _accumulate_gradients(
+        cfg, model, mini_batch, plan, layout, reducers, inject_nan, routing_mismatch
+    )
+    if nonfinite is not None and cfg.debug.detect_nan:
+        optimizer.zero_grad()
+        metrics = step_metrics(result, plan, math.nan, math.nan, time.perf_counter() - started)
+        metrics.update(loss=math.nan, nonfinite_micro_batch=nonfinite)
+        return metrics
+    grad_norm, lr, stepped = optimizer_step(
+        optimizer,
+        scheduler,
+        clip_grad=cfg.trainer.optim.clip_grad,
+        check_finite=cfg.debug.detect_nan,
+    )
+    metrics = step_metrics(result, plan, grad_norm, lr, time.perf_counter() - started)
+    metrics["is_weight_max"] = state.importance_weight_max(
+        reducers.reduce_max, behaviour_weighted(cfg)
+    )
+    if not stepped:
+        metrics["nonfinite_micro_batch"] = f"gradients (grad norm {grad_norm})"
+    return metrics
+
+
+def _accumulate_gradients(
+    cfg: RunConfig,
+    model: list[Any],
+    mini_batch: list[Sample],
+    plan: PassPlan,
+    layout: ParallelLayout,
+    reducers: Reducers,
+    inject_nan: bool,
+    routing_mismatch: Optional[RoutingMismatch],
+) -> tuple[StepResult, Optional[str], StepState]:
+    """The train pass over ``plan``: every micro-batch's normalized loss backward, then the
+    gradients finished (the normalizer's cancellation, the DP reduction); returns the step's
+    result, the first non-finite micro-batch (or None) and the loss's state."""
     settings = LossSettings.from_config(cfg)
     normalizer = build_normalizer(
         cfg,
@@ -443,15 +479,13 @@ def run_train_step(
         device=_device(),
     )
     state = StepState()
-    prepare = make_prepare(cfg, mini_batch, plan.for_rank(layout.dp_rank))
-    balance = make_balance(cfg, model, layout)
     loss_fn = make_loss_fn(
         settings,
         normalizer,
         state,
         detect_nan=cfg.debug.detect_nan,
         inject_nan=inject_nan,
-        balance=balance,
+        balance=make_balance(cfg, model, layout),
     )
     if cfg.model.num_moe_experts is not None:  # the routers' logits and routing maps
         from rlbatch.engine import routing
@@ -462,32 +496,14 @@ def run_train_step(
         model,
         plan,
         layout,
-        prepare,
+        make_prepare(cfg, mini_batch, plan.for_rank(layout.dp_rank)),
         normalizer,
         loss_fn,
         cfg.batching.train.sequence_length_round,
         routing_sink=None if routing_mismatch is None else routing_mismatch.sink,
     )
     result, nonfinite = finish_gradients(model, normalizer, state, layout)
-    seconds = lambda: time.perf_counter() - started  # noqa: E731
-    if nonfinite is not None and cfg.debug.detect_nan:
-        optimizer.zero_grad()
-        metrics = step_metrics(result, plan, math.nan, math.nan, seconds())
-        metrics.update(loss=math.nan, nonfinite_micro_batch=nonfinite)
-        return metrics
-    grad_norm, lr, stepped = optimizer_step(
-        optimizer,
-        scheduler,
-        clip_grad=cfg.trainer.optim.clip_grad,
-        check_finite=cfg.debug.detect_nan,
-    )
-    metrics = step_metrics(result, plan, grad_norm, lr, seconds())
-    metrics["is_weight_max"] = state.importance_weight_max(
-        reducers.reduce_max, behaviour_weighted(cfg)
-    )
-    if not stepped:
-        metrics["nonfinite_micro_batch"] = f"gradients (grad norm {grad_norm})"
-    return metrics
+    return result, nonfinite, state
 
 
 def megatron_scaling(model: list[Any], plan: PassPlan, layout: ParallelLayout) -> MegatronScaling:

@@ -143,13 +143,16 @@ class Sample:
 def trained_samples(rows: Sequence[Sample]) -> list[Sample]:
     """Every sample an optimizer step trains from ``rows`` (one per episode): the rows in order,
     then the earlier segments of split agent episodes (:attr:`Sample.earlier_segments`), in row
-    and segment order, each handed its episode's group, reward and advantage. Without split
-    episodes: ``rows`` itself, in the same order (the rows' groups stay contiguous runs, which
-    the planner's sibling spreading reads)."""
+    and segment order, each handed its episode's group, reward, advantage and truncation: the
+    reward is the episode's, so grpo.mask_truncated_completions masks an episode cut short
+    whole, and not a segment whose own last call stopped at a length limit while the episode
+    went on. Without split episodes: ``rows`` itself, in the same order (the rows' groups stay
+    contiguous runs, which the planner's sibling spreading reads)."""
     extra = []
     for row in rows:
         for part in row.earlier_segments:
             part.group_id, part.reward, part.advantage = row.group_id, row.reward, row.advantage
+            part.truncated = row.truncated
             extra.append(part)
     return [*rows, *extra]
 

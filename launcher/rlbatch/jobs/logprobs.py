@@ -122,12 +122,41 @@ def routing_arrays(rows: list[Row], model: Any, path: str) -> Optional[list[Any]
         if arr.shape != (len(row.ids), layers, k):
             errors.append(f"row {i}: routing of shape {arr.shape}, expected "
                           f"({len(row.ids)} tokens, {layers} MoE layers, k={k})")  # fmt: skip
-        elif arr.min() < -1 or arr.max() >= experts:
-            errors.append(f"row {i}: expert ids must be in [-1, {experts})")
+        elif arr.size:
+            errors.extend(f"row {i}: {e}" for e in _routing_problems(arr, experts))
         out.append(arr)
     if errors:
-        raise ValueError(f"{path}: " + "; ".join(errors[:10]))
+        more = f"; and {len(errors) - 10} more" if len(errors) > 10 else ""
+        raise ValueError(f"{path}: " + "; ".join(errors[:10]) + more)
     return out
+
+
+def _routing_problems(arr: Any, experts: int) -> list[str]:
+    """What a router could never have chosen in ``arr`` ``[tokens, layers, k]``: ids outside
+    [-1, experts), a (token, layer) with some but not all of its k ids unknown (-1 = the
+    router's own choice, for all k or none), the same expert twice among one token's k."""
+    import numpy as np
+
+    problems = []
+    if arr.min() < -1 or arr.max() >= experts:
+        problems.append(f"expert ids must be in [-1, {experts})")
+    known = arr >= 0
+    partial = np.argwhere(known.any(-1) != known.all(-1))
+    if len(partial):
+        t, layer = partial[0]
+        problems.append(
+            f"token {t}, MoE layer {layer}: {arr[t, layer].tolist()} mixes -1 with expert ids "
+            "(give all k experts of a token's layer, or -1 for all k: the router's own choice)"
+        )
+    ordered = np.sort(arr, axis=-1)
+    twice = np.argwhere(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(-1))
+    if len(twice):
+        t, layer = twice[0]
+        problems.append(
+            f"token {t}, MoE layer {layer}: {arr[t, layer].tolist()} names an expert twice "
+            "(a token's k experts are distinct)"
+        )
+    return problems
 
 
 def first_scored(row: Row) -> int:

@@ -256,7 +256,7 @@ class ServerBackend:
     """A TokenBackend on the run's vLLM servers (the module's docstring)."""
 
     def __init__(self, model: Any, cfg: RunConfig) -> None:
-        from rlbatch.distributed import dp_rank, model_parallel_group
+        from rlbatch.distributed import dp_rank, max_in_expert_group, model_parallel_group
         from rlbatch.engine.hf import full_model_config
 
         self.model = model
@@ -267,6 +267,11 @@ class ServerBackend:
         self.servers = _connect(cfg)
         # the first replica's group gathers and sends
         self.streams = dp_rank() == 0 and self.servers.pushes
+        # an MoE model's experts are spread over the expert-parallel group, which spans
+        # replicas: the first replica's peers in it take part in the stream (each gathers its
+        # experts to the others) and in the probe's forward (an all-to-all over that group)
+        streaming_peer = bool(max_in_expert_group(int(self.streams)))  # every rank calls
+        self.expert_peer = streaming_peer and not self.streams
         self.seconds: dict[str, float] = {}
         # vLLM keys its prefix cache by token ids alone: kept across an update, a cached
         # prefix goes on with the old weights' KV (rollout.servers.on_update=keep, partial
@@ -295,13 +300,21 @@ class ServerBackend:
         self.servers.syncs += 1
         label = self.servers.label()
         from rlbatch.distributed import from_first_in_model_parallel_group
+        from rlbatch.rollout.weights import stream_hf_weights
 
-        if not self.streams:  # the group's ranks all raise what its first rank meets
+        if not self.streams:
+            if self.expert_peer:  # the first replica's stream gathers our experts
+                for _ in stream_hf_weights(self.model, self.model_cfg):
+                    pass
+            # the group's ranks all raise what its first rank meets
             from_first_in_model_parallel_group(
                 (lambda: self._await_label(label)) if self.leader else None
             )
+            if self.expert_peer and self.cfg.rollout.servers.probe_tokens > 0:
+                n = self.cfg.rollout.servers.probe_tokens
+                sequence, prompt_len = probe_sequence(n, self.model_cfg.vocab_size)
+                trainer_logprobs(self.model, self.cfg, [sequence], prompt_len)  # in step
             return
-        from rlbatch.rollout.weights import stream_hf_weights
 
         tensors = {}
         for name, tensor in stream_hf_weights(self.model, self.model_cfg):
@@ -531,15 +544,19 @@ def trainer_logprobs(
     model: Any, cfg: RunConfig, sequences: list[list[int]], prompt_len: int
 ) -> list[list[float]]:
     """The policy's own log-probabilities (temperature 1) of each sequence's tokens after the
-    first ``prompt_len`` (collective over the model-parallel group)."""
+    first ``prompt_len`` (collective over the model-parallel group, and the expert-parallel
+    group: its peers call it too, on sequences of their own)."""
     from rlbatch.batching import plan_pass
     from rlbatch.engine.logprobs import compute_logprobs
+    from rlbatch.grpo.stages import in_step_with_expert_group
 
     infer, p = cfg.batching.infer, cfg.parallel
     plan = plan_pass(
         [len(s) for s in sequences], infer, dp=1, pp=p.pp, vpp=p.vpp,
         microbatch_group_size=p.microbatch_group_size_per_vp_stage, seed=cfg.trainer.seed,
     )  # fmt: skip
+    # MoE at ep > 1: as many forwards as the expert-parallel peers run (filler micro-batches)
+    plan = in_step_with_expert_group(plan, infer.sequence_length_round)
     logps = compute_logprobs(
         model, sequences, plan, round_to=infer.sequence_length_round, temperature=1.0,
         score_from=[prompt_len - 1] * len(sequences),

@@ -113,16 +113,22 @@ class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdat
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        from rlbatch.rollout.vllm_moe_repack import watch
+
         self._close_reload()  # one a failed update left open: count every layer afresh
         self.abandoned = False
+        watch(self.model)  # the CPU build skips MoE experts' prepack on an update
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         if self.abandoned:  # closed already, without its weights: end vLLM's session only
             self.abandoned = False
             return
+        from rlbatch.rollout.vllm_moe_repack import repack_skipped
+
         short = incomplete_layers(self.model)  # before finalising, which resets the counts
         self._close_reload()
+        repack_skipped(self.model)
         if short:
             raise RuntimeError(
                 f"the weight update is incomplete: {len(short)} layer(s) of the served model"

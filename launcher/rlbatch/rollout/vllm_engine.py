@@ -432,12 +432,16 @@ class VllmBackend:
             for _ in stream:
                 pass
             return
+        from rlbatch.rollout.vllm_moe_repack import repack_worker, watch_worker
+
         llm = self.running.llm
         with trainer_rng_kept():
+            llm.collective_rpc(watch_worker)  # the CPU build skips MoE experts' prepack
             llm.collective_rpc(
                 "reload_weights",
                 kwargs={"weights_iterator": stream, "is_checkpoint_format": True},
             )
+            llm.collective_rpc(repack_worker)
             llm.reset_prefix_cache()
 
     def _push_adapters(self, chunks: list[Any]) -> None:

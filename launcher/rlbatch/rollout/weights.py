@@ -4,7 +4,10 @@ the whole model (vLLM): one tensor at a time, never the whole model at once on a
 Every rank of a model-parallel group (tp x pp) gets every tensor: tensor-parallel shards are
 gathered over tp (rlbatch.engine.hf.iter_full_tensors, the mapping the HF export uses), and
 each pipeline stage in turn broadcasts its layers over pp. Data-parallel replicas stream
-independently (their weights are equal). A tied model also yields ``lm_head.weight`` (the
+independently (their weights are equal). An MoE model's routed experts are spread over the
+expert-parallel ranks (carved out of the data-parallel ones): each expert tensor is gathered
+over the expert-parallel group, so every replica streams every expert under its released
+per-expert name (``model.layers.N.mlp.experts.E.*``, E global). A tied model also yields ``lm_head.weight`` (the
 embedding): engines that keep their own copy of the output layer need it.
 
 A LoRA model's adapters travel on their own (:func:`stream_adapters`: PEFT-named full factors),
@@ -26,16 +29,19 @@ TIED_HEAD = "lm_head.weight"
 
 
 def _local_tensors(chunks: list[Any], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    from rlbatch.engine.hf import iter_full_tensors
+    from rlbatch.engine.hf import iter_full_tensors, with_every_expert
 
     for chunk in chunks:
-        yield from iter_full_tensors(chunk, cfg)
+        if cfg.num_moe_experts is None:
+            yield from iter_full_tensors(chunk, cfg)
+        else:
+            yield from with_every_expert(iter_full_tensors(chunk, cfg), cfg.num_moe_experts)
 
 
 def stream_hf_weights(model: Any, model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of every weight of the model, on every rank of this rank's
-    model-parallel group (collective over tp and pp: every rank of the group iterates to the
-    end in step)."""
+    model-parallel group (collective over tp and pp, and for an MoE model over the
+    expert-parallel group: every rank of these groups iterates to the end in step)."""
     from rlbatch.distributed import pipeline_stage
     from rlbatch.engine.hf import _chunks, full_model_config
 

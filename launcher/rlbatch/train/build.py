@@ -27,7 +27,8 @@ from rlbatch.config.streaming import overlaps_generation
 from rlbatch.grpo.stages import build_aggregator, build_reference, make_logps_fn
 from rlbatch.grpo.types import Sample, trained_samples
 from rlbatch.rollout.generation import weights_snapshot
-from rlbatch.train.loop import Components, train
+from rlbatch.train.components import Components
+from rlbatch.train.loop import train
 
 log = logging.getLogger("rlbatch.train")
 
@@ -166,32 +167,23 @@ def make_train_step(
     from rlbatch import distributed
     from rlbatch.distributed import WorldDist
     from rlbatch.engine.moe_stats import ExpertLoad
-    from rlbatch.grpo.distill import distill_metrics, sample_sums
-    from rlbatch.grpo.rewards import brought_kinds, run_component_names
     from rlbatch.grpo.step import Reducers, run_train_step
-    from rlbatch.train.episodes import check_env_errors, episode_metrics, make_sample_writer
+    from rlbatch.train.episodes import make_sample_writer
 
-    names = run_component_names(cfg)
-    count_failures = not pure_distillation(cfg) and (  # pure distillation scores nothing
-        bool(brought_kinds(cfg.data)) or multi_turn(cfg.env)
-    )
     world = WorldDist()
     check_served = make_served_check(cfg, world)
-
     reducers = Reducers(
         reduce_dp=distributed.reduce_dp,
         reduce_step=distributed.reduce_step,
         gather_samples=distributed.dp_gather_object,
     )
-
     round_start = make_round_start(cfg, model)
-    warned: set[str] = set()
+    batch_figures = make_batch_figures(cfg, world, ps.rank)
     write_plan = make_plan_writer(cfg) if cfg.logging.plans and ps.rank == 0 else None
     write_samples = None
     if cfg.logging.samples:
         assert cfg.run_dir is not None
         write_samples = make_sample_writer(cfg.run_dir, distributed.dp_gather_object, ps.rank)
-
     guard = adapter_guard(cfg, model)
     expert_load = ExpertLoad(model) if cfg.model.num_moe_experts else None
     mismatch = routing_mismatch(cfg, model)
@@ -208,28 +200,13 @@ def make_train_step(
                 plan_sink=None if write_plan is None else partial(write_plan, step),
                 routing_mismatch=mismatch,
             )  # fmt: skip
-        if expert_load is not None:
-            metrics.update(expert_load_metrics(cfg, expert_load))
-        if mismatch is not None:
-            metrics.update(routing_mismatch_metrics(mismatch))
+        metrics.update(moe_metrics(cfg, expert_load, mismatch))
         if guard is not None:
             guard.after(metrics, step)
         if write_samples is not None:
             write_samples(step, batch.samples)
-        episodes = episode_metrics(batch.samples, world) if multi_turn(cfg.env) else {}
-        distill = {}  # a teacher's figures, summed over the ranks' samples
-        if distill_on(cfg):
-            distill = distill_metrics(
-                world.all_reduce_sum(sample_sums(trained_samples(batch.samples))), cfg.parallel.dp
-            )
-        failures = failure_counts(batch.samples, world) if count_failures else {}
-        if episodes:
-            _warn_env(check_env_errors(episodes, batch.samples, cfg.env, step), ps.rank, warned)
         return {
-            **reward_means(batch.samples, names, world),
-            **failures,
-            **episodes,
-            **distill,
+            **batch_figures(batch.samples, step),
             **metrics,
             **prepared,
             **checked,
@@ -238,6 +215,46 @@ def make_train_step(
         }
 
     return train_step
+
+
+def make_batch_figures(
+    cfg: RunConfig, world: Any, rank: int
+) -> Callable[[list[Sample], int], dict[str, Any]]:
+    """figures(samples, step): the batch's own figures, summed over the ranks' samples: the
+    reward's mean per component, failure counts (rewards brought in, environments), episode
+    figures (multi-turn; their warnings printed once) and the teacher's (distillation)."""
+    from rlbatch.grpo.distill import distill_metrics, sample_sums
+    from rlbatch.grpo.rewards import brought_kinds, run_component_names
+    from rlbatch.train.episodes import check_env_errors, episode_metrics
+
+    names = run_component_names(cfg)
+    count_failures = not pure_distillation(cfg) and (  # pure distillation scores nothing
+        bool(brought_kinds(cfg.data)) or multi_turn(cfg.env)
+    )
+    warned: set[str] = set()
+
+    def figures(samples: list[Sample], step: int) -> dict[str, Any]:
+        episodes = episode_metrics(samples, world) if multi_turn(cfg.env) else {}
+        distill = {}
+        if distill_on(cfg):  # in-process or served teacher
+            sums = world.all_reduce_sum(sample_sums(trained_samples(samples)))
+            distill = distill_metrics(sums, cfg.parallel.dp)
+        failures = failure_counts(samples, world) if count_failures else {}
+        if episodes:
+            _warn_env(check_env_errors(episodes, samples, cfg.env, step), rank, warned)
+        return {**reward_means(samples, names, world), **failures, **episodes, **distill}
+
+    return figures
+
+
+def moe_metrics(cfg: RunConfig, expert_load: Any, mismatch: Any) -> dict[str, float]:
+    """The step's moe/... figures: expert load (MoE policies), routing mismatch (when counted)."""
+    metrics: dict[str, float] = {}
+    if expert_load is not None:
+        metrics.update(expert_load_metrics(cfg, expert_load))
+    if mismatch is not None:
+        metrics.update(routing_mismatch_metrics(mismatch))
+    return metrics
 
 
 def expert_load_metrics(cfg: RunConfig, load: Any) -> dict[str, float]:
@@ -262,12 +279,11 @@ def routing_mismatch(cfg: RunConfig, model: list[Any]) -> Any:
     ``moe/routing_mismatch``; None for a dense model."""
     if cfg.model.num_moe_experts is None:
         return None
-    from rlbatch.engine import parallel, routing
+    from rlbatch.engine import routing
     from rlbatch.grpo.step import RoutingMismatch
 
-    drops = cfg.model.moe_expert_capacity_factor is not None
-    tp_rank = parallel.current_layout().tp_rank if parallel.is_initialized() else 0
-    return RoutingMismatch(routing.attach(model), cfg.model.moe_router_topk, drops and tp_rank == 0)
+    drops = cfg.model.moe_expert_capacity_factor is not None  # needs tp = 1: every rank counts
+    return RoutingMismatch(routing.attach(model), cfg.model.moe_router_topk, drops)
 
 
 def routing_mismatch_metrics(mismatch: Any) -> dict[str, float]:
@@ -280,7 +296,7 @@ def routing_mismatch_metrics(mismatch: Any) -> dict[str, float]:
 
     counts, drops = distributed.all_reduce_sum([mismatch.take(), mismatch.take_drops()], group=None)
     out = mismatch_metrics(counts)
-    if float(drops[0]) > 0:  # a capacity factor (counted on one rank of each tp group)
+    if float(drops[0]) > 0:  # a capacity factor (counted on every rank, each its own tokens)
         out["moe/dropped_tokens"] = float(drops[1])
         out["moe/dropped_fraction"] = float(drops[1] / drops[0]) if drops[0] > 0 else 0.0
     return out

@@ -15,37 +15,24 @@ torch fakes; :mod:`rlbatch.train.build` assembles the real Megatron components.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from rlbatch.config.distill import reward_weight
 from rlbatch.config.schema import RunConfig
-from rlbatch.distributed import as_collective_timeout, local_peak_memory_gb, reset_peak_memory
+from rlbatch.distributed import as_collective_timeout
 from rlbatch.eval.settings import eval_due
 from rlbatch.grpo.distill import zero_advantage
 from rlbatch.rollout.protocol import RolloutUnavailableError
 from rlbatch.runtime import preempt
 from rlbatch.runtime.rng import capture_rng_state, restore_rng_state
-from rlbatch.train import generation_failure, integrity
-from rlbatch.train.checkpoint import (
-    TrainState,
-    apply_payload,
-    build_payload,
-    capture_train_state,
-    latest_checkpoint,
-    load_checkpoint,
-    resume_candidates,
-    save_checkpoint,
-    verify_share,
-)
+from rlbatch.train import generation_failure
+from rlbatch.train.components import Components
 from rlbatch.train.health import (
     Heartbeat,
     Watchdog,
@@ -56,7 +43,8 @@ from rlbatch.train.health import (
 )
 from rlbatch.train.metrics import MetricsLogger
 from rlbatch.train.plot import plot_metrics
-from rlbatch.train.producer import RunAheadProducer, StepBatch, oldest_version
+from rlbatch.train.producer import StepBatch, oldest_version
+from rlbatch.train.saving import resume, run_dir, save
 from rlbatch.train.staleness import (
     ROLLOUT_COUNTERS,
     rollout_metrics,
@@ -65,82 +53,6 @@ from rlbatch.train.staleness import (
 )
 
 log = logging.getLogger("rlbatch.train")
-
-TrainStepFn = Callable[[StepBatch, int, bool], dict[str, Any]]
-"""(batch, 1-based step, inject_nan) -> metrics of one optimizer step, identical on all ranks
-(loss, grad_norm, kl, clip_fraction, entropy, padding_efficiency, dp_imbalance, ...)."""
-
-
-class DistOps(Protocol):
-    """What the loop needs from rlbatch.distributed (the only module that reduces)."""
-
-    rank: int
-    world_size: int
-
-    def barrier(self) -> None: ...
-
-    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
-        """Sum over the DP group, one bundled collective."""
-        ...
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """One object per global rank."""
-        ...
-
-    def reset_peak_memory(self) -> None: ...
-
-    def peak_memory_gb(self) -> float:
-        """The largest peak memory of any rank since the last reset (GiB)."""
-        ...
-
-
-@dataclass
-class LocalDist:
-    """DistOps of a single process."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    def barrier(self) -> None:
-        return None
-
-    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
-        return list(values)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def reset_peak_memory(self) -> None:
-        reset_peak_memory()
-
-    def peak_memory_gb(self) -> float:
-        return local_peak_memory_gb()
-
-
-@dataclass
-class Components:
-    """Everything the loop drives; built by rlbatch.train.build for real runs."""
-
-    model: list[Any]
-    """Model chunks (one per virtual pipeline stage)."""
-    optimizer: Any
-    scheduler: Any
-    producer: RunAheadProducer
-    train_step: TrainStepFn
-    dist: DistOps = field(default_factory=LocalDist)
-    aggregator: Any = None
-    """Object with state_dict/load_state_dict (pending LCM buffers), or None."""
-    planner: Any = None
-    """Object with state_dict/load_state_dict (pool batcher), or None."""
-    export_hf: Callable[[Path], None] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    """Written to each checkpoint's meta.json (parallel layout, ranks' coordinates)."""
-    evaluate: Callable[[int], dict[str, Any]] | None = None
-    """evaluate(step) -> eval/* metrics, the same on every rank (rlbatch.eval.runner); None
-    when eval.every_steps is 0."""
-    release_rollout: Callable[[], None] | None = None
-    """Called when a generation round (or an evaluation) is done and training comes next: the
-    rollout engine gives its memory back (rollout.vllm.sleep); None = nothing to release."""
 
 
 class RankTimeoutError(RuntimeError):
@@ -151,18 +63,6 @@ class RankDisagreementError(RuntimeError):
     """Ranks disagree on the step they are executing."""
 
 
-def checkpoint_dir(cfg: RunConfig) -> Path:
-    if cfg.trainer.checkpoint.dir:
-        return Path(cfg.trainer.checkpoint.dir)
-    return run_dir(cfg) / "checkpoints"
-
-
-def run_dir(cfg: RunConfig) -> Path:
-    if cfg.run_dir is None:
-        raise ValueError("run_dir is null: rlbatch-train's driver sets it; pass run_dir=PATH")
-    return Path(cfg.run_dir)
-
-
 # ------------------------------------------------------------------------------------------
 # Entry
 # ------------------------------------------------------------------------------------------
@@ -171,7 +71,7 @@ def run_dir(cfg: RunConfig) -> Path:
 def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     """Resume, run optimizer steps up to trainer.max_steps, finish. Returns rank 0's history."""
     rank = comps.dist.rank
-    state = _resume(cfg, comps)
+    state = resume(cfg, comps)
     resumed_step = state.step if state is not None else 0  # the last step already done
     logger = MetricsLogger(
         run_dir(cfg),
@@ -208,7 +108,7 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
             except RolloutUnavailableError:
                 if before is not None:  # the last completed step, for trainer.resume=auto
                     heartbeat.beat(step - 1, "checkpoint")
-                    path = _save(cfg, comps, step - 1, logger, before)
+                    path = save(cfg, comps, step - 1, logger, before)
                     if rank == 0:
                         log.error("generation failed: saved step %d at %s", step - 1, path)
                 raise
@@ -224,7 +124,7 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
             if due or stop or best:
                 heartbeat.beat(step, "checkpoint")
                 path = _guarded(
-                    cfg, comps, heartbeat, step, lambda s=step: _save(cfg, comps, s, logger)
+                    cfg, comps, heartbeat, step, lambda s=step: save(cfg, comps, s, logger)
                 )
                 last_saved, saved_at = step, time.monotonic()
             if stop:
@@ -238,7 +138,7 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
             )
         elif last_saved != final:
             heartbeat.beat(final, "checkpoint")
-            _guarded(cfg, comps, heartbeat, final, lambda: _save(cfg, comps, final, logger))
+            _guarded(cfg, comps, heartbeat, final, lambda: save(cfg, comps, final, logger))
         heartbeat.beat(final, "end")
         watchdog.stop()
         _finish(cfg, comps, logger)
@@ -279,20 +179,6 @@ def _new_best(cfg: RunConfig, comps: Components, logger: MetricsLogger, record: 
     mode = cfg.trainer.checkpoint.keep_best_mode.value
     mine = comps.dist.rank == 0 and is_new_best(logger.history, metric, mode, record[metric])
     return bool(comps.dist.all_gather_object(mine)[0])
-
-
-def _best_checkpoint(cfg: RunConfig, step: int, logger: MetricsLogger) -> Path | None:
-    """Rank 0: the checkpoint of the best keep_best value so far (step: the one being saved)."""
-    metric = cfg.trainer.checkpoint.keep_best
-    if metric is None:
-        return None
-    from rlbatch.eval.metrics import best_step
-    from rlbatch.train.checkpoint import checkpoint_name, list_checkpoints
-
-    steps = [s for s, _ in list_checkpoints(checkpoint_dir(cfg))] + [step]
-    mode = cfg.trainer.checkpoint.keep_best_mode.value
-    best = best_step(logger.history, metric, mode, steps)
-    return None if best is None else checkpoint_dir(cfg) / checkpoint_name(best)
 
 
 def _decide(cfg: RunConfig, comps: Components, step: int, saved_at: float) -> tuple[bool, str]:
@@ -456,147 +342,8 @@ def _record(
 
 
 # ------------------------------------------------------------------------------------------
-# Checkpoint / resume / finish
+# Finish
 # ------------------------------------------------------------------------------------------
-
-
-def _save(
-    cfg: RunConfig,
-    comps: Components,
-    step: int,
-    logger: MetricsLogger,
-    taken: TrainState | None = None,
-) -> Path:
-    """Checkpoint the state after ``step`` (the live one, or ``taken`` earlier at that step)."""
-    state = (
-        capture_train_state(step, comps.producer, comps.planner, comps.aggregator)
-        if taken is None
-        else taken
-    )
-    state.metrics_history = list(logger.history) if comps.dist.rank == 0 else []
-    _check_free_space(cfg, comps, step)
-    payload = build_payload(comps.model, comps.optimizer, comps.scheduler, state)
-    path = save_checkpoint(
-        checkpoint_dir(cfg),
-        step,
-        payload,
-        rank=comps.dist.rank,
-        world_size=comps.dist.world_size,
-        meta=comps.meta,
-        keep_last=cfg.trainer.checkpoint.keep_last,
-        barrier=comps.dist.barrier,
-        gather=comps.dist.all_gather_object,
-        keep_best=_best_checkpoint(cfg, step, logger) if comps.dist.rank == 0 else None,
-    )
-    if comps.dist.rank == 0:
-        log.info("checkpoint %s", path)
-    return path
-
-
-def _check_free_space(cfg: RunConfig, comps: Components, step: int) -> None:
-    """Refuse a save the checkpoint's file system cannot hold (rank 0 decides for all), before
-    writing anything: the expected size is the newest intact checkpoint's, or for the first
-    save the parameters plus two Adam moments of every model-parallel rank."""
-    problem = None
-    if comps.dist.rank == 0:
-        root = checkpoint_dir(cfg)
-        newest = latest_checkpoint(root)
-        needed = integrity.checkpoint_size(newest) if newest is not None else 0
-        if not needed:
-            params = sum(p.numel() * p.element_size() for c in comps.model for p in c.parameters())
-            dp = int((comps.meta.get("parallel") or {}).get("dp", comps.dist.world_size))
-            needed = 3 * params * max(1, comps.dist.world_size // max(dp, 1))
-        problem = integrity.free_space_problem(root, step, needed)
-    problem = comps.dist.all_gather_object(problem)[0]
-    if problem:
-        raise integrity.CheckpointSpaceError(errno.ENOSPC, problem)
-
-
-def _resume(cfg: RunConfig, comps: Components) -> TrainState | None:
-    """Load the checkpoint trainer.resume names: rank 0 lists the candidates (newest first),
-    every rank checksums its share of each until one is intact, all ranks load it."""
-    found: tuple[list[str], list[str]] | str
-    if comps.dist.rank == 0:
-        try:
-            paths, skipped = resume_candidates(cfg.trainer.resume, checkpoint_dir(cfg))
-            found = (
-                [str(p) for p in paths],
-                [f"{f.path.name}: {', '.join(f.problems)}" for f in skipped],
-            )
-        except (integrity.NoIntactCheckpointError, FileNotFoundError) as err:
-            found = str(err)
-    else:
-        found = ([], [])
-    shared = comps.dist.all_gather_object(found)[0]
-    if isinstance(shared, str):
-        raise integrity.NoIntactCheckpointError(shared)
-    candidates, skipped = shared
-    path = _first_verified(comps, candidates, skipped)
-    if path is None:
-        if cfg.trainer.resume == "auto" and comps.dist.rank == 0:
-            log.info(
-                "trainer.resume=auto: no checkpoint in %s, starting fresh (to continue "
-                "an earlier run pass its hydra.run.dir=DIR, or trainer.resume=DIR/checkpoints)",
-                checkpoint_dir(cfg),
-            )
-        return None
-    payload = load_checkpoint(path, rank=comps.dist.rank, world_size=comps.dist.world_size)
-    state = apply_payload(payload, comps.model, comps.optimizer, comps.scheduler)
-    _apply_lr_config(comps)
-    comps.producer.load_state_dict(state.producer)
-    if comps.planner is not None:
-        comps.planner.load_state_dict(state.planner)
-    if comps.aggregator is not None:
-        comps.aggregator.load_state_dict(state.aggregator)
-    restore_rng_state(state.rng)
-    if comps.dist.rank == 0:
-        log.info("resumed from %s at step %d", path, state.step)
-    return state
-
-
-def _apply_lr_config(comps: Components) -> None:
-    """The learning rate of this run's config, not the checkpoint's: the optimizer state loads
-    each parameter group's max_lr / min_lr back from the checkpoint, which would silently keep
-    the old rate; set them to the scheduler's (built from trainer.optim) and recompute."""
-    sched, groups = comps.scheduler, getattr(comps.optimizer, "param_groups", None)
-    if sched is None or not groups or not hasattr(sched, "max_lr"):
-        return
-    old = groups[0].get("max_lr", sched.max_lr)
-    for group in groups:
-        group["max_lr"], group["min_lr"] = sched.max_lr, sched.min_lr
-    sched.step(increment=0)
-    if old != sched.max_lr and comps.dist.rank == 0:
-        log.warning(
-            "trainer.optim.lr changed on resume: %g -> %g, applied to the optimizer (now %g)",
-            old,
-            sched.max_lr,
-            groups[0]["lr"],
-        )
-
-
-def _first_verified(comps: Components, candidates: list[str], skipped: list[str]) -> Path | None:
-    """The first candidate whose checksums all ranks confirm; warns about each one skipped."""
-    rank, world = comps.dist.rank, comps.dist.world_size
-    for candidate in candidates:
-        problems = comps.dist.all_gather_object(verify_share(Path(candidate), rank, world))
-        bad = [p for share in problems for p in share]
-        if not bad:
-            if skipped and rank == 0:
-                log.warning(
-                    "resume: skipped damaged checkpoint(s) %s; resuming from %s, the newest "
-                    "intact one",
-                    "; ".join(skipped),
-                    Path(candidate).name,
-                )
-            return Path(candidate)
-        skipped.append(f"{Path(candidate).name}: {', '.join(bad)}")
-    if skipped:
-        raise integrity.NoIntactCheckpointError(
-            f"trainer.resume: no intact checkpoint: {'; '.join(skipped)}. Nothing was loaded or "
-            "deleted; start fresh with trainer.resume=none, or resume a copy you trust with "
-            "trainer.resume=PATH"
-        )
-    return None
 
 
 def _finish(cfg: RunConfig, comps: Components, logger: MetricsLogger) -> None:

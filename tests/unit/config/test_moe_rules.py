@@ -37,7 +37,7 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
         [
             "model=tiny_moe", "parallel.dp=2", "parallel.ep=3", "model.moe_router_topk=9",
             "model.moe_layer_freq=[1,0,1]", "model.moe_aux_loss_coeff=-0.01",
-            "model.moe_expert_capacity_factor=0", "rollout.backend=vllm",
+            "model.moe_expert_capacity_factor=0", "rollout.backend=megatron_dynamic",
         ]
     )  # fmt: skip
     assert "must divide parallel.dp * parallel.cp = 2" in errors["parallel.ep"]
@@ -46,7 +46,38 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     assert "one 0 (dense) / 1 (MoE) per layer" in errors["model.moe_layer_freq"]
     assert "must be >= 0" in errors["model.moe_aux_loss_coeff"]
     assert "dropless" in errors["model.moe_expert_capacity_factor"]
-    assert "rollout.backend=megatron" in errors["rollout.backend"]
+    assert "rollout.backend=megatron, vllm or vllm_server" in errors["rollout.backend"]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
+def test_an_moe_policy_on_vllm_validates_without_a_capacity_only(backend):
+    """vLLM rolls MoE policies out (dropless); a capacity factor, which vLLM's MoE layer does not
+    apply, is refused there with the reason, and so is r3 (no routed experts on the CPU build)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    overrides = ["+recipe=grpo_qwen", "model=tiny_moe", f"rollout.backend={backend}",
+                 "parallel.dp=2", "parallel.ep=2", "model.head_dim=32"]  # fmt: skip
+    if backend == "vllm_server":
+        overrides.append("rollout.servers.count=1")
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))  # no error
+    errors = _errors_for(
+        [*overrides[1:], "model.moe_expert_capacity_factor=1.0", "grpo.routing_replay=r3"]
+    )
+    assert "vLLM's MoE layer has no capacity" in errors["model.moe_expert_capacity_factor"]
+    assert "routed_experts" in errors["grpo.routing_replay"]
+    assert set(errors) == {"model.moe_expert_capacity_factor", "grpo.routing_replay"}
+    from rlbatch.config.vllm_rules import cpu_build_installed
+
+    if cpu_build_installed():  # tiny_moe's heads of width 16 are refused naming its key
+        narrow = _errors_for([o for o in overrides[1:] if not o.startswith("model.head_dim")])
+        assert "model.head_dim=32" in narrow["model.head_dim"]
 
 
 def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
@@ -70,6 +101,18 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
          "grpo.max_staleness=3"]
     )  # fmt: skip
     assert "partial rollouts" in partial["model.num_moe_experts"]
+    # tensor parallelism (with the sequence parallelism MoE needs there): routers see a slice
+    sliced = _errors_for(
+        ["model=tiny_moe", "parallel.tp=2", "parallel.sequence_parallel=true",
+         "model.moe_expert_capacity_factor=1.0", "model.moe_aux_loss_coeff=0.01",
+         "grpo.routing_replay=r2", "grpo.num_iterations=2"]
+    )  # fmt: skip
+    assert "gloo refuses uneven sizes" in sliced["model.moe_expert_capacity_factor"]
+    assert "set parallel.tp=1" in sliced["model.moe_aux_loss_coeff"]
+    assert "parallel.sequence_parallel=false" not in sliced["model.moe_aux_loss_coeff"]
+    assert "grpo.routing_replay=r3" in sliced["grpo.routing_replay"]
+    few = _errors_for(["model=tiny_moe", "parallel.dp=2", "parallel.ep=2", "eval.max_prompts=1"])
+    assert "set eval.max_prompts=2 or more" in few["eval.max_prompts"]
 
 
 def test_yarn_rope_is_refused_where_the_per_row_decoder_would_run():
@@ -212,3 +255,27 @@ def test_the_balance_loss_is_refused_where_its_routers_are_not_on_the_loss_stage
     )  # fmt: skip
     assert "with parallel.pp > 1" in errors["model.moe_aux_loss_coeff"]
     assert "with sequence parallelism" in errors["model.moe_aux_loss_coeff"]
+
+
+def test_expert_keys_on_a_dense_preset(bin_dir, subprocess_env, tmp_path):
+    """Every preset has the expert keys: a plain override works on a dense preset whose
+    model.hf_path is a Qwen3-MoE checkpoint (the experts come from its config.json); on a
+    dense model the same key would do nothing, so rlbatch-train refuses it before launch."""
+    import subprocess
+
+    hf = _write(tmp_path)
+    plan = subprocess.run(
+        [str(bin_dir / "rlbatch-plan"), "+recipe=grpo_qwen", f"model.hf_path={hf}",
+         "model.tokenizer=bytes", "model.moe_expert_capacity_factor=1.5",
+         "plan.synthetic=grpo_math", "batching.train.max_tokens=65536"],
+        capture_output=True, text=True, env=subprocess_env, timeout=120,
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr[-2000:]
+    train = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", "model.moe_aux_loss_coeff=0.01",
+         "model.moe_router_topk=3"],
+        capture_output=True, text=True, env=subprocess_env, timeout=120,
+    )  # fmt: skip
+    assert train.returncode == 2, train.stdout[-2000:] + train.stderr[-2000:]
+    for key in ("model.moe_aux_loss_coeff=0.01", "model.moe_router_topk=3"):
+        assert f"{key}: applies to MoE models only" in train.stderr

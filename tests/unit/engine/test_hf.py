@@ -83,3 +83,13 @@ def test_logits_match_transformers_and_export_round_trips(megatron_world, tmp_pa
         logits = again(input_ids=inputs.tokens, attention_mask=attn).logits
     torch.testing.assert_close(logits, theirs, rtol=0, atol=1e-6)
     assert hf.config_from_hf(out)["num_query_groups"] == 2
+
+
+def test_a_gathered_expert_tensor_takes_its_owners_global_index():
+    """At ep > 1 the weight stream yields another rank's experts under their global index: the
+    expert number is shifted, the layer number and the rest of the name are not."""
+    name = "model.layers.12.mlp.experts.1.down_proj.weight"
+    assert hf._expert_renumbered(name, 2) == "model.layers.12.mlp.experts.3.down_proj.weight"
+    assert hf._expert_renumbered(name, -1) == "model.layers.12.mlp.experts.0.down_proj.weight"
+    assert hf.is_expert_tensor(name)
+    assert not hf.is_expert_tensor("model.layers.12.mlp.gate.weight")  # the router: replicated

@@ -63,12 +63,16 @@ def test_routing_rows_are_checked_naming_each_bad_row():
         logprobs_job.Row([1, 2, 3], None, [[[0, 1], [2, 3]]]),  # one token of three
         logprobs_job.Row([1], None, [[[0, 4], [1, 2]]]),  # expert 4 of 4
         logprobs_job.Row([5], None),  # routes freely
+        logprobs_job.Row([1], None, [[[0, -1], [1, 2]]]),  # one of k unknown: no router did
+        logprobs_job.Row([1], None, [[[3, 1], [1, 1]]]),  # expert 1 twice for one token
     ]
     with pytest.raises(ValueError) as info:
         logprobs_job.routing_arrays(rows, moe, "in.jsonl")
     message = str(info.value)
     assert "row 1: routing of shape (1, 2, 2), expected (3 tokens" in message
     assert "row 2: expert ids must be in [-1, 4)" in message and "row 0" not in message
+    assert "row 4: token 0, MoE layer 0: [0, -1] mixes -1 with expert ids" in message
+    assert "row 5: token 0, MoE layer 1: [1, 1] names an expert twice" in message
     arrays = logprobs_job.routing_arrays([rows[0], rows[3]], moe, "in.jsonl")
     assert arrays is not None and arrays[1] is None and arrays[0].shape == (2, 2, 2)
     with pytest.raises(ValueError, match="needs an MoE model"):

@@ -360,3 +360,24 @@ def test_trained_samples_lists_rows_then_earlier_segments():
     out = trained_samples([a, b, c])
     assert out[:3] == [a, b, c] and out[3:] == b.earlier_segments
     assert [(s.advantage, s.reward, s.group_id) for s in out[3:]] == [(-0.5, 2.0, 7)] * 2
+
+
+def test_a_split_episodes_segments_are_masked_as_the_episode_under_mask_truncated():
+    """grpo.mask_truncated_completions reads each trained sample's ``truncated``: a segment
+    carries its episode's (cut short: all masked), not its own last call's length stop."""
+    from rlbatch.batching.plan import MicroBatch
+    from rlbatch.grpo.loss import build_grpo_batch
+
+    def sample(n, truncated):
+        return Sample(prompts(1)[0], 7, [1] * n, [-1.0] * n, truncated, 0)
+
+    cut, whole = sample(3, True), sample(3, False)
+    cut.earlier_segments = [sample(4, False)]  # its own call ended on EOS; the episode was cut
+    whole.earlier_segments = [sample(5, True)]  # a call stopped at a limit; the episode went on
+    out = trained_samples([cut, whole])
+    assert [s.truncated for s in out] == [True, False, True, False]
+    lengths = [s.length for s in out]
+    mb = MicroBatch(tuple(range(4)), tuple(lengths), max(lengths), 4 * max(lengths), sum(lengths))
+    batch, _ = build_grpo_batch(out, mb, round_to=1, mask_truncated=True)
+    kept = batch.loss_mask.sum(-1).tolist()  # one row per sample
+    assert kept == [0, len(whole.response_ids), 0, len(whole.earlier_segments[0].response_ids)]

@@ -7,14 +7,13 @@ the token-mean policy loss)."""
 
 from __future__ import annotations
 
-import random
-
 import megatron.core  # noqa: F401
 import pytest
 import torch
 
 from rlbatch.config.schema import Architecture, BatchingMode, RunConfig
-from rlbatch.grpo.types import Prompt, Sample
+from rlbatch.grpo.types import Sample
+from step_samples import random_samples
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +25,14 @@ def world():
     return parallel
 
 
-def make_cfg(max_tokens: int, coeff: float) -> RunConfig:
+def make_cfg(max_tokens: int, coeff: float, capacity: float | None = None) -> RunConfig:
     cfg = RunConfig()
     m = cfg.model
     m.architecture, m.num_layers, m.hidden_size = Architecture.qwen3_moe, 2, 32
     m.num_attention_heads, m.num_query_groups, m.head_dim = 4, 2, 8
     m.ffn_hidden_size, m.vocab_size, m.qk_layernorm = 64, 264, True
     m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 4, 2, 16
-    m.moe_aux_loss_coeff = coeff
+    m.moe_aux_loss_coeff, m.moe_expert_capacity_factor = coeff, capacity
     cfg.grpo.num_generations = 4
     cfg.batching.train.mode = BatchingMode.dynamic
     cfg.batching.train.max_tokens = max_tokens
@@ -41,23 +40,7 @@ def make_cfg(max_tokens: int, coeff: float) -> RunConfig:
 
 
 def make_samples(n: int = 12) -> list[Sample]:
-    rng = random.Random(5)
-    out = []
-    for i in range(n):
-        p_len, r_len = rng.randint(3, 8), rng.randint(2, 20)
-        prompt = Prompt(i // 4, tuple(rng.randrange(1, 250) for _ in range(p_len)), "")
-        out.append(
-            Sample(
-                prompt=prompt,
-                group_id=i // 4,
-                response_ids=[rng.randrange(1, 250) for _ in range(r_len)],
-                behaviour_logps=[-rng.uniform(3.0, 7.0) for _ in range(r_len)],
-                truncated=False,
-                policy_version=0,
-                advantage=rng.uniform(-1.5, 1.5),
-            )
-        )
-    return out
+    return random_samples(n, seed=5, max_response=20)
 
 
 def reference_aux(gpt, samples: list[Sample], topk: int) -> float:
@@ -96,12 +79,14 @@ def reference_aux(gpt, samples: list[Sample], topk: int) -> float:
     return total / weight
 
 
-def one_step(world, max_tokens: int, coeff: float) -> tuple[dict, float]:
+def one_step(
+    world, max_tokens: int, coeff: float, capacity: float | None = None
+) -> tuple[dict, float]:
     from rlbatch.engine.adapter import unwrap
     from rlbatch.engine.model import build_model, build_optimizer
     from rlbatch.grpo.step import run_train_step
 
-    cfg = make_cfg(max_tokens, coeff)
+    cfg = make_cfg(max_tokens, coeff, capacity)
     world.seed(cfg.trainer.seed)
     model = build_model(cfg, calculate_per_token_loss=True)
     optimizer, scheduler = build_optimizer(cfg, model)
@@ -122,3 +107,15 @@ def test_balance_loss_is_the_same_however_the_step_is_cut(world):
     assert without["moe/aux_loss"] == pytest.approx(small["moe/aux_loss"], rel=1e-6)
     assert abs(without["grad_norm"] - small["grad_norm"]) > 1e-4 * small["grad_norm"]
     assert small["loss"] == pytest.approx(without["loss"] + 0.5 * small["moe/aux_loss"], rel=1e-5)
+
+
+def test_balance_loss_counts_the_routers_choice_before_a_capacity_factor_drops(world):
+    """A capacity factor drops the overflowing experts' assignments from the dispatch, not from
+    the balance loss: its f_e counts the router's own top-k, so the loss still sees (and
+    penalizes) the load the router asked for."""
+    free, reference = one_step(world, 512, 0.5)
+    capped, _ = one_step(world, 512, 0.5, capacity=0.5)
+    # half the fair share drops assignments: the dispatch, and so the policy loss, changed
+    assert abs(capped["grad_norm"] - free["grad_norm"]) > 1e-5 * free["grad_norm"]
+    assert capped["moe/aux_loss"] == pytest.approx(reference, rel=1e-6)
+    assert capped["moe/aux_loss"] == pytest.approx(free["moe/aux_loss"], rel=1e-6)

@@ -10,14 +10,14 @@ clipping. A NaN loss skips the update and names the micro-batch and rank.
 from __future__ import annotations
 
 import math
-import random
 
 import megatron.core  # noqa: F401
 import pytest
 import torch
 
 from rlbatch.config.schema import BatchingMode, NormalizationMode, RunConfig  # noqa: E402
-from rlbatch.grpo.types import Prompt, Sample  # noqa: E402
+from rlbatch.grpo.types import Sample  # noqa: E402
+from step_samples import random_samples
 
 
 @pytest.fixture(scope="module")
@@ -43,26 +43,7 @@ def make_cfg(mode: NormalizationMode, temperature: float = 1.0) -> RunConfig:
 
 
 def make_samples(n: int = 16) -> list[Sample]:
-    rng = random.Random(3)
-    out = []
-    for i in range(n):
-        p_len, r_len = rng.randint(3, 8), rng.randint(2, 24)
-        beh = [-rng.uniform(3.0, 7.0) for _ in range(r_len)]
-        prompt = Prompt(i // 4, tuple(rng.randrange(1, 250) for _ in range(p_len)), "")
-        out.append(
-            Sample(
-                prompt=prompt,
-                group_id=i // 4,
-                response_ids=[rng.randrange(1, 250) for _ in range(r_len)],
-                behaviour_logps=beh,
-                truncated=False,
-                policy_version=0,
-                advantage=rng.uniform(-1.5, 1.5),
-                old_logps=[b + rng.uniform(-0.3, 0.9) for b in beh],
-                ref_logps=[b + rng.uniform(-0.1, 0.1) for b in beh],
-            )
-        )
-    return out
+    return random_samples(n, seed=3, max_response=24, off_policy=True)
 
 
 def sequence_logps(gpt, sample, temperature) -> torch.Tensor:

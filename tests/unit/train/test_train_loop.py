@@ -13,10 +13,9 @@ from rlbatch.grpo.types import Prompt, Sample
 from rlbatch.rollout.protocol import RolloutUnavailableError
 from rlbatch.rollout.schedule import PromptSampler, derive_schedule
 from rlbatch.train.checkpoint import latest_checkpoint
+from rlbatch.train.components import Components, LocalDist
 from rlbatch.train.health import InjectedFailure, NonFiniteError
 from rlbatch.train.loop import (
-    Components,
-    LocalDist,
     RankDisagreementError,
     RankTimeoutError,
     train,
