@@ -98,7 +98,9 @@ they form one unit, run one after the other on one worker, so that two of them n
 the machine at once (their leftover checks count only their own sandboxes)."""
 
 
-SERVER_FILES = frozenset({"test_vllm_servers.py", "test_server_sync_cli.py"})
+SERVER_FILES = frozenset(
+    {"test_vllm_servers.py", "test_server_sync_cli.py", "test_served_teacher_cli.py"}
+)
 """Test files that train on the session's vLLM servers (:func:`vllm_server_pool`): one unit,
 so the pool is started once, on one worker."""
 

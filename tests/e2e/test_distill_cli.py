@@ -64,7 +64,8 @@ def pure(teacher, bin_dir, subprocess_env):
         "grpo.distill.coef=0.5", "trainer.max_steps=3", "parallel.pp=2",
         "rollout.temperature=0.7", "logging.samples=true",
     ]  # fmt: skip
-    _train(bin_dir, subprocess_env, root / "pure", *common)  # exports <run_dir>/hf at the end
+    proc = _train(bin_dir, subprocess_env, root / "pure", *common)  # exports <run_dir>/hf
+    (root / "pure_console.txt").write_text(proc.stdout + proc.stderr)
     return root, common
 
 
@@ -73,7 +74,8 @@ def test_pure_distillation_trains_on_the_teacher_alone(pure):
     records = _metrics(root / "pure")
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
-        assert r["reward_mean"] == 0.0 and r["reward_std"] == 0.0  # no reward computed
+        # no reward is computed, so none is reported (not a reward of 0)
+        assert not [k for k in r if k.startswith("reward")], sorted(r)
         assert r["advantage_zero_frac"] == 0.0  # yet every sample has an advantage
         assert r["distill/teacher_kl"] > 0.5  # a sharp teacher, a near-uniform student
         assert 0.0 < r["distill/clip_frac"] < 1.0  # the clamp at 4 nats acted on some tokens
@@ -82,6 +84,8 @@ def test_pure_distillation_trains_on_the_teacher_alone(pure):
         # term the loss is -mean(D_t) = coef * the reverse KL, less what the clamp cut off
         assert r["loss"] <= 0.5 * r["distill/teacher_kl"] + 1e-6
         assert r["loss"] == pytest.approx(0.5 * r["distill/teacher_kl"], rel=0.2)
+    console = (root / "pure_console.txt").read_text()  # the end-of-run summary table
+    assert "distill/teacher_kl" in console and "reward_mean" not in console
     resolved = (root / "pure" / "resolved.yaml").read_text()
     assert f"teacher: {root / 'teacher'}" in resolved
 
@@ -141,7 +145,8 @@ def test_bad_distillation_settings_are_refused_before_launch(teacher, bin_dir, s
     (other / "config.json").write_text(json.dumps(config))
     proc = _train(
         bin_dir, subprocess_env, root / "refused", f"grpo.distill.teacher={other}",
-        "grpo.policy_loss=gspo", "grpo.distill.clip=-1", check=False,
+        "grpo.policy_loss=gspo", "grpo.distill.clip=-1", "grpo.distill.reward_coef=0",
+        "grpo.overlong_buffer_len=4", check=False,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
@@ -149,4 +154,6 @@ def test_bad_distillation_settings_are_refused_before_launch(teacher, bin_dir, s
     assert "(max_position_embeddings = 32) is shorter than the run's longest sequence" in out
     assert "grpo.policy_loss" in out and "gspo_token" in out
     assert "grpo.distill.clip" in out
+    # pure distillation computes no reward, so no reward part such as the overlong penalty
+    assert "grpo.overlong_buffer_len" in out and "computes no reward" in out
     assert not (root / "refused" / "metrics.jsonl").exists()

@@ -88,7 +88,7 @@ def _stand_ins(overrides: list[str], cwd: Path) -> list[str]:
             local = cwd / Path(value).name
             shutil.copy(SAMPLE, local)
             value = str(local)
-        if key == "grpo.distill.teacher" and not Path(value).exists():
+        if key == "grpo.distill.teacher" and value != "null" and not Path(value).exists():
             from hf_reference import save_tiny_teacher
 
             local = cwd / "teacher"

@@ -54,7 +54,9 @@ def test_common_commands_compose_and_validate(tmp_path):
         overrides = [a for a in args if "=" in a and not a.startswith("-")]
         overrides = [a.split(",")[0] for a in overrides]  # -m sweeps: the first point
         overrides = [
-            f"grpo.distill.teacher={tmp_path}" if a.startswith("grpo.distill.teacher=") else a
+            f"grpo.distill.teacher={tmp_path}"
+            if a.startswith("grpo.distill.teacher=") and a != "grpo.distill.teacher=null"
+            else a
             for a in overrides
         ]
         scope = PLAN_SCOPE if command == "rlbatch-plan" else None

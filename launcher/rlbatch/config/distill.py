@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rlbatch.config.enums import DistillEstimator, FilterGroups, PolicyLoss
+from rlbatch.config.enums import DistillEstimator, FilterGroups, PolicyLoss, RolloutBackend
 from rlbatch.config.errors import ConfigError
 
 
@@ -18,6 +18,17 @@ class DistillConfig:
     """A local Hugging Face directory (a run's <run_dir>/hf included) whose model scores the
     student's sampled tokens; null = no distillation. Built frozen on the run's tp / pp layout;
     its tokenizer must be the student's."""
+    teacher_url: Optional[str] = None
+    """A served teacher instead (exclusive with teacher): http://HOST:PORT of a vLLM server of
+    the teacher (rlbatch-serve model.hf_path=TEACHER, or vLLM's own server with
+    --enable-scale-out) whose prompt log-probs score the sampled tokens; needs
+    rollout.temperature=1. Its model directory must be readable here (tokenizer check)."""
+    teacher_timeout_s: float = 300.0
+    """Longest one scoring request to grpo.distill.teacher_url may take before the run stops
+    naming the server."""
+    teacher_max_concurrency: int = 32
+    """Scoring requests in flight to grpo.distill.teacher_url at once, per model replica (the
+    server batches them)."""
     coef: float = 1.0
     """Weight of the per-token teacher advantage (teacher log-prob minus behaviour log-prob)."""
     reward_coef: float = 1.0
@@ -32,8 +43,13 @@ class DistillConfig:
 
 
 def distill_on(cfg: Any) -> bool:
-    """A teacher scores the rollouts (grpo.distill.teacher set)."""
-    return bool(cfg.grpo.distill.teacher)
+    """A teacher scores the rollouts (grpo.distill.teacher or grpo.distill.teacher_url set)."""
+    return bool(cfg.grpo.distill.teacher or cfg.grpo.distill.teacher_url)
+
+
+def served_teacher(cfg: Any) -> bool:
+    """The teacher is a vLLM server (grpo.distill.teacher_url), not a model built in-process."""
+    return bool(cfg.grpo.distill.teacher_url)
 
 
 def pure_distillation(cfg: Any) -> bool:
@@ -57,6 +73,7 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
         errors.append(ConfigError("grpo.distill.coef", d.coef, "must be >= 0"))
     if d.reward_coef < 0:
         errors.append(ConfigError("grpo.distill.reward_coef", d.reward_coef, "must be >= 0"))
+    errors += _served_errors(cfg)
     if not distill_on(cfg):
         if d.reward_coef == 0:
             errors.append(
@@ -65,7 +82,8 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
                     None,
                     "grpo.distill.reward_coef=0 (pure distillation) needs a teacher: set it to "
                     "the teacher's Hugging Face directory (e.g. a finished run's <run_dir>/hf), "
-                    "or raise grpo.distill.reward_coef",
+                    "set grpo.distill.teacher_url to a served teacher, or raise "
+                    "grpo.distill.reward_coef",
                 )
             )
         return errors
@@ -77,7 +95,7 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
                 "with grpo.distill.reward_coef=0 nothing would be learnt: set coef > 0",
             )
         )
-    if not Path(d.teacher).is_dir():
+    if d.teacher and not Path(d.teacher).is_dir():
         errors.append(
             ConfigError(
                 "grpo.distill.teacher",
@@ -105,12 +123,83 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
                 "groups on: set grpo.filter_groups=none",
             )
         )
+    if d.reward_coef == 0 and cfg.grpo.overlong_buffer_len > 0:
+        errors.append(
+            ConfigError(
+                "grpo.overlong_buffer_len",
+                cfg.grpo.overlong_buffer_len,
+                "the overlong penalty is a part of the reward, and pure distillation "
+                "(grpo.distill.reward_coef=0) computes no reward: set grpo.overlong_buffer_len=0,"
+                " or grpo.distill.reward_coef > 0 to train on the reward (and its penalty) too",
+            )
+        )
+    return errors
+
+
+def _served_errors(cfg: Any) -> list[ConfigError]:
+    """The served teacher's own keys (what its server serves is checked before launch by
+    rlbatch.grpo.served_teacher)."""
+    d, errors = cfg.grpo.distill, []
+    if d.teacher_timeout_s <= 0:
+        errors.append(
+            ConfigError("grpo.distill.teacher_timeout_s", d.teacher_timeout_s, "must be > 0")
+        )
+    if d.teacher_max_concurrency < 1:
+        errors.append(
+            ConfigError(
+                "grpo.distill.teacher_max_concurrency", d.teacher_max_concurrency, "must be >= 1"
+            )
+        )
+    if not d.teacher_url:
+        return errors
+    if d.teacher:
+        errors.append(
+            ConfigError(
+                "grpo.distill.teacher_url",
+                d.teacher_url,
+                f"is exclusive with grpo.distill.teacher={d.teacher}: a teacher is either built "
+                "in-process from a directory or served; set one of them to null",
+            )
+        )
+    if not str(d.teacher_url).startswith(("http://", "https://")):
+        errors.append(
+            ConfigError(
+                "grpo.distill.teacher_url",
+                d.teacher_url,
+                "is not an http:// or https:// URL: write it as http://HOST:PORT",
+            )
+        )
+    urls = {str(u).rstrip("/") for u in cfg.rollout.servers.urls or []}
+    on_servers = RolloutBackend(cfg.rollout.backend) == RolloutBackend.vllm_server
+    if on_servers and str(d.teacher_url).rstrip("/") in urls:
+        errors.append(
+            ConfigError(
+                "grpo.distill.teacher_url",
+                d.teacher_url,
+                "is also one of rollout.servers.urls: every weight sync of the student would "
+                "replace the teacher's weights on it; serve the teacher on a server of its own",
+            )
+        )
+    if cfg.rollout.temperature != 1.0:
+        errors.append(
+            ConfigError(
+                "rollout.temperature",
+                cfg.rollout.temperature,
+                "a served teacher (grpo.distill.teacher_url) scores tokens with vLLM's prompt "
+                "log-probs, which come from the raw logits (temperature 1), while the teacher "
+                "must score at the behaviour policy's temperature: set rollout.temperature=1, "
+                "or build the teacher in-process with grpo.distill.teacher=DIR (any temperature)",
+            )
+        )
     return errors
 
 
 def distill_warnings(cfg: Any) -> list[str]:
-    """A warning for each distill key set away from its default without a teacher."""
+    """A warning for each distill key set away from its default without a teacher; under pure
+    distillation, one for each reward setting that then goes unused."""
     d, default = cfg.grpo.distill, DistillConfig()
+    if pure_distillation(cfg):
+        return _unused_rewards(cfg)
     if distill_on(cfg):
         return []
     return [
@@ -119,3 +208,20 @@ def distill_warnings(cfg: Any) -> list[str]:
         if getattr(d, key) != getattr(default, key)
         and not (key == "reward_coef" and d.reward_coef == 0)
     ]
+
+
+def _unused_rewards(cfg: Any) -> list[str]:
+    """What pure distillation leaves unused: an environment's step rewards, and data.reward_fn
+    when evaluation does not score with it either."""
+    out = []
+    why = "pure distillation (grpo.distill.reward_coef=0) computes and trains on no reward"
+    if cfg.env.path:
+        out.append(
+            f"env.path={cfg.env.path}: the environment's step rewards are not trained on or "
+            f"logged: {why} (its observations still shape the episodes)"
+        )
+    # evaluation (eval.every_steps > 0) scores with data.reward_fn unless eval has its own
+    scored = cfg.eval.every_steps > 0 and not cfg.eval.reward_fn and cfg.eval.reward is None
+    if cfg.data.reward_fn and not scored:
+        out.append(f"data.reward_fn={list(cfg.data.reward_fn)} is ignored: {why}")
+    return out

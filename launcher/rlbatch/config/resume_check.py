@@ -51,9 +51,11 @@ CHANGEABLE = (
     "model.recompute",
     "data.reward_timeout_s",
     "data.reward_abs_max",
+    "grpo.distill.teacher_timeout_s",
+    "grpo.distill.teacher_max_concurrency",
 )
 """Exceptions under FIXED prefixes: where the weights come from (the checkpoint's win), how
-activations are recomputed, and the bounds on reward calls."""
+activations are recomputed, and the bounds on reward calls and served-teacher requests."""
 RUN_AHEAD = ("grpo.num_steps_async", "grpo.partial_rollouts")
 """How far generation runs ahead and whether rows continue across rounds: the queued rounds and
 the partial-rollout stream saved in the checkpoint are shaped by them."""

@@ -523,7 +523,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"debug", "rollout", "env"}), check_response_lengths),
     Rule(frozenset({"grpo", "parallel", "rollout"}), _check_grpo),
     Rule(frozenset({"grpo", "rollout"}), lambda c, e: e.extend(objective_errors(c))),
-    Rule(frozenset({"grpo", "parallel"}), lambda c, e: e.extend(distill_errors(c))),
+    Rule(frozenset({"grpo", "parallel", "rollout"}), lambda c, e: e.extend(distill_errors(c))),
     Rule(frozenset({"grpo", "rollout", "parallel", "env"}), check_partial_rollouts),
     Rule(frozenset({"model", "data", "rollout", "env"}), _check_positions),
     Rule(frozenset({"env", "data", "rollout", "parallel"}), _check_env),

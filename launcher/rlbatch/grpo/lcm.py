@@ -68,7 +68,8 @@ class AggregationPlan:
     :func:`old_pass_runs`)."""
     teacher_micro: int = 4
     teacher_pass: bool = False
-    """The teacher-logprob pass runs (grpo.distill.teacher set)."""
+    """The in-process teacher-logprob pass runs in chunks (grpo.distill.teacher set; a served
+    teacher, grpo.distill.teacher_url, gets every sample at once and plans nothing here)."""
 
     @property
     def service_target_bs(self) -> int:
@@ -173,7 +174,7 @@ def aggregation_plan(cfg: RunConfig) -> AggregationPlan:
         proceed_num_steps=agg.proceed_num_steps,
         ref_pass=cfg.grpo.beta > 0,
         old_pass=old_pass_runs(cfg),
-        teacher_pass=bool(cfg.grpo.distill.teacher),
+        teacher_pass=bool(cfg.grpo.distill.teacher),  # a served teacher needs no chunks
     )
 
 
@@ -429,9 +430,16 @@ class LCMAggregator:
             return
         assert self.distill is not None
         started = time.perf_counter()
-        logps = self._logps(
-            self.stages.teacher_logps_fn, samples, self.plan.teacher_micro, record.teacher_chunks
-        )
+        if self.plan.teacher_pass:
+            logps = self._logps(
+                self.stages.teacher_logps_fn,
+                samples,
+                self.plan.teacher_micro,
+                record.teacher_chunks,
+            )
+        else:  # a served teacher: one call, its requests concurrent
+            logps = logps_in_chunks(self.stages.teacher_logps_fn, samples, self.plan, len(samples))
+            record.teacher_chunks.append(len(samples))
         apply_teacher(samples, logps, self.distill, time.perf_counter() - started)
 
     def _score(self, samples: list[Sample], record: RoundRecord) -> None:

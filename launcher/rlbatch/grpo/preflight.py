@@ -16,7 +16,9 @@ reward functions, reported as configuration errors (every one at once) and warni
   TensorBoard enabled but missing is a warning;
 - an objective key set where the run ignores it is a warning;
 - a distillation teacher (grpo.distill.teacher) splits over the run's layout and shares the
-  student's tokenizer (rlbatch.grpo.teacher).
+  student's tokenizer (rlbatch.grpo.teacher); a served one (grpo.distill.teacher_url) answers,
+  scores tokens, holds the run's sequences and serves a model with the student's tokenizer
+  (rlbatch.grpo.served_teacher).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     data.reward_fn file paths to absolute ones."""
     from rlbatch.engine.tokenizer import tokenizer_errors
     from rlbatch.eval.settings import eval_enabled
+    from rlbatch.grpo.served_teacher import served_teacher_errors
     from rlbatch.grpo.teacher import teacher_errors
 
     errors: list[ConfigError] = []
@@ -46,6 +49,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     check_rollout_servers(cfg, errors)
     errors += tokenizer_errors(cfg.model)
     errors += teacher_errors(cfg)
+    errors += served_teacher_errors(cfg)
     fields = _check_dataset(cfg, errors)
     warnings: list[str] = []
     if not pure_distillation(cfg):  # pure distillation loads and calls no reward function

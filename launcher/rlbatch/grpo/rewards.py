@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Optional, Protocol
 
+from rlbatch.config.distill import pure_distillation
 from rlbatch.config.schema import (
     BatchingConfig,
     BatchingPassConfig,
@@ -382,7 +383,10 @@ def brought_kinds(cfg: DataConfig) -> list[RewardKind]:
 
 def run_component_names(cfg: RunConfig) -> list[str]:
     """Names of the run's reward parts (:func:`build_run_rewards`, and ``env``: the sum of a
-    multi-turn episode's step rewards), without loading anything."""
+    multi-turn episode's step rewards), without loading anything. None under pure distillation
+    (grpo.distill.reward_coef=0): no reward is computed, so none is logged."""
+    if pure_distillation(cfg):
+        return []
     extra = [OVERLONG] if cfg.grpo.overlong_buffer_len > 0 else []
     env = ["env"] if cfg.env.path else []
     return component_names(cfg.data) + extra + env

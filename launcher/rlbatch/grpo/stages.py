@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+from rlbatch.config.distill import distill_on
 from rlbatch.config.schema import RoutingReplay, RunConfig, ScaleRewards
 from rlbatch.grpo.lcm import LCMAggregator
 from rlbatch.grpo.rewards import (
@@ -223,9 +224,14 @@ def reference_logps_fn(
 
 
 def teacher_logps_fn(cfg: RunConfig) -> Callable[[list[Sample]], list] | None:
-    """The teacher pass (None without grpo.distill.teacher): the frozen teacher's log-probs of
-    every sampled response token at rollout.temperature (the behaviour log-probs'), chunked by
-    the infer plan with the teacher's own cost model (rlbatch.grpo.teacher)."""
+    """The teacher pass (None without a teacher): the frozen teacher's log-probs of every
+    sampled response token at rollout.temperature (the behaviour log-probs'), chunked by the
+    infer plan with the teacher's own cost model (rlbatch.grpo.teacher), or a served teacher's
+    prompt log-probs (grpo.distill.teacher_url: rlbatch.grpo.served_teacher)."""
+    if cfg.grpo.distill.teacher_url:
+        from rlbatch.grpo.served_teacher import served_teacher_logps_fn
+
+        return served_teacher_logps_fn(cfg)
     if not cfg.grpo.distill.teacher:
         return None
     from rlbatch.grpo.teacher import build_teacher
@@ -257,7 +263,7 @@ def build_aggregator(
 
     from rlbatch.grpo.distill import DistillSettings
 
-    distill = DistillSettings.from_config(cfg) if cfg.grpo.distill.teacher else None
+    distill = DistillSettings.from_config(cfg) if distill_on(cfg) else None
     pure = distill is not None and distill.reward_coef == 0
     stages = Stages(
         rollout_fn=no_rollout,

@@ -94,7 +94,26 @@ def write_server_model_dir(cfg: RunConfig, path: Path) -> bool:
         link = path / f.name
         link.unlink(missing_ok=True)
         link.symlink_to(f.resolve())
+    _write_tokenizer(tokenizer, path)
     return any(f.suffix == ".safetensors" for f in files)
+
+
+def _write_tokenizer(tokenizer: Any, path: Path) -> None:
+    """The model's tokenizer beside its config (the server itself skips it): links to the
+    tokenizer files it was loaded from, or the byte tokenizer's marker, so that a trainer
+    reading the served directory (a served distillation teacher) can compare tokenizers."""
+    from rlbatch.engine.tokenizer import BYTES_MARKER, ByteTokenizer, tokenizer_files
+
+    if isinstance(tokenizer, ByteTokenizer):
+        (path / BYTES_MARKER).write_text(json.dumps({"tokenizer": "bytes"}) + "\n")
+        return
+    folder = getattr(tokenizer, "path", None)
+    if not folder or not Path(folder).is_dir():
+        return
+    for name in tokenizer_files(folder):
+        link = path / name
+        link.unlink(missing_ok=True)
+        link.symlink_to((Path(folder) / name).resolve())
 
 
 def server_spec(

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from rlbatch.config.distill import pure_distillation
+from rlbatch.config.distill import distill_on, pure_distillation
 from rlbatch.config.enums import RewardKind
 from rlbatch.config.env import multi_turn
 from rlbatch.config.schema import (
@@ -228,13 +228,15 @@ def make_batch_figures(
     from rlbatch.train.episodes import check_env_errors, episode_metrics
 
     names = run_component_names(cfg)
-    count_failures = bool(brought_kinds(cfg.data)) or multi_turn(cfg.env)
+    count_failures = not pure_distillation(cfg) and (  # pure distillation scores nothing
+        bool(brought_kinds(cfg.data)) or multi_turn(cfg.env)
+    )
     warned: set[str] = set()
 
     def figures(samples: list[Sample], step: int) -> dict[str, Any]:
         episodes = episode_metrics(samples, world) if multi_turn(cfg.env) else {}
         distill = {}
-        if cfg.grpo.distill.teacher:
+        if distill_on(cfg):  # in-process or served teacher
             sums = world.all_reduce_sum(sample_sums(trained_samples(samples)))
             distill = distill_metrics(sums, cfg.parallel.dp)
         failures = failure_counts(samples, world) if count_failures else {}

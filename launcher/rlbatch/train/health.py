@@ -114,6 +114,16 @@ class ZeroAdvantageGuard:
 def zero_advantage_message(records: list[dict[str, Any]], limit: int) -> str:
     """Why the run stopped and what to change, from the steps that learnt nothing."""
     first, last = records[0]["step"], records[-1]["step"]
+    if not any("reward_mean" in r for r in records):  # pure distillation: the teacher's alone
+        return (
+            f"every advantage was 0 at steps {first}..{last} ({limit} steps in a row): pure"
+            " distillation (grpo.distill.reward_coef=0) trains on the teacher's per-token"
+            " advantage alone, and the teacher gave every sampled token the behaviour policy's"
+            " own log-prob (distill/teacher_kl 0), so the policy learnt nothing. Check that"
+            " grpo.distill.teacher is not the student itself, raise grpo.distill.reward_coef to"
+            f" learn from rewards too, or raise grpo.max_zero_advantage_steps (now {limit}; 0 ="
+            " never stop)"
+        )
     means = sorted({round(float(r.get("reward_mean") or 0.0), 6) for r in records})
     fails: dict[str, float] = {}
     for r in records:

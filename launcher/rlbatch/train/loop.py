@@ -334,6 +334,8 @@ def _record(
         "samples": int(n),
         **figures,
     }
+    if reward_coef == 0:  # pure distillation computes no reward: none is reported
+        del record["reward_mean"], record["reward_std"]
     for key, value in metrics.items():
         record.setdefault(key, value)
     return record

@@ -49,10 +49,30 @@ REQUIRED_KEYS = (
     "tokens_per_s",
     "peak_memory_gb",
 )
-"""Keys every metrics.jsonl record has (issue 6)."""
+"""Keys every metrics.jsonl record has (issue 6), except REWARD_KEYS under pure distillation."""
+
+REWARD_KEYS = ("reward_mean", "reward_std")
+"""The training reward's figures: absent from the records of pure distillation
+(grpo.distill.reward_coef=0), which computes no reward; such a record has TEACHER_KL instead."""
+
+TEACHER_KL = "distill/teacher_kl"
+"""A distilling run's mean per-token reverse KL to the teacher: what pure distillation shows where
+a run with rewards shows its reward."""
+
+
+def required_keys(record: dict[str, Any]) -> tuple[str, ...]:
+    """The keys a record must have: none but ``step`` in the step-0 evaluation record, every
+    REQUIRED_KEYS but the reward's in a pure distillation record (no reward, a teacher KL)."""
+    if record.get("step") == 0:
+        return ("step",)
+    if TEACHER_KL in record and not any(k in record for k in REWARD_KEYS):
+        return tuple(k for k in REQUIRED_KEYS if k not in REWARD_KEYS)
+    return REQUIRED_KEYS
+
 
 SUMMARY_KEYS = (
     "reward_mean",
+    TEACHER_KL,
     "kl",
     "loss",
     "grad_norm",
@@ -194,12 +214,12 @@ class MetricsLogger:
         )
 
     def log(self, record: dict[str, Any]) -> None:
-        """Write one step's record (must hold every key of REQUIRED_KEYS; the step-0 record of
-        the initial evaluation holds only eval/* metrics)."""
+        """Write one step's record (must hold every key of :func:`required_keys`: REQUIRED_KEYS,
+        less the reward's under pure distillation; the step-0 record of the initial evaluation
+        holds only eval/* metrics)."""
         if not self.enabled:
             return
-        required = REQUIRED_KEYS if record.get("step") != 0 else ("step",)
-        missing = [k for k in required if k not in record]
+        missing = [k for k in required_keys(record) if k not in record]
         if missing:
             raise ValueError(f"metrics record of step {record.get('step')} lacks {missing}")
         rec = {k: _clean(v) for k, v in record.items()}
@@ -255,17 +275,21 @@ def format_eval(rec: dict[str, Any]) -> str:
 
 
 def format_latest(rec: dict[str, Any]) -> str:
-    """'reward 0.41  kl 0.002  1.2e+03 tok/s' for the progress bar; a run with an environment
-    adds 'turns 2.31  env_errors 3  truncated 5'."""
+    """'reward 0.41  kl 0.002  1.2e+03 tok/s' for the progress bar ('teacher_kl 1.52' in place
+    of the reward under pure distillation, which computes none); a run with an environment adds
+    'turns 2.31  env_errors 3  truncated 5'."""
 
     def num(key: str, fmt: str) -> str:
         value = rec.get(key)
         return "-" if value is None else format(value, fmt)
 
-    line = (
-        f"reward {num('reward_mean', '.3f')}  kl {num('kl', '.4f')}  "
-        f"{num('tokens_per_s', '.3g')} tok/s"
+    rewarded = "reward_mean" in rec or TEACHER_KL not in rec
+    lead = (
+        f"reward {num('reward_mean', '.3f')}"
+        if rewarded
+        else f"teacher_kl {num(TEACHER_KL, '.3f')}"
     )
+    line = f"{lead}  kl {num('kl', '.4f')}  {num('tokens_per_s', '.3g')} tok/s"
     if "turns_mean" in rec:  # episode metrics: a run with env.path set
         line += (
             f"  turns {num('turns_mean', '.2f')}  env_errors {num('env_errors', '.0f')}"

@@ -1,4 +1,5 @@
-"""PNG plot of a run's metrics: reward, KL and tokens/s against optimizer step.
+"""PNG plot of a run's metrics: reward (the teacher KL under pure distillation), KL and tokens/s
+against optimizer step.
 
 matplotlib is a dependency; should it be missing (a stripped environment) :func:`plot_metrics`
 warns and returns None. Always the non-interactive Agg backend (workers have no display).
@@ -17,6 +18,19 @@ PANELS = (
     ("kl", "KL to reference"),
     ("tokens_per_s", "tokens / s"),
 )
+
+TEACHER_PANEL = ("distill/teacher_kl", "reverse KL to teacher")
+"""The first panel of pure distillation (grpo.distill.reward_coef=0), which computes no reward."""
+
+
+def _panels(records: Sequence[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """PANELS; a run whose records have no reward but a teacher KL (pure distillation) plots
+    that KL in the reward's place."""
+    steps = [r for r in records if r.get("step") != 0]
+    if steps and not any("reward_mean" in r for r in steps):
+        if any(TEACHER_PANEL[0] in r for r in steps):
+            return (TEACHER_PANEL, *PANELS[1:])
+    return PANELS
 
 
 def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -60,11 +74,12 @@ def plot_metrics(
     from rlbatch.eval.report import eval_columns, eval_records
 
     evals = eval_columns(eval_records(records))
-    panels = len(PANELS) + (1 if evals else 0)
+    chosen = _panels(records)
+    panels = len(chosen) + (1 if evals else 0)
     fig, axes = plt.subplots(panels, 1, figsize=(7, 2.5 * panels), sharex=True)
     if evals:
         _plot_eval(axes[-1], records, evals)
-    for ax, (key, label) in zip(axes, PANELS, strict=False):
+    for ax, (key, label) in zip(axes, chosen, strict=False):
         xs, ys = _series(records, key)
         ax.plot(xs, ys, marker="." if len(xs) < 40 else None, linewidth=1.4)
         if key == "reward_mean":

@@ -14,6 +14,7 @@ SITE = {
     "grpo_qwen3_moe": ["data.path={data}", "parallel.rdzv_endpoint=node0:29500"]
     + ["parallel.node_rank=0", "parallel.run_id=moe"],
     "distill_qwen": ["grpo.distill.teacher={teacher}"],  # the user's teacher directory
+    "distill_qwen3_8b_to_1_7b": ["data.path={data}", "grpo.distill.teacher={teacher}"],
 }
 
 

@@ -23,6 +23,7 @@ SITE = {
         *("parallel.rdzv_endpoint=node0:29500", "parallel.node_rank=0", "parallel.run_id=moe"),
     ],
     "distill_qwen": ["grpo.distill.teacher={teacher}"],  # the user's teacher directory
+    "distill_qwen3_8b_to_1_7b": ["data.path={data}", "grpo.distill.teacher={teacher}"],
 }
 
 
@@ -68,6 +69,22 @@ def test_big_recipe_uses_real_parallelism(site_overrides):
     assert p.tp > 1 and p.pp > 1 and p.vpp > 1 and p.dp > 1
     assert cfg.model.num_layers % (p.pp * p.vpp) == 0
     assert cfg.batching.train.max_tokens >= cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+
+
+def test_gpu_distillation_recipe_splits_student_and_teacher_over_its_layout(site_overrides):
+    """Qwen3-8B (the public config: 36 layers, 32/8 heads) built on Qwen3-1.7B's run layout:
+    the layers split over pp * vpp and the heads over tp, as the teacher check requires."""
+    from rlbatch.grpo.teacher import _layout_errors
+
+    name = "distill_qwen3_8b_to_1_7b"
+    cfg = compose([f"+recipe={name}", *site_overrides(name)], "test")
+    teacher = compose([f"+recipe={name}", *site_overrides(name), "model=qwen3_8b"], "test").model
+    p = cfg.parallel
+    assert (cfg.model.num_layers, teacher.num_layers) == (28, 36)
+    assert p.tp * p.pp * p.dp == p.nproc_per_node == 8 and p.tp > 1 and p.sequence_parallel
+    assert _layout_errors(cfg, teacher) == []
+    assert cfg.grpo.distill.reward_coef == 0 and cfg.grpo.beta == 0
+    assert cfg.rollout.temperature == 1.0  # a served teacher's requirement too
 
 
 def test_help_lists_recipes_and_groups(bin_dir, subprocess_env):

@@ -260,3 +260,22 @@ def test_teacher_tokenizer_must_be_the_students(tmp_path):
     exported.mkdir()
     (exported / "rlbatch_tokenizer.json").write_text('{"tokenizer": "bytes"}')
     assert tokenizer_mismatch(byte_student, teacher(str(exported), vocab_size=512)) == ""
+
+
+def test_pure_distillation_warns_of_the_reward_settings_it_leaves_unused():
+    """An environment's step rewards and a data.reward_fn that evaluation does not use either;
+    a data.reward_fn that evaluation scores with is not warned about."""
+    from rlbatch.cli.common import compose
+    from rlbatch.config.distill import distill_warnings
+
+    cfg = compose(["+recipe=grpo_qwen"], "test")
+    cfg.grpo.distill.teacher, cfg.grpo.distill.reward_coef = "/t", 0.0
+    cfg.env.path, cfg.data.reward_fn = "my_env.py:Env", ["math"]
+    warned = distill_warnings(cfg)
+    assert len(warned) == 2
+    assert warned[0].startswith("env.path=my_env.py:Env: the environment's step rewards")
+    assert warned[1].startswith("data.reward_fn=['math'] is ignored: pure distillation")
+    cfg.eval.every_steps = 5  # evaluation scores with data.reward_fn
+    assert distill_warnings(cfg) == [warned[0]]
+    cfg.grpo.distill.reward_coef = 1.0  # the rewards are trained on
+    assert distill_warnings(cfg) == []

@@ -58,6 +58,43 @@ def test_missing_key_is_an_error(tmp_path):
         log.log(rec)
 
 
+def _pure_record(step):
+    """A pure distillation step (grpo.distill.reward_coef=0): no reward, a teacher KL."""
+    rec = _record(step)
+    del rec["reward_mean"], rec["reward_std"]
+    rec["distill/teacher_kl"] = 2.0 - 0.1 * step
+    return rec
+
+
+def test_pure_distillation_shows_the_teacher_kl_where_others_show_a_reward(tmp_path):
+    log, out = _logger(tmp_path)
+    for step in range(1, 11):
+        log.log(_pure_record(step))
+    log.print_summary()
+    log.close()
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, 11))
+    assert not any("reward_mean" in r or "reward_std" in r for r in recs)
+    text = out.getvalue()
+    assert "step 10/10  teacher_kl 1.000  kl 0.1000" in text and "reward" not in text
+    rows = [line.replace("│", " ").split() for line in text.splitlines() if "│" in line]
+    assert ["distill/teacher_kl", "1.9", "1", "1.9", "1"] in rows
+    # a record that lacks the reward without a teacher KL is not pure distillation: refused
+    rec = _record(11)
+    del rec["reward_std"]
+    with pytest.raises(ValueError, match=r"lacks \['reward_std'\]"):
+        log.log(rec)
+
+
+def test_plot_of_pure_distillation_puts_the_teacher_kl_in_the_rewards_panel(tmp_path):
+    from rlbatch.train.plot import PANELS, _panels
+
+    pure = [{"step": 0, "eval/reward_mean": 0.1}, *(_pure_record(s) for s in range(1, 4))]
+    assert [key for key, _ in _panels(pure)] == ["distill/teacher_kl", "kl", "tokens_per_s"]
+    assert _panels([_record(1)]) == PANELS  # a run with rewards keeps its reward panel
+    assert plot_metrics(pure, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_nan_becomes_null(tmp_path):
     log, _ = _logger(tmp_path)
     rec = _record(1)

@@ -55,3 +55,15 @@ def test_the_guard_is_off_at_zero_and_a_resumed_run_counts_on_from_its_history()
     resumed = ZeroAdvantageGuard(3, history=[_record(1, 0.0), _record(2, 1.0), _record(3, 1.0)])
     with pytest.raises(ZeroAdvantageError, match="at steps 2..4"):
         resumed.observe(_record(4, 1.0))
+
+
+def test_under_pure_distillation_the_guard_blames_the_teacher_not_the_rewards():
+    """A pure distillation record has no reward_mean (no reward is computed)."""
+    guard = ZeroAdvantageGuard(2)
+    guard.observe({"step": 1, "advantage_zero_frac": 1.0, "distill/teacher_kl": 0.0})
+    with pytest.raises(ZeroAdvantageError) as err:
+        guard.observe({"step": 2, "advantage_zero_frac": 1.0, "distill/teacher_kl": 0.0})
+    message = str(err.value)
+    assert "pure distillation (grpo.distill.reward_coef=0)" in message
+    assert "grpo.distill.teacher is not the student itself" in message
+    assert "rewards were equal" not in message and "filter_groups" not in message

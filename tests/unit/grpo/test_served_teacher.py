@@ -1,0 +1,109 @@
+"""A served distillation teacher's keys and failures (rlbatch.config.distill,
+rlbatch.grpo.served_teacher): the rules refuse every bad combination at once, naming the key;
+a teacher server that refuses the connection or never answers stops the teacher pass with an
+error naming the server's URL, the sample and the key to change (the scoring itself is checked
+against a real vLLM server in tests/e2e/test_served_teacher_cli.py)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from rlbatch.cli.common import compose
+from rlbatch.config.distill import distill_errors
+from rlbatch.grpo.served_teacher import TeacherServerError, score_samples
+from rlbatch.grpo.types import Prompt, Sample
+
+
+def _errors(**distill):
+    cfg = compose(["+recipe=grpo_qwen"], "test")
+    for key, value in distill.items():
+        if key == "temperature":
+            cfg.rollout.temperature = value
+        else:
+            setattr(cfg.grpo.distill, key, value)
+    return {(e.key, str(e.value)): e.message for e in distill_errors(cfg)}
+
+
+def test_served_teacher_rules_name_each_key_at_once(tmp_path):
+    found = _errors(
+        teacher=str(tmp_path), teacher_url="localhost:8000", temperature=0.7,
+        teacher_timeout_s=0.0, teacher_max_concurrency=0,
+    )  # fmt: skip
+    url = ("grpo.distill.teacher_url", "localhost:8000")
+    assert set(found) == {
+        url, ("rollout.temperature", "0.7"), ("grpo.distill.teacher_timeout_s", "0.0"),
+        ("grpo.distill.teacher_max_concurrency", "0"),
+    }  # fmt: skip
+    # the URL's two problems are two errors under one key: the exclusivity and the scheme
+    cfg = compose(["+recipe=grpo_qwen"], "test")
+    cfg.grpo.distill.teacher, cfg.grpo.distill.teacher_url = str(tmp_path), "localhost:8000"
+    messages = [e.message for e in distill_errors(cfg) if e.key == url[0]]
+    assert any("exclusive with grpo.distill.teacher" in m for m in messages)
+    assert any("http://HOST:PORT" in m for m in messages)
+    assert "raw logits" in found[("rollout.temperature", "0.7")]
+    # the teacher's server cannot be a rollout server too: the student's syncs would land on it
+    cfg = compose(["+recipe=grpo_qwen"], "test")
+    cfg.grpo.distill.teacher_url = "http://127.0.0.1:8000/"
+    cfg.rollout.backend, cfg.rollout.servers.urls = "vllm_server", ["http://127.0.0.1:8000"]
+    (shared,) = distill_errors(cfg)
+    assert shared.key == url[0] and "also one of rollout.servers.urls" in shared.message
+    # a served teacher alone, at temperature 1, is a teacher: pure distillation is allowed
+    assert _errors(teacher_url="http://127.0.0.1:8000", reward_coef=0.0) == {}
+
+
+def _sample(i: int) -> Sample:
+    return Sample(Prompt(i, (1, 2, 3), ""), i, [4, 5], [-1.0, -1.0], False, 0)
+
+
+def test_a_teacher_server_that_refuses_the_connection_is_named():
+    with socket.socket() as s:  # a free port, closed again: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(TeacherServerError) as err:
+        score_samples(url, [_sample(0), _sample(1)], timeout_s=5.0, max_concurrency=2)
+    message = str(err.value)
+    assert message.startswith(f"the served teacher (grpo.distill.teacher_url={url}) failed")
+    assert "refused the connection" in message and "prompt index" in message
+
+
+def test_a_teacher_server_that_never_answers_times_out_naming_the_timeout_key():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:  # takes connections, reads nothing, answers nothing
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    started = time.monotonic()
+    try:
+        with pytest.raises(TeacherServerError) as err:
+            score_samples(url, [_sample(3)], timeout_s=1.0, max_concurrency=4)
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        listener.close()
+    assert time.monotonic() - started < 30  # 1 s, and one GET /health of 5 s at most
+    message = str(err.value)
+    assert f"grpo.distill.teacher_url={url}" in message and "sample 0 (prompt index 3" in message
+    assert (
+        "did not answer /inference/v1/generate within 1 s (grpo.distill.teacher_timeout_s)"
+        in message
+    )
+    assert "rollout.servers" not in message
