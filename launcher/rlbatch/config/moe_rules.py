@@ -83,7 +83,7 @@ def _check_dense(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     f"model.{name}",
                     value,
                     "applies to MoE models only, and this model is dense (model.num_moe_experts "
-                    f"is null): remove it, or choose an MoE model (model=tiny_moe, or a "
+                    "is null): remove it, or choose an MoE model (model=tiny_moe, or a "
                     "Qwen3-MoE model.hf_path)",
                 )
             )
