@@ -257,10 +257,18 @@ def teacher_logps_fn(cfg: RunConfig) -> Callable[[list[Sample]], list] | None:
     return make_logps_fn(chunks, teacher_cfg)
 
 
-def no_rewards(samples: list[Sample]) -> list[float]:
+def make_no_rewards(skip_errors: bool) -> Callable[[list[Sample]], list[float]]:
     """Pure distillation's reward stage (grpo.distill.reward_coef=0): 0 for every sample,
-    without a reward function."""
-    return [0.0] * len(samples)
+    without a reward function; with ``skip_errors`` (env.on_error=skip) an episode ended by an
+    error is still left out of training (:func:`skip_episode`: its teacher advantages too)."""
+
+    def no_rewards(samples: list[Sample]) -> list[float]:
+        for s in samples:
+            if skip_errors and s.episode is not None and s.episode["end"] == "error":
+                skip_episode(s)
+        return [0.0] * len(samples)
+
+    return no_rewards
 
 
 def build_aggregator(
@@ -282,16 +290,14 @@ def build_aggregator(
 
     distill = DistillSettings.from_config(cfg) if cfg.grpo.distill.teacher else None
     pure = distill is not None and distill.reward_coef == 0
+    skip_errors = EnvOnError(cfg.env.on_error) == EnvOnError.skip
     stages = Stages(
         rollout_fn=no_rollout,
         # pure distillation: no reward function is built or called, every reward is 0
-        reward_fn=no_rewards
+        reward_fn=make_no_rewards(skip_errors)
         if pure
         else make_reward_batch_fn(
-            build_run_rewards(cfg),
-            tokenizer,
-            cfg.data.reward_abs_max,
-            skip_errors=EnvOnError(cfg.env.on_error) == EnvOnError.skip,
+            build_run_rewards(cfg), tokenizer, cfg.data.reward_abs_max, skip_errors=skip_errors
         ),
         old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
         ref_logps_fn=reference_logps_fn(cfg, ref, policy),

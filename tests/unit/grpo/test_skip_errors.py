@@ -176,3 +176,19 @@ def test_filter_groups_and_the_untrained_group_count_see_the_remaining_members()
     # group 1: one remaining episode; group 2: no error, a spread
     assert teaching_groups(samples, G) == [False, False, True]
     assert groups_untrained(samples) == 1
+
+
+def test_pure_distillation_leaves_errored_episodes_out_too():
+    """grpo.distill.reward_coef=0 runs no reward function; the teacher's per-token advantage of
+    an errored episode would still train it."""
+    from rlbatch.grpo.stages import make_no_rewards
+
+    for skip in (False, True):
+        failed, fine = _sample(0, 0.0, error=True), _sample(0, 0.0)
+        for s in (failed, fine):
+            s.token_advantages = [0.5, -0.5, 1.0]
+        assert make_no_rewards(skip)([failed, fine]) == [0.0, 0.0]
+        assert failed.skipped == skip and not fine.skipped
+        assert failed.token_advantages == ([0.0] * 3 if skip else [0.5, -0.5, 1.0])
+        assert failed.loss_mask == ([0] * 3 if skip else [1] * 3)
+        assert fine.token_advantages == [0.5, -0.5, 1.0] and fine.loss_mask == [1] * 3
