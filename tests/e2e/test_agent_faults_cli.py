@@ -2,14 +2,19 @@
 non-number, asks n > 1, makes no call, hangs or holds the event loop, next to one whose calls
 run past env.max_turns and one that sends token ids to /v1/completions (streamed), in one run
 under env.on_error=zero_reward; the harness holding the loop stopping the run under
-raise_error, naming its episode and line without a traceback; and the configuration errors
-before launch, all at once."""
+raise_error, naming its episode and line without a traceback; a harness that raises on some of
+the policy's replies under env.on_error=skip, whose errored episodes carry no loss and leave
+their groups' baselines; and the configuration errors before launch, all at once."""
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
+from collections import defaultdict
 
 import pytest
+import yaml
 
 from agent_runs import train as _run
 
@@ -180,6 +185,65 @@ def test_truncated_means_a_limit_of_the_run(zero_run):
         if s["turns"]:
             mine = [s["turns"][i] for i in s["calls"]]
             assert s["truncated"] == mine[-1]["truncated"]
+
+
+CRASHES = """
+import json
+
+async def run(client, model, row):
+    messages = [{"role": "user", "content": row["prompt"]}]
+    out = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    text = out.choices[0].message.content
+    if ord(text[:1] or "a") % 3 == 0:  # a reply the harness's parser chokes on
+        json.loads("{" + text)
+    if text.strip() == row["answer"]:
+        return 1.0
+    return -1.0 + 0.25 * (ord(text[-1:]) % 3)  # wrong answers score below 0, graded
+"""
+
+
+def test_skip_leaves_errored_episodes_out_of_the_loss_and_the_baselines(
+    fault_run, bin_dir, subprocess_env
+):
+    """A crash scored 0 beside wrong answers scored -1 would get a positive advantage under
+    zero_reward; under skip it carries no loss and its group's other episodes are compared
+    among themselves (a float64 recomputation of their GRPO advantages)."""
+    (fault_run / "crashes.py").write_text(CRASHES)
+    run_dir = fault_run / "skip"
+    proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
+                "env.harness=crashes.py:run", "env.on_error=skip", "env.max_error_fraction=1.0",
+                "logging.samples=true", "trainer.max_steps=1")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip
+    grpo = yaml.safe_load((run_dir / "resolved.yaml").read_text())["grpo"]
+    assert (grpo["advantage_estimator"], grpo["scale_rewards"]) == ("grpo", "group")
+    groups = defaultdict(list)
+    for s in samples:
+        groups[s["group_id"]].append(s)
+    errored = [s for s in samples if s["end"] == "error"]
+    assert 0 < len(errored) < len(samples) and len(groups) == 4
+    for s in errored:
+        assert "json" in s["error"].lower() or "Expecting" in s["error"], s["error"]
+        assert s["skipped"] and s["advantage"] == 0.0 and s["reward"] == 0.0
+        assert sum(s["loss_mask"]) == 0  # none of its tokens carries loss
+    lone = 0
+    for members in groups.values():
+        kept = [s["reward"] for s in members if s["end"] != "error"]
+        lone += len(kept) < 2 and len(kept) < len(members)
+        for s in members:
+            if s["end"] == "error":
+                continue
+            assert not s["skipped"] and sum(s["loss_mask"]) > 0
+            if len(kept) < 2:
+                want = 0.0
+            else:
+                mean = math.fsum(kept) / len(kept)
+                want = (s["reward"] - mean) / (statistics.stdev(kept) + grpo["advantage_eps"])
+            assert s["advantage"] == pytest.approx(want, rel=1e-6, abs=1e-6)
+    assert any(s["advantage"] > 0 for s in samples) and any(s["advantage"] < 0 for s in samples)
+    (record,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert record["env_errors"] == len(errored)
+    assert record["env_error_groups_untrained"] == lone
 
 
 def test_harness_error_stops_the_run_naming_harness_and_row(fault_run, bin_dir, subprocess_env):

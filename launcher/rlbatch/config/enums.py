@@ -333,8 +333,19 @@ class OnDivergence(str, Enum):
 
 class EnvOnError(str, Enum):
     """What an exception (or a timeout, or a wrong return type) in an environment's reset / step
-    does: stop the run naming the environment, sample and turn, or end that episode with
-    reward 0 (counted in the ``env_errors`` metric)."""
+    or an agent harness does (env.on_error): stop the run naming the environment, sample and
+    turn; end that episode with reward 0 and train it (zero_reward: a crash is paid 0, more than
+    a wrong answer scored below 0); or end it and leave it out of the loss and of its group's
+    baseline (skip). Errored episodes count in the ``env_errors`` metric."""
+
+    raise_error = "raise_error"
+    zero_reward = "zero_reward"
+    skip = "skip"
+
+
+class ServedOnError(str, Enum):
+    """What a served reward request (data.served: http, judge) still failing after its retries
+    does: stop the run, or score its samples 0."""
 
     raise_error = "raise_error"
     zero_reward = "zero_reward"

@@ -72,12 +72,17 @@ class EnvConfig:
     max_concurrency: int = 16
     """Threads that run synchronous reset / step calls at once (async ones share one loop)."""
     on_error: EnvOnError = EnvOnError.raise_error
-    """raise_error: an exception, timeout or wrong return type stops the run naming the
-    environment, the sample and the turn; zero_reward: that episode ends with reward 0 (every
-    reward part 0)."""
+    """What an exception, timeout or wrong return type of env.path or env.harness does.
+    raise_error: stops the run naming the environment (or harness), the sample and the turn;
+    zero_reward: that episode ends with reward 0 (every reward part 0) and is trained, so a
+    crash is paid 0, above any wrong answer scored below 0 (the policy learns to crash: use it
+    only with rewards >= 0); skip: that episode ends and is left out of training: none of its
+    tokens carries loss or counts in a divisor, and its group's baseline and scale are computed
+    over the other episodes (a group left with fewer than 2 trains none:
+    ``env_error_groups_untrained``). Counted in ``env_errors`` either way."""
     max_error_fraction: float = 0.5
-    """zero_reward: a step where more than this fraction of the episodes that reached the
-    environment failed is a warning; a step where all of them failed stops the run."""
+    """zero_reward or skip: a step where more than this fraction of the episodes that reached
+    the environment failed is a warning; a step where all of them failed stops the run."""
 
 
 def multi_turn(env: EnvConfig) -> bool:

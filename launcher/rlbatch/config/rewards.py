@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from rlbatch.config.enums import EnvOnError
+from rlbatch.config.enums import ServedOnError
 
 
 class Isolation(str, Enum):
@@ -116,7 +116,7 @@ class ServedConfig:
     """Requests in flight at once (per trainer process)."""
     batch_size: int = 1
     """http: samples per request (> 1 posts {"samples": [...]} and reads {"rewards": [...]})."""
-    on_error: EnvOnError = EnvOnError.raise_error
+    on_error: ServedOnError = ServedOnError.raise_error
     """A request still failing after its retries (no answer, an error status, not the expected
     JSON): raise_error stops the run naming the URL and the sample; zero_reward scores that
     sample 0 (counted in reward_fail/served_error). An answer read but unusable (a judge reply

@@ -13,6 +13,11 @@
 The std is the **unbiased** one (Bessel's correction, n - 1), as TRL's ``torch.std`` and
 verl's GRPO use; a group of one has std 0 (its centred reward is 0 anyway). Computed in
 float64.
+
+Episodes left out (env.on_error=skip, ``Sample.skipped``): every estimator computes over the
+group's remaining members only (their mean, std, leave-one-out mean; the batch std over the
+remaining rewards), a left-out member's value is 0, and a group left with fewer than 2 members
+has every value 0 (no baseline to compare against: :func:`masked_advantages`).
 """
 
 from __future__ import annotations
@@ -82,15 +87,52 @@ GLOBALLY_NORMALIZED = frozenset(
 """Estimators whose values are normalized over the whole generation batch (all DP ranks)."""
 
 
+def masked_advantages(
+    r: np.ndarray,
+    member: np.ndarray,
+    estimator: AdvantageEstimator,
+    scale: ScaleRewards,
+    eps: float,
+) -> np.ndarray:
+    """The estimators over each group's members only (``member`` ``[P, G]`` bool; False = an
+    episode left out): n = members of the group, mean and unbiased std over them, RLOO's
+    baseline the mean of the n - 1 other members, the batch std over every member of every
+    group. Left-out entries are 0; so is every entry of a group with n < 2."""
+    m = member.astype(np.float64)
+    n = m.sum(axis=1, keepdims=True)
+    alive = n >= 2
+    safe_n = np.maximum(n, 1.0)
+    mean = (r * m).sum(axis=1, keepdims=True) / safe_n
+    centred = (r - mean) * m
+    est = AdvantageEstimator(estimator)
+    if est == AdvantageEstimator.reinforce_pp:
+        return r * m  # no group baseline: a lone member keeps its reward
+    if est == AdvantageEstimator.reinforce_pp_baseline:
+        return np.where(alive, centred, 0.0)
+    if est == AdvantageEstimator.rloo:
+        return np.where(alive, centred * (n / np.maximum(n - 1.0, 1.0)), 0.0)
+    if scale == ScaleRewards.group:
+        var = (centred**2).sum(axis=1, keepdims=True) / np.maximum(n - 1.0, 1.0)
+        return np.where(alive, centred / (np.sqrt(var) + eps), 0.0)
+    if scale == ScaleRewards.batch:
+        kept = r[member]
+        std = float(kept.std(ddof=1)) if kept.size >= 2 else 0.0
+        return np.where(alive, centred / (std + eps), 0.0)
+    return np.where(alive, centred, 0.0)
+
+
 def compute_advantages(
     rewards: Sequence[float],
     group_size: int,
     scale: ScaleRewards,
     eps: float,
     estimator: AdvantageEstimator = AdvantageEstimator.grpo,
+    members: Sequence[bool] | None = None,
 ) -> list[float]:
     """Advantages (or, for a globally normalized estimator, the values to normalize) of
-    `rewards` (contiguous groups of `group_size`), float64."""
+    `rewards` (contiguous groups of `group_size`), float64. ``members``: per reward, False
+    for an episode left out of its group (env.on_error=skip; :func:`masked_advantages`);
+    None or all True = every reward counts."""
     if group_size <= 0 or len(rewards) % group_size:
         raise ValueError(
             f"{len(rewards)} rewards do not form whole groups of grpo.num_generations="
@@ -99,6 +141,12 @@ def compute_advantages(
     if not rewards:
         return []
     r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)  # [P, G]
+    if members is not None and not all(members):
+        if len(members) != len(rewards):
+            raise ValueError(f"{len(members)} member flags for {len(rewards)} rewards")
+        member = np.asarray(members, dtype=bool).reshape(-1, group_size)
+        out = masked_advantages(r, member, estimator, ScaleRewards(scale), eps)
+        return [float(a) for a in out.reshape(-1)]
     out = ADVANTAGE_ESTIMATORS[AdvantageEstimator(estimator)](r, ScaleRewards(scale), eps)
     return [float(a) for a in out.reshape(-1)]
 

@@ -449,7 +449,12 @@ class LCMAggregator:
                 f"reward_fn returned {len(rewards)} rewards for {len(samples)} samples"
             )
         advantages = compute_advantages(
-            rewards, self.plan.sample_repeat, self.scale_rewards, self.advantage_eps, self.estimator
+            rewards,
+            self.plan.sample_repeat,
+            self.scale_rewards,
+            self.advantage_eps,
+            self.estimator,
+            members=[not s.skipped for s in samples],  # env.on_error=skip: left out
         )
         for s, r, a in zip(samples, rewards, advantages, strict=True):
             s.reward, s.advantage = r, a

@@ -37,8 +37,9 @@ GatherFn = Callable[[Any], list[Any]]
 
 def scale_by_batch_std(samples: Sequence[Sample], eps: float, gather: GatherFn) -> float:
     """Divide each sample's group-centred advantage by (std + eps), std = the unbiased std of
-    the rewards of the whole generation batch (every DP rank's round samples). Returns std."""
-    shares = gather([s.reward for s in samples])
+    the rewards of the whole generation batch (every DP rank's round samples; an episode left
+    out, env.on_error=skip, neither counts nor moves from its advantage 0). Returns std."""
+    shares = gather([s.reward for s in samples if not s.skipped])
     rewards = [r for share in shares for r in share]
     std = unbiased_std(rewards)
     for s in samples:
@@ -49,13 +50,13 @@ def scale_by_batch_std(samples: Sequence[Sample], eps: float, gather: GatherFn) 
 def normalize_over_batch(samples: Sequence[Sample], eps: float, gather: GatherFn) -> float:
     """REINFORCE++'s global normalization: each sample's advantage (the estimator's value)
     becomes (value - mean) / (std + eps), mean and std over the loss tokens of every DP rank's
-    round samples (a split agent episode weighs with all of its segments' tokens). Returns the
-    std."""
-    shares = gather([(s.advantage, _episode_loss_tokens(s)) for s in samples])
+    round samples (a split agent episode weighs with all of its segments' tokens; an episode
+    left out, env.on_error=skip, has none, and keeps its advantage 0). Returns the std."""
+    shares = gather([(s.advantage, _episode_loss_tokens(s)) for s in samples if not s.skipped])
     pairs = [p for share in shares for p in share]
     mean, std = normalize_over_tokens([v for v, _ in pairs], [n for _, n in pairs], eps)
     for s in samples:
-        s.advantage = (s.advantage - mean) / (std + eps)
+        s.advantage = 0.0 if s.skipped else (s.advantage - mean) / (std + eps)
     return std
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from rlbatch.config.distill import distill_on
+from rlbatch.config.enums import EnvOnError
 from rlbatch.config.schema import RoutingReplay, RunConfig, ScaleRewards
 from rlbatch.grpo.lcm import LCMAggregator
 from rlbatch.grpo.rewards import (
@@ -26,13 +27,15 @@ SERVED_FAILED = "reward_served_failed"
 
 
 def make_reward_batch_fn(
-    fn: RewardFn | RewardSet, tokenizer: Any, abs_max: float = math.inf
+    fn: RewardFn | RewardSet, tokenizer: Any, abs_max: float = math.inf, skip_errors: bool = False
 ) -> Callable[[list[Sample]], list[float]]:
     """The aggregator's reward_fn: decode responses (EOS excluded) and score them; each
     component's value goes to the sample's metrics as ``reward/<name>``. A multi-turn sample
     adds the sum of its environment's step rewards (``reward/env``); an episode ended by an
     environment error (env.on_error=zero_reward) gets a total of 0, and every part 0; an
-    environment reward out of ``abs_max`` (data.reward_abs_max) counts as 0 (out_of_range).
+    environment reward out of ``abs_max`` (data.reward_abs_max) counts as 0 (out_of_range);
+    with ``skip_errors`` (env.on_error=skip) such an episode is also left out of training
+    (:func:`skip_episode`).
     A sample with a failure of a served part (http, judge) gets ``SERVED_FAILED`` = 1 in its
     metrics (what data.served.max_error_fraction counts)."""
     rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
@@ -48,7 +51,7 @@ def make_reward_batch_fn(
             record_failures(s, found)
             if any(name in served for name, _ in found):
                 s.metrics[SERVED_FAILED] = 1.0
-        return add_episode_rewards(samples, totals, abs_max)
+        return add_episode_rewards(samples, totals, abs_max, skip_errors)
 
     return reward_batch
 
@@ -63,12 +66,16 @@ def record_failures(sample: Sample, failures: Sequence[tuple[str, Any]]) -> None
 
 
 def add_episode_rewards(
-    samples: Sequence[Sample], totals: list[float], abs_max: float = math.inf
+    samples: Sequence[Sample],
+    totals: list[float],
+    abs_max: float = math.inf,
+    skip_errors: bool = False,
 ) -> list[float]:
     """Each multi-turn sample's total plus the sum of its environment's step rewards
     (``reward/env`` in its metrics); an episode ended by an environment error
-    (env.on_error=zero_reward) totals 0 and so does each of its parts (``reward/<name>``, what
-    ``reward/<name>_mean`` and the samples' ``reward_parts`` show: what was trained). An
+    (env.on_error=zero_reward or skip) totals 0 and so does each of its parts (``reward/<name>``,
+    what ``reward/<name>_mean`` and the samples' ``reward_parts`` show); with ``skip_errors``
+    (env.on_error=skip) it is also left out of training (:func:`skip_episode`). An
     episode reward that is not finite or is over ``abs_max`` in size counts as 0 with an
     ``env: out_of_range`` failure (``reward_fail/out_of_range``). Single-turn samples keep
     their total."""
@@ -88,9 +95,25 @@ def add_episode_rewards(
             for key in [k for k in s.metrics if k.startswith("reward/")]:
                 s.metrics[key] = 0.0
             out[i] = 0.0
+            if skip_errors:
+                skip_episode(s)
         else:
             out[i] += env.value
     return out
+
+
+def skip_episode(row: Sample) -> None:
+    """Leave an errored episode out of training (env.on_error=skip): ``skipped`` set (the
+    advantage estimators leave it out of its group's baseline and scale and give it 0), and
+    every sample of it (the row and a split episode's earlier segments) carries no loss: its
+    loss mask and teacher advantages are zeroed, so neither the loss, nor any normalization
+    divisor (normalization.mode, grpo.loss_agg_mode), nor REINFORCE++'s token-weighted batch
+    statistics, nor the zero-advantage guard counts a token of it."""
+    for part in (row, *row.earlier_segments):
+        part.skipped = True
+        part.loss_mask = [0] * len(part.response_ids)
+        if part.token_advantages is not None:
+            part.token_advantages = [0.0] * len(part.response_ids)
 
 
 def single_component(fn: RewardFn) -> RewardComponent:
@@ -240,10 +263,18 @@ def teacher_logps_fn(cfg: RunConfig) -> Callable[[list[Sample]], list] | None:
     return make_logps_fn(chunks, teacher_cfg)
 
 
-def no_rewards(samples: list[Sample]) -> list[float]:
+def make_no_rewards(skip_errors: bool) -> Callable[[list[Sample]], list[float]]:
     """Pure distillation's reward stage (grpo.distill.reward_coef=0): 0 for every sample,
-    without a reward function."""
-    return [0.0] * len(samples)
+    without a reward function; with ``skip_errors`` (env.on_error=skip) an episode ended by an
+    error is still left out of training (:func:`skip_episode`: its teacher advantages too)."""
+
+    def no_rewards(samples: list[Sample]) -> list[float]:
+        for s in samples:
+            if skip_errors and s.episode is not None and s.episode["end"] == "error":
+                skip_episode(s)
+        return [0.0] * len(samples)
+
+    return no_rewards
 
 
 def build_aggregator(
@@ -265,12 +296,15 @@ def build_aggregator(
 
     distill = DistillSettings.from_config(cfg) if distill_on(cfg) else None
     pure = distill is not None and distill.reward_coef == 0
+    skip_errors = EnvOnError(cfg.env.on_error) == EnvOnError.skip
     stages = Stages(
         rollout_fn=no_rollout,
         # pure distillation: no reward function is built or called, every reward is 0
-        reward_fn=no_rewards
+        reward_fn=make_no_rewards(skip_errors)
         if pure
-        else make_reward_batch_fn(build_run_rewards(cfg), tokenizer, cfg.data.reward_abs_max),
+        else make_reward_batch_fn(
+            build_run_rewards(cfg), tokenizer, cfg.data.reward_abs_max, skip_errors=skip_errors
+        ),
         old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
         ref_logps_fn=reference_logps_fn(cfg, ref, policy),
         teacher_logps_fn=teacher_logps_fn(cfg),

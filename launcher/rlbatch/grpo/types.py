@@ -87,6 +87,10 @@ class Sample:
     reward_failures: list[str] = field(default_factory=list)
     """Why the sample's brought rewards (code_exec tests, served requests) failed, one line per
     failure: ``<reward part>: <reason>: <detail>`` (logged samples)."""
+    skipped: bool = False
+    """The episode ended in an environment or harness error under env.on_error=skip: it carries
+    no loss (every token of it, earlier segments included, is masked out), takes no part in its
+    group's baseline or scale, and its advantage is 0 (rlbatch.grpo.stages.skip_episode)."""
     earlier_segments: list[Sample] = field(default_factory=list)
     """A split agent episode (env.agent.on_divergence=split): the segments before its last, in
     order, each its own training sample (its own prompt, tokens, mask and behaviour logps).
@@ -119,6 +123,7 @@ class Sample:
         self.__dict__.setdefault("routing", None)
         self.__dict__.setdefault("old_routing", None)
         self.__dict__.setdefault("earlier_segments", [])
+        self.__dict__.setdefault("skipped", False)
         if self.__dict__.get("loss_mask") is None or self.__dict__.get("token_versions") is None:
             self.__dict__.setdefault("loss_mask", None)
             self.__dict__.setdefault("token_versions", None)
@@ -143,8 +148,8 @@ class Sample:
 def trained_samples(rows: Sequence[Sample]) -> list[Sample]:
     """Every sample an optimizer step trains from ``rows`` (one per episode): the rows in order,
     then the earlier segments of split agent episodes (:attr:`Sample.earlier_segments`), in row
-    and segment order, each handed its episode's group, reward, advantage and truncation: the
-    reward is the episode's, so grpo.mask_truncated_completions masks an episode cut short
+    and segment order, each handed its episode's group, reward, advantage, truncation and skip:
+    the reward is the episode's, so grpo.mask_truncated_completions masks an episode cut short
     whole, and not a segment whose own last call stopped at a length limit while the episode
     went on. Without split episodes: ``rows`` itself, in the same order (the rows' groups stay
     contiguous runs, which the planner's sibling spreading reads)."""
@@ -153,6 +158,7 @@ def trained_samples(rows: Sequence[Sample]) -> list[Sample]:
         for part in row.earlier_segments:
             part.group_id, part.reward, part.advantage = row.group_id, row.reward, row.advantage
             part.truncated = row.truncated
+            part.skipped = row.skipped
             extra.append(part)
     return [*rows, *extra]
 

@@ -44,7 +44,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlbatch.config.enums import EnvOnError
+from rlbatch.config.enums import ServedOnError
 from rlbatch.config.rewards import ServedConfig
 from rlbatch.rewards.base import Failure, Scored, run_bounded
 from rlbatch.runtime import progress
@@ -213,7 +213,7 @@ def score_requests(
         try:
             return [Scored(v) for v in requests[i]()]
         except ServedError as err:
-            stop = EnvOnError(cfg.on_error) == EnvOnError.raise_error
+            stop = ServedOnError(cfg.on_error) == ServedOnError.raise_error
             if stop and err.reason == "served_error":
                 raise ServedError(
                     f"reward request for {labels[i]} failed: {err} (data.served.on_error="

@@ -5,8 +5,10 @@ Metrics (only with env.path set): ``turns_mean`` / ``turns_max`` (assistant turn
 ``env_seconds`` (seconds spent in the step's reset / step calls, summed over episodes; calls run
 concurrently, so this can exceed the wall time), ``observation_tokens_mean``,
 ``episodes_truncated`` (episodes ended by a limit: max_turns, max_total_tokens,
-max_new_tokens), ``env_errors`` (episodes ended by an environment error under
-env.on_error=zero_reward), ``observations_cut`` (observations cut to
+max_new_tokens), ``env_errors`` (episodes ended by an environment or harness error under
+env.on_error=zero_reward or skip), ``env_error_groups_untrained`` (env.on_error=skip: groups
+left with fewer than 2 episodes once their errored ones are left out, so that none of them
+trains: advantage 0), ``observations_cut`` (observations cut to
 env.max_observation_tokens) and ``env_episodes`` (episodes that reached their environment: at
 least one step call, or a failed reset; an episode whose every turn was cut by
 rollout.max_new_tokens never does); agent harnesses (env.harness) add ``episode_splits``
@@ -37,7 +39,7 @@ from rlbatch.grpo.types import Sample, trained_samples
 
 _SUMS = (
     "samples", "turns", "env_seconds", "observation_tokens", "truncated", "errors", "cut",
-    "reached", "splits", "branches",
+    "reached", "splits", "branches", "groups_untrained",
 )  # fmt: skip
 
 
@@ -58,6 +60,7 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         local["splits"] += ep.get("splits", 0)
         local["branches"] += ep.get("branches", 0)
         turns_max = max(turns_max, ep.get("num_turns", 1))
+    local["groups_untrained"] = float(groups_untrained(samples))
     total = dict(zip(_SUMS, dist.all_reduce_sum([local[k] for k in _SUMS]), strict=True))
     n = max(total["samples"], 1.0)
     return {
@@ -71,7 +74,17 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         "env_episodes": total["reached"],
         "episode_splits": total["splits"],
         "episode_branches": total["branches"],
+        "env_error_groups_untrained": total["groups_untrained"],
     }
+
+
+def groups_untrained(rows: Sequence[Sample]) -> int:
+    """Groups (by group id) with an episode left out (env.on_error=skip) and fewer than 2
+    left: their advantages are 0, nothing of them trains."""
+    members: dict[int, list[bool]] = {}
+    for s in rows:
+        members.setdefault(s.group_id, []).append(s.skipped)
+    return sum(any(flags) and flags.count(False) < 2 for flags in members.values())
 
 
 def check_env_errors(
@@ -92,7 +105,7 @@ def check_env_errors(
     if errors == reached:
         raise EnvCallError(
             f"step {step}: every one of the {errors:.0f} episodes that reached the environment"
-            f" failed (env.on_error=zero_reward would train on reward 0 alone), e.g. {example}:"
+            f" failed (nothing but errored episodes to train on), e.g. {example}:"
             + (
                 " fix the harness (env.harness)"
                 if env.harness
@@ -104,7 +117,8 @@ def check_env_errors(
         return [
             f"step {step}: {errors:.0f} of the {reached:.0f} episodes that reached the"
             f" environment failed (over env.max_error_fraction={env.max_error_fraction}) and"
-            f" score 0{', e.g. ' + example if example else ''}"
+            f" {'are left out' if env.on_error == 'skip' else 'score 0'}"
+            f"{', e.g. ' + example if example else ''}"
         ]
     return []
 
@@ -135,6 +149,7 @@ def sample_record(s: Sample, segment: int = 0, segments: int = 1) -> dict[str, A
         "env_rewards": ep.get("rewards", []),
         "reward_failures": list(getattr(s, "reward_failures", [])),
         "advantage": s.advantage,
+        "skipped": s.skipped,
         "truncated": s.truncated,
         "policy_version": s.policy_version,
         "token_versions": list(s.token_versions or []),

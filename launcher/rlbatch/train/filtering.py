@@ -45,14 +45,17 @@ def keep_flags(rewards: Sequence[float], group_size: int) -> list[bool]:
 
 
 def teaching_groups(samples: Sequence[Sample], group_size: int) -> list[bool]:
-    """Per group: its combined advantage is not 0 everywhere: the rewards differ
-    (:func:`keep_flags`) or a sample has a non-zero per-token teacher advantage (on-policy
-    distillation, rlbatch.grpo.distill)."""
-    flags = keep_flags([s.reward for s in samples], group_size)
-    return [
-        keep or any(any(s.token_advantages or ()) for s in samples[i : i + group_size])
-        for keep, i in zip(flags, range(0, len(samples), group_size), strict=True)
-    ]
+    """Per group: its combined advantage is not 0 everywhere: the rewards of its members
+    differ (:func:`keep_flags`; an episode left out under env.on_error=skip is no member, and
+    a group with fewer than 2 members has advantage 0) or a sample has a non-zero per-token
+    teacher advantage (on-policy distillation, rlbatch.grpo.distill; 0 on a left-out one)."""
+    out = []
+    for i in range(0, len(samples), group_size):
+        group = samples[i : i + group_size]
+        rewards = [s.reward for s in group if not s.skipped]
+        spread = len(rewards) >= 2 and max(rewards) != min(rewards)
+        out.append(spread or any(any(s.token_advantages or ()) for s in group))
+    return out
 
 
 def kept_in_order(flags: Sequence[Sequence[Sequence[bool]]]) -> list[tuple[int, int, int]]:

@@ -58,6 +58,7 @@ CASES = [
     (["env=calculator", "env.max_turns=0"], "env.max_turns", "positive"),
     (["env=calculator", "env.kwargs=3"], "env.kwargs", "mapping"),
     (["env=calculator", "env.on_error=ignore"], "env.on_error", "zero_reward"),
+    (["data.served.on_error=skip"], "data.served.on_error", "zero_reward"),
     (
         ["env=calculator", "env.max_total_tokens=1000", "batching.train.max_tokens=512"],
         "batching.train.max_tokens",

@@ -173,11 +173,12 @@ def test_environment_errors_name_class_sample_and_turn(model):
         _engine(model, eos, env=Scripted(fail_on="step")).generate(prompts, 1, 0, seed=2)
     with pytest.raises(EnvCallError, match=r"returned int 3: step must return a dict"):
         _engine(model, eos, env=Scripted(fail_on="type")).generate(prompts, 1, 0, seed=2)
-    out = _engine(model, eos, env=Scripted(fail_on="step"), on_error="zero_reward").generate(
-        prompts, 1, 0, seed=2
-    )
-    ended = [s.episode for s in out if s.episode["end"] == "error"]
-    assert ended and all("ZeroDivisionError" in e["error"] for e in ended)
+    for on_error in ("zero_reward", "skip"):  # the episode ends; training decides the rest
+        out = _engine(model, eos, env=Scripted(fail_on="step"), on_error=on_error).generate(
+            prompts, 1, 0, seed=2
+        )
+        ended = [s.episode for s in out if s.episode["end"] == "error"]
+        assert ended and all("ZeroDivisionError" in e["error"] for e in ended)
 
 
 class Slow:

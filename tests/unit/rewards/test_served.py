@@ -11,7 +11,7 @@ import time
 import pytest
 
 from reward_servers import Judge, Misbehaving, Scorer, judge_rule, scorer_rule
-from rlbatch.config.enums import EnvOnError
+from rlbatch.config.enums import ServedOnError
 from rlbatch.config.rewards import JudgeConfig, ServedConfig
 from rlbatch.rewards.judge import (
     DEFAULT_SCORE_PATTERN,
@@ -66,7 +66,7 @@ def test_failure_after_retries_stops_naming_the_url_and_sample_or_scores_zero():
         cfg = ServedConfig(retries=1, backoff_s=0.01)
         with pytest.raises(ServedError, match=rf"sample 0 failed: {server.url} failed 2 time"):
             HttpReward(server.url, cfg).score(_payloads()[:1], LABELS[:1])
-        cfg.on_error = EnvOnError.zero_reward
+        cfg.on_error = ServedOnError.zero_reward
         out = HttpReward(server.url, cfg).score(_payloads()[:2], LABELS[:2])
         assert [s.value for s in out] == [0.0, 0.0]
         assert [f.reason for s in out for f in s.failures] == ["served_error"] * 2
@@ -76,7 +76,7 @@ def test_failure_after_retries_stops_naming_the_url_and_sample_or_scores_zero():
 def test_hanging_server_times_out_per_request():
     with Scorer(hang_s=3.0) as server:
         cfg = ServedConfig(
-            timeout_s=0.3, retries=1, backoff_s=0.01, on_error=EnvOnError.zero_reward
+            timeout_s=0.3, retries=1, backoff_s=0.01, on_error=ServedOnError.zero_reward
         )
         started = time.monotonic()
         out = HttpReward(server.url, cfg).score(_payloads()[:1], LABELS[:1])
@@ -196,7 +196,7 @@ def _reply(message: str) -> str:
     return REPLIES[message.split("Answer to grade:\n", 1)[1].split("\n", 1)[0]]
 
 
-@pytest.mark.parametrize("on_error", list(EnvOnError))
+@pytest.mark.parametrize("on_error", list(ServedOnError))
 def test_judge_replies_without_one_score_score_zero_counted_as_no_score(on_error):
     """Whatever data.served.on_error says: it governs requests that failed, and these were
     answered (the default raise_error stopped the run at the first such reply)."""
@@ -230,7 +230,7 @@ def test_a_request_that_failed_still_stops_the_run_under_raise_error():
         judge = JudgeReward(server.url, JudgeConfig(), served)
         with pytest.raises(ServedError, match=r"for sample 0 failed: .* failed 2 time\(s\)"):
             judge.score([judge.message("q", "a", "ref")], ["sample 0"])
-        served.on_error = EnvOnError.zero_reward
+        served.on_error = ServedOnError.zero_reward
         [out] = judge.score([judge.message("q", "a", "ref")], ["sample 0"])
     assert out.value == 0.0 and [f.reason for f in out.failures] == ["served_error"]
 
@@ -289,7 +289,7 @@ def test_judge_asks_an_openai_compatible_server():
 
 def _timed(server_url: str, cfg: ServedConfig) -> tuple[float, str]:
     """(seconds to the answer, the failure's detail) of one sample, scored 0 on failure."""
-    cfg.on_error = EnvOnError.zero_reward
+    cfg.on_error = ServedOnError.zero_reward
     started = time.monotonic()
     out = HttpReward(server_url, cfg).score(_payloads()[:1], LABELS[:1])
     assert out[0].value == 0.0 and [f.reason for f in out[0].failures] == ["served_error"]
@@ -338,12 +338,12 @@ def test_a_slow_then_fast_server_is_retried_only_when_asked():
 @pytest.mark.parametrize("value", [1e300, float("inf"), float("nan"), -2e6])
 def test_a_served_reward_out_of_bounds_is_a_failure_of_its_own(value):
     with Scorer(reward=value) as server:
-        cfg = ServedConfig(on_error=EnvOnError.zero_reward)
+        cfg = ServedConfig(on_error=ServedOnError.zero_reward)
         out = HttpReward(server.url, cfg, abs_max=1e6).score(_payloads()[:2], LABELS[:2])
         assert [s.value for s in out] == [0.0, 0.0]
         assert [f.reason for s in out for f in s.failures] == ["out_of_range"] * 2
         assert "data.reward_abs_max" in out[0].failures[0].detail
-        cfg.on_error = EnvOnError.raise_error  # an answer read, not a failed request: the same
+        cfg.on_error = ServedOnError.raise_error  # an answer read, not a failed request: the same
         again = HttpReward(server.url, cfg, abs_max=1e6).score(_payloads()[:2], LABELS[:2])
         assert again == out
 
