@@ -3,7 +3,9 @@ transformers-made checkpoint equals transformers' float64 forward at ep 1, dp 2 
 rlbatch-train at dp 2 x ep 2 learns the default task and exports every expert (transformers
 loads the export, rlbatch-logprobs at ep 2 on it equals transformers on it); training from the
 checkpoint with the router frozen leaves the routers as they were. SIGKILL + resume at dp 2 x
-ep 2: grpo_qwen3_moe's shape twin (tests/e2e/test_shape_twins.py)."""
+ep 2: grpo_qwen3_moe's shape twin (tests/e2e/test_shape_twins.py). LoRA on tiny_moe at dp 2 x
+ep 2 adapts the attention only, exports a PEFT adapter that PEFT loads onto the base with the
+trainer's log-probs, and resumes after SIGKILL with identical metrics."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from hf_reference import moe_reference, moe_reference_replayed, save_tiny_qwen3_moe
+from recipe_runs import stable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -259,3 +262,84 @@ def test_r3_replays_the_rollout_routing_through_a_resume(
     assert _response_error(samples, "old_logps", free) > 100 * TOL
     initial, _ = moe_reference(hf, rows)
     assert _response_error(samples, "ref_logps", initial) <= TOL
+
+
+LORA_RUN = ["model.lora.rank=8", "trainer.max_steps=3", "trainer.checkpoint.every_steps=1",
+            "trainer.checkpoint.keep_last=3", "trainer.optim.lr=3e-2", "logging.plot=false",
+            "logging.samples=true"]  # fmt: skip
+
+
+def _peft_logprobs(base: Path, adapter: Path, rows: list[list[int]]) -> list[list[float]]:
+    """PEFT's LoRA model (transformers' Qwen3-MoE ``base`` + the adapter directory), float64:
+    each row's per-token log-probs (position t scores token t + 1)."""
+    import transformers
+    from peft import PeftModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.float64, experts_implementation="eager"
+    )
+    model = PeftModel.from_pretrained(model, adapter).eval()
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r])
+            logps = model(input_ids=ids).logits[0].log_softmax(-1)
+            out.append(logps[:-1].gather(-1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def test_dp2_ep2_lora_trains_the_attention_exports_to_peft_and_resumes(
+    bin_dir, subprocess_env, tmp_path
+):
+    """model.lora.rank=8 on tiny_moe (every layer sparse) at dp 2 x ep 2: all-linear adapts the
+    attention of both layers (the experts and routers stay frozen: 2 x 3,584 trainable
+    parameters); rlbatch-export of step 2 writes the merged model, the base and a PEFT adapter
+    that PEFT loads onto the base, whose log-probs equal the merged export's and the behaviour
+    log-probs step 3 sampled with (the policy after step 2); a SIGKILLed run resumes with
+    identical metrics."""
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    _train(bin_dir, subprocess_env, *LORA_RUN, f"hydra.run.dir={run_dir}")
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["trainable_params"] == 2 * 3584 for r in records)
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and records[-1]["kl"] > 0
+
+    out = tmp_path / "export"
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-export"), str(run_dir), "--out", str(out), "--step", "2"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    tensors = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 4 * 2 and all(".self_attn." in k for k in tensors)
+    base = load_file(str(next((out / "base").glob("*.safetensors"))))
+    merged = load_file(str(next(out.glob("*.safetensors"))))
+    experts = [k for k in base if ".mlp." in k]  # experts and routers: the base's, bit for bit
+    assert experts and all(torch.equal(base[k], merged[k]) for k in experts)
+    assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"],
+                           merged["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    live = {}  # <run_dir>/hf: the merged model after step 3, the experts still the base's
+    for shard in (run_dir / "hf").glob("*.safetensors"):
+        live.update(load_file(str(shard)))
+    assert set(live) == set(base) and all(torch.equal(base[k], live[k]) for k in experts)
+    assert not torch.equal(live["model.layers.1.self_attn.o_proj.weight"],
+                           merged["model.layers.1.self_attn.o_proj.weight"])  # fmt: skip
+
+    samples = _samples(run_dir, 3)
+    rows = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    peft = _peft_logprobs(out / "base", out / "adapter", rows)
+    exported, _ = moe_reference(out, rows)  # transformers on the merged export, float64
+    assert _max_error(peft, exported) <= TOL
+    # the engine decoded in fp32 with a KV cache; PEFT runs float64 whole sequences
+    assert _response_error(samples, "behaviour_logps", peft) <= 1e-4
+
+    killed = tmp_path / "killed"
+    proc = _train(bin_dir, subprocess_env, *LORA_RUN, "debug.fail_at_step=3",
+                  "debug.fail_kind=kill", f"hydra.run.dir={killed}", check=False)  # fmt: skip
+    assert proc.returncode != 0 and len(_metrics(killed)) < 3
+    _train(bin_dir, subprocess_env, *LORA_RUN, "trainer.resume=auto", f"hydra.run.dir={killed}")
+    assert [stable(r) for r in _metrics(killed)] == [stable(r) for r in records]

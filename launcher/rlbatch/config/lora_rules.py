@@ -16,6 +16,13 @@ DROPOUT_CHANGES_OBJECTIVE = (
 )
 
 
+MOE_MODULES = frozenset(
+    {"gate", "router", "experts", "gate_up_proj", "shared_expert", "shared_experts",
+     "shared_expert_gate"}
+)  # fmt: skip
+"""Hugging Face (and megatron) names of MoE routers and experts, refused with their reason."""
+
+
 def check_lora(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """Every error of ``model.lora`` (its values are checked even with rank 0, so a typo in a
     recipe that turns adapters off later is still caught)."""
@@ -39,7 +46,20 @@ def check_lora(cfg: RunConfig, errors: list[ConfigError]) -> None:
     elif lora.rank > 0 and lora.dropout > 0:
         errors.append(ConfigError("model.lora.dropout", lora.dropout, DROPOUT_CHANGES_OBJECTIVE))
     unknown = [m for m in lora.target_modules if m not in PROJECTIONS and m != ALL_LINEAR]
-    if unknown:
+    moe = [m for m in unknown if m in MOE_MODULES]
+    if moe:
+        errors.append(
+            ConfigError(
+                "model.lora.target_modules",
+                list(lora.target_modules),
+                f"names {moe}: LoRA does not adapt MoE routers or experts (the router picks a"
+                " token's experts, so an adapter there changes the routing, and vLLM / PEFT serve"
+                " no such adapter from rlbatch); on an MoE model the adapters go on the"
+                f" attention, [q_proj,k_proj,v_proj,o_proj] or [{ALL_LINEAR}]; to train the"
+                " experts set model.lora.rank=0",
+            )
+        )
+    elif unknown:
         errors.append(
             ConfigError(
                 "model.lora.target_modules",
@@ -86,7 +106,8 @@ def _check_rank_fits(cfg: RunConfig, errors: list[ConfigError]) -> None:
     lora, shapes = cfg.model.lora, projection_shapes(cfg)
     if not shapes:
         return
-    targets = PROJECTIONS if ALL_LINEAR in lora.target_modules else lora.target_modules
+    every = PROJECTIONS[:4] if cfg.model.num_moe_experts is not None else PROJECTIONS
+    targets = every if ALL_LINEAR in lora.target_modules else lora.target_modules
     too_small = {t: shapes[t] for t in targets if lora.rank > min(shapes[t])}
     if too_small:
         limit = min(min(shape) for shape in too_small.values())

@@ -142,13 +142,9 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "must be > 0, or null (dropless: no token is ever dropped)",
             )
         )
-    if m.lora.rank > 0:
-        errors.append(
-            ConfigError(
-                "model.lora.rank", m.lora.rank, "LoRA on MoE models is not supported yet: set 0"
-            )
-        )  # fmt: skip
     backend = RolloutBackend(cfg.rollout.backend)
+    if m.lora.rank > 0:
+        _check_lora(cfg, backend, errors)
     if backend == RolloutBackend.megatron_dynamic:
         errors.append(
             ConfigError(
@@ -201,6 +197,57 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"an MoE model at parallel.tp={p.tp} trains with sequence parallelism only "
                 "(megatron-core refuses the MoE layer's training forward without it): set "
                 "parallel.sequence_parallel=true",
+            )
+        )
+
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+ATTENTION_ONLY = "[q_proj,k_proj,v_proj,o_proj]"
+
+
+def _check_lora(cfg: RunConfig, backend: RolloutBackend, errors: list[ConfigError]) -> None:
+    """LoRA on an MoE model adapts the attention projections of every layer: the routed experts
+    and the router keep their weights (docs/lora.md, "MoE models")."""
+    from rlbatch.config.lora import ALL_LINEAR
+
+    m, targets = cfg.model, list(cfg.model.lora.target_modules)
+    key = "model.lora.target_modules"
+    named = [t for t in targets if t in MLP_PROJECTIONS]
+    if named:
+        errors.append(
+            ConfigError(
+                key,
+                targets,
+                f"names {named} on an MoE model: in its sparse layers these are the routed "
+                "experts' projections, which LoRA here does not adapt (the experts stay frozen; "
+                "train them with model.lora.rank=0), and in its dense layers PEFT under "
+                "transformers 5 maps these names onto the routed experts when it loads a "
+                "Qwen3-MoE adapter, so the exported adapter would not load as trained: adapt the "
+                f"attention, model.lora.target_modules={ATTENTION_ONLY} or [{ALL_LINEAR}]",
+            )
+        )
+    dense_layers = [i for i, x in enumerate(m.moe_layer_freq) if x == 0]
+    if ALL_LINEAR in targets and dense_layers:
+        errors.append(
+            ConfigError(
+                key,
+                targets,
+                f"[{ALL_LINEAR}] on an MoE model with dense layers {dense_layers} "
+                "(model.moe_layer_freq): it adapts the attention projections only, and would "
+                "leave those layers' MLPs out without saying so (PEFT under transformers 5 maps "
+                "their names onto the routed experts, so an adapter on them would not load as "
+                f"trained): name the attention projections, model.lora.target_modules="
+                f"{ATTENTION_ONLY}",
+            )
+        )
+    if backend in VLLM_BACKENDS:
+        errors.append(
+            ConfigError(
+                "model.lora.rank",
+                m.lora.rank,
+                f"LoRA on an MoE model with rollout.backend={backend.value} is not supported "
+                "yet (vLLM's LoRA on Qwen3-MoE is not verified here): set "
+                "rollout.backend=megatron, or model.lora.rank=0",
             )
         )
 

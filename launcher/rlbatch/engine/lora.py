@@ -36,6 +36,10 @@ parallelism the rank-r activations are all-gathered / reduce-scattered along the
 instead, and the replicated factor (column A, row B) is marked ``sequence_parallel`` so that
 megatron sums its gradient over tp in finalize_model_grads.
 
+On an MoE model the adapters go on the attention of every layer (config/moe_rules.py refuses
+the MLP projections there): a sparse layer has no ``mlp.linear_fc1`` / ``linear_fc2``, and its
+experts and router keep their frozen weights.
+
 Names in checkpoints: ``<linear>.lora.lora_A.<projection>`` / ``lora_B``, sharded in the
 distributed checkpoint along the dimension above (whole factors replicated), so a checkpoint
 saved at one tp loads at another. PEFT names: :func:`peft_name`.
@@ -331,7 +335,8 @@ def attach_adapters(chunks: Sequence[Any], model: ModelConfig, seed: int) -> int
         for layer in chunk.decoder.layers:
             for site in SITES:
                 projections = [p for p in site.projections if p in wanted]
-                if projections:
+                # an MoE layer has no dense MLP: its experts and router are not adapted
+                if projections and _has_submodule(layer, site.path):
                     linear = layer.get_submodule(site.path)
                     trainable += _attach(linear, site, projections, model, seed, layer, sp, dtype)
     return trainable

@@ -15,6 +15,7 @@ tp / dp copy of every stage sends them to global rank 0, which writes.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,10 +28,14 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def peft_adapter_config(lora: LoraConfig, base: Optional[str]) -> dict[str, Any]:
+def peft_adapter_config(
+    lora: LoraConfig, base: Optional[str], adapted: Optional[Sequence[str]] = None
+) -> dict[str, Any]:
     """PEFT's LoraConfig of ``lora`` as written to adapter_config.json: the adapted projections
-    by name (all-linear spelled out), lora_alpha such that PEFT's scale lora_alpha / r is
-    rlbatch's alpha / rank, and the base model PEFT should load under it (None: unknown)."""
+    by name (all-linear spelled out; ``adapted``: the projections the model holds adapters on,
+    which on an MoE model are the attention's only), lora_alpha such that PEFT's scale
+    lora_alpha / r is rlbatch's alpha / rank, and the base model PEFT should load under it
+    (None: unknown)."""
     from rlbatch.engine.lora import lora_scale, targeted
 
     alpha = lora_scale(lora) * lora.rank
@@ -41,7 +46,7 @@ def peft_adapter_config(lora: LoraConfig, base: Optional[str]) -> dict[str, Any]
         "r": lora.rank,
         "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": list(targeted(lora)),
+        "target_modules": [p for p in targeted(lora) if adapted is None or p in adapted],
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -79,5 +84,6 @@ def export_peft_adapter(
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype or v.dtype).contiguous() for k, v in sorted(tensors.items())}
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = peft_adapter_config(model_cfg.lora, base)
+    adapted = {name.rsplit(".", 3)[-3] for name in tensors}  # ...<projection>.lora_A.weight
+    config = peft_adapter_config(model_cfg.lora, base, sorted(adapted))
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -279,3 +279,44 @@ def test_expert_keys_on_a_dense_preset(bin_dir, subprocess_env, tmp_path):
     assert train.returncode == 2, train.stdout[-2000:] + train.stderr[-2000:]
     for key in ("model.moe_aux_loss_coeff=0.01", "model.moe_router_topk=3"):
         assert f"{key}: applies to MoE models only" in train.stderr
+
+
+def test_lora_on_moe_adapts_the_attention_and_refuses_experts_and_routers_by_name():
+    """LoRA on an MoE model: the MLP projections (the routed experts' in a sparse layer),
+    all-linear beside dense layers (their MLPs would be left out), the router or experts by
+    name, and a vLLM rollout are refused, each naming model.lora.* and the reason."""
+    mlp = _errors_for(["model=tiny_moe", "model.lora.rank=8",
+                       "model.lora.target_modules=[q_proj,down_proj]", "rollout.backend=vllm"])  # fmt: skip
+    assert "names ['down_proj'] on an MoE model" in mlp["model.lora.target_modules"]
+    assert "routed experts" in mlp["model.lora.target_modules"]
+    assert "rollout.backend=vllm is not supported yet" in mlp["model.lora.rank"]
+    dense = _errors_for(["model=tiny_moe", "model.num_layers=3", "model.moe_layer_freq=[1,0,1]",
+                         "model.lora.rank=8"])  # fmt: skip
+    assert "dense layers [1]" in dense["model.lora.target_modules"]
+    assert (
+        "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+        in dense["model.lora.target_modules"]
+    )
+    router = _errors_for(["model=tiny_moe", "model.lora.rank=8",
+                          "model.lora.target_modules=[q_proj,gate,experts]"])  # fmt: skip
+    assert (
+        "names ['gate', 'experts']: LoRA does not adapt MoE routers or experts"
+        in router["model.lora.target_modules"]
+    )
+
+
+def test_lora_on_an_all_sparse_moe_validates_with_all_linear():
+    """tiny_moe (every layer sparse) at dp 2 x ep 2 with all-linear validates: it means the
+    attention there."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    overrides = ["+recipe=grpo_qwen", "model=tiny_moe", "model.lora.rank=32", "parallel.dp=2",
+                 "parallel.ep=2"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))
