@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from hf_reference import moe_reference, moe_reference_replayed, save_tiny_qwen3_moe
-from recipe_runs import stable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -288,15 +287,14 @@ def _peft_logprobs(base: Path, adapter: Path, rows: list[list[int]]) -> list[lis
     return out
 
 
-def test_dp2_ep2_lora_trains_the_attention_exports_to_peft_and_resumes(
-    bin_dir, subprocess_env, tmp_path
-):
+def test_dp2_ep2_lora_trains_the_attention_and_exports_to_peft(bin_dir, subprocess_env, tmp_path):
     """model.lora.rank=8 on tiny_moe (every layer sparse) at dp 2 x ep 2: all-linear adapts the
     attention of both layers (the experts and routers stay frozen: 2 x 3,584 trainable
     parameters); rlbatch-export of step 2 writes the merged model, the base and a PEFT adapter
     that PEFT loads onto the base, whose log-probs equal the merged export's and the behaviour
-    log-probs step 3 sampled with (the policy after step 2); a SIGKILLed run resumes with
-    identical metrics."""
+    log-probs step 3 sampled with (the policy after step 2). (A SIGKILLed LoRA run resumes
+    exactly in tests/e2e/test_lora_cli.py: the adapters sit on the attention, which expert
+    parallelism does not shard; MoE kill + resume at dp 2 x ep 2 is grpo_qwen3_moe's twin.)"""
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
@@ -336,10 +334,3 @@ def test_dp2_ep2_lora_trains_the_attention_exports_to_peft_and_resumes(
     assert _max_error(peft, exported) <= TOL
     # the engine decoded in fp32 with a KV cache; PEFT runs float64 whole sequences
     assert _response_error(samples, "behaviour_logps", peft) <= 1e-4
-
-    killed = tmp_path / "killed"
-    proc = _train(bin_dir, subprocess_env, *LORA_RUN, "debug.fail_at_step=3",
-                  "debug.fail_kind=kill", f"hydra.run.dir={killed}", check=False)  # fmt: skip
-    assert proc.returncode != 0 and len(_metrics(killed)) < 3
-    _train(bin_dir, subprocess_env, *LORA_RUN, "trainer.resume=auto", f"hydra.run.dir={killed}")
-    assert [stable(r) for r in _metrics(killed)] == [stable(r) for r in records]
