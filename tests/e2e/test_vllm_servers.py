@@ -4,7 +4,9 @@
 through vLLM's RL lifecycle by rlbatch's transfer plugin before every step, vLLM's behaviour
 log-probs the trainer's own at every step, evaluation on the same servers; an unreachable URL,
 one that is no vLLM server and one without a scheme are configuration errors before launch; rollout.servers.count=1 starts its server beside
-training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
+training and leaves no process behind, also when the launcher is SIGKILLed; with
+rollout.servers.on_failure=restart, that server SIGKILLed while it samples is started again,
+synced and probed, and the run finishes on the current weights; a server shorter
 than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
 resumed exactly, its weights broadcast over a gloo group with the servers) run on the servers;
 rows another client's pause aborts are sent again and train as on an undisturbed server; a
@@ -792,11 +794,22 @@ def test_servers_started_by_the_run_die_with_a_killed_launcher(bin_dir, subproce
     assert _group_members(pgid) == []
 
 
+def _requests_running(url: str) -> float:
+    """vLLM's count of requests it is sampling now (its Prometheus /metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    )
+
+
 def test_a_server_the_run_started_is_restarted_and_resynced_after_a_sigkill(
     bin_dir, subprocess_env, tmp_path
 ):
     """rollout.servers.on_failure=restart: once the first step trained, the run's only server
-    (vLLM's whole process group) is SIGKILLed. The launcher starts it again at the same URL;
+    (vLLM's whole process group) is SIGKILLed while it samples the next step's rows. The launcher starts it again at the same URL;
     the worker's requests fail (or the sync finds it down), wait for it, push it the current
     weights and probe it, then go on: the run finishes its 3 steps, one restart counted, every
     step's samples from the weights the trainer held (vLLM's log-probs the trainer's own), and
@@ -822,6 +835,10 @@ def test_a_server_the_run_started_is_restarted_and_resynced_after_a_sigkill(
             time.sleep(0.5)
         (server,) = [p for p in _processes_mentioning(str(run_dir)) if "-m vllm.entrypoints" in p]
         pgid = os.getpgid(int(server.split(":")[0]))
+        url = "http://127.0.0.1:" + server.split("--port ")[1].split()[0]
+        while _requests_running(url) == 0:  # the next step's rows are being sampled
+            assert launcher.poll() is None and time.monotonic() < deadline, out
+            time.sleep(0.05)
         os.killpg(pgid, signal.SIGKILL)
         reader.join(500)
     finally:
@@ -839,6 +856,7 @@ def test_a_server_the_run_started_is_restarted_and_resynced_after_a_sigkill(
         assert record["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
         assert record["rollout/servers_alive"] == 1.0
     assert records[-1]["kl"] > 0  # the policy moved: the restarted server took new weights
+    assert "is down: out of the pool until it is restarted" in stderr
     assert "is back in the pool (restart 1)" in stderr
     deadline = time.monotonic() + 30
     while (
