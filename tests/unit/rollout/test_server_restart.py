@@ -23,10 +23,11 @@ from rlbatch.rollout.server_backend import (
 from rlbatch.rollout.server_process import Restarter, ServerProcess, ServerSpec, free_port, healthy
 
 HEALTH_SERVER = """
-import http.server, sys
+import http.server, os, sys
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
+        sick = os.path.exists(sys.argv[2])  # an engine dead behind a live HTTP server
+        self.send_response(500 if sick else 200 if self.path == "/health" else 404)
         self.end_headers()
     def log_message(self, *a):
         pass
@@ -58,7 +59,11 @@ def _server_pgid(server: ServerProcess) -> int:
 def test_a_killed_server_is_started_again_at_its_url_at_most_max_restarts_times(tmp_path):
     port = free_port()
     spec = ServerSpec(
-        tmp_path, "127.0.0.1", port, (sys.executable, "-c", HEALTH_SERVER, str(port)), ()
+        tmp_path,
+        "127.0.0.1",
+        port,
+        (sys.executable, "-c", HEALTH_SERVER, str(port), str(tmp_path / "sick")),
+        (),
     )
     log_path = tmp_path / "server0.log"
     servers = [ServerProcess(spec, log_path)]
@@ -78,6 +83,30 @@ def test_a_killed_server_is_started_again_at_its_url_at_most_max_restarts_times(
         time.sleep(2.5)
         assert servers[0] is second and restarter.restarts == [1]
         assert not healthy(second.url)
+    finally:
+        restarter.close()
+        for server in servers:
+            server.stop()
+
+
+def test_a_server_whose_health_fails_behind_a_live_process_is_stopped_and_started_again(
+    tmp_path, monkeypatch
+):
+    """/health answering 500 (vLLM's engine core died, its HTTP server lives on) three checks in
+    a row: the server's group is stopped and a new one started at the same URL."""
+    monkeypatch.setattr(Restarter, "HEALTH_EVERY_S", 0.5)
+    port, sick = free_port(), tmp_path / "sick"
+    argv = (sys.executable, "-c", HEALTH_SERVER, str(port), str(sick))
+    servers = [ServerProcess(ServerSpec(tmp_path, "127.0.0.1", port, argv, ()), None)]
+    restarter = Restarter(servers, max_restarts=1, start_timeout_s=30.0)
+    try:
+        _wait(lambda: healthy(servers[0].url))
+        first = servers[0]
+        sick.touch()
+        _wait(lambda: first.proc.poll() is not None)  # stopped
+        sick.unlink()
+        _wait(lambda: servers[0] is not first and healthy(servers[0].url))
+        assert restarter.restarts == [1] and servers[0].url == first.url
     finally:
         restarter.close()
         for server in servers:
