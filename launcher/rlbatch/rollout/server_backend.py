@@ -145,6 +145,9 @@ class _Servers:
         """on_failure=restart: the backend's way to bring one server back when none is left
         (a callable returning once one is in the pool, or raising)."""
         self.rejoin_lock = threading.Lock()
+        self.rejoin_error: Optional[BaseException] = None
+        """What :attr:`rejoin` raised: the other rows waiting for it raise it too (rather than
+        each waiting ``start_timeout_s`` again)."""
         self.kept: Optional[tuple[dict[str, Any], bool]] = None
         """on_failure=restart, the pushing process: the tensors of the last sync (and whether
         it dropped the cache), for a server that comes back while no other is left."""
@@ -191,10 +194,16 @@ class _Servers:
                 if not (self.down and self.rejoin is not None):
                     raise self.none_left()
             with self.rejoin_lock:  # one thread brings a server back, the others wait
+                if self.rejoin_error is not None:
+                    raise self.rejoin_error
                 with self.lock:
                     empty = not self.urls
                 if empty:
-                    self.rejoin()
+                    try:
+                        self.rejoin()
+                    except BaseException as err:
+                        self.rejoin_error = err
+                        raise
         with self.lock:
             if not self.urls:
                 raise self.none_left()

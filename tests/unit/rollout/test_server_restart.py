@@ -156,6 +156,23 @@ def test_a_server_that_is_down_or_restarted_waits_out_of_the_pool_until_taken_ba
     assert pool.urls == [B, A] and pool.restarted == {A: 1, B: 1}
 
 
+def test_when_no_server_comes_back_every_waiting_row_fails_with_the_first_wait():
+    pool = _pool()
+    pool.drop(A, ServerDownError("refused"))
+    pool.drop(B, ServerDownError("refused"))
+    waits: list[int] = []
+
+    def rejoin() -> None:
+        waits.append(1)
+        raise ServerError("no rollout server is left and none came back")
+
+    pool.rejoin = rejoin
+    for _ in range(3):
+        with pytest.raises(ServerError, match="none came back"):
+            pool.least_loaded()
+    assert waits == [1]
+
+
 def test_a_server_failing_after_its_last_restart_stops_the_run_naming_it_and_its_log():
     pool = _pool(max_restarts=1)
     pool.drop(A, ServerDownError("refused"))
