@@ -256,6 +256,8 @@ class Restarter:
         self.thread.start()
 
     def close(self) -> None:
+        """Stop restarting. The servers it started stop with this thread too (their watcher's
+        parent-death signal follows the thread that started it): call it only to stop them."""
         self.stopping.set()
         self.thread.join()
 
