@@ -4,7 +4,9 @@
 through vLLM's RL lifecycle by rlbatch's transfer plugin before every step, vLLM's behaviour
 log-probs the trainer's own at every step, evaluation on the same servers; an unreachable URL,
 one that is no vLLM server and one without a scheme are configuration errors before launch; rollout.servers.count=1 starts its server beside
-training and leaves no process behind, also when the launcher is SIGKILLed; a server shorter
+training and leaves no process behind, also when the launcher is SIGKILLed; with
+rollout.servers.on_failure=restart, that server SIGKILLed while it samples is started again,
+synced and probed, and the run finishes on the current weights; a server shorter
 than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
 resumed exactly, its weights broadcast over a gloo group with the servers) run on the servers;
 rows another client's pause aborts are sent again and train as on an undisturbed server; a
@@ -790,6 +792,78 @@ def test_servers_started_by_the_run_die_with_a_killed_launcher(bin_dir, subproce
         time.sleep(1)
     assert _processes_mentioning(str(run_dir)) == []
     assert _group_members(pgid) == []
+
+
+def _requests_running(url: str) -> float:
+    """vLLM's count of requests it is sampling now (its Prometheus /metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    )
+
+
+def test_a_server_the_run_started_is_restarted_and_resynced_after_a_sigkill(
+    bin_dir, subprocess_env, tmp_path
+):
+    """rollout.servers.on_failure=restart: once the first step trained, the run's only server
+    (vLLM's whole process group) is SIGKILLed while it samples the next step's rows. The launcher starts it again at the same URL;
+    the worker's requests fail (or the sync finds it down), wait for it, push it the current
+    weights and probe it, then go on: the run finishes its 3 steps, one restart counted, every
+    step's samples from the weights the trainer held (vLLM's log-probs the trainer's own), and
+    no process of the run (the first server's group, the restarted one) is left."""
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launcher = subprocess.Popen(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
+         "rollout.servers.count=1", "rollout.servers.on_failure=restart",
+         "rollout.servers.max_restarts=1", "trainer.max_steps=3", f"hydra.run.dir={run_dir}",
+         "logging.plot=false", "logging.tensorboard=false", "trainer.checkpoint.export_hf=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(launcher.communicate()), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "metrics.jsonl").exists():  # trained a step on its server
+            assert launcher.poll() is None and time.monotonic() < deadline, out
+            time.sleep(0.5)
+        (server,) = [p for p in _processes_mentioning(str(run_dir)) if "-m vllm.entrypoints" in p]
+        pgid = os.getpgid(int(server.split(":")[0]))
+        url = "http://127.0.0.1:" + server.split("--port ")[1].split()[0]
+        while _requests_running(url) == 0:  # the next step's rows are being sampled
+            assert launcher.poll() is None and time.monotonic() < deadline, out
+            time.sleep(0.05)
+        os.killpg(pgid, signal.SIGKILL)
+        reader.join(500)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        reader.join(30)
+    stdout, stderr = out if len(out) == 2 else ("", "")
+    assert launcher.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["rollout/server_restarts"] for r in records][1:] in ([1.0, 0.0], [0.0, 1.0])
+    assert records[0]["rollout/server_restarts"] == 0.0
+    for record in records:  # on the weights the trainer held, before and after the restart
+        assert abs(record["mismatch_kl_k1"]) < 1e-6
+        assert record["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+        assert record["rollout/servers_alive"] == 1.0
+    assert records[-1]["kl"] > 0  # the policy moved: the restarted server took new weights
+    assert "is down: out of the pool until it is restarted" in stderr
+    assert "is back in the pool (restart 1)" in stderr
+    deadline = time.monotonic() + 30
+    while (
+        _processes_mentioning(str(run_dir)) or _group_members(pgid)
+    ) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(run_dir)) == [] and _group_members(pgid) == []
 
 
 def _samples(run_dir, step):

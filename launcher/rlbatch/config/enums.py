@@ -158,11 +158,15 @@ class RolloutBackend(str, Enum):
     vllm_server = "vllm_server"
 
 
-ServerFailure = Enum("ServerFailure", [("stop", "stop"), ("continue", "continue")], type=str)
+ServerFailure = Enum(
+    "ServerFailure", [("stop", "stop"), ("continue", "continue"), ("restart", "restart")], type=str
+)
 """What a rollout server that refuses a request or does not answer in time does to the run
 (rollout.servers.on_failure): ``stop`` the run naming it, after a checkpoint of the last
 completed step; ``continue`` without it (dropped from the pool, its rows sent to the others)
-while any server is left. A functional Enum: ``continue`` is a Python keyword."""
+while any server is left; ``restart`` it (a server the run started, rollout.servers.count),
+out of the pool until it is back and holds the run's current weights. A functional Enum:
+``continue`` is a Python keyword."""
 
 
 class DistBackend(str, Enum):

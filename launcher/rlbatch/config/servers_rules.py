@@ -60,6 +60,7 @@ def check_servers(
         _check_server_only_numbers(cfg, errors)
         return
     _check_source(cfg, errors)
+    _check_restart(cfg, errors)
     _check_ranges(cfg, errors, served_len)
     _check_unsupported(cfg, errors)
 
@@ -71,7 +72,7 @@ def _check_server_only_numbers(cfg: RunConfig, errors: list[ConfigError]) -> Non
     backend = RolloutBackend(cfg.rollout.backend).value
     for name in (
         "host", "port", "devices", "start_timeout_s", "timeout_s", "max_concurrency",
-        "max_resubmits", "probe_tokens", "probe_tolerance",
+        "max_resubmits", "max_restarts", "probe_tokens", "probe_tolerance",
     ):  # fmt: skip
         value, unset = getattr(s, name), getattr(default, name)
         if value != unset:
@@ -136,6 +137,46 @@ def _check_source(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
 
 
+def _check_restart(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """on_failure=restart restarts servers the run started itself, over the file transfer;
+    max_restarts means nothing without it."""
+    s = cfg.rollout.servers
+    restart = ServerFailure(s.on_failure) == ServerFailure["restart"]
+    if restart and s.urls:
+        errors.append(
+            ConfigError(
+                "rollout.servers.on_failure",
+                "restart",
+                "restarts servers the run started itself (rollout.servers.count), and"
+                " rollout.servers.urls names servers someone else started, which the run"
+                " cannot start again: let the run start them (rollout.servers.urls=[]"
+                " rollout.servers.count=N), or set rollout.servers.on_failure=continue (go on"
+                " without a server that fails) or stop (then trainer.resume=auto once it is"
+                " back)",
+            )
+        )
+    if restart and ServerTransfer(s.transfer) == ServerTransfer.broadcast:
+        errors.append(
+            ConfigError(
+                "rollout.servers.on_failure",
+                "restart",
+                "with rollout.servers.transfer=broadcast is not supported in this release (a"
+                " restarted server would have to join the weight group the others formed):"
+                " set rollout.servers.transfer=file, or rollout.servers.on_failure=continue",
+            )
+        )
+    if not restart and s.max_restarts != ServersConfig().max_restarts:
+        errors.append(
+            ConfigError(
+                "rollout.servers.max_restarts",
+                s.max_restarts,
+                f"applies to rollout.servers.on_failure=restart, not"
+                f" {ServerFailure(s.on_failure).value}: set rollout.servers.on_failure=restart,"
+                " or leave rollout.servers.max_restarts unset",
+            )
+        )
+
+
 def _check_ranges(cfg: RunConfig, errors: list[ConfigError], served_len: Optional[int]) -> None:
     s = cfg.rollout.servers
     ranges = {
@@ -150,6 +191,7 @@ def _check_ranges(cfg: RunConfig, errors: list[ConfigError], served_len: Optiona
             "> 0 or null",
         ),
         "rollout.servers.max_resubmits": (s.max_resubmits, s.max_resubmits >= 0, ">= 0"),
+        "rollout.servers.max_restarts": (s.max_restarts, s.max_restarts >= 0, ">= 0"),
     }
     for key, (value, ok, wanted) in ranges.items():
         if not ok:

@@ -91,9 +91,18 @@ class ServersConfig:
     is back); ``continue`` drops it for the rest of the run with a warning naming it, sends its
     rows to the other servers (each row carries its own seed: the same row on any server of the
     same weights) and skips it in weight syncs (metric rollout/servers_alive), and stops the
-    run naming every dropped server when none is left. A dropped server is not taken back. A
-    wrong answer (another process's weights, a response cut by the server's length, a failed
-    probe) stops the run either way."""
+    run naming every dropped server when none is left. A dropped server is not taken back.
+    ``restart`` (servers the run started, ``count``): the launcher starts a server whose
+    process died again with the same command line at the same URL; meanwhile its rows go to
+    the other servers (or wait for it when none is left), and it takes requests again only once
+    it holds the run's current weights (the whole weights pushed and probed, as at the start).
+    A server that answers with its start-up weights counts as restarted too. ``max_restarts``
+    bounds it. A wrong answer (another process's weights, a response cut by the server's
+    length, a failed probe) stops the run in every mode."""
+    max_restarts: int = 3
+    """``on_failure=restart``: how many times each server may be restarted; one that fails
+    once more stops the run naming the server and its log. Counted in
+    rollout/server_restarts."""
     max_resubmits: int = 4
     """How many times a row is sent again after its server aborted it (vLLM answers an aborted
     request with the tokens so far and finish_reason ``abort``: another client's ``POST

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from rlbatch.rollout.protocol import DecodedRow
-from rlbatch.rollout.server_http import ServerError, call
+from rlbatch.rollout.server_http import ServerError, ServerRestartedError, call
 
 STARTUP_LABEL = "default"
 """vLLM's label of the weights a server started with (none pushed since)."""
@@ -106,7 +106,7 @@ def check_labels(
     spans = spans or []
     for span in spans:
         if str(span.get("version")) == STARTUP_LABEL:
-            raise ServerError(
+            raise ServerRestartedError(
                 f"rollout server {url} sampled with its start-up weights (labelled"
                 f" {STARTUP_LABEL!r}), not the ones this run pushed ({label!r}): it was"
                 " restarted at the same URL since the run's last push; restart the run"

@@ -30,7 +30,15 @@ answer within ``rollout.servers.timeout_s`` stops the run with an error naming i
 (``rollout.servers.on_failure=stop``; the loop first saves the last completed step), or with
 ``on_failure=continue`` leaves this process's pool: its rows go to the servers left (a row's
 seed makes it the same row on any server of the same weights), syncs skip it, and the run stops
-naming every dropped server when none is left. The replicas agree on the pool through the
+naming every dropped server when none is left. With ``on_failure=restart`` (servers the
+launcher started; it starts a dead one again at the same URL: rlbatch.runtime.driver) a server
+that is down, or answers with its start-up weights, leaves the pool the same way, and comes
+back at the next sync once its /health answers (the pushing replica pushes it the whole weights
+and probes it with the others; a replica that does not push takes it once it holds the sync's
+label); when no server is left, the rows wait for the first one back, which the pushing replica
+pushes the current sync's weights (kept for this) and probes on its own, up to
+``start_timeout_s``. ``max_restarts`` failures of one server later, the next stops the run
+naming it and its log. The replicas agree on the pool through the
 servers themselves: a replica that does not send the weights takes a server only once it holds
 the label of this sync, so a server the first replica dropped during its push is dropped by
 every replica at that sync, and one that dies later is dropped by each replica that reaches it.
@@ -72,12 +80,14 @@ from rlbatch.rollout.protocol import (
 from rlbatch.rollout.server_answers import RowAborted, probe_server, read_row, request_body
 from rlbatch.rollout.server_cache import drops_cache
 from rlbatch.rollout.server_checks import check_servers  # noqa: F401  (rollout.protocol's)
-from rlbatch.rollout.server_http import ServerDownError, ServerError, call
+from rlbatch.rollout.server_http import ServerDownError, ServerError, ServerRestartedError, call
 from rlbatch.rollout.server_probe import NOISE, SEPARATION, judge_probe, probe_sequence
 from rlbatch.rollout.server_sync import close_group, push
 
 URLS_ENV = "RLBATCH_ROLLOUT_SERVER_URLS"
 """The URLs of the servers the launcher started (rollout.servers.count), comma-separated."""
+LOGS_ENV = "RLBATCH_ROLLOUT_SERVER_LOGS"
+"""Their log files, in the same order."""
 
 
 log = logging.getLogger("rlbatch.rollout")
@@ -110,12 +120,37 @@ class _Servers:
         keep_going: bool,
         *,
         pushes: bool = True,
+        max_restarts: Optional[int] = None,
+        logs: Optional[dict[str, str]] = None,
+        start_timeout_s: float = 600.0,
     ) -> None:
         self.urls = list(urls)
         """The pool: the servers this process still sends to."""
         self.dropped: dict[str, str] = {}
         """Servers left out of the pool (rollout.servers.on_failure=continue) and why."""
         self.keep_going = keep_going
+        self.max_restarts = max_restarts
+        """rollout.servers.on_failure=restart: how many times a server may come back; None:
+        another mode."""
+        self.logs = logs or {}
+        self.start_timeout_s = start_timeout_s
+        self.down: dict[str, str] = {}
+        """on_failure=restart: servers out of the pool until they are back and synced, and
+        why they left it."""
+        self.restarted: Counter[str] = Counter()
+        """on_failure=restart: how many times each server came back."""
+        self.rejoined = 0
+        """Servers taken back since the last round's figures."""
+        self.rejoin: Any = None
+        """on_failure=restart: the backend's way to bring one server back when none is left
+        (a callable returning once one is in the pool, or raising)."""
+        self.rejoin_lock = threading.Lock()
+        self.rejoin_error: Optional[BaseException] = None
+        """What :attr:`rejoin` raised: the other rows waiting for it raise it too (rather than
+        each waiting ``start_timeout_s`` again)."""
+        self.kept: Optional[tuple[dict[str, Any], bool]] = None
+        """on_failure=restart, the pushing process: the tensors of the last sync (and whether
+        it dropped the cache), for a server that comes back while no other is left."""
         self.timeout_s = timeout_s
         self.nonce = nonce
         self.pushes = pushes  # False: another process of the run pushes (a generation worker)
@@ -150,7 +185,25 @@ class _Servers:
         episode's first call (or one whose server left the pool) goes to the server with the
         fewest episodes pinned, then the fewest requests outstanding, and is pinned there; a
         request of no episode to the one with the fewest requests outstanding. Ties: the
-        pool's order."""
+        pool's order. With no server left but some restarting (on_failure=restart): waits
+        for the first one back (:attr:`rejoin`)."""
+        while True:
+            with self.lock:
+                if self.urls:
+                    break
+                if not (self.down and self.rejoin is not None):
+                    raise self.none_left()
+            with self.rejoin_lock:  # one thread brings a server back, the others wait
+                if self.rejoin_error is not None:
+                    raise self.rejoin_error
+                with self.lock:
+                    empty = not self.urls
+                if empty:
+                    try:
+                        self.rejoin()
+                    except BaseException as err:
+                        self.rejoin_error = err
+                        raise
         with self.lock:
             if not self.urls:
                 raise self.none_left()
@@ -174,7 +227,13 @@ class _Servers:
 
     def drop(self, url: str, error: ServerError) -> None:
         """Leave ``url`` out from now on (on_failure=continue and a server that is down), or
-        raise ``error`` (on_failure=stop, or an answer that is wrong rather than missing)."""
+        raise ``error`` (on_failure=stop, or an answer that is wrong rather than missing);
+        on_failure=restart: out of the pool until it is back (:meth:`readmit`)."""
+        if self.max_restarts is not None and isinstance(
+            error, (ServerDownError, ServerRestartedError)
+        ):
+            self._restarting(url, error)
+            return
         if not (self.keep_going and isinstance(error, ServerDownError)):
             raise error
         with self.lock:
@@ -190,8 +249,46 @@ class _Servers:
         if not left:
             raise self.none_left() from error
 
+    def _restarting(self, url: str, error: ServerError) -> None:
+        with self.lock:
+            if url not in self.urls:
+                return
+            n, most = self.restarted[url], self.max_restarts
+            if most is not None and n >= most:
+                raise ServerError(
+                    f"rollout server {url} failed again after {n} restart(s)"
+                    f" (rollout.servers.max_restarts={most}): {error}; its log: {self.log_of(url)}"
+                ) from error
+            self.urls.remove(url)
+            self.down[url] = str(error)
+            left = len(self.urls)
+        log.warning(
+            "rollout server %s is down: out of the pool until it is restarted and holds the"
+            " run's weights (rollout.servers.on_failure=restart), %d left: %s", url, left, error,
+        )  # fmt: skip
+
+    def readmit(self, url: str) -> None:
+        """``url`` is back (restarted and synced): in the pool again."""
+        with self.lock:
+            if self.down.pop(url, None) is None:
+                return
+            self.urls.append(url)
+            self.restarted[url] += 1
+            self.rejoined += 1
+            n = self.restarted[url]
+        log.warning("rollout server %s is back in the pool (restart %d)", url, n)
+
+    def log_of(self, url: str) -> str:
+        return self.logs.get(url, "(no log: started outside this run)")
+
+    def take_rejoined(self) -> int:
+        with self.lock:
+            taken, self.rejoined = self.rejoined, 0
+        return taken
+
     def none_left(self) -> ServerError:
-        names = "; ".join(f"{url} ({why})" for url, why in self.dropped.items())
+        gone = {**self.dropped, **self.down}
+        names = "; ".join(f"{url} ({why}; log: {self.log_of(url)})" for url, why in gone.items())
         return ServerError(f"no rollout server is left: every one failed: {names}")
 
     def done(self, url: str) -> None:
@@ -234,9 +331,17 @@ def join_run(cfg: RunConfig, nonce: str, *, pushes: bool) -> None:
     another process pushes (a generation worker of a trainer DP rank other than 0)."""
     s = cfg.rollout.servers
     keep_going = ServerFailure(s.on_failure) == ServerFailure["continue"]
+    restart = ServerFailure(s.on_failure) == ServerFailure["restart"]
+    urls = server_urls(cfg)
+    logs = os.environ.get(LOGS_ENV, "")
     _SERVERS[:] = [
-        _Servers(server_urls(cfg), s.timeout_s, s.max_concurrency, nonce, keep_going, pushes=pushes)
-    ]
+        _Servers(
+            urls, s.timeout_s, s.max_concurrency, nonce, keep_going, pushes=pushes,
+            max_restarts=s.max_restarts if restart else None,
+            logs=dict(zip(urls, logs.split(","), strict=False)) if logs else None,
+            start_timeout_s=s.start_timeout_s,
+        )
+    ]  # fmt: skip
 
 
 def shutdown_engine() -> None:
@@ -278,6 +383,8 @@ class ServerBackend:
         # rollouts only: a whole-round run has no row to continue)
         keep = ServerUpdate(cfg.rollout.servers.on_update) == ServerUpdate.keep
         self.drops_cache = not (keep and cfg.grpo.partial_rollouts)
+        if self.servers.max_restarts is not None and self.leader:
+            self.servers.rejoin = self._rejoin_any
 
     @property
     def version(self) -> Optional[int]:
@@ -302,6 +409,8 @@ class ServerBackend:
         from rlbatch.distributed import from_first_in_model_parallel_group
         from rlbatch.rollout.weights import stream_hf_weights
 
+        if self.leader and self.streams:
+            self._readmit_at_sync()
         if not self.streams:
             if self.expert_peer:  # the first replica's stream gathers our experts
                 for _ in stream_hf_weights(self.model, self.model_cfg):
@@ -322,6 +431,8 @@ class ServerBackend:
                 tensors[name] = tensor.detach().clone().contiguous()
         if self.leader:
             tensors = self._faulty(tensors)
+            if self.servers.max_restarts is not None:
+                self.servers.kept = (tensors, drop)
         call_ = (
             (lambda: push(self.servers, self.cfg, tensors, label, drop)) if self.leader else None
         )
@@ -352,6 +463,86 @@ class ServerBackend:
             not self.drops_cache, self.servers.cache_version, version, self.cfg.grpo.max_staleness
         )
 
+    def _readmit_at_sync(self) -> None:
+        """on_failure=restart, the pushing replica at a sync: a server that is back (its
+        /health answers) joins the pool before the push, so it is pushed the whole weights and
+        probed with the others (a replica that does not push takes it once it holds this
+        sync's label: :meth:`_await_label`)."""
+        from rlbatch.rollout.server_http import health
+
+        for url in list(self.servers.down):
+            if health(url) is None:
+                self.servers.readmit(url)
+
+    def _holds(self, url: str, label: str) -> bool:
+        try:
+            info = call(url, "/weight_info", timeout_s=self.servers.timeout_s, get=True)
+        except ServerError:
+            return False
+        return str((info or {}).get("weight_version")) == label
+
+    def _rejoin_any(self) -> None:
+        """No server is left and some are restarting: wait for the first one back
+        (``rollout.servers.start_timeout_s``) and take it once it holds the run's current
+        weights: the pushing replica pushes it the last sync's tensors and probes it against
+        the trainer's log-probabilities of that sync; another replica waits for that sync's
+        label on it."""
+        s = self.servers
+        deadline = time.monotonic() + s.start_timeout_s
+        while time.monotonic() < deadline:
+            for url in list(s.down):
+                if self._resync(url):
+                    s.readmit(url)
+                    return
+            time.sleep(1.0)
+        names = "; ".join(f"{url} (log: {s.log_of(url)})" for url in s.down)
+        raise ServerError(
+            f"no rollout server is left and none came back within"
+            f" rollout.servers.start_timeout_s={s.start_timeout_s:g} s: {names}"
+        )
+
+    def _resync(self, url: str) -> bool:
+        """Whether ``url`` is back and now holds the run's current weights."""
+        from rlbatch.rollout.server_http import health
+
+        s = self.servers
+        if s.syncs == 0:  # nothing pushed yet: the start-up weights are the run's
+            return health(url) is None
+        label = s.label()
+        if s.kept is None:  # another process pushes
+            return self._holds(url, label)
+        if health(url) is not None:
+            return False
+        tensors, _ = s.kept
+        try:
+            push(_OneServer(s, url), self.cfg, tensors, label, True)
+            self._probe_alone(url)
+        except ServerDownError:
+            return False
+        return True
+
+    def _probe_alone(self, url: str) -> None:
+        """The probe of one server taken back between syncs: its log-probabilities of the
+        probe's fixed tokens against the trainer's of this sync (no forward: the trainer's
+        ranks are elsewhere in the step)."""
+        from rlbatch.config.dtypes import engine_dtype, probe_tolerance
+
+        n = self.cfg.rollout.servers.probe_tokens
+        current = self.servers.probe_logps
+        if n <= 0 or current is None:
+            return
+        sequence, prompt_len = probe_sequence(n, self.model_cfg.vocab_size)
+        fixed, _, _ = self._score(url, sequence, prompt_len)
+        noise = NOISE.get(engine_dtype(self.cfg), NOISE["float32"])
+        verdict = judge_probe(fixed, current, None, noise)
+        tol = probe_tolerance(self.cfg)
+        if verdict.off > tol:
+            raise RuntimeError(
+                f"rollout server {url}, restarted, holds other weights than the trainer after"
+                f" its sync: its log-probabilities of the probe's tokens are {verdict.off:.3g}"
+                f" off the trainer's (rollout.servers.probe_tolerance={tol:g})"
+            )
+
     def _await_label(self, label: str) -> None:
         deadline = time.monotonic() + self.servers.timeout_s
         for url in list(self.servers.urls):
@@ -359,6 +550,12 @@ class ServerBackend:
                 self._await_server(url, label, deadline)
             except ServerError as err:  # the first replica dropped it, or it is down
                 self.servers.drop(url, err)
+        for url in list(self.servers.down):  # on_failure=restart: the first replica took it
+            try:
+                self._await_server(url, label, min(deadline, time.monotonic() + 10.0))
+            except ServerError:
+                continue
+            self.servers.readmit(url)
 
     def _await_server(self, url: str, label: str, deadline: float) -> None:
         while True:
@@ -377,16 +574,20 @@ class ServerBackend:
         the loop averages over replicas); rollout/server_resubmits: rows a server aborted and
         this process sent again (summed over replicas); rollout/kv_cache_age: how many policy
         versions older than the last sync's the KV the servers' prefix cache may hold is
-        (rlbatch.rollout.server_cache; averaged over replicas like the pool's size)."""
+        (rlbatch.rollout.server_cache; averaged over replicas like the pool's size);
+        rollout/server_restarts: servers taken back after a restart (on_failure=restart;
+        summed over replicas)."""
         s = self.servers
         n = float(len(s.urls)) if self.leader else 0.0
         resubmits = float(s.take_resubmits()) if self.leader else 0.0
+        restarts = float(s.take_rejoined()) if self.leader else 0.0
         age = 0.0
         if self.leader and s.synced_version is not None and s.cache_version is not None:
             age = float(s.synced_version - s.cache_version)
         return {
             "rollout/servers_alive": n, "rollout/server_pools": float(self.leader),
             "rollout/server_resubmits": resubmits, "rollout/kv_cache_age": age,
+            "rollout/server_restarts": restarts,
         }  # fmt: skip
 
     def _probe(self) -> None:
@@ -419,7 +620,9 @@ class ServerBackend:
         previous, self.servers.probe_logps = self.servers.probe_logps, current
         tol = probe_tolerance(self.cfg)
         noise = NOISE.get(engine_dtype(self.cfg), NOISE["float32"])
-        for (url, fixed, _, sampled), mine in zip(answers, ours, strict=True):
+        # no answer: every server left the pool during the push (on_failure=restart: the rows
+        # wait for one to come back); the forward above ran the probe alone, in step
+        for (url, fixed, _, sampled), mine in zip(answers, ours[: len(answers)], strict=True):
             verdict = judge_probe(fixed + [sampled], mine, None, noise)
             if verdict.off > tol:
                 raise RuntimeError(
@@ -538,6 +741,20 @@ class ServerBackend:
             " /pause aborts the requests in flight unless mode=wait or keep) or aborting its"
             " requests; give the run servers of its own, or raise rollout.servers.max_resubmits"
         )
+
+
+class _OneServer:
+    """One server as a pool of its own (rlbatch.rollout.server_sync.ServerPool): the push to
+    a server taken back between syncs; its failure is raised."""
+
+    def __init__(self, servers: _Servers, url: str) -> None:
+        self.urls = [url]
+        self.nonce = servers.nonce
+        self.timeout_s = servers.timeout_s
+        self.group: Any = None
+
+    def drop(self, url: str, error: ServerError) -> None:
+        raise error
 
 
 def trainer_logprobs(

@@ -35,6 +35,12 @@ class ServerDownError(ServerError):
     the failures rollout.servers.on_failure=continue drops a server for."""
 
 
+class ServerRestartedError(ServerError):
+    """A rollout server answered with its start-up weights after the run pushed its own: it
+    was restarted at its URL (rollout.servers.on_failure=restart takes it back once synced;
+    the other modes stop the run)."""
+
+
 def call(url: str, path: str, body: Any = None, *, timeout_s: float, get: bool = False) -> Any:
     """One request to a server, its JSON answer; ServerError naming the server otherwise."""
     data = None if get else json.dumps({} if body is None else body).encode()

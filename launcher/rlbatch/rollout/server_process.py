@@ -26,18 +26,22 @@ SIGKILLs the group, API server and engine core alike.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from rlbatch.config.schema import RunConfig
+
+log = logging.getLogger("rlbatch.rollout")
 
 TRANSFER_BACKEND = "rlbatch"
 """rlbatch.rollout.server_transfer.BACKEND (not imported here: that module imports vLLM)."""
@@ -178,6 +182,7 @@ class ServerProcess:
 
         self.spec = spec
         self.url = spec.url
+        self.log_path = log_path
         env = child_env({**os.environ, **dict(spec.env)})
         self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed in stop
         # vLLM's output goes to the log file, or to stderr: stdout carries rlbatch-serve's URL
@@ -240,6 +245,80 @@ def start_servers(cfg: RunConfig, root: Path, count: int) -> list[ServerProcess]
         stop_servers(servers)
         raise
     return servers
+
+
+class Restarter:
+    """rollout.servers.on_failure=restart, in the process that started the servers: a thread
+    that starts a server again, with the same command line at the same URL (its log goes on
+    in the same file), when its process exited (vLLM's process group killed, or the server
+    crashed) or its /health has failed (answered, but not 200: an engine dead behind a live
+    HTTP server) for ``HEALTH_FAILS`` checks in a row; at most ``max_restarts`` times per
+    server. ``servers`` is updated in place, so stopping them stops the new processes. The run's
+    workers take a restarted server back once it holds their weights
+    (rlbatch.rollout.server_backend)."""
+
+    HEALTH_EVERY_S = 5.0
+    HEALTH_FAILS = 3
+
+    def __init__(
+        self, servers: list[ServerProcess], max_restarts: int, start_timeout_s: float
+    ) -> None:
+        self.servers = servers
+        self.max_restarts = max_restarts
+        self.start_timeout_s = start_timeout_s
+        self.restarts = [0] * len(servers)
+        self.fails = [0] * len(servers)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name="rlbatch-server-restarts", daemon=True
+        )
+        self.thread.start()
+
+    def close(self) -> None:
+        """Stop restarting. The servers it started stop with this thread too (their watcher's
+        parent-death signal follows the thread that started it): call it only to stop them."""
+        self.stopping.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        from rlbatch.rollout.server_http import health
+
+        last_check = time.monotonic()
+        while not self.stopping.wait(1.0):
+            check = time.monotonic() - last_check >= self.HEALTH_EVERY_S
+            if check:
+                last_check = time.monotonic()
+            for i, server in enumerate(self.servers):
+                if server.proc.poll() is None and check:
+                    # a busy server may be slow to answer: only a refusal or an error counts
+                    bad = health(server.url, self.HEALTH_EVERY_S, slow_ok=True) is not None
+                    self.fails[i] = self.fails[i] + 1 if bad else 0
+                    if self.fails[i] >= self.HEALTH_FAILS:
+                        log.warning("rollout server %s fails /health: stopping it", server.url)
+                        server.stop()
+                if server.proc.poll() is not None:
+                    self._restart(i, server)
+
+    def _restart(self, i: int, server: ServerProcess) -> None:
+        if self.restarts[i] >= self.max_restarts:
+            return  # the workers stop the run when they find it down once more
+        self.restarts[i] += 1
+        self.fails[i] = 0
+        log.warning(
+            "rollout server %s exited (code %s): starting it again, restart %d of"
+            " rollout.servers.max_restarts=%d (log: %s)", server.url, server.proc.returncode,
+            self.restarts[i], self.max_restarts, server.log_path,
+        )  # fmt: skip
+        server.stop()  # closes its log
+        new = ServerProcess(server.spec, server.log_path)
+        self.servers[i] = new
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            if new.proc.poll() is not None or healthy(new.url):
+                break
+            time.sleep(1.0)
+        if new.proc.poll() is None and healthy(new.url):
+            log.warning("rollout server %s is up again", new.url)
 
 
 def stop_servers(servers: list[ServerProcess]) -> None:

@@ -143,16 +143,26 @@ def _rollout_servers(cfg: RunConfig, run_dir: Path) -> Iterator[dict[str, str]]:
     if cfg.rollout.backend.value != "vllm_server" or not cfg.rollout.servers.count:
         yield {}
         return
-    from rlbatch.rollout.server_backend import URLS_ENV
-    from rlbatch.rollout.server_process import remove_dir, start_servers, stop_servers
+    from rlbatch.config.schema import ServerFailure
+    from rlbatch.rollout.server_backend import LOGS_ENV, URLS_ENV
+    from rlbatch.rollout.server_process import Restarter, remove_dir, start_servers, stop_servers
 
+    s = cfg.rollout.servers
     root = run_dir / "servers"
-    log.info("starting %d vLLM rollout server(s) (logs: %s)", cfg.rollout.servers.count, root)
-    servers = start_servers(cfg, root, cfg.rollout.servers.count)
-    log.info("rollout servers: %s", ", ".join(s.url for s in servers))
+    log.info("starting %d vLLM rollout server(s) (logs: %s)", s.count, root)
+    servers = start_servers(cfg, root, s.count)
+    log.info("rollout servers: %s", ", ".join(server.url for server in servers))
+    restarter = None
+    if ServerFailure(s.on_failure) == ServerFailure["restart"]:
+        restarter = Restarter(servers, s.max_restarts, s.start_timeout_s)
     try:
-        yield {URLS_ENV: ",".join(s.url for s in servers)}
+        yield {
+            URLS_ENV: ",".join(server.url for server in servers),
+            LOGS_ENV: ",".join(str(server.log_path) for server in servers),
+        }
     finally:
+        if restarter is not None:
+            restarter.close()
         stop_servers(servers)
         remove_dir(root / "model")
 

@@ -13,7 +13,9 @@
   ``rollout/untrained_fraction`` (rows started and neither trained nor still in the stream, over
   the rows started: 0 by design, nothing is discarded);
 - rollout servers: ``rollout/servers_alive`` (each replica's pool, averaged),
-  ``rollout/server_resubmits`` (rows a server aborted and the run sent again, summed) and
+  ``rollout/server_resubmits`` (rows a server aborted and the run sent again, summed),
+  ``rollout/server_restarts`` (servers taken back after a restart, on_failure=restart, summed)
+  and
   ``rollout/kv_cache_age`` (how many policy versions older than the last sync's the KV in the
   servers' prefix cache may be, averaged: 0 with rollout.servers.on_update=abort; with keep,
   a token sampled after that sync may rest on KV this many versions older than the version
@@ -42,6 +44,7 @@ ROLLOUT_COUNTERS = (
     "rollout/servers_alive",
     "rollout/server_pools",
     "rollout/server_resubmits",
+    "rollout/server_restarts",
     "rollout/kv_cache_age",
 )
 """A round's rank-local counters (GeneratedRound.filter_metrics), summed over ranks."""
@@ -97,6 +100,7 @@ def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
     if sums.get("rollout/server_pools"):  # rollout servers: each replica's pool, averaged
         out["rollout/servers_alive"] = sums["rollout/servers_alive"] / sums["rollout/server_pools"]
         out["rollout/server_resubmits"] = sums.get("rollout/server_resubmits", 0.0)
+        out["rollout/server_restarts"] = sums.get("rollout/server_restarts", 0.0)
         out["rollout/kv_cache_age"] = (
             sums.get("rollout/kv_cache_age", 0.0) / sums["rollout/server_pools"]
         )

@@ -349,3 +349,31 @@ def test_the_default_probe_tolerance_follows_the_engines_dtype(dtype, expected):
     assert probe_tolerance(cfg) == expected
     cfg.rollout.servers.probe_tolerance = 0.2
     assert probe_tolerance(cfg) == 0.2
+
+
+def test_on_failure_restart_is_for_servers_the_run_starts_over_the_file_transfer():
+    """rollout.servers.on_failure=restart starts a dead server again, which the run can do only
+    for the servers it started (rollout.servers.count), and a restarted server cannot join the
+    broadcast group the others formed: both refused at once, naming the key and the fixes."""
+    errors: list[ConfigError] = []
+    cfg = RunConfig()
+    cfg.rollout.backend = RolloutBackend.vllm_server
+    cfg.rollout.servers.urls = ["http://node7:8000"]
+    cfg.rollout.servers.on_failure = ServerFailure["restart"]
+    cfg.rollout.servers.transfer = ServerTransfer.broadcast
+    check_servers(cfg, errors)
+    assert [e.key for e in errors] == ["rollout.servers.on_failure"] * 2
+    assert all(e.value == "restart" for e in errors)
+    assert "rollout.servers.count=N" in errors[0].message
+    assert "rollout.servers.on_failure=continue" in errors[0].message
+    assert "rollout.servers.transfer=file" in errors[1].message
+    assert _errors(count=1, on_failure=ServerFailure["restart"]) == {}
+
+
+def test_max_restarts_needs_on_failure_restart_and_is_not_negative():
+    errors = _errors(count=1, max_restarts=2)
+    assert set(errors) == {"rollout.servers.max_restarts"}
+    assert "rollout.servers.on_failure=restart" in errors["rollout.servers.max_restarts"].message
+    errors = _errors(count=1, on_failure=ServerFailure["restart"], max_restarts=-1)
+    assert set(errors) == {"rollout.servers.max_restarts"}
+    assert "must be >= 0" in errors["rollout.servers.max_restarts"].message
