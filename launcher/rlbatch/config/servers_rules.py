@@ -165,6 +165,18 @@ def _check_restart(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 " set rollout.servers.transfer=file, or rollout.servers.on_failure=continue",
             )
         )
+    if restart and cfg.parallel.dp > 1:
+        errors.append(
+            ConfigError(
+                "rollout.servers.on_failure",
+                "restart",
+                f"at parallel.dp={cfg.parallel.dp} is not supported yet (a run of tiny_moe at dp"
+                " 2 x ep 2 whose server was killed made no progress for 300 s: the replicas that"
+                " do not push wait on the restarted server's weight label): set"
+                " rollout.servers.on_failure=continue or stop (then trainer.resume=auto), or"
+                " parallel.dp=1",
+            )
+        )
     if not restart and s.max_restarts != ServersConfig().max_restarts:
         errors.append(
             ConfigError(

@@ -368,6 +368,13 @@ def test_on_failure_restart_is_for_servers_the_run_starts_over_the_file_transfer
     assert "rollout.servers.on_failure=continue" in errors[0].message
     assert "rollout.servers.transfer=file" in errors[1].message
     assert _errors(count=1, on_failure=ServerFailure["restart"]) == {}
+    cfg = RunConfig()  # restart at dp > 1 hung (no progress for 300 s): refused for now
+    cfg.rollout.backend, cfg.parallel.dp = RolloutBackend.vllm_server, 2
+    cfg.rollout.servers.count, cfg.rollout.servers.on_failure = 1, ServerFailure["restart"]
+    errors = []
+    check_servers(cfg, errors)
+    assert [e.key for e in errors] == ["rollout.servers.on_failure"]
+    assert "parallel.dp=1" in errors[0].message
 
 
 def test_max_restarts_needs_on_failure_restart_and_is_not_negative():
