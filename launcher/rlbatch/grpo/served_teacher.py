@@ -164,6 +164,7 @@ def served_teacher_errors(cfg: RunConfig) -> list[ConfigError]:
     except (ServerError, KeyError, IndexError, TypeError, ValueError) as err:
         return [ConfigError(KEY, url, f"does not say what it serves (GET /v1/models: {err})")]
     errors = _length_errors(cfg, url, served_len)
+    errors += _label_errors(url)
     errors += _model_errors(cfg, url, str(root))
     if not errors:
         errors += _endpoint_errors(cfg, url)
@@ -184,6 +185,63 @@ def _length_errors(cfg: RunConfig, url: str, served_len: int) -> list[ConfigErro
             " --max-model-len), or shorten the run's sequences",
         )
     ]
+
+
+STARTUP_LABEL = "default"
+"""vLLM's weight label until a weight update sets one (rlbatch.rollout.server_answers)."""
+
+
+def _label_errors(url: str) -> list[ConfigError]:
+    """The server's weights are the ones it started with: a weight label other than vLLM's
+    start-up one means a trainer's weight sync replaced them (it is, or was, a rollout server,
+    of this run or another, under any spelling of its URL)."""
+    try:
+        label = call(url, "/weight_info", timeout_s=10.0, get=True).get("weight_version")
+    except (ServerError, AttributeError):
+        return []  # a server without the endpoint has no weight updates either
+    if label is None or str(label) == STARTUP_LABEL:
+        return []
+    return [
+        ConfigError(
+            KEY,
+            url,
+            f"holds weights a trainer's weight sync put there (weight label {str(label)!r}), not"
+            " the checkpoint it started with: it is a rollout server (of this run or another),"
+            " whose weights are the student's and change with every sync; serve the teacher"
+            f" on a server of its own: {START}",
+        )
+    ]
+
+
+def _weights_errors(cfg: RunConfig, url: str, root: str) -> list[ConfigError]:
+    """The served directory holds a checkpoint (rlbatch-serve serves dummy, random weights
+    when model.hf_path has no local *.safetensors) that is not the student's own."""
+    files = [f for f in Path(root).iterdir() if f.suffix in (".safetensors", ".bin", ".pt")]
+    if not files:
+        return [
+            ConfigError(
+                KEY,
+                url,
+                f"serves {root}, which holds no weights (*.safetensors): the server runs dummy"
+                " (random) weights, as rlbatch-serve does when model.hf_path is not a local"
+                ' directory with *.safetensors (it prints "dummy weights until a sync");'
+                f" restart it with model.hf_path=TEACHER_DIR: {START}",
+            )
+        ]
+    student = cfg.model.hf_path
+    if student and Path(student).is_dir():
+        mine = {f.resolve() for f in Path(student).glob("*.safetensors")}
+        if mine and mine == {f.resolve() for f in files if f.suffix == ".safetensors"}:
+            return [
+                ConfigError(
+                    KEY,
+                    url,
+                    f"serves the student's own checkpoint (model.hf_path={student}): the"
+                    " teacher would score every sampled token at the behaviour policy's own"
+                    " log-prob and nothing would be learnt; serve the stronger model",
+                )
+            ]
+    return []
 
 
 def served_model_config(cfg: RunConfig, root: str) -> ModelConfig:
@@ -210,6 +268,9 @@ def _model_errors(cfg: RunConfig, url: str, root: str) -> list[ConfigError]:
                 f" filesystem); {START}",
             )
         ]
+    weights = _weights_errors(cfg, url, root)
+    if weights:
+        return weights
     try:
         model = served_model_config(cfg, root)
     except ConfigErrors as err:

@@ -50,7 +50,20 @@ def test_served_teacher_rules_name_each_key_at_once(tmp_path):
     cfg.grpo.distill.teacher_url = "http://127.0.0.1:8000/"
     cfg.rollout.backend, cfg.rollout.servers.urls = "vllm_server", ["http://127.0.0.1:8000"]
     (shared,) = distill_errors(cfg)
-    assert shared.key == url[0] and "also one of rollout.servers.urls" in shared.message
+    assert (
+        shared.key == url[0] and "is the server http://127.0.0.1:8000 of rollout" in shared.message
+    )
+    # under any spelling of the same host and port (names resolved, loopback aliases one host)
+    for alias in (
+        "http://localhost:8000",
+        "http://0.0.0.0:8000",
+        f"http://{socket.gethostname()}:8000",
+    ):
+        cfg.grpo.distill.teacher_url = alias
+        assert [e.key for e in distill_errors(cfg)] == [url[0]], alias
+    for other in ("http://localhost:8001", "http://10.254.0.1:8000"):
+        cfg.grpo.distill.teacher_url = other
+        assert distill_errors(cfg) == [], other
     # a served teacher alone, at temperature 1, is a teacher: pure distillation is allowed
     assert _errors(teacher_url="http://127.0.0.1:8000", reward_coef=0.0) == {}
 
@@ -107,3 +120,17 @@ def test_a_teacher_server_that_never_answers_times_out_naming_the_timeout_key():
         in message
     )
     assert "rollout.servers" not in message
+
+
+def test_a_teacher_that_is_the_students_own_checkpoint_is_refused(tmp_path):
+    """Same directory under another spelling (a symlink): the teacher would score every token at
+    the behaviour policy's own log-prob."""
+    (tmp_path / "student").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "student")
+    cfg = compose(["+recipe=grpo_qwen"], "test")
+    cfg.model.hf_path, cfg.grpo.distill.teacher = str(tmp_path / "student"), str(tmp_path / "link")
+    (same,) = [e for e in distill_errors(cfg) if e.key == "grpo.distill.teacher"]
+    assert "is the student's own checkpoint (model.hf_path=" in same.message
+    (tmp_path / "teacher").mkdir()
+    cfg.grpo.distill.teacher = str(tmp_path / "teacher")
+    assert [e for e in distill_errors(cfg) if e.key == "grpo.distill.teacher"] == []
