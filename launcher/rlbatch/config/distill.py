@@ -27,6 +27,11 @@ class DistillConfig:
     hold weights (not rlbatch-serve's dummy ones); never a rollout server (same host and port
     as one of rollout.servers.urls, or weights a sync labelled). On resume it may change when it
     serves the same teacher (the checkpoint's probe log-probs)."""
+    teacher_tokenizer: Optional[str] = None
+    """For a teacher_url served from another machine: a local directory with the teacher's
+    config.json and tokenizer files (or a Hub id in the local Hugging Face cache), read only
+    for the checks before launch (tokenizer, context) when the server's model directory cannot
+    be read here; null = the served directory itself, or its Hub id in the local cache."""
     teacher_timeout_s: float = 300.0
     """Longest one scoring request to grpo.distill.teacher_url may take before the run stops
     naming the server."""
@@ -164,6 +169,15 @@ def _served_errors(cfg: Any) -> list[ConfigError]:
         errors.append(
             ConfigError(
                 "grpo.distill.teacher_max_concurrency", d.teacher_max_concurrency, "must be >= 1"
+            )
+        )
+    if d.teacher_tokenizer and not d.teacher_url:
+        errors.append(
+            ConfigError(
+                "grpo.distill.teacher_tokenizer",
+                d.teacher_tokenizer,
+                "is only read for a served teacher (grpo.distill.teacher_url), which is not set:"
+                " set it to null, or set grpo.distill.teacher_url",
             )
         )
     if not d.teacher_url:

@@ -6,7 +6,7 @@ another one under the same path or URL.
 - An in-process teacher (grpo.distill.teacher): a digest of its weight files (names, sizes and
   content of ``*.safetensors``; BLAKE2b, about a second per GB, once per launch, in the driver).
 - A served teacher (grpo.distill.teacher_url): its log-probs of a fixed probe sequence
-  (:data:`PROBE`), asked of the server. The same checkpoint served again gives the same numbers
+  (rlbatch.grpo.served_teacher.PROBE), asked of the server. The same checkpoint served again gives the same numbers
   to within :data:`PROBE_TOLERANCE`; another model differs by far more.
 
 The driver computes it before launch (:func:`teacher_identity`), hands it to the trainer through
@@ -25,8 +25,6 @@ from rlbatch.config.errors import ConfigError
 
 FILE = "teacher_identity.json"
 """In the run directory: the identity the driver computed for this launch."""
-PROBE = [(7 + 37 * i) % 256 for i in range(32)]
-"""A fixed token sequence every teacher's vocabulary holds (ids below 256)."""
 PROBE_TOLERANCE = 1e-3
 """Nats: the largest probe log-prob difference taken as the same served teacher (a restarted
 server of the same checkpoint repeats its numbers to ~1e-6 in fp32)."""
@@ -51,7 +49,7 @@ def teacher_identity(cfg: Any) -> Optional[dict[str, Any]]:
     if d.teacher:
         return {"kind": "files", "digest": files_digest(Path(d.teacher)), "where": str(d.teacher)}
     if d.teacher_url:
-        from rlbatch.grpo.served_teacher import TeacherServerError, score_sequence
+        from rlbatch.grpo.served_teacher import PROBE, TeacherServerError, score_sequence
 
         url = str(d.teacher_url).rstrip("/")
         try:

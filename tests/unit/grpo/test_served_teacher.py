@@ -6,6 +6,7 @@ against a real vLLM server in tests/e2e/test_served_teacher_cli.py)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -134,3 +135,34 @@ def test_a_teacher_that_is_the_students_own_checkpoint_is_refused(tmp_path):
     (tmp_path / "teacher").mkdir()
     cfg.grpo.distill.teacher = str(tmp_path / "teacher")
     assert [e for e in distill_errors(cfg) if e.key == "grpo.distill.teacher"] == []
+
+
+def test_a_teacher_served_from_another_machine_is_checked_on_a_local_copy(tmp_path):
+    """The server's model directory is not on this machine: the checks read
+    grpo.distill.teacher_tokenizer (the teacher's config.json and tokenizer files) instead;
+    without it the error says so; a wrong copy is refused naming its key."""
+    from hf_reference import save_tiny_teacher
+    from rlbatch.grpo.served_teacher import _model_errors
+
+    save_tiny_teacher(tmp_path / "copy")
+    cfg = compose(["+recipe=grpo_qwen"], "test")
+    cfg.grpo.distill.teacher_url = url = "http://teacher-host:8100"
+    elsewhere = "/tmp/rlbatch-serve-elsewhere/model"  # rlbatch-serve's root on its own host
+    (refused,) = _model_errors(cfg, url, elsewhere)
+    assert refused.key == "grpo.distill.teacher_url"
+    assert "grpo.distill.teacher_tokenizer=DIR" in refused.message
+    cfg.grpo.distill.teacher_tokenizer = str(tmp_path / "copy")
+    assert _model_errors(cfg, url, elsewhere) == []
+    cfg.grpo.distill.teacher_tokenizer = str(tmp_path / "missing")
+    (bad,) = _model_errors(cfg, url, elsewhere)
+    assert bad.key == "grpo.distill.teacher_tokenizer" and "config.json" in bad.message
+    # a copy whose context is too short for the run is refused as the served directory would be
+    config = json.loads((tmp_path / "copy" / "config.json").read_text())
+    config["max_position_embeddings"] = 16
+    (tmp_path / "copy" / "config.json").write_text(json.dumps(config))
+    cfg.grpo.distill.teacher_tokenizer = str(tmp_path / "copy")
+    (short,) = _model_errors(cfg, url, elsewhere)
+    assert "max_position_embeddings = 16" in short.message
+    # the key alone, without a served teacher, is an error rather than ignored
+    cfg.grpo.distill.teacher_url = None
+    assert [e.key for e in distill_errors(cfg)] == ["grpo.distill.teacher_tokenizer"]
