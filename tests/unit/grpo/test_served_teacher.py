@@ -166,3 +166,29 @@ def test_a_teacher_served_from_another_machine_is_checked_on_a_local_copy(tmp_pa
     # the key alone, without a served teacher, is an error rather than ignored
     cfg.grpo.distill.teacher_url = None
     assert [e.key for e in distill_errors(cfg)] == ["grpo.distill.teacher_tokenizer"]
+
+
+def test_a_served_directory_without_weights_or_with_the_students_is_refused(tmp_path):
+    """rlbatch-serve's served directory: no *.safetensors = dummy weights; links to the
+    student's own *.safetensors = the student as its own teacher."""
+    from rlbatch.grpo.served_teacher import _weights_errors
+
+    cfg = compose(["+recipe=grpo_qwen"], "test")
+    url = "http://127.0.0.1:8100"
+    served, student, teacher = tmp_path / "served", tmp_path / "student", tmp_path / "teacher"
+    for d in (served, student, teacher):
+        d.mkdir()
+    (served / "config.json").write_text("{}")
+    (dummy,) = _weights_errors(cfg, url, str(served))
+    assert (
+        dummy.key == "grpo.distill.teacher_url" and "runs dummy (random) weights" in dummy.message
+    )
+    (student / "model.safetensors").write_bytes(b"s")
+    (teacher / "model.safetensors").write_bytes(b"s")  # same bytes, another checkpoint's file
+    cfg.model.hf_path = str(student)
+    (served / "model.safetensors").symlink_to(student / "model.safetensors")
+    (own,) = _weights_errors(cfg, url, str(served))
+    assert "serves the student's own checkpoint" in own.message
+    (served / "model.safetensors").unlink()
+    (served / "model.safetensors").symlink_to(teacher / "model.safetensors")
+    assert _weights_errors(cfg, url, str(served)) == []
