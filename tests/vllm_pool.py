@@ -41,15 +41,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(bin_dir: Path, env: dict[str, str], cwd: Path, port: int) -> subprocess.Popen:
-    """rlbatch-serve on ``port`` with the pool's model and lengths; it prints its URL once
+def serve(
+    bin_dir: Path, env: dict[str, str], cwd: Path, port: int, *extra: str
+) -> subprocess.Popen:
+    """rlbatch-serve on ``port`` with the pool's model and lengths (and ``extra`` overrides,
+    e.g. a teacher's model.hf_path); it prints its URL once
     /health answers. Its log (vLLM's output) goes to ``cwd``/serve-PORT.log, which
     :func:`started_url` shows when the server does not come up."""
     log = open(cwd / f"serve-{port}.log", "w")
     with log:
         return subprocess.Popen(
             [str(bin_dir / "rlbatch-serve"), *MODEL, f"rollout.servers.port={port}",
-             f"rollout.vllm.max_model_len={SERVED_LEN}", f"rollout.vllm.block_size={BLOCK}"],
+             f"rollout.vllm.max_model_len={SERVED_LEN}", f"rollout.vllm.block_size={BLOCK}", *extra],
             stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=cwd,
             start_new_session=True,  # a process group of its own, as a shell job has
         )  # fmt: skip

@@ -3,10 +3,10 @@ distillation"). The teacher is a random Hugging Face Qwen2 of another shape than
 made peaked. Pure distillation (reward_coef=0) of a fresh student at pp=2 and temperature 0.7,
 on prompts without answers: no reward is computed, the teacher's per-token advantage is the whole loss (on-policy its value
 is the reported reverse KL), and the logged per-token advantages equal the teacher's log-probs
-computed by transformers in float64 minus the behaviour log-probs. A LoRA student whose base is the teacher itself (a run's <run_dir>/hf), sampling
+computed by transformers in float64 minus the behaviour log-probs. A LoRA student over a run's <run_dir>/hf, sampling
 at temperature 0.7 one step ahead in the generation worker: the teacher pass (in that worker)
-sees the behaviour policy's own distribution, so the reverse KL is 0 up to float noise, and the
-rewards still count. Bad distillation settings are refused before launch, all at once. The
+matches transformers in float64 and the rewards still count; the student's own checkpoint as
+its teacher is refused. Bad distillation settings are refused before launch, all at once. The
 recipe distill_qwen's shape twin (tests/e2e/test_shape_twins.py) resumes a SIGKILLed pure
 distillation run exactly like the uninterrupted one."""
 
@@ -116,23 +116,50 @@ def test_teacher_advantages_match_transformers_in_float64(pure):
     assert clamped > 0  # the clamp's branch is part of the comparison
 
 
-def test_teacher_equal_to_the_behaviour_policy_scores_zero_kl(pure, bin_dir, subprocess_env):
-    """A run's <run_dir>/hf as the teacher and as the LoRA student's base."""
+def test_a_lora_student_distills_ahead_in_the_generation_worker(pure, bin_dir, subprocess_env):
+    """A run's <run_dir>/hf as the LoRA student's base, sampling at temperature 0.7 one step
+    ahead (the teacher pass runs in the generation worker): the logged advantages are the
+    teacher's float64 log-probs minus the behaviour log-probs, and the rewards still count. The
+    student's own checkpoint as its teacher is refused before launch (it would teach nothing)."""
+    import torch
+    import transformers
+
     root, _ = pure
     hf = root / "pure" / "hf"
-    run = root / "same"
+    (root / "hf_link").symlink_to(hf)
+    same = _train(
+        bin_dir, subprocess_env, root / "same", f"model.hf_path={hf}",
+        f"grpo.distill.teacher={root / 'hf_link'}", check=False,
+    )  # fmt: skip
+    out = same.stdout + same.stderr
+    assert same.returncode == 2, out[-3000:]
+    assert "grpo.distill.teacher" in out and "is the student's own checkpoint" in out
+    run = root / "lora"
     _train(
-        bin_dir, subprocess_env, run, f"model.hf_path={hf}", f"grpo.distill.teacher={hf}",
+        bin_dir, subprocess_env, run, f"model.hf_path={hf}", f"grpo.distill.teacher={root / 'teacher'}",
         "model.lora.rank=4", "trainer.optim.lr=1e-2", "rollout.temperature=0.7",
         "grpo.num_steps_async=1", "trainer.max_steps=2", "trainer.checkpoint.export_hf=false",
+        "logging.samples=true",
     )  # fmt: skip
     records = _metrics(run)
-    # the LoRA student starts as its base, the teacher; each step trains samples of version 0
+    # each step trains samples of version 0 (the base)
     assert [r["staleness_mean"] for r in records] == [0.0, 1.0]
     for r in records:
-        assert abs(r["distill/teacher_kl"]) < 1e-4  # same distribution at the same temperature
-        assert r["distill/clip_frac"] == 0.0
-        assert r["reward_mean"] > 0.0  # reward_coef=1: the rewards still count
+        assert r["distill/teacher_kl"] > 0.0  # another model than the student
+        assert r["reward_mean"] >= 0.0  # reward_coef=1: the rewards still count
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "teacher").double().eval()
+    worst = 0.0
+    for line in (run / "samples" / "step_00002.jsonl").read_text().splitlines()[:6]:
+        s = json.loads(line)
+        assert s["reward"] is not None
+        ids = s["prompt_ids"] + s["response_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0] / 0.7
+        logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        teacher = logp[len(s["prompt_ids"]) - 1 :].tolist()
+        for t, b, got in zip(teacher, s["behaviour_logps"], s["token_advantages"], strict=True):
+            worst = max(worst, abs(got - (t - b)))
+    assert worst < 2e-4, worst
 
 
 def test_bad_distillation_settings_are_refused_before_launch(teacher, bin_dir, subprocess_env):
@@ -157,3 +184,29 @@ def test_bad_distillation_settings_are_refused_before_launch(teacher, bin_dir, s
     # pure distillation computes no reward, so no reward part such as the overlong penalty
     assert "grpo.overlong_buffer_len" in out and "computes no reward" in out
     assert not (root / "refused" / "metrics.jsonl").exists()
+
+
+def test_a_resume_keeps_its_teacher_by_content_not_by_path(pure, bin_dir, subprocess_env):
+    """The teacher's directory re-trained in place (same path, same shapes, other weights) is
+    refused on resume, naming grpo.distill.teacher; nothing runs."""
+    from safetensors.torch import load_file, save_file
+
+    root, common = pure
+    retrained = root / "retrained"
+    shutil.copytree(root / "teacher", retrained)
+    (weights,) = retrained.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] * 0.5
+    save_file(tensors, weights, metadata={"format": "pt"})
+    overrides = [o for o in common if not o.startswith("grpo.distill.teacher=")]
+    before = (root / "pure" / "metrics.jsonl").read_text()
+    proc = _train(
+        bin_dir, subprocess_env, root / "pure", *overrides, f"grpo.distill.teacher={retrained}",
+        "trainer.max_steps=4", "trainer.resume=auto", check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"grpo.distill.teacher={retrained}: is not the teacher" in out
+    assert "the digest of its *.safetensors differs" in out
+    assert (root / "pure" / "metrics.jsonl").read_text() == before

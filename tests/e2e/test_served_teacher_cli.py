@@ -1,12 +1,11 @@
 """A served distillation teacher (grpo.distill.teacher_url) through the real rlbatch-train, on
-one of the session's rlbatch-serve servers (tests/conftest.py's vllm_server_pool: no server
-start of its own). A rollout-server run loads a peaked teacher (model.hf_path) and pushes it to
-the server, which then serves the teacher's weights. Pure distillation of a fresh student at
-temperature 1 scored by that server gives, token by token, the same advantages as the
-in-process teacher built from the same directory (both fp32); SIGKILLed during its last step
-and resumed it reproduces every step; on a multi-turn environment only the sampled turns get an
-advantage; a bad served teacher is refused before launch, naming the key, the URL and the fix,
-all at once."""
+an rlbatch-serve server started the documented way (model.hf_path=TEACHER: the server loads the
+teacher's checkpoint). Pure distillation of a fresh student at temperature 1 scored by that
+server gives every sampled token the advantage transformers' float64 teacher log-prob minus the
+behaviour log-prob; SIGKILLed during its last step and resumed it reproduces every step; on a
+multi-turn environment only the sampled turns get an advantage; a bad served teacher (settings,
+a server with dummy weights, a rollout server under another spelling of its URL) is refused
+before launch, naming the key, the URL and the fix, all at once."""
 
 from __future__ import annotations
 
@@ -53,14 +52,17 @@ def _samples(run_dir, step):
 
 @pytest.fixture(scope="module")
 def served(vllm_server_pool, bin_dir, subprocess_env, tmp_path_factory):
-    """The first pool server, serving a peaked teacher of the pool's model shape (the
-    server's own config.json, random weights with the embeddings scaled by 10)."""
+    """A peaked teacher of the pool's model shape (the pool server's own config.json, random
+    weights with the embeddings scaled by 10) served by an rlbatch-serve of its own."""
+    import signal
+
     import torch
     import transformers
 
-    url = vllm_server_pool[0]
+    from vllm_pool import free_port, serve, started_url
+
     root = tmp_path_factory.mktemp("served_teacher")
-    models = json.loads(subprocess.check_output(["curl", "-s", f"{url}/v1/models"]))
+    models = json.loads(subprocess.check_output(["curl", "-s", f"{vllm_server_pool[0]}/v1/models"]))
     config = transformers.AutoConfig.from_pretrained(models["data"][0]["root"])
     torch.manual_seed(7)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
@@ -69,13 +71,13 @@ def served(vllm_server_pool, bin_dir, subprocess_env, tmp_path_factory):
     model.save_pretrained(root / "teacher")
     # the pool's model reads bytes: say so, as rlbatch's export of a byte-tokenizer run does
     (root / "teacher" / "rlbatch_tokenizer.json").write_text('{"tokenizer": "bytes"}')
-    # a 1-step run from the teacher's weights syncs them to the server before its step
-    _train(
-        bin_dir, subprocess_env, root / "push", f"model.hf_path={root / 'teacher'}",
-        "rollout.backend=vllm_server", f"rollout.servers.urls=[{url}]", "trainer.max_steps=1",
-        "grpo.beta=0",
-    )  # fmt: skip
-    return url, root
+    port = free_port()
+    proc = serve(bin_dir, subprocess_env, root, port, f"model.hf_path={root / 'teacher'}")
+    try:
+        yield started_url(proc, root, port), root
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
 
 
 def _distill(url_or_dir):
@@ -90,32 +92,49 @@ def _distill(url_or_dir):
 def uninterrupted(served, bin_dir, subprocess_env):
     url, root = served
     run = root / "served"
-    _train(bin_dir, subprocess_env, run, *_distill(url), "trainer.max_steps=3")
+    _train(bin_dir, subprocess_env, run, *_distill(url), "trainer.max_steps=2")
     return run
 
 
-def test_served_teacher_scores_as_the_in_process_teacher(served, uninterrupted, bin_dir,
-                                                         subprocess_env):  # fmt: skip
-    """Step 1 samples the same rows in both runs (same seed, same fresh student); the served
-    teacher's advantages equal the in-process teacher's on every sampled token."""
+def _worst_against_float64(teacher_dir, samples):
+    """The largest |advantage - (float64 teacher log-prob - behaviour log-prob)| over the
+    sampled tokens, the number of sampled tokens, of the others (each asserted 0)."""
+    import torch
+    import transformers
+
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(teacher_dir).double().eval()
+    worst, sampled, observed = 0.0, 0, 0
+    for s in samples:
+        ids = s["prompt_ids"] + s["response_ids"]
+        with torch.no_grad():
+            logits = teacher(input_ids=torch.tensor([ids])).logits[0]
+        logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        scored = logp[len(s["prompt_ids"]) - 1 :].tolist()
+        for t, b, adv, mask in zip(
+            scored, s["behaviour_logps"], s["token_advantages"], s["loss_mask"], strict=True
+        ):
+            if mask:
+                sampled += 1
+                worst = max(worst, abs(adv - (t - b)))
+            else:
+                observed += 1
+                assert adv == 0.0
+    return worst, sampled, observed
+
+
+def test_served_teacher_scores_as_transformers_in_float64(served, uninterrupted):
+    """Every sampled token's advantage is the teacher's float64 log-prob (transformers, from
+    the directory the server loaded) minus the behaviour log-prob; no reward is logged."""
     url, root = served
-    inproc = root / "in_process"
-    _train(bin_dir, subprocess_env, inproc, *_distill(root / "teacher"), "trainer.max_steps=1")
     records = _metrics(uninterrupted)
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert not [k for k in r if k.startswith("reward")]  # pure distillation: no reward
         assert r["distill/teacher_kl"] > 0.5  # a peaked teacher, a near-uniform student
-    want, got = _samples(inproc, 1), _samples(uninterrupted, 1)
-    assert [s["response_ids"] for s in got] == [s["response_ids"] for s in want]
-    worst = max(
-        abs(a - b)
-        for g, w in zip(got, want, strict=True)
-        for a, b in zip(g["token_advantages"], w["token_advantages"], strict=True)
-    )
-    assert worst < TOLERANCE, worst
-    step1 = _metrics(inproc)[0]
-    assert step1["distill/teacher_kl"] == pytest.approx(records[0]["distill/teacher_kl"], abs=1e-4)
+    samples = _samples(uninterrupted, 1)
+    assert all(s["reward"] is None and s["advantage"] is None for s in samples)
+    worst, sampled, _ = _worst_against_float64(root / "teacher", samples)
+    assert sampled > 100 and worst < TOLERANCE, worst
 
 
 def test_served_teacher_run_killed_and_resumed_matches_the_uninterrupted(
@@ -123,13 +142,19 @@ def test_served_teacher_run_killed_and_resumed_matches_the_uninterrupted(
 ):
     url, root = served
     run = root / "killed"
-    overrides = [*_distill(url), "trainer.max_steps=3"]
+    overrides = [*_distill(url), "trainer.max_steps=2"]
     killed = _train(
-        bin_dir, subprocess_env, run, *overrides, "debug.fail_at_step=3", "debug.fail_kind=kill",
+        bin_dir, subprocess_env, run, *overrides, "debug.fail_at_step=2", "debug.fail_kind=kill",
         check=False,
     )  # fmt: skip
-    assert killed.returncode != 0 and len(_metrics(run)) == 2
-    _train(bin_dir, subprocess_env, run, *overrides, "trainer.resume=auto")
+    assert killed.returncode != 0 and len(_metrics(run)) == 1
+    # the same teacher under another spelling of its URL: its identity, not the URL, is fixed
+    port = url.rsplit(":", 1)[1]
+    resumed = _train(
+        bin_dir, subprocess_env, run, *_distill(f"http://localhost:{port}"),
+        "trainer.max_steps=2", "trainer.resume=auto",
+    )  # fmt: skip
+    assert "grpo.distill.teacher_url: -> 'http://localhost:" in resumed.stderr
     assert _metrics(run) == _metrics(uninterrupted)
 
 
@@ -141,9 +166,6 @@ def test_served_teacher_scores_only_the_sampled_turns_of_an_episode(
     context, only the tokens the student sampled get an advantage, each its transformers
     float64 teacher log-prob minus the behaviour log-prob, observations 0; no reward part or
     reward failure is logged (none is computed)."""
-    import torch
-    import transformers
-
     from hf_reference import save_turn_ending_qwen2
     from rlbatch.engine.tokenizer import ByteTokenizer
 
@@ -160,29 +182,14 @@ def test_served_teacher_scores_only_the_sampled_turns_of_an_episode(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (record,) = _metrics(run)
     assert record["turns_mean"] > 1.0 and not [k for k in record if k.startswith("reward")]
-    teacher = transformers.AutoModelForCausalLM.from_pretrained(root / "teacher").double().eval()
-    worst, sampled, observed = 0.0, 0, 0
-    for s in _samples(run, 1):
-        ids = s["prompt_ids"] + s["response_ids"]
-        with torch.no_grad():
-            logits = teacher(input_ids=torch.tensor([ids])).logits[0]
-        logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        scored = logp[len(s["prompt_ids"]) - 1 :].tolist()
-        for t, b, adv, mask in zip(
-            scored, s["behaviour_logps"], s["token_advantages"], s["loss_mask"], strict=True
-        ):
-            if mask:
-                sampled += 1
-                worst = max(worst, abs(adv - (t - b)))
-            else:
-                observed += 1
-                assert adv == 0.0
+    worst, sampled, observed = _worst_against_float64(root / "teacher", _samples(run, 1))
     assert sampled > 0 and observed > 0
     assert worst < TOLERANCE, worst
 
 
-def test_bad_served_teacher_settings_are_refused_before_launch(served, bin_dir, subprocess_env,
-                                                               tmp_path):  # fmt: skip
+def test_bad_served_teacher_settings_are_refused_before_launch(
+    served, vllm_server_pool, bin_dir, subprocess_env, tmp_path
+):
     url, root = served
     proc = _train(
         bin_dir, subprocess_env, tmp_path / "refused", *_distill(url),
@@ -203,3 +210,23 @@ def test_bad_served_teacher_settings_are_refused_before_launch(served, bin_dir, 
     out = down.stdout + down.stderr
     assert down.returncode == 2, out[-3000:]
     assert "grpo.distill.teacher_url" in out and "is unreachable" in out and "rlbatch-serve" in out
+    # a pool server: dummy weights (rlbatch-serve without model.hf_path), labelled as a weight
+    # sync labels it (a rollout server of any run), and the run's own rollout server under
+    # another spelling of its URL
+    dummy = vllm_server_pool[1]
+    alias = dummy.replace("127.0.0.1", "localhost")
+    label = json.dumps({"new_version": "7"})
+    subprocess.run(
+        ["curl", "-sf", "-X", "POST", "-H", "Content-Type: application/json", "-d", label,
+         f"{dummy}/update_weight_version"], check=True,
+    )  # fmt: skip
+    proc = _train(
+        bin_dir, subprocess_env, tmp_path / "dummy", *_distill(alias),
+        "rollout.backend=vllm_server", f"rollout.servers.urls=[{dummy}]", check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"grpo.distill.teacher_url={alias}: is the server {dummy} of rollout.servers" in out
+    assert "holds no weights (*.safetensors): the server runs dummy (random) weights" in out
+    assert "holds weights a trainer's weight sync put there (weight label '7')" in out
+    assert not (tmp_path / "dummy" / "metrics.jsonl").exists()

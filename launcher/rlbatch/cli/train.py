@@ -73,14 +73,36 @@ def _run(cfg, run_dir: Path, again: str) -> int:
     from rlbatch.runtime.driver import launch
 
     run_cfg = to_validated_run_config(cfg, "rlbatch-train", extra=check_before_launch)
-    _check_resume(run_cfg, run_dir)
+    identity = _teacher_identity(run_cfg, run_dir)
+    _check_resume(run_cfg, run_dir, identity)
     return launch(run_cfg, run_dir, entry=TRAIN_ENTRY, resume_command=again)
 
 
-def _check_resume(run_cfg, run_dir: Path) -> None:
+def _teacher_identity(run_cfg, run_dir: Path):
+    """What the distillation teacher is (rlbatch.grpo.teacher_identity), handed to the trainer
+    for its checkpoints' meta.json; None without a teacher."""
+    from rlbatch.config.distill import distill_on
+
+    if not distill_on(run_cfg):
+        return None
+    from rlbatch.grpo.teacher_identity import teacher_identity, write_identity
+
+    identity = teacher_identity(run_cfg)
+    write_identity(run_dir, identity)
+    return identity
+
+
+TEACHER_KEYS = ("grpo.distill.teacher", "grpo.distill.teacher_url")
+"""Where the teacher lives: may change on resume when the checkpoint records the teacher's
+identity and this launch's teacher has the same one."""
+
+
+def _check_resume(run_cfg, run_dir: Path, identity=None) -> None:
     """Before launch: the checkpoint trainer.resume picks is intact by its manifest (else the
     error lists every checkpoint and why), and the config may resume it (rlbatch.config.
-    resume_check): every refused change is an error; the accepted ones are listed."""
+    resume_check): every refused change is an error; the accepted ones are listed. The
+    teacher is compared by its identity (``identity``, rlbatch.grpo.teacher_identity) when the
+    checkpoint recorded one, not by the spelling of its path or URL."""
     from rlbatch.cli.common import fail_config
     from rlbatch.config.errors import ConfigError, ConfigErrors
     from rlbatch.config.resume_check import check_resume
@@ -99,6 +121,14 @@ def _check_resume(run_cfg, run_dir: Path) -> None:
     if not candidates:
         return
     errors, notes = check_resume(run_cfg, candidates[0])
+    from rlbatch.grpo.teacher_identity import identity_errors, saved_identity
+
+    saved = saved_identity(candidates[0])
+    if saved is not None:
+        moved = [e for e in errors if e.key in TEACHER_KEYS]
+        errors = [e for e in errors if e.key not in TEACHER_KEYS]
+        errors += identity_errors(run_cfg, saved, identity, candidates[0])
+        notes += [f"{e.key}: -> {e.value!r} (the same teacher)" for e in moved]
     if errors:
         fail_config(ConfigErrors(errors), "rlbatch-train")
     if notes:

@@ -17,12 +17,21 @@ class DistillConfig:
     teacher: Optional[str] = None
     """A local Hugging Face directory (a run's <run_dir>/hf included) whose model scores the
     student's sampled tokens; null = no distillation. Built frozen on the run's tp / pp layout;
-    its tokenizer must be the student's."""
+    its tokenizer must be the student's; not model.hf_path itself. On resume it may move when
+    its *.safetensors are the same (the checkpoint's digest)."""
     teacher_url: Optional[str] = None
     """A served teacher instead (exclusive with teacher): http://HOST:PORT of a vLLM server of
     the teacher (rlbatch-serve model.hf_path=TEACHER, or vLLM's own server with
     --enable-scale-out) whose prompt log-probs score the sampled tokens; needs
-    rollout.temperature=1. Its model directory must be readable here (tokenizer check)."""
+    rollout.temperature=1. Its model directory must be readable here (tokenizer check) and
+    hold weights (not rlbatch-serve's dummy ones); never a rollout server (same host and port
+    as one of rollout.servers.urls, or weights a sync labelled). On resume it may change when it
+    serves the same teacher (the checkpoint's probe log-probs)."""
+    teacher_tokenizer: Optional[str] = None
+    """For a teacher_url served from another machine: a local directory with the teacher's
+    config.json and tokenizer files (or a Hub id in the local Hugging Face cache), read only
+    for the checks before launch (tokenizer, context) when the server's model directory cannot
+    be read here; null = the served directory itself, or its Hub id in the local cache."""
     teacher_timeout_s: float = 300.0
     """Longest one scoring request to grpo.distill.teacher_url may take before the run stops
     naming the server."""
@@ -104,6 +113,18 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
                 "*.safetensors), e.g. a finished run's <run_dir>/hf",
             )
         )
+    student = cfg.model.hf_path
+    if d.teacher and student and Path(d.teacher).is_dir() and Path(student).is_dir():
+        if Path(d.teacher).resolve() == Path(student).resolve():
+            errors.append(
+                ConfigError(
+                    "grpo.distill.teacher",
+                    d.teacher,
+                    f"is the student's own checkpoint (model.hf_path={student}): the teacher "
+                    "would score every sampled token at the behaviour policy's own log-prob and "
+                    "nothing would be learnt; set it to the stronger model's directory",
+                )
+            )
     if PolicyLoss(cfg.grpo.policy_loss) == PolicyLoss.gspo:
         errors.append(
             ConfigError(
@@ -150,6 +171,15 @@ def _served_errors(cfg: Any) -> list[ConfigError]:
                 "grpo.distill.teacher_max_concurrency", d.teacher_max_concurrency, "must be >= 1"
             )
         )
+    if d.teacher_tokenizer and not d.teacher_url:
+        errors.append(
+            ConfigError(
+                "grpo.distill.teacher_tokenizer",
+                d.teacher_tokenizer,
+                "is only read for a served teacher (grpo.distill.teacher_url), which is not set:"
+                " set it to null, or set grpo.distill.teacher_url",
+            )
+        )
     if not d.teacher_url:
         return errors
     if d.teacher:
@@ -169,15 +199,16 @@ def _served_errors(cfg: Any) -> list[ConfigError]:
                 "is not an http:// or https:// URL: write it as http://HOST:PORT",
             )
         )
-    urls = {str(u).rstrip("/") for u in cfg.rollout.servers.urls or []}
     on_servers = RolloutBackend(cfg.rollout.backend) == RolloutBackend.vllm_server
-    if on_servers and str(d.teacher_url).rstrip("/") in urls:
+    same = [u for u in cfg.rollout.servers.urls or [] if same_server(str(d.teacher_url), str(u))]
+    if on_servers and same:
         errors.append(
             ConfigError(
                 "grpo.distill.teacher_url",
                 d.teacher_url,
-                "is also one of rollout.servers.urls: every weight sync of the student would "
-                "replace the teacher's weights on it; serve the teacher on a server of its own",
+                f"is the server {same[0]} of rollout.servers.urls (same host and port): every "
+                "weight sync of the student would replace the teacher's weights on it; serve "
+                "the teacher on a server of its own",
             )
         )
     if cfg.rollout.temperature != 1.0:
@@ -192,6 +223,46 @@ def _served_errors(cfg: Any) -> list[ConfigError]:
             )
         )
     return errors
+
+
+def server_address(url: str) -> tuple[frozenset[str], int]:
+    """Where ``url`` points: its host's addresses (every name of this machine, localhost,
+    127.0.0.0/8, ::1 and 0.0.0.0 alike, as "local") and its port."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        port = -1
+    try:
+        found = {str(info[4][0]) for info in socket.getaddrinfo(host, port)}
+    except (OSError, UnicodeError):
+        found = {host}  # a name that does not resolve here: compared as written
+    try:
+        own = {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except (OSError, UnicodeError):
+        own = set()
+    out = set()
+    for a in found:
+        try:
+            ip = ipaddress.ip_address(a.split("%")[0])
+        except ValueError:
+            out.add(a)
+            continue
+        local = ip.is_loopback or ip.is_unspecified or a in own
+        out.add("local" if local else str(ip))
+    return frozenset(out), port
+
+
+def same_server(a: str, b: str) -> bool:
+    """Two URLs reach the same server: same port and a host address in common (after resolving
+    names: http://localhost:8000 and http://127.0.0.1:8000/ are one server)."""
+    (hosts_a, port_a), (hosts_b, port_b) = server_address(a), server_address(b)
+    return port_a == port_b and bool(hosts_a & hosts_b)
 
 
 def distill_warnings(cfg: Any) -> list[str]:

@@ -53,9 +53,13 @@ CHANGEABLE = (
     "data.reward_abs_max",
     "grpo.distill.teacher_timeout_s",
     "grpo.distill.teacher_max_concurrency",
+    "grpo.distill.teacher_tokenizer",
 )
 """Exceptions under FIXED prefixes: where the weights come from (the checkpoint's win), how
-activations are recomputed, and the bounds on reward calls and served-teacher requests."""
+activations are recomputed, the bounds on reward calls and served-teacher requests, and the
+local copy of a served teacher's tokenizer (read for checks only). The teacher's path or URL
+may also change when the checkpoint's recorded teacher identity matches (rlbatch.cli.train,
+rlbatch.grpo.teacher_identity)."""
 RUN_AHEAD = ("grpo.num_steps_async", "grpo.partial_rollouts")
 """How far generation runs ahead and whether rows continue across rounds: the queued rounds and
 the partial-rollout stream saved in the checkpoint are shaped by them."""

@@ -88,12 +88,23 @@ def apply_teacher(
         s.metrics[SECONDS] = share
 
 
-def zero_advantage(sample: Sample, reward_coef: float) -> bool:
+ZERO_TOLERANCE = 1e-5
+"""Nats: a teacher log-prob within this of the behaviour log-prob on every sampled token of a
+sample teaches it nothing (the zero-advantage guard counts it as 0). Two fp32 engines computing
+the same model's log-probs (vLLM's kernels and megatron's, or megatron at two layouts) differ by
+up to a few 1e-6 nats, so a teacher that is the student gives such noise, never exact zeros,
+and Adam would turn that noise into full-size steps away from the teacher."""
+
+
+def zero_advantage(sample: Sample, reward_coef: float, coef: float = 1.0) -> bool:
     """The sample teaches nothing: its combined advantage reward_coef * A + D_t is 0 on every
-    token (what the zero-advantage guard counts)."""
+    token (what the zero-advantage guard counts); each teacher advantage coef * D_t counts as 0
+    when |D_t| is within :data:`ZERO_TOLERANCE` (numeric noise of a teacher equal to the
+    behaviour policy)."""
     if reward_coef != 0.0 and sample.advantage != 0.0:
         return False
-    return not any(sample.token_advantages or ())
+    bound = ZERO_TOLERANCE * abs(coef)
+    return all(abs(a) <= bound for a in sample.token_advantages or ())
 
 
 def distill_metrics(sums: Sequence[float], num_ranks: int) -> dict[str, float]:

@@ -164,6 +164,7 @@ def served_teacher_errors(cfg: RunConfig) -> list[ConfigError]:
     except (ServerError, KeyError, IndexError, TypeError, ValueError) as err:
         return [ConfigError(KEY, url, f"does not say what it serves (GET /v1/models: {err})")]
     errors = _length_errors(cfg, url, served_len)
+    errors += _label_errors(url)
     errors += _model_errors(cfg, url, str(root))
     if not errors:
         errors += _endpoint_errors(cfg, url)
@@ -186,6 +187,69 @@ def _length_errors(cfg: RunConfig, url: str, served_len: int) -> list[ConfigErro
     ]
 
 
+PROBE = [(7 + 37 * i) % 256 for i in range(32)]
+"""A fixed token sequence every teacher's vocabulary holds (ids below 256): the test request
+before launch, and a served teacher's identity (rlbatch.grpo.teacher_identity)."""
+UNIFORM_SPREAD = 1e-2
+"""Nats: probe log-probs all within this of each other come from near-uniform weights (vLLM's
+dummy initialization); any trained model spreads them by whole nats."""
+STARTUP_LABEL = "default"
+"""vLLM's weight label until a weight update sets one (rlbatch.rollout.server_answers)."""
+
+
+def _label_errors(url: str) -> list[ConfigError]:
+    """The server's weights are the ones it started with: a weight label other than vLLM's
+    start-up one means a trainer's weight sync replaced them (it is, or was, a rollout server,
+    of this run or another, under any spelling of its URL)."""
+    try:
+        label = call(url, "/weight_info", timeout_s=10.0, get=True).get("weight_version")
+    except (ServerError, AttributeError):
+        return []  # a server without the endpoint has no weight updates either
+    if label is None or str(label) == STARTUP_LABEL:
+        return []
+    return [
+        ConfigError(
+            KEY,
+            url,
+            f"holds weights a trainer's weight sync put there (weight label {str(label)!r}), not"
+            " the checkpoint it started with: it is a rollout server (of this run or another),"
+            " whose weights are the student's and change with every sync; serve the teacher"
+            f" on a server of its own: {START}",
+        )
+    ]
+
+
+def _weights_errors(cfg: RunConfig, url: str, root: str) -> list[ConfigError]:
+    """The served directory holds a checkpoint (rlbatch-serve serves dummy, random weights
+    when model.hf_path has no local *.safetensors) that is not the student's own."""
+    files = [f for f in Path(root).iterdir() if f.suffix in (".safetensors", ".bin", ".pt")]
+    if not files:
+        return [
+            ConfigError(
+                KEY,
+                url,
+                f"serves {root}, which holds no weights (*.safetensors): the server runs dummy"
+                " (random) weights, as rlbatch-serve does when model.hf_path is not a local"
+                ' directory with *.safetensors (it prints "dummy weights until a sync");'
+                f" restart it with model.hf_path=TEACHER_DIR: {START}",
+            )
+        ]
+    student = cfg.model.hf_path
+    if student and Path(student).is_dir():
+        mine = {f.resolve() for f in Path(student).glob("*.safetensors")}
+        if mine and mine == {f.resolve() for f in files if f.suffix == ".safetensors"}:
+            return [
+                ConfigError(
+                    KEY,
+                    url,
+                    f"serves the student's own checkpoint (model.hf_path={student}): the"
+                    " teacher would score every sampled token at the behaviour policy's own"
+                    " log-prob and nothing would be learnt; serve the stronger model",
+                )
+            ]
+    return []
+
+
 def served_model_config(cfg: RunConfig, root: str) -> ModelConfig:
     """The teacher's ModelConfig from the served directory's config.json (as the in-process
     teacher's: rlbatch.grpo.teacher.teacher_model_config)."""
@@ -199,17 +263,35 @@ def _model_errors(cfg: RunConfig, url: str, root: str) -> list[ConfigError]:
     """The served directory's tokenizer is the student's and its context holds the run."""
     from rlbatch.grpo.teacher import tokenizer_mismatch
 
-    if not (Path(root) / "config.json").is_file():
-        return [
-            ConfigError(
-                KEY,
-                url,
-                f"serves {root!r}, which is not a model directory this machine can read: the"
-                " teacher's tokenizer cannot be compared with the student's. Serve a local"
-                " directory (the teacher's Hugging Face directory, on this machine or a shared"
-                f" filesystem); {START}",
-            )
-        ]
+    if (Path(root) / "config.json").is_file():
+        weights = _weights_errors(cfg, url, root)
+        if weights:
+            return weights
+    if cfg.grpo.distill.teacher_tokenizer or not (Path(root) / "config.json").is_file():
+        found = _local_copy(cfg, root)
+        if found is None and cfg.grpo.distill.teacher_tokenizer:
+            return [
+                ConfigError(
+                    "grpo.distill.teacher_tokenizer",
+                    cfg.grpo.distill.teacher_tokenizer,
+                    "is neither a directory with config.json (the teacher's config and"
+                    " tokenizer files) nor a Hub id in the local Hugging Face cache",
+                )
+            ]
+        if found is None:
+            return [
+                ConfigError(
+                    KEY,
+                    url,
+                    f"serves {root!r}, which is not a model directory this machine can read"
+                    " (nor a Hub id in the local Hugging Face cache): the teacher's tokenizer"
+                    " cannot be compared with the student's. Give a local copy of the teacher's"
+                    " config.json and tokenizer files as grpo.distill.teacher_tokenizer=DIR"
+                    " (a teacher served from another machine), or serve a directory this"
+                    " machine can read (a shared filesystem)",
+                )
+            ]
+        root = found
     try:
         model = served_model_config(cfg, root)
     except ConfigErrors as err:
@@ -235,11 +317,33 @@ def _model_errors(cfg: RunConfig, url: str, root: str) -> list[ConfigError]:
     return errors
 
 
+def _local_copy(cfg: RunConfig, root: str) -> str | None:
+    """Where the checks read the teacher's config and tokenizer when the served directory is
+    not on this machine: grpo.distill.teacher_tokenizer (a directory, or a Hub id in the
+    local cache), else the served root as a Hub id in the local cache; None: neither."""
+    from rlbatch.config.hub_id import looks_like_hub_id
+
+    given = cfg.grpo.distill.teacher_tokenizer
+    for candidate in (given,) if given else (root,):
+        if (Path(candidate) / "config.json").is_file():
+            return str(candidate)
+        if looks_like_hub_id(str(candidate)):
+            try:
+                from huggingface_hub import snapshot_download
+
+                return str(snapshot_download(str(candidate), local_files_only=True))
+            except Exception:  # noqa: BLE001 - not in the local cache (or no huggingface_hub)
+                continue
+    return None
+
+
 def _endpoint_errors(cfg: RunConfig, url: str) -> list[ConfigError]:
     """One scoring request of two tokens: the token endpoint is on and answers prompt
     log-probs."""
     try:
-        score_sequence(url, [0, 1], 1, timeout_s=cfg.grpo.distill.teacher_timeout_s, what="a test")
+        logps = score_sequence(
+            url, PROBE, 1, timeout_s=cfg.grpo.distill.teacher_timeout_s, what="a test"
+        )
     except TeacherServerError as err:
         cause = err.__cause__
         if isinstance(cause, ServerError) and not isinstance(cause, ServerDownError):
@@ -252,4 +356,15 @@ def _endpoint_errors(cfg: RunConfig, url: str) -> list[ConfigError]:
                 )
             ]
         return [ConfigError(KEY, url, str(err))]
+    if max(logps) - min(logps) < UNIFORM_SPREAD:
+        return [
+            ConfigError(
+                KEY,
+                url,
+                f"gives every token of a fixed probe the same log-prob ({logps[0]:.4f}): it"
+                " serves near-uniform, untrained weights (vLLM's dummy weights: rlbatch-serve"
+                " without a local model.hf_path with *.safetensors, or --load-format dummy),"
+                f" which would teach noise; {START}",
+            )
+        ]
     return []

@@ -25,6 +25,7 @@ from rlbatch.config.schema import (
 )
 from rlbatch.config.streaming import overlaps_generation
 from rlbatch.grpo.stages import build_aggregator, build_reference, make_logps_fn
+from rlbatch.grpo.teacher_identity import read_identity
 from rlbatch.grpo.types import Sample, trained_samples
 from rlbatch.rollout.generation import weights_snapshot
 from rlbatch.train.components import Components
@@ -183,7 +184,9 @@ def make_train_step(
     write_samples = None
     if cfg.logging.samples:
         assert cfg.run_dir is not None
-        write_samples = make_sample_writer(cfg.run_dir, distributed.dp_gather_object, ps.rank)
+        write_samples = make_sample_writer(
+            cfg.run_dir, distributed.dp_gather_object, ps.rank, not pure_distillation(cfg)
+        )
     guard = adapter_guard(cfg, model)
     expert_load = ExpertLoad(model) if cfg.model.num_moe_experts else None
     mismatch = routing_mismatch(cfg, model)
@@ -460,6 +463,7 @@ def build_components(cfg: RunConfig) -> Components:
             "parallel": layout,
             "rank_coords": _rank_coords(ps),
             "config": _config_of(cfg),
+            "teacher": read_identity(cfg.run_dir) if distill_on(cfg) and cfg.run_dir else None,
             "trainable_parameters": trainable,
             "total_parameters": total,
         },

@@ -123,11 +123,14 @@ def check_env_errors(
     return []
 
 
-def sample_record(s: Sample, segment: int = 0, segments: int = 1) -> dict[str, Any]:
+def sample_record(
+    s: Sample, segment: int = 0, segments: int = 1, rewarded: bool = True
+) -> dict[str, Any]:
     """One line of samples/step_NNNNN.jsonl: a trained sample, segment ``segment`` of the
-    ``segments`` its episode was split into (0 of 1 unless an agent episode was split)."""
+    ``segments`` its episode was split into (0 of 1 unless an agent episode was split);
+    ``rewarded`` False (pure distillation computes no reward): reward and advantage are null."""
     ep = s.episode or {}
-    return {
+    record = {
         "segment": segment,
         "segments": segments,
         "prompt_index": s.prompt.index,
@@ -160,19 +163,29 @@ def sample_record(s: Sample, segment: int = 0, segments: int = 1) -> dict[str, A
         "routing": None if s.routing is None else s.routing.tolist(),
         "old_routing": None if s.old_routing is None else s.old_routing.tolist(),
     }
+    if not rewarded:
+        record["reward"] = record["advantage"] = None
+    return record
 
 
-def episode_lines(row: Sample) -> list[str]:
+def episode_lines(row: Sample, rewarded: bool = True) -> list[str]:
     """The logged lines of one row: its episode's earlier segments (each handed the episode's
-    reward and advantage), then the row itself."""
+    reward and advantage), then the row itself (``rewarded``: see :func:`sample_record`)."""
     episode = [*trained_samples([row])[1:], row]
-    return [json.dumps(sample_record(s, k, len(episode))) + "\n" for k, s in enumerate(episode)]
+    return [
+        json.dumps(sample_record(s, k, len(episode), rewarded)) + "\n"
+        for k, s in enumerate(episode)
+    ]
 
 
 def make_sample_writer(
-    run_dir: str, gather: Callable[[list[Sample]], list[list[Sample]]], rank: int
+    run_dir: str,
+    gather: Callable[[list[Sample]], list[list[Sample]]],
+    rank: int,
+    rewarded: bool = True,
 ):
-    """write(step, samples): every DP rank's samples of the step, written by rank 0."""
+    """write(step, samples): every DP rank's samples of the step, written by rank 0
+    (``rewarded`` False under pure distillation: reward and advantage written as null)."""
     folder = Path(run_dir) / "samples"
 
     def write(step: int, samples: list[Sample]) -> None:
@@ -180,7 +193,7 @@ def make_sample_writer(
         if rank != 0:
             return
         folder.mkdir(parents=True, exist_ok=True)
-        lines = [line for share in shares for row in share for line in episode_lines(row)]
+        lines = [line for share in shares for row in share for line in episode_lines(row, rewarded)]
         tmp = folder / f".step_{step:05d}.jsonl.tmp"
         tmp.write_text("".join(lines))
         tmp.replace(folder / f"step_{step:05d}.jsonl")

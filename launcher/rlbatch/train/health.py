@@ -92,8 +92,11 @@ class ZeroAdvantageGuard:
     ``advantage_zero_frac`` is 1: the same on every rank, it is reduced over all of them) and
     stops the run at ``limit`` of them (0: never). A resumed run counts on from its history."""
 
-    def __init__(self, limit: int, history: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self, limit: int, history: list[dict[str, Any]] | None = None, teacher_key: str = ""
+    ) -> None:
         self.limit = limit
+        self.teacher_key = teacher_key
         self.run: list[dict[str, Any]] = []
         for record in history or []:
             self._count(record)
@@ -108,19 +111,33 @@ class ZeroAdvantageGuard:
         self._count(record)
         if self.limit <= 0 or len(self.run) < self.limit:
             return
-        raise ZeroAdvantageError(zero_advantage_message(self.run[-self.limit :], self.limit))
+        raise ZeroAdvantageError(
+            zero_advantage_message(self.run[-self.limit :], self.limit, self.teacher_key)
+        )
 
 
-def zero_advantage_message(records: list[dict[str, Any]], limit: int) -> str:
-    """Why the run stopped and what to change, from the steps that learnt nothing."""
+def zero_advantage_message(
+    records: list[dict[str, Any]], limit: int, teacher_key: str = "grpo.distill.teacher"
+) -> str:
+    """Why the run stopped and what to change, from the steps that learnt nothing
+    (``teacher_key``: the key that sets the run's teacher, grpo.distill.teacher or
+    grpo.distill.teacher_url)."""
     first, last = records[0]["step"], records[-1]["step"]
     if not any("reward_mean" in r for r in records):  # pure distillation: the teacher's alone
+        teacher_key = teacher_key or "grpo.distill.teacher"
+        check = (
+            f"Check that {teacher_key} is not a rollout server: a weight sync of the student (of"
+            " this run or another) replaced the teacher's weights there; serve the teacher on a"
+            " server of its own"
+            if teacher_key.endswith("_url")
+            else f"Check that {teacher_key} is not the student itself"
+        )
         return (
             f"every advantage was 0 at steps {first}..{last} ({limit} steps in a row): pure"
             " distillation (grpo.distill.reward_coef=0) trains on the teacher's per-token"
             " advantage alone, and the teacher gave every sampled token the behaviour policy's"
-            " own log-prob (distill/teacher_kl 0), so the policy learnt nothing. Check that"
-            " grpo.distill.teacher is not the student itself, raise grpo.distill.reward_coef to"
+            " own log-prob (to within 1e-5 nats, numeric noise: distill/teacher_kl"
+            f" 0), so the policy learnt nothing. {check}, raise grpo.distill.reward_coef to"
             f" learn from rewards too, or raise grpo.max_zero_advantage_steps (now {limit}; 0 ="
             " never stop)"
         )

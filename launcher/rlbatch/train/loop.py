@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlbatch.config.distill import reward_weight
+from rlbatch.config.distill import reward_weight, served_teacher
 from rlbatch.config.schema import RunConfig
 from rlbatch.distributed import as_collective_timeout
 from rlbatch.eval.settings import eval_due
@@ -85,7 +85,9 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     heartbeat.beat(resumed_step + 1, "start")
     watchdog = Watchdog(run_dir(cfg), rank, comps.dist.world_size, cfg.trainer.timeout_s).start()
     learning = ZeroAdvantageGuard(
-        cfg.grpo.max_zero_advantage_steps, state.metrics_history if state is not None else None
+        cfg.grpo.max_zero_advantage_steps,
+        state.metrics_history if state is not None else None,
+        "grpo.distill.teacher_url" if served_teacher(cfg) else "grpo.distill.teacher",
     )
     last_saved = resumed_step if state is not None else -1
     servers = generation_failure.on_servers(cfg)
@@ -250,7 +252,9 @@ def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int
         check_finite(metrics, step=step, rank=rank)
     heartbeat.beat(step, "metrics")
     took = time.perf_counter() - start_time
-    return _record(comps, step, batch, metrics, took, reward_weight(cfg))
+    return _record(
+        comps, step, batch, metrics, took, reward_weight(cfg), float(cfg.grpo.distill.coef)
+    )
 
 
 def _check_agreement(comps: Components, step: int, batch: StepBatch) -> None:
@@ -282,9 +286,11 @@ def _record(
     metrics: dict[str, Any],
     step_time: float,
     reward_coef: float = 1.0,
+    coef: float = 1.0,
 ) -> dict[str, Any]:
     """The step's record; advantage_zero_frac counts samples whose combined advantage
-    (reward_coef * A + the per-token teacher advantage) is 0 everywhere."""
+    (reward_coef * A + the per-token teacher advantage, coef * D_t) is 0 everywhere (D_t within
+    rlbatch.grpo.distill.ZERO_TOLERANCE)."""
     local = [0.0] * 7
     for s in batch.samples:
         local[0] += 1
@@ -293,7 +299,7 @@ def _record(
         local[3] += len(s.response_ids)
         local[4] += batch.round_start_version - oldest_version(s)
         local[5] += sum(p.length for p in (s, *s.earlier_segments))  # every trained sample
-        local[6] += float(zero_advantage(s, reward_coef))
+        local[6] += float(zero_advantage(s, reward_coef, coef))
     figures = dict(batch.filter_metrics)
     reported = [float(k in figures) for k in ROLLOUT_COUNTERS]  # present, even when 0
     rollout = [float(figures.pop(k, 0.0)) for k in ROLLOUT_COUNTERS]

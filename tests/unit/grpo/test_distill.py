@@ -194,6 +194,13 @@ def test_combined_advantage_in_the_zero_advantage_count_and_dynamic_sampling():
     assert teaching_groups(flat, 2) == [False, True]
     rewarded = _sample([5], [-1.0], advantage=0.5)
     assert not zero_advantage(rewarded, 1.0) and zero_advantage(rewarded, 0.0)
+    # a teacher equal to the student through another fp32 engine: noise, not a signal
+    noise = _sample([5, 6], [-1.0, -1.0])
+    noise.token_advantages = [3e-6, -8e-6]
+    assert zero_advantage(noise, 0.0) and zero_advantage(noise, 1.0)
+    assert not zero_advantage(noise, 0.0, coef=0.5)  # 8e-6 / 0.5 = 1.6e-5 nats
+    noise.token_advantages = [3e-6, -2e-5]
+    assert not zero_advantage(noise, 0.0)
 
 
 def test_samples_pickled_before_per_token_advantages_load_without_them():

@@ -67,3 +67,9 @@ def test_under_pure_distillation_the_guard_blames_the_teacher_not_the_rewards():
     assert "pure distillation (grpo.distill.reward_coef=0)" in message
     assert "grpo.distill.teacher is not the student itself" in message
     assert "rewards were equal" not in message and "filter_groups" not in message
+    # a served teacher: the key is grpo.distill.teacher_url, and the likely cause a rollout server
+    served = ZeroAdvantageGuard(1, teacher_key="grpo.distill.teacher_url")
+    with pytest.raises(ZeroAdvantageError) as err:
+        served.observe({"step": 1, "advantage_zero_frac": 1.0, "distill/teacher_kl": 0.0})
+    assert "Check that grpo.distill.teacher_url is not a rollout server" in str(err.value)
+    assert "grpo.distill.teacher is not" not in str(err.value)
