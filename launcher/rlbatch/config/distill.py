@@ -104,6 +104,16 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
                 "with grpo.distill.reward_coef=0 nothing would be learnt: set coef > 0",
             )
         )
+    errors += _teacher_dir_errors(cfg)
+    errors += _objective_errors(cfg)
+    if d.reward_coef == 0:
+        errors += _pure_distillation_errors(cfg)
+    return errors
+
+
+def _teacher_dir_errors(cfg: Any) -> list[ConfigError]:
+    """An in-process teacher's directory: it exists and is not the student's own checkpoint."""
+    d, errors = cfg.grpo.distill, []
     if d.teacher and not Path(d.teacher).is_dir():
         errors.append(
             ConfigError(
@@ -125,6 +135,12 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
                     "nothing would be learnt; set it to the stronger model's directory",
                 )
             )
+    return errors
+
+
+def _objective_errors(cfg: Any) -> list[ConfigError]:
+    """Objectives that cannot take a per-token teacher advantage."""
+    errors = []
     if PolicyLoss(cfg.grpo.policy_loss) == PolicyLoss.gspo:
         errors.append(
             ConfigError(
@@ -135,7 +151,13 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
                 "form, arXiv 2507.18071 eq. 13), clip, cispo or sapo",
             )
         )
-    if d.reward_coef == 0 and FilterGroups(cfg.grpo.filter_groups) != FilterGroups.none:
+    return errors
+
+
+def _pure_distillation_errors(cfg: Any) -> list[ConfigError]:
+    """Keys that read a reward, which pure distillation (reward_coef=0) never computes."""
+    errors = []
+    if FilterGroups(cfg.grpo.filter_groups) != FilterGroups.none:
         errors.append(
             ConfigError(
                 "grpo.filter_groups",
@@ -144,7 +166,7 @@ def distill_errors(cfg: Any) -> list[ConfigError]:
                 "groups on: set grpo.filter_groups=none",
             )
         )
-    if d.reward_coef == 0 and cfg.grpo.overlong_buffer_len > 0:
+    if cfg.grpo.overlong_buffer_len > 0:
         errors.append(
             ConfigError(
                 "grpo.overlong_buffer_len",
