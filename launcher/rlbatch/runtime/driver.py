@@ -144,7 +144,7 @@ def _rollout_servers(cfg: RunConfig, run_dir: Path) -> Iterator[dict[str, str]]:
         yield {}
         return
     from rlbatch.config.schema import ServerFailure
-    from rlbatch.rollout.server_backend import LOGS_ENV, URLS_ENV
+    from rlbatch.rollout.server_pool import LOGS_ENV, URLS_ENV
     from rlbatch.rollout.server_process import Restarter, remove_dir, start_servers, stop_servers
 
     s = cfg.rollout.servers

@@ -1,17 +1,17 @@
-"""Which vLLM server a request goes to (rlbatch.rollout.server_backend._Servers.least_loaded):
+"""Which vLLM server a request goes to (rlbatch.rollout.server_pool.ServerPool.least_loaded):
 an agent episode's calls stay on the server of its first call (its prefix cache holds the
 conversation), new episodes go to the server with the fewest episodes, requests of no episode
 to the one with the fewest requests outstanding, and a server that left the pool gives its
 episodes to the others."""
 
-from rlbatch.rollout.server_backend import _Servers
 from rlbatch.rollout.server_http import ServerDownError
+from rlbatch.rollout.server_pool import ServerPool
 
 A, B, C = "http://a", "http://b", "http://c"
 
 
 def _servers(keep_going=False):
-    return _Servers([A, B, C], 5.0, 2, "n", keep_going)
+    return ServerPool([A, B, C], 5.0, 2, "n", keep_going)
 
 
 def test_new_episodes_spread_and_calls_stay_on_their_episodes_server():

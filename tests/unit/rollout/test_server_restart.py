@@ -14,12 +14,8 @@ import time
 
 import pytest
 
-from rlbatch.rollout.server_backend import (
-    ServerDownError,
-    ServerError,
-    ServerRestartedError,
-    _Servers,
-)
+from rlbatch.rollout.server_http import ServerDownError, ServerError, ServerRestartedError
+from rlbatch.rollout.server_pool import ServerPool
 from rlbatch.rollout.server_process import Restarter, ServerProcess, ServerSpec, free_port, healthy
 
 HEALTH_SERVER = """
@@ -130,8 +126,8 @@ def _wait_pgid(server: ServerProcess) -> int:
 A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
 
-def _pool(max_restarts=1) -> _Servers:
-    return _Servers(
+def _pool(max_restarts=1) -> ServerPool:
+    return ServerPool(
         [A, B], timeout_s=1.0, concurrency=1, nonce="n", keep_going=False,
         max_restarts=max_restarts, logs={A: "/runs/x/servers/server0.log"},
     )  # fmt: skip
@@ -187,6 +183,6 @@ def test_a_wrong_answer_stops_the_run_under_restart_and_a_restarted_server_under
     pool = _pool()
     with pytest.raises(ServerError, match="other weights"):
         pool.drop(A, ServerError(f"rollout server {A} holds other weights"))
-    stop = _Servers([A], timeout_s=1.0, concurrency=1, nonce="n", keep_going=False)
+    stop = ServerPool([A], timeout_s=1.0, concurrency=1, nonce="n", keep_going=False)
     with pytest.raises(ServerRestartedError):
         stop.drop(A, ServerRestartedError("start-up weights"))

@@ -13,7 +13,8 @@ import pytest
 
 from rlbatch.config.schema import RunConfig, ServerTransfer
 from rlbatch.rollout import server_sync
-from rlbatch.rollout.server_backend import ServerDownError, ServerError, _Servers
+from rlbatch.rollout.server_backend import ServerDownError, ServerError
+from rlbatch.rollout.server_pool import ServerPool
 
 A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -39,7 +40,7 @@ class _Group:
 def servers(monkeypatch):
     """Two servers under on_failure=continue; ``fail`` maps (url, endpoint) to the error its
     call raises; ``calls`` records every call made."""
-    pool = _Servers([A, B], timeout_s=1.0, concurrency=1, nonce="n", keep_going=True)
+    pool = ServerPool([A, B], timeout_s=1.0, concurrency=1, nonce="n", keep_going=True)
     pool.fail, pool.calls, pool.fail_send = {}, [], False
     _Group.formed = []
 
