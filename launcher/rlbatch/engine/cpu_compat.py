@@ -34,7 +34,7 @@ import importlib
 import sys
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -389,8 +389,28 @@ def _quiet_cpu_notices() -> None:
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 
+@contextlib.contextmanager
+def _without_wandb() -> Iterator[None]:
+    """megatron imports wandb, when it is installed, for its own timers and inference logging,
+    which rlbatch never uses (its wandb logger imports the package itself, on rank 0, when
+    logging.wandb is set): about 1.5 s of CPU in every worker, mostly wandb's settings model
+    reading its own source for field docs. While megatron first imports, ``import wandb``
+    fails as for an absent package (megatron then binds ``wandb = None``); afterwards the
+    package imports normally for whoever asks."""
+    if "wandb" in sys.modules:
+        yield
+        return
+    sys.modules["wandb"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
+
+
 def import_megatron() -> None:
-    """The process's first import of megatron-core, without ``torch.compile`` on the CPU.
+    """The process's first import of megatron-core: without wandb (:func:`_without_wandb`), and
+    on the CPU without ``torch.compile``.
 
     megatron wraps a dozen small fused functions in ``torch.compile`` (its ``jit_fuser``) as its
     modules import, and the wrapping alone imports torch's compiler stack (dynamo, inductor,
@@ -399,16 +419,21 @@ def import_megatron() -> None:
     ``torch.compile`` is :func:`_eager` for the duration of this import only, so
     ``megatron.core.jit.jit_fuser`` binds to it, and then megatron's own ``disable_jit_fuser``
     makes it the plain decorator: every such function runs eagerly, as it would uncompiled.
-    torch is as it was afterwards. A no-op on CUDA and once megatron is imported."""
-    if "megatron.core.jit" in sys.modules or not needed():
+    torch is as it was afterwards. A no-op once megatron is imported."""
+    if "megatron.core.jit" in sys.modules:
+        return
+    if not needed():
+        with _without_wandb():
+            importlib.import_module("megatron.core")
         return
     _quiet_cpu_notices()
     compile_ = torch.compile
     torch.compile = _eager  # type: ignore[assignment]
     try:
-        jit = importlib.import_module("megatron.core.jit")
-        for name in PATCHED_MODULES:
-            importlib.import_module(name)
+        with _without_wandb():
+            jit = importlib.import_module("megatron.core.jit")
+            for name in PATCHED_MODULES:
+                importlib.import_module(name)
     finally:
         torch.compile = compile_
     jit.disable_jit_fuser()

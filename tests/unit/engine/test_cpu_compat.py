@@ -55,7 +55,9 @@ def test_megatron_imports_without_torch_compile_in_a_fresh_process():
     """A worker's first megatron import leaves torch.compile as it was, megatron's fused
     functions plain (its jit_fuser disabled) and numerically the formula, never imports
     torch's compiler back end for them, and prints none of megatron's notices about Apex and
-    Transformer Engine (a run's output is checked for warnings)."""
+    Transformer Engine (a run's output is checked for warnings). wandb, which megatron would
+    import for its own logging, is not imported (a second and a half of every worker's start),
+    megatron holds no wandb, and the package still imports for the run's own wandb logger."""
     import subprocess
     import sys
 
@@ -70,7 +72,13 @@ x = torch.linspace(-3, 3, 7, dtype=torch.float64)
 want = 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
 print(torch.compile is compile_, jit.jit_fuser is jit.noop_decorator,
       type(gelu_impl).__name__, torch.equal(gelu_impl(x), want), "torch._inductor" in sys.modules)
+import megatron.core.timers as timers
+print("wandb" in sys.modules, timers.wandb is None)
+import wandb
+print(callable(wandb.init))
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "True", "function", "True", "False"]
+    compiled, imported, wandb = out.stdout.splitlines()
+    assert compiled.split() == ["True", "True", "function", "True", "False"]
+    assert imported.split() == ["False", "True"] and wandb == "True"
     assert "not installed" not in out.stderr  # megatron's CUDA-extras notices stay quiet
