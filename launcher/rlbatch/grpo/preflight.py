@@ -71,9 +71,12 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     functions, as for the training data; rewrites relative eval.reward_fn paths."""
     import dataclasses
 
+    from rlbatch.config.enums import DataSource
     from rlbatch.eval.settings import eval_data, eval_data_seed
 
     data = eval_data(cfg)
+    if data.source != DataSource.builtin and cfg.eval.data.path is None:
+        return  # refused as it is (eval.data.path: the training file is not held out)
     if cfg.eval.reward_fn:
         data = dataclasses.replace(data, reward_fn=cfg.eval.reward_fn)  # rewritten in place
     fields = _check_dataset(cfg, errors, data, eval_data_seed(cfg.trainer.seed), "eval.data.path")

@@ -104,3 +104,18 @@ def test_driver_lists_every_bad_row_of_the_held_out_file(tmp_path):
     assert "eval.data.path=" in text and "2 bad row(s)" in text
     assert "line 2: not valid JSON" in text and "line 3: no field 'prompt'" in text
     assert "eval.reward_fn[0]=" in text
+
+
+def test_evaluation_without_a_held_out_file_does_not_blame_the_training_rows(tmp_path):
+    """Evaluation on a file dataset with no eval.data.path is refused for that alone (the
+    validation rule above): the launch checks do not also report the training file's rows
+    (here without answers, which pure distillation trains on) as bad rows of eval.data.path."""
+    from rlbatch.grpo.preflight import check_eval_inputs
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "2+3?"}\n{"prompt": "4+4?"}\n')
+    cfg = _cfg("data.source=jsonl", f"data.path={train}", "data.reward=none")
+    cfg.eval.every_steps = 1
+    errors: list = []
+    check_eval_inputs(cfg, errors)
+    assert errors == []
