@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
+
+from recipe_runs import metrics, run_train
 
 pytestmark = pytest.mark.e2e
 
@@ -27,18 +28,7 @@ SMALL = [
 
 
 def _train(bin_dir, env, run_dir, *overrides, check=True):
-    proc = subprocess.run(
-        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"hydra.run.dir={run_dir}",
-         *SMALL, *overrides],
-        capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600,
-    )  # fmt: skip
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_train(bin_dir, env, run_dir, "+recipe=grpo_qwen", *SMALL, *overrides, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +61,7 @@ def pure(teacher, bin_dir, subprocess_env):
 
 def test_pure_distillation_trains_on_the_teacher_alone(pure):
     root, _ = pure
-    records = _metrics(root / "pure")
+    records = metrics(root / "pure")
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         # no reward is computed, so none is reported (not a reward of 0)
@@ -141,7 +131,7 @@ def test_a_lora_student_distills_ahead_in_the_generation_worker(pure, bin_dir, s
         "grpo.num_steps_async=1", "trainer.max_steps=2", "trainer.checkpoint.export_hf=false",
         "logging.samples=true",
     )  # fmt: skip
-    records = _metrics(run)
+    records = metrics(run)
     # each step trains samples of version 0 (the base)
     assert [r["staleness_mean"] for r in records] == [0.0, 1.0]
     for r in records:

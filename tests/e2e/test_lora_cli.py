@@ -8,13 +8,14 @@ Bad model.lora values are refused before launch, all at once."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from recipe_runs import metrics, run_train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_reference import save_tiny_qwen2  # noqa: E402
@@ -36,18 +37,8 @@ def _expected_trainable(
 
 
 def _train(bin_dir, env, run_dir, *overrides, check=True, recipe="grpo_qwen"):
-    proc = subprocess.run(
-        [str(bin_dir / "rlbatch-train"), f"+recipe={recipe}", f"hydra.run.dir={run_dir}",
-         "logging.plot=false", "logging.tensorboard=false", "logging.progress=false", *overrides],
-        capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600,
-    )  # fmt: skip
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    quiet = ("logging.plot=false", "logging.tensorboard=false", "logging.progress=false")
+    return run_train(bin_dir, env, run_dir, f"+recipe={recipe}", *quiet, *overrides, check=check)
 
 
 def _tensors(directory) -> dict[str, torch.Tensor]:
@@ -74,7 +65,7 @@ def lora_run(tmp_path_factory, bin_dir, subprocess_env):
 
 def test_adapters_train_against_the_base_reference(lora_run):
     root, _, proc = lora_run
-    records = _metrics(root / "run")
+    records = metrics(root / "run")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     # hidden 32, SwiGLU 64, 4 query heads and 2 key/value heads of width 8
     want = _expected_trainable(layers=2, hidden=32, ffn=64, q=32, kv=16)
@@ -115,9 +106,9 @@ def test_sigkill_then_resume_matches_uninterrupted(lora_run, bin_dir, subprocess
         bin_dir, subprocess_env, run, *common, "trainer.checkpoint.export_hf=false",
         "debug.fail_at_step=3", "debug.fail_kind=kill", check=False,
     )  # fmt: skip
-    assert killed.returncode != 0 and len(_metrics(run)) < STEPS
+    assert killed.returncode != 0 and len(metrics(run)) < STEPS
     _train(bin_dir, subprocess_env, run, *common, "trainer.resume=auto")
-    assert [stable(r) for r in _metrics(run)] == [stable(r) for r in _metrics(root / "run")]
+    assert [stable(r) for r in metrics(run)] == [stable(r) for r in metrics(root / "run")]
 
 
 def test_lora_recipe_learns(bin_dir, subprocess_env, tmp_path):
@@ -127,7 +118,7 @@ def test_lora_recipe_learns(bin_dir, subprocess_env, tmp_path):
     _train(
         bin_dir, subprocess_env, run, "trainer.checkpoint.export_hf=false", recipe="grpo_qwen_lora"
     )
-    records = _metrics(run)
+    records = metrics(run)
     rewards = [r["reward_mean"] for r in records]
     k = len(rewards) // 10
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k

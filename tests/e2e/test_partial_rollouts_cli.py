@@ -6,9 +6,10 @@ mid-decode, then trainer.resume=auto, continues exactly; and the config check be
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
+
+from recipe_runs import metrics, run_train
 
 pytestmark = pytest.mark.e2e
 
@@ -23,17 +24,7 @@ RUN = (
 
 
 def _train(bin_dir, env, run_dir, *overrides, check=True):
-    proc = subprocess.run(
-        [str(bin_dir / "rlbatch-train"), *RUN, f"hydra.run.dir={run_dir}", *overrides],
-        capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600,
-    )  # fmt: skip
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_train(bin_dir, env, run_dir, *RUN, *overrides, check=check)
 
 
 def _untimed(records):
@@ -50,7 +41,7 @@ def _samples(run_dir, step):
 def overlapped(bin_dir, subprocess_env, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("partial") / "overlap"
     _train(bin_dir, subprocess_env, run_dir)
-    return run_dir, _metrics(run_dir)
+    return run_dir, metrics(run_dir)
 
 
 def test_rows_continue_under_newer_versions_with_exact_batches(overlapped):
@@ -87,14 +78,14 @@ def test_inline_generation_and_a_killed_run_match_the_overlapped_one(
     # the overlapped run gives each side half of its 2 threads: the inline one runs on 1
     _train(bin_dir, subprocess_env, inline_dir, "grpo.overlap_generation=false",
            "trainer.num_threads=1")  # fmt: skip
-    assert _untimed(_metrics(inline_dir)) == _untimed(expected)
+    assert _untimed(metrics(inline_dir)) == _untimed(expected)
 
     killed_dir = ref_dir.parent / "killed"
     killed = _train(bin_dir, subprocess_env, killed_dir, "debug.fail_at_step=4",
                     "debug.fail_kind=kill", check=False)  # fmt: skip
-    assert killed.returncode != 0 and len(_metrics(killed_dir)) == 3
+    assert killed.returncode != 0 and len(metrics(killed_dir)) == 3
     _train(bin_dir, subprocess_env, killed_dir, "trainer.resume=auto")
-    assert _untimed(_metrics(killed_dir)) == _untimed(expected)
+    assert _untimed(metrics(killed_dir)) == _untimed(expected)
     for step in range(4, STEPS + 1):
         assert _samples(killed_dir, step) == _samples(ref_dir, step)
 
@@ -124,7 +115,7 @@ def test_batch_granularity_trains_each_round_its_own_prompts(bin_dir, subprocess
         assert sorted({s["group_id"] for s in samples}) == list(range(8 * (step - 1), 8 * step))
         continued += sum(len(set(s["token_versions"])) > 1 for s in samples)
     assert continued > 0
-    assert all(r["rollout/untrained_fraction"] == 0.0 for r in _metrics(run_dir))
+    assert all(r["rollout/untrained_fraction"] == 0.0 for r in metrics(run_dir))
 
 
 VLLM = (
@@ -148,7 +139,7 @@ def test_vllm_stream_continues_rows_across_swaps_and_resumes_exactly(
     pytest.importorskip("vllm")
     ref_dir = tmp_path / "ref"
     _train(bin_dir, subprocess_env, ref_dir, *VLLM)
-    expected = _metrics(ref_dir)
+    expected = metrics(ref_dir)
     continued = 0
     for r in expected:
         assert r["samples"] == 64
@@ -164,7 +155,7 @@ def test_vllm_stream_continues_rows_across_swaps_and_resumes_exactly(
     killed_dir = tmp_path / "killed"
     killed = _train(bin_dir, subprocess_env, killed_dir, *VLLM, "debug.fail_at_step=3",
                     "debug.fail_kind=kill", check=False)  # fmt: skip
-    assert killed.returncode != 0 and len(_metrics(killed_dir)) == 2
+    assert killed.returncode != 0 and len(metrics(killed_dir)) == 2
     _train(bin_dir, subprocess_env, killed_dir, *VLLM, "trainer.resume=auto")
-    assert _untimed(_metrics(killed_dir)) == _untimed(expected)
+    assert _untimed(metrics(killed_dir)) == _untimed(expected)
     assert _samples(killed_dir, 3) == _samples(ref_dir, 3)

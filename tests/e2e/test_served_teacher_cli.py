@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 
+from recipe_runs import run_train
 from vllm_pool import MODEL, SERVED_LEN
 
 pytestmark = pytest.mark.e2e
@@ -28,13 +29,7 @@ TOLERANCE = 1e-4
 
 
 def _train(bin_dir, env, run_dir, *overrides, check=True):
-    proc = subprocess.run(
-        [str(bin_dir / "rlbatch-train"), *MODEL, f"hydra.run.dir={run_dir}", *SMALL, *overrides],
-        capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600,
-    )  # fmt: skip
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return run_train(bin_dir, env, run_dir, *MODEL, *SMALL, *overrides, check=check)
 
 
 def _metrics(run_dir):
