@@ -16,6 +16,7 @@ from rlbatch.eval.settings import (
     eval_enabled,
     eval_metric_names,
     eval_rollout,
+    in_step_ranks,
 )
 
 
@@ -58,7 +59,7 @@ def _check_numbers(cfg: RunConfig, errors: list[ConfigError]) -> None:
          ev.data.max_prompt_len is None or ev.data.max_prompt_len > 0, "must be positive"),
     ]  # fmt: skip
     errors += [ConfigError(key, value, fix) for key, value, ok, fix in checks if not ok]
-    dp, ep = cfg.parallel.dp, cfg.parallel.ep
+    dp, ep = cfg.parallel.dp, in_step_ranks(cfg)
     if ep > 1 and ev.max_prompts is not None and 0 < ev.max_prompts < dp:
         errors.append(
             ConfigError(

@@ -55,9 +55,9 @@ def check_expert_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
 
 
-def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """The expert keys fit the model; what MoE does not support yet is refused with its reason
-    (never ignored). The expert-parallel layout is :func:`check_expert_layout`'s."""
+def check_moe_model(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The expert keys fit the model: checked by every command that builds it (rlbatch-train,
+    -logprobs, -eval, -serve)."""
     m = cfg.model
     if m.num_moe_experts is None:
         if Architecture(m.architecture) == Architecture.qwen3_moe:
@@ -71,6 +71,68 @@ def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
         _check_dense(cfg, errors)
         return
     _check_sizes(cfg, errors)
+    capacity = m.moe_expert_capacity_factor
+    if capacity is not None and capacity <= 0:
+        errors.append(
+            ConfigError(
+                "model.moe_expert_capacity_factor",
+                capacity,
+                "must be > 0, or null (dropless: no token is ever dropped)",
+            )
+        )
+
+
+def check_moe_backend(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The rollout backends an MoE model samples on (rlbatch-train, -eval and -serve)."""
+    m = cfg.model
+    if not m.num_moe_experts:
+        return
+    backend = RolloutBackend(cfg.rollout.backend)
+    if backend == RolloutBackend.megatron_dynamic:
+        errors.append(
+            ConfigError(
+                "rollout.backend",
+                backend.value,
+                "MoE models do not roll out on megatron's dynamic engine yet (its MoE "
+                "inference path is not verified here): set rollout.backend=megatron, vllm or "
+                "vllm_server",
+            )
+        )
+    capacity = m.moe_expert_capacity_factor
+    if capacity is not None and capacity > 0 and backend in VLLM_BACKENDS:
+        errors.append(
+            ConfigError(
+                "model.moe_expert_capacity_factor",
+                capacity,
+                f"with rollout.backend={backend.value}: vLLM's MoE layer has no capacity (it "
+                "never drops a token), so the rollout would route what the trainer drops and "
+                "sample from another policy: set the factor to null (dropless), or "
+                "rollout.backend=megatron",
+            )
+        )
+
+
+def check_moe_scoring(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """rlbatch-logprobs scores every token of every row: a capacity factor would drop some of
+    them, by how the rows happen to be batched, and change their scores without a trace."""
+    capacity = cfg.model.moe_expert_capacity_factor
+    if cfg.model.num_moe_experts and capacity is not None and capacity > 0:
+        errors.append(
+            ConfigError(
+                "model.moe_expert_capacity_factor",
+                capacity,
+                "drops tokens by how the rows are batched, and rlbatch-logprobs scores every "
+                "token as the model routes it: set it to null (dropless)",
+            )
+        )
+
+
+def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """What MoE does not support yet in training is refused with its reason (never ignored).
+    The expert keys are :func:`check_moe_model`'s, the backends :func:`check_moe_backend`'s,
+    the expert-parallel layout :func:`check_expert_layout`'s."""
+    if (cfg.model.num_moe_experts or 0) < 1:
+        return
     _check_unsupported(cfg, errors)
 
 
@@ -134,38 +196,9 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
     m, p = cfg.model, cfg.parallel
     _check_aux_loss(cfg, errors)
     capacity = m.moe_expert_capacity_factor
-    if capacity is not None and capacity <= 0:
-        errors.append(
-            ConfigError(
-                "model.moe_expert_capacity_factor",
-                capacity,
-                "must be > 0, or null (dropless: no token is ever dropped)",
-            )
-        )
     backend = RolloutBackend(cfg.rollout.backend)
     if m.lora.rank > 0:
         _check_lora(cfg, backend, errors)
-    if backend == RolloutBackend.megatron_dynamic:
-        errors.append(
-            ConfigError(
-                "rollout.backend",
-                backend.value,
-                "MoE models do not roll out on megatron's dynamic engine yet (its MoE "
-                "inference path is not verified here): set rollout.backend=megatron, vllm or "
-                "vllm_server",
-            )
-        )
-    if capacity is not None and capacity > 0 and backend in VLLM_BACKENDS:
-        errors.append(
-            ConfigError(
-                "model.moe_expert_capacity_factor",
-                capacity,
-                f"with rollout.backend={backend.value}: vLLM's MoE layer has no capacity (it "
-                "never drops a token), so the rollout would route what the trainer drops and "
-                "sample from another policy: set the factor to null (dropless), or "
-                "rollout.backend=megatron",
-            )
-        )
     if p.ep > 1 and overlaps_generation(cfg):
         errors.append(
             ConfigError(

@@ -16,7 +16,14 @@ from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.evaluation_rules import check_eval
 from rlbatch.config.lengths import longest_sequence, longest_sequence_text
 from rlbatch.config.lora_rules import check_lora
-from rlbatch.config.moe_rules import check_expert_layout, check_moe, check_routing_replay
+from rlbatch.config.moe_rules import (
+    check_expert_layout,
+    check_moe,
+    check_moe_backend,
+    check_moe_model,
+    check_moe_scoring,
+    check_routing_replay,
+)
 from rlbatch.config.objectives import objective_errors
 from rlbatch.config.parallel_rules import check_layout, check_world, world_size
 from rlbatch.config.schema import (
@@ -517,6 +524,9 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"model"}), _check_model_shape),
     Rule(frozenset({"model", "parallel"}), _check_model_split),
     Rule(frozenset({"parallel"}), check_expert_layout),
+    Rule(frozenset({"model"}), check_moe_model),
+    Rule(frozenset({"model", "rollout"}), check_moe_backend),
+    Rule(frozenset({"model", "logprobs"}), check_moe_scoring),
     Rule(frozenset({"model", "parallel", "rollout", "env", "grpo"}), check_moe),
     Rule(frozenset({"model", "grpo", "parallel", "rollout"}), check_routing_replay),
     Rule(frozenset({"debug", "grpo", "parallel", "rollout"}), _check_debug),

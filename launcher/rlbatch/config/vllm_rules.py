@@ -185,6 +185,7 @@ def _check_model(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
     if m.num_attention_heads <= 0 or m.hidden_size <= 0:
         return  # reported by the positivity checks
+    _check_expert_width(cfg, errors)
     head_dim = vllm_head_dim(cfg)
     own = m.head_dim or m.hidden_size // m.num_attention_heads
     if head_dim != own:
@@ -218,6 +219,32 @@ def _check_model(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f" them (e.g. model.num_attention_heads={heads}"
                 f" model.num_query_groups={math.gcd(heads, m.num_query_groups)}), or"
                 " rollout.backend=megatron",
+            )
+        )
+
+
+CPU_EXPERT_ALIGNMENT = 32
+"""vLLM's CPU build pads an expert's hidden width to a multiple of this when it loads the model
+(its MoE kernel's alignment), and its weight updates then copy the trainer's unpadded tensors
+into the padded ones, which fails."""
+
+
+def _check_expert_width(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    m = cfg.model
+    if not m.num_moe_experts or not cpu_build_installed():
+        return
+    width = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    if width % CPU_EXPERT_ALIGNMENT:
+        key = "model.moe_ffn_hidden_size" if m.moe_ffn_hidden_size else "model.ffn_hidden_size"
+        fit = max(CPU_EXPERT_ALIGNMENT, width // CPU_EXPERT_ALIGNMENT * CPU_EXPERT_ALIGNMENT)
+        errors.append(
+            ConfigError(
+                key,
+                width,
+                f"is the experts' hidden width, which vLLM's CPU build takes in multiples of "
+                f"{CPU_EXPERT_ALIGNMENT} only (it pads the experts when it loads the model, and "
+                f"its weight updates then fail on the unpadded tensors): set "
+                f"model.moe_ffn_hidden_size={fit}, or rollout.backend=megatron",
             )
         )
 

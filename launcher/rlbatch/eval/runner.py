@@ -27,10 +27,12 @@ from rlbatch.config.schema import DataSource, RunConfig
 from rlbatch.eval.answers import AnswerFn, answer_fn, voting_kind
 from rlbatch.eval.metrics import PromptResult, ScoredSample, summarize
 from rlbatch.eval.settings import (
+    blocks_needed,
     eval_data,
     eval_data_seed,
     eval_pass_k,
     eval_rollout,
+    in_step_ranks,
 )
 from rlbatch.grpo.types import Prompt, Sample
 
@@ -41,7 +43,20 @@ EVAL_STREAM = 0x45564C
 def load_eval_prompts(cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
     """The evaluation prompts: eval.data (a built-in task without the training prompts), the
     first eval.max_prompts of them."""
-    from rlbatch.grpo.data import build_prompts, load_examples
+    from rlbatch.grpo.data import build_prompts
+
+    examples = eval_examples(cfg)
+    if not examples:
+        raise ValueError(
+            "the evaluation set is empty (every generated prompt is a training prompt): raise"
+            " eval.data.num_prompts"
+        )
+    return build_prompts(eval_data(cfg), tokenizer, examples)
+
+
+def eval_examples(cfg: RunConfig) -> list[Any]:
+    """The evaluation's rows, before tokenization (what :func:`load_eval_prompts` builds)."""
+    from rlbatch.grpo.data import load_examples
     from rlbatch.grpo.tasks import generate_examples
 
     data = eval_data(cfg)
@@ -54,12 +69,7 @@ def load_eval_prompts(cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
         examples = [e for e in examples if e.prompt not in seen]
     if cfg.eval.max_prompts is not None:
         examples = examples[: cfg.eval.max_prompts]
-    if not examples:
-        raise ValueError(
-            "the evaluation set is empty (every generated prompt is a training prompt): raise"
-            " eval.data.num_prompts"
-        )
-    return build_prompts(data, tokenizer, examples)
+    return examples
 
 
 def prompt_blocks(prompts: Sequence[Prompt], size: int, dp: int, ep: int) -> list[Any]:
@@ -70,7 +80,7 @@ def prompt_blocks(prompts: Sequence[Prompt], size: int, dp: int, ep: int) -> lis
     count = -(-len(prompts) // size)
     if ep == 1 or count % dp == 0:
         return [prompts[i : i + size] for i in range(0, len(prompts), size)]
-    count = dp * -(-count // dp)
+    count = blocks_needed(len(prompts), size, dp)
     if len(prompts) < count:
         raise ValueError(
             f"evaluation at parallel.ep={ep} deals its {len(prompts)} held-out prompt(s) to "
@@ -101,7 +111,9 @@ class Evaluator:
         data = eval_data(cfg)
         self.cfg = cfg
         self.prompts = load_eval_prompts(cfg, tokenizer)
-        blocks = prompt_blocks(self.prompts, cfg.rollout.micro_batch_size, dp_size, cfg.parallel.ep)
+        blocks = prompt_blocks(
+            self.prompts, cfg.rollout.micro_batch_size, dp_size, in_step_ranks(cfg)
+        )
         self.blocks = list(enumerate(blocks))[dp_rank::dp_size]  # (block index, prompts)
         self.tokenizer = tokenizer
         self.engine, self.driver = _engine(cfg, model, tokenizer)

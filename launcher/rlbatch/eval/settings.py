@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 
-from rlbatch.config.schema import DataConfig, RolloutConfig, RunConfig
+from rlbatch.config.schema import DataConfig, RolloutBackend, RolloutConfig, RunConfig
 
 GREEDY = 0.0
 """eval.temperature that means greedy decoding."""
@@ -87,3 +88,18 @@ def eval_metric_names(cfg: RunConfig) -> list[str]:
     from rlbatch.eval.metrics import metric_names
 
     return metric_names(eval_pass_k(cfg), cfg.eval.num_samples, majority_supported(cfg))
+
+
+def in_step_ranks(cfg: RunConfig) -> int:
+    """The expert-parallel size evaluation's decoding must keep in step: the built-in engine's
+    MoE forwards are all-to-alls over the expert group; vLLM's engines hold every expert."""
+    vllm = RolloutBackend(cfg.rollout.backend) in (RolloutBackend.vllm, RolloutBackend.vllm_server)
+    return 1 if vllm else cfg.parallel.ep
+
+
+def blocks_needed(prompts: int, size: int, dp: int) -> int:
+    """The generate calls (blocks of at most ``size`` prompts) evaluation makes when its ranks
+    must keep in step: a multiple of dp, every rank making as many (rlbatch.eval.runner's
+    prompt_blocks); each block needs a prompt."""
+    calls = math.ceil(prompts / size)
+    return dp * math.ceil(calls / dp)

@@ -71,7 +71,6 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     functions, as for the training data; rewrites relative eval.reward_fn paths."""
     import dataclasses
 
-    from rlbatch.config.enums import DataSource
     from rlbatch.eval.settings import eval_data, eval_data_seed
 
     data = eval_data(cfg)
@@ -88,6 +87,42 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     seed = eval_data_seed(cfg.trainer.seed)
     check_brought_rewards(data, seed, found, "eval.data.path", cfg.batching.infer)
     errors += [e for e in found if str(e) not in {str(x) for x in errors}]
+    if not any(e.key.startswith("eval.data") for e in errors):
+        _check_eval_in_step(cfg, errors)
+
+
+def _check_eval_in_step(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Evaluation whose ranks decode in step (the built-in engine at parallel.ep > 1: each MoE
+    forward is an all-to-all over the expert group) gives every data-parallel rank as many
+    blocks of prompts, each block at least one prompt: too few held-out prompts are refused
+    here, naming the key that sets their count, rather than after launch."""
+    from rlbatch.eval.runner import eval_examples
+    from rlbatch.eval.settings import blocks_needed, in_step_ranks
+
+    ep, dp, size = in_step_ranks(cfg), cfg.parallel.dp, cfg.rollout.micro_batch_size
+    if ep == 1 or (cfg.eval.max_prompts is not None and cfg.eval.max_prompts < dp):
+        return  # nothing to keep in step, or refused by the evaluation rules already
+    count = len(eval_examples(cfg))
+    needed = blocks_needed(count, size, dp)
+    if count == 0 or count >= needed:
+        return
+    value: Any
+    if cfg.eval.max_prompts is not None and count == cfg.eval.max_prompts:
+        key, value = "eval.max_prompts", cfg.eval.max_prompts
+    elif cfg.eval.data.path is not None:
+        key, value = "eval.data.path", cfg.eval.data.path
+    else:
+        key, value = "eval.data.num_prompts", cfg.eval.data.num_prompts
+    errors.append(
+        ConfigError(
+            key,
+            value,
+            f"gives {count} held-out prompt(s); at parallel.ep={ep} on the built-in engine the "
+            f"{dp} data-parallel ranks decode in step (each MoE forward is an all-to-all over "
+            f"the expert group), {needed} blocks of at most rollout.micro_batch_size={size} "
+            f"prompts, each with a prompt: evaluate at least {needed} prompts",
+        )
+    )
 
 
 def _check_harness(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -24,11 +24,18 @@ KEY = "grpo.distill.teacher"
 
 def teacher_model_config(cfg: RunConfig) -> ModelConfig:
     """The teacher's ModelConfig: the architecture of its config.json (resolve_model_config),
-    without adapters, the student's dtype and recompute settings."""
+    without adapters, the student's dtype and recompute settings. An MoE teacher is dropless:
+    the student's capacity factor is a training setting, and a teacher that dropped tokens
+    would score them as another model (its per-token log-probs are the signal)."""
     from rlbatch.engine.hf_config import resolve_model_config
 
     assert cfg.grpo.distill.teacher is not None
-    base = replace(cfg.model, hf_path=cfg.grpo.distill.teacher, lora=LoraConfig())
+    base = replace(
+        cfg.model,
+        hf_path=cfg.grpo.distill.teacher,
+        lora=LoraConfig(),
+        moe_expert_capacity_factor=None,
+    )
     model, _ = resolve_model_config(base)
     return model
 
@@ -77,6 +84,14 @@ def _layout_errors(cfg: RunConfig, model: ModelConfig) -> list[ConfigError]:
                 "that divide the layers of both models",
             )
         )
+    if model.num_moe_experts and model.num_moe_experts % p.ep:
+        out.append(
+            ConfigError(
+                KEY, path, f"its {model.num_moe_experts} experts do not split over "
+                f"parallel.ep={p.ep} (the teacher is built on the run's layout): choose an ep "
+                "that divides the experts of both models"
+            )
+        )  # fmt: skip
     for name in ("num_attention_heads", "num_query_groups"):
         if getattr(model, name) % p.tp:
             out.append(

@@ -320,3 +320,79 @@ def test_lora_on_an_all_sparse_moe_validates_with_all_linear():
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)
     check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))
+
+
+def _composed(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=["+recipe=grpo_qwen", *overrides])
+    cfg, structural = check_structure(OmegaConf.to_container(cfg, resolve=True))
+    assert structural == []
+    return cfg
+
+
+def test_every_command_that_builds_an_moe_model_checks_its_expert_keys():
+    """rlbatch-logprobs, -eval and -serve build the model too: its expert keys are checked there
+    as in training (a factor <= 0, experts on a dense architecture), rlbatch-logprobs refuses a
+    capacity factor (it would drop tokens by how the rows are batched and change their scores
+    silently), and rlbatch-eval an MoE rollout on megatron's dynamic engine."""
+    from rlbatch.config.validate import EVAL_SCOPE, LOGPROBS_SCOPE, SERVE_SCOPE, validate
+
+    def keys(overrides, scope):
+        return {e.key: str(e) for e in validate(_composed(overrides), scope)}
+
+    dropping = keys(["model=tiny_moe", "model.moe_expert_capacity_factor=0.5"], LOGPROBS_SCOPE)
+    assert "rlbatch-logprobs scores every token" in dropping["model.moe_expert_capacity_factor"]
+    assert "model.moe_expert_capacity_factor" not in keys(["model=tiny_moe"], LOGPROBS_SCOPE)
+    for scope in (LOGPROBS_SCOPE, EVAL_SCOPE, SERVE_SCOPE):
+        negative = keys(["model=tiny_moe", "model.moe_expert_capacity_factor=-1"], scope)
+        assert "must be > 0" in negative["model.moe_expert_capacity_factor"]
+        dense_with_experts = keys(["model=tiny", "model.num_moe_experts=4"], scope)
+        assert "model.architecture=qwen3_moe" in dense_with_experts["model.architecture"]
+    dynamic = keys(["model=tiny_moe", "rollout.backend=megatron_dynamic"], EVAL_SCOPE)
+    assert "dynamic engine" in dynamic["rollout.backend"]
+
+
+def test_an_evaluation_too_small_for_the_expert_group_is_refused_before_launch():
+    """At dp 2 x ep 2 on the built-in engine every rank decodes as many blocks of held-out
+    prompts (each MoE forward is an all-to-all over the expert group): one prompt is refused
+    before launch naming eval.data.num_prompts (it stopped the workers after launch). On vLLM
+    evaluation does not decode in step (every engine holds every expert): no such rule."""
+    from rlbatch.grpo.preflight import check_eval_inputs
+
+    small = ["model=tiny_moe", "parallel.dp=2", "parallel.ep=2", "eval.data.num_prompts=1"]
+    cfg = _composed(small)
+    cfg.eval.every_steps = 1
+    errors: list = []
+    check_eval_inputs(cfg, errors)
+    (error,) = errors
+    assert error.key == "eval.data.num_prompts" and "1 held-out prompt(s)" in str(error)
+    assert "evaluate at least 2 prompts" in str(error)
+    cfg = _composed([*small, "rollout.backend=vllm", "model.head_dim=32"])
+    cfg.eval.every_steps = 1
+    errors = []
+    check_eval_inputs(cfg, errors)
+    assert errors == []
+
+
+def test_an_moe_teacher_is_dropless_and_must_split_over_the_expert_group(tmp_path):
+    """The student's capacity factor is a training setting: the distillation teacher scores
+    every token as its checkpoint routes it (a dropping teacher gave log-probs 1e-2 off, with no
+    count). An MoE teacher whose experts ep does not divide is refused before launch."""
+    from rlbatch.grpo.teacher import teacher_errors, teacher_model_config
+
+    (tmp_path / "teacher").mkdir()
+    teacher = _write(tmp_path / "teacher")
+    cfg = _composed(["model=tiny_moe", "model.moe_expert_capacity_factor=0.5"])
+    cfg.grpo.distill.teacher = str(teacher)
+    model = teacher_model_config(cfg)
+    assert model.num_moe_experts == 8 and model.moe_expert_capacity_factor is None
+    cfg.parallel.dp, cfg.parallel.ep = 3, 3
+    (error,) = [e for e in teacher_errors(cfg) if "experts" in str(e)]
+    assert error.key == "grpo.distill.teacher" and "8 experts" in str(error)

