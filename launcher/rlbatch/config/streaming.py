@@ -22,21 +22,39 @@ def overlaps_generation(cfg: RunConfig) -> bool:
 
 
 def per_row_decoder_errors(cfg: RunConfig, feature: str) -> list[ConfigError]:
-    """What the built-in engine's per-row KV-cache decoder (multi-turn environments, agent
-    harnesses and partial rollouts decode on it) cannot compute, named for ``feature``: it is a
-    dense-block decoder (rlbatch.engine.generation.LeanDecoder), so an MoE model or yarn RoPE
-    is refused before launch rather than at the first rollout."""
+    """What the built-in engine's per-row KV-cache decoder (rlbatch.engine.generation.
+    LeanDecoder: multi-turn environments, agent harnesses and partial rollouts decode on it)
+    cannot compute or record, named for ``feature``, refused before launch rather than at the
+    first rollout: yarn RoPE; the routing grpo.routing_replay=r3 replays (it computes an MoE
+    layer with megatron's own MoE layer, but records no routing); MoE in the partial-rollout
+    stream."""
     m, errors = cfg.model, []
-    if m.num_moe_experts is not None:
+    partial = feature.startswith("partial")
+    if m.num_moe_experts is not None and partial:
         errors.append(
             ConfigError(
                 "model.num_moe_experts",
                 m.num_moe_experts,
-                f"{feature} decode on the built-in engine's per-row KV-cache decoder, which "
-                "computes dense models only: use a dense model, or a single-turn run without "
-                "partial rollouts",
+                f"{feature} with an MoE policy are not supported yet (the stream's rows "
+                "continue across weight updates, and which routing a re-prefilled segment "
+                "replays is not decided; its expert-parallel peers are not kept in step): use "
+                "a dense model, or grpo.partial_rollouts=false",
             )
         )
+    if m.num_moe_experts is not None and not partial:
+        from rlbatch.config.enums import RoutingReplay
+
+        if RoutingReplay(cfg.grpo.routing_replay) == RoutingReplay.r3:
+            errors.append(
+                ConfigError(
+                    "grpo.routing_replay",
+                    "r3",
+                    f"with {feature} on the built-in engine: their per-row decoder does not "
+                    "record the experts each token was routed to (only the single-turn "
+                    "lockstep decoder does), so there is no rollout routing to replay: set "
+                    "grpo.routing_replay=r2 (the old-logprob pass's routing) or none",
+                )
+            )
     if RopeScaling(m.rope_scaling) == RopeScaling.yarn:
         errors.append(
             ConfigError(
