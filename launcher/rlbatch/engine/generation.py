@@ -20,6 +20,7 @@ Two runners, both returning logits only for the positions that are sampled next:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -168,7 +169,9 @@ class LeanDecoder:
     other slots (rows that left the batch).
     """
 
-    def __init__(self, chunk: Any, num_slots: int, max_len: int) -> None:
+    def __init__(
+        self, chunk: Any, num_slots: int, max_len: int, record_routing: bool = False
+    ) -> None:
         refusal = lean_decoding_refusal([chunk])
         if refusal:  # never a decoder of some other model than the one trained
             raise ValueError(f"the built-in engine's per-row KV-cache decoder: {refusal}")
@@ -188,10 +191,19 @@ class LeanDecoder:
         """MoE at parallel.ep > 1: every forward (prefill, decode, extend, :meth:`idle`) is an
         all-to-all over the expert-parallel group, so the group's ranks call as many of them in
         the same order (rlbatch.rollout.multiturn keeps them in step)."""
+        self.chunk = chunk
+        self.routing: Optional[torch.Tensor] = None
+        """MoE with ``record_routing``: ``[num_slots, max_len, num_moe_layers, k]`` the experts
+        each fed position of each slot was routed to (-1 = not fed): what r3 replays."""
         if is_moe(chunk):  # megatron's own top-k: no replay or record left from a pass
             from rlbatch.engine import routing
 
             routing.clear([chunk])
+            if record_routing:
+                layers = routing.attach([chunk])
+                routing.set_routing(chunk, None)  # each router keeps its own top-k
+                topk = unwrap(chunk).config.moe_router_topk
+                self.routing = torch.full((num_slots, max_len, layers, topk), -1, dtype=torch.int16)
         device, dtype = self.embed.device, self.embed.dtype
         rotary = model.rotary_pos_emb
         inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
@@ -312,6 +324,11 @@ class LeanDecoder:
             x = self._mlp(x, layer)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         self.lens[slot_t] = torch.tensor(lens, device=self.device)[src]
+        if self.routing is not None:  # every slot of a prompt gets its tokens' routing
+            starts = [0, *itertools.accumulate(lens)]
+            fed = [(slot, starts[j] + t, t) for slot, j in zip(slots, owner, strict=True)
+                   for t in range(lens[j])]  # fmt: skip
+            self._record(fed)
         return self._logits(x[last][src])
 
     def decode(self, tokens: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -348,6 +365,8 @@ class LeanDecoder:
             x = x + layer.proj(out.reshape(len(tokens), -1))
             x = self._mlp(x, layer)
         self.lens[slots] = pos + 1
+        if self.routing is not None:
+            self._record(list(zip(slots.tolist(), range(len(tokens)), pos.tolist(), strict=True)))
         return self._logits(x)
 
     def _decode_masks(
@@ -401,13 +420,43 @@ class LeanDecoder:
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         for slot, start, n in zip(slots, starts, lens, strict=True):
             self.lens[slot] = start + n
+        if self.routing is not None:
+            offsets = [0, *itertools.accumulate(lens)]
+            fed = [(slot, offsets[i] + t, start + t)
+                   for i, (slot, start, n) in enumerate(zip(slots, starts, lens, strict=True))
+                   for t in range(n)]  # fmt: skip
+            self._record(fed)
         return self._logits(x[last])
+
+    def _record(self, fed: list[tuple[int, int, int]]) -> None:
+        """The routers' own choice in the forward that just ran, ``(slot, token index in the
+        forward, position)`` per fed token, into :attr:`routing`."""
+        from rlbatch.engine import routing
+
+        assert self.routing is not None
+        slot_t, index, pos = (torch.tensor(c, dtype=torch.long) for c in zip(*fed, strict=True))
+        for layer, ids in routing.taken(self.chunk).items():
+            self.routing[slot_t, pos, layer] = ids[index.to(ids.device)].to(torch.int16).cpu()
+
+    def routing_of(self, slot: int, length: int) -> Any:
+        """Slot ``slot``'s first ``length`` positions' routing as a sample carries it
+        (``[length, num_moe_layers, k]``, rlbatch.engine.routing.routing_dtype), the last
+        position -1: a row's last token is never fed (nothing scored depends on its routing)."""
+        from rlbatch.engine import routing
+
+        assert self.routing is not None
+        dtype = routing.routing_dtype(unwrap(self.chunk).config.num_moe_experts)
+        arr = self.routing[slot, :length].numpy().astype(dtype)
+        arr[length - 1 :] = -1
+        return arr
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only these slots (in this order): rows that left the batch free their cache."""
         self.k = [k[slots] for k in self.k]
         self.v = [v[slots] for v in self.v]
         self.lens = self.lens[slots]
+        if self.routing is not None:
+            self.routing = self.routing[slots.cpu()]
 
 
 # -------------------------------------------------------------------------- megatron path

@@ -64,6 +64,9 @@ class Trajectory:
     truncated: bool = False
     turn_start: int = 0
     """Index in ids where the current assistant turn starts."""
+    routing: Any = None
+    """MoE, recorded by the decoder: ``[prompt + len(ids), num_moe_layers, k]`` the experts
+    each token of the episode was routed to as it was fed (rlbatch.engine.routing)."""
 
     def add_sampled(self, token: int, logp: float) -> None:
         self.ids.append(token)
@@ -151,9 +154,15 @@ class _Batch:
         self.active: list[int] = []  # slots decoding, ascending
         self.logits: Optional[torch.Tensor] = None  # [len(active), V]
         self.device = device
+        self.freed: list[tuple[int, int]] = []  # (slot, row) whose episode ended this step
 
     def free(self) -> list[int]:
         return [s for s, r in enumerate(self.row_of) if r < 0]
+
+    def free_slot(self, slot: int) -> None:
+        """The row in ``slot`` ended its episode: the slot takes the next prompt."""
+        self.freed.append((slot, self.row_of[slot]))
+        self.row_of[slot] = -1
 
     def set_active(self, parts: dict[int, torch.Tensor]) -> None:
         """parts: slot -> logits [V]; the active set becomes these slots."""
@@ -200,6 +209,7 @@ def decode_turns(
             break
         parts = step.run(bool(going), decoding, partial(_decode, decoder, going, num_slots))
         back = _answers(batch, waiting, driver, trajs, max_response) if waiting else {}
+        _keep_routing(decoder, batch, trajs, prompt_ids)
         refill = _plan_refill(batch, queue)
         extending, filling = step.agree([bool(back), bool(refill)])
         parts.update(step.run(bool(back), extending, partial(_extend, decoder, back)))
@@ -262,7 +272,19 @@ def _sample_turns(
         elif close_turn(driver, row, traj, why):
             waiting[slot] = t
         else:
-            batch.row_of[slot] = -1
+            batch.free_slot(slot)
+
+
+def _keep_routing(
+    decoder: Any, batch: _Batch, trajs: list[Trajectory], prompt_ids: Sequence[Sequence[int]]
+) -> None:
+    """The routing the decoder recorded (MoE) of the episodes that ended this step, taken
+    before their slots take new prompts."""
+    if getattr(decoder, "routing", None) is not None:
+        for slot, row in batch.freed:
+            length = len(prompt_ids[row]) + len(trajs[row].ids)
+            trajs[row].routing = decoder.routing_of(slot, length)
+    batch.freed.clear()
 
 
 def _decode(decoder: Any, going: dict[int, int], num_slots: int) -> dict[int, torch.Tensor]:
@@ -297,7 +319,7 @@ def _answers(
         row = batch.row_of[slot]
         observation = answers[row]
         if not take_observation(driver, row, trajs[row], observation, max_response[row]):
-            batch.row_of[slot] = -1
+            batch.free_slot(slot)
             continue
         assert observation is not None
         feeds[slot] = [last, *observation]
@@ -347,6 +369,7 @@ def episode_samples(
             policy_version=version,
             loss_mask=t.mask,
             episode=ep,
+            routing=t.routing,
         )
         for (g, p), t, ep in zip(rows, trajs, episodes, strict=True)
     ]

@@ -89,10 +89,6 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
     assert "grpo.overlap_generation=false" in overlap["parallel.ep"]
     tp = _errors_for(["model=tiny_moe", "parallel.tp=2"])
     assert "parallel.sequence_parallel=true" in tp["parallel.sequence_parallel"]
-    turns = _errors_for(["env=guess_number", "model=tiny_moe", "grpo.routing_replay=r3"])
-    assert "multi-turn rollouts (env.path)" in turns["grpo.routing_replay"]
-    assert "does not record the experts" in turns["grpo.routing_replay"]
-    assert set(turns) == {"grpo.routing_replay"}
     harness = _errors_for(
         ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
          "parallel.dp=2", "parallel.ep=2", "grpo.routing_replay=r3"]
@@ -100,6 +96,7 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
     assert "agent harnesses (env.harness)" in harness["parallel.ep"]
     assert "set parallel.ep=1" in harness["parallel.ep"]
     assert "agent harnesses (env.harness)" in harness["grpo.routing_replay"]
+    assert "splices the calls' sampled tokens" in harness["grpo.routing_replay"]
     partial = _errors_for(
         ["model=tiny_moe", "grpo.partial_rollouts=true", "grpo.num_steps_async=1",
          "grpo.max_staleness=3"]
@@ -125,15 +122,17 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
         ["env=guess_number", "parallel.dp=2", "parallel.ep=2"],
         ["env=guess_number", "parallel.dp=2", "parallel.ep=2", "grpo.routing_replay=r2",
          "grpo.num_iterations=2"],
+        ["env=guess_number", "parallel.dp=2", "parallel.ep=2", "grpo.routing_replay=r3"],
         ["env=guess_number", "parallel.dp=2", "parallel.ep=2", "rollout.backend=vllm",
          "model.head_dim=32"],
         ["+env.harness=agent.py:run", "data.chat_template=qwen", "parallel.dp=2"],
     ],
-    ids=["env_dp2_ep2", "env_r2", "env_vllm", "harness_dp2_ep1"],
+    ids=["env_dp2_ep2", "env_r2", "env_r3", "env_vllm", "harness_dp2_ep1"],
 )  # fmt: skip
 def test_an_moe_policy_validates_with_multi_turn_environments_and_harnesses(overrides, tmp_path):
     """The per-row decoder computes MoE blocks: multi-turn environments at any expert
-    parallelism (the expert group kept in step) and r2, agent harnesses at ep 1."""
+    parallelism (the expert group kept in step), r2 and r3 (the decoder records the rollout's
+    routing), agent harnesses at ep 1."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf

@@ -44,12 +44,8 @@ def _episode(decoder, rows):
     """Two rows in their own slots: prefill of each prompt, 5 decoded tokens, an observation
     of 4 tokens appended to row 0 alone (extend) while row 1 waits, then 4 more decoded tokens
     for both. Returns per row the log-probs of its next tokens, as decoding computed them, and
-    per forward the routers' own choices ``{slot: [N, k]}`` with the (row, position) of
-    each token fed."""
-    from rlbatch.engine import routing
-
+    each row's length fed."""
     got: list[list[float]] = [[], []]
-    fed: list[tuple[list[tuple[int, int]], dict]] = []
 
     def take(logits, row_positions):
         for (row, pos), lp in zip(
@@ -57,34 +53,26 @@ def _episode(decoder, rows):
         ):
             got[row].append(float(lp[rows[row][pos + 1]]))
 
-    prompts = [rows[0][:7], rows[1][:9]]
     lens = [7, 9]
-    logits = decoder.prefill([0, 1], prompts)
-    fed.append(
-        ([(0, t) for t in range(7)] + [(1, t) for t in range(9)], routing.taken(decoder.chunk))
-    )
-    take(logits, [(0, 6), (1, 8)])
+    take(decoder.prefill([0, 1], [rows[0][:7], rows[1][:9]]), [(0, 6), (1, 8)])
     for _ in range(5):
-        feed = torch.tensor([rows[0][lens[0]], rows[1][lens[1]]])
-        logits = decoder.decode(feed)
-        fed.append(([(0, lens[0]), (1, lens[1])], routing.taken(decoder.chunk)))
+        logits = decoder.decode(torch.tensor([rows[0][lens[0]], rows[1][lens[1]]]))
         take(logits, [(0, lens[0]), (1, lens[1])])
         lens = [n + 1 for n in lens]
-    observation = rows[0][lens[0] : lens[0] + 4]
-    logits = decoder.extend([0], [observation])
-    fed.append(([(0, lens[0] + i) for i in range(4)], routing.taken(decoder.chunk)))
+    logits = decoder.extend([0], [rows[0][lens[0] : lens[0] + 4]])
     take(logits, [(0, lens[0] + 3)])
     lens[0] += 4
     for _ in range(4):
         feed = torch.tensor([rows[0][lens[0]], rows[1][lens[1]]])
-        logits = decoder.decode(feed, torch.tensor([0, 1]))
-        fed.append(([(0, lens[0]), (1, lens[1])], routing.taken(decoder.chunk)))
-        take(logits, [(0, lens[0]), (1, lens[1])])
+        take(decoder.decode(feed, torch.tensor([0, 1])), [(0, lens[0]), (1, lens[1])])
         lens = [n + 1 for n in lens]
-    return got, fed, lens
+    return got, lens
 
 
 def test_the_per_row_decoder_computes_the_moe_model_transformers_computes(megatron_world, tmp_path):
+    """... and records each fed token's experts (what grpo.routing_replay=r3 replays):
+    transformers' own top-k, token by token; a prompt shared by two slots, computed once,
+    gives both its routing."""
     import transformers
 
     from rlbatch.engine import hf, routing
@@ -95,11 +83,13 @@ def test_the_per_row_decoder_computes_the_moe_model_transformers_computes(megatr
     g = torch.Generator().manual_seed(2)
     rows = [torch.randint(2, 260, (30,), generator=g).tolist() for _ in range(2)]
     with torch.no_grad(), torch.inference_mode():
-        decoder = LeanDecoder(chunk, 2, 64)
-        decoder.chunk = chunk
-        routing.attach([chunk])
-        routing.set_routing(chunk, None)  # the routers record their own top-k
-        got, fed, lens = _episode(decoder, rows)
+        decoder = LeanDecoder(chunk, 2, 64, record_routing=True)
+        got, lens = _episode(decoder, rows)
+        # one past each row's fed length: the sample's last token, never fed, is -1
+        records = [decoder.routing_of(slot, n + 1) for slot, n in enumerate(lens)]
+        shared = LeanDecoder(chunk, 2, 64, record_routing=True)
+        shared.prefill([0, 1], [rows[0][:7], rows[0][:7]])
+        twins = [shared.routing_of(slot, 8) for slot in (0, 1)]
     routing.clear([chunk])
 
     want, _ = moe_reference(tmp_path, rows)
@@ -114,7 +104,7 @@ def test_the_per_row_decoder_computes_the_moe_model_transformers_computes(megatr
     assert len(errors) == 21 and lens == [20, 18]
     assert max(errors) <= TOL, f"max |decoder - transformers float64| = {max(errors):.2e}"
 
-    # transformers' own top-k per sparse layer and token vs the decoder's routers'
+    # transformers' own top-k per sparse layer and token vs what the decoder recorded
     ref = (
         transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path, experts_implementation="eager", attn_implementation="eager"
@@ -125,19 +115,20 @@ def test_the_per_row_decoder_computes_the_moe_model_transformers_computes(megatr
     with torch.no_grad():
         logits = [ref(input_ids=torch.tensor([row]), output_router_logits=True).router_logits
                   for row in rows]  # fmt: skip
-    expected = [[lg.topk(TOPK, -1).indices for lg in per_row] for per_row in logits]
     top = torch.cat([lg.topk(TOPK + 1, -1).values for per_row in logits for lg in per_row])
     gap = float((top[:, TOPK - 1] - top[:, TOPK]).min())  # router logits: k-th minus (k+1)-th
     flips = compared = 0
-    for row_positions, taken in fed:
-        assert sorted(taken) == [0, 1]  # both sparse layers routed every fed token
-        for slot, ids in taken.items():
-            for (row, pos), chosen in zip(row_positions, ids, strict=True):
+    for row, record in enumerate(records):
+        assert record.shape == (lens[row] + 1, 2, TOPK) and (record[-1] == -1).all()
+        for layer, router_logits in enumerate(logits[row]):
+            expected = router_logits.topk(TOPK, -1).indices
+            for pos in range(lens[row]):
                 compared += 1
-                flips += set(chosen.tolist()) != set(expected[row][slot][pos].tolist())
+                flips += set(record[pos, layer].tolist()) != set(expected[pos].tolist())
     print(f"max error {max(errors):.2e}; expert flips {flips} of {compared}; smallest top-k "
           f"logit gap {gap:.2e}")  # fmt: skip
     assert compared == 2 * 38 and flips == 0
+    assert (twins[0] == twins[1]).all() and (twins[0][:7] == records[0][:7]).all()
 
 
 def test_an_idle_forward_changes_no_slot(megatron_world):
