@@ -102,7 +102,8 @@ MOE_RUN = (
     "model=tiny_moe", "parallel.dp=2", "parallel.ep=2", "env=default",
     "env.path=scripted.py:Scripted", "env.max_turns=3", "rollout.max_new_tokens=48",
     "trainer.max_steps=2", "trainer.checkpoint.every_steps=1", "grpo.beta=0.02",
-    "logging.samples=true", "grpo.routing_replay=r3",
+    "logging.samples=true", "grpo.routing_replay=r3", "eval.every_steps=2",
+    "eval.data.path=held_out.jsonl", "eval.num_samples=2", "eval.at_start=false",
 )  # fmt: skip
 
 
@@ -113,10 +114,13 @@ def test_a_dp2_ep2_moe_policy_runs_episodes_on_policy_and_resumes_exactly(
     decoder running megatron's MoE layers, the two expert-parallel ranks kept in step while
     their episodes wait, re-enter and end at different times): the behaviour log-probs are the
     training forward's (on-policy: mismatch KL ~ 0, importance weights 1), observations were
-    appended; each episode carries the experts its tokens were routed to while decoding (the
-    training routers choose the same at step 1, and grpo.routing_replay=r3 replays them); and
-    a run SIGKILLed in step 2 resumes to the uninterrupted run's metrics and trajectories."""
+    appended, evaluation runs its episodes too; each episode carries the experts its tokens
+    were routed to while decoding (the training routers choose the same at step 1, and
+    grpo.routing_replay=r3 replays them); and a run SIGKILLed in step 2 resumes to the
+    uninterrupted run's metrics and trajectories."""
     (tmp_path / "scripted.py").write_text(ENV)
+    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(8)]
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref = _run(bin_dir, subprocess_env, tmp_path, f"hydra.run.dir={ref_dir}", *MOE_RUN)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
@@ -125,6 +129,7 @@ def test_a_dp2_ep2_moe_policy_runs_episodes_on_policy_and_resumes_exactly(
         assert abs(r["mismatch_kl_k1"]) < 1e-6 and abs(r["is_weight_max"] - 1.0) < 1e-4, r
         assert r["turns_max"] == 2 and r["env_episodes"] > 0  # episodes went on after turn 1
     assert expected[1]["kl"] > 0  # the reference pass scored transcripts of a moved policy
+    assert "eval/reward_mean" in expected[1]  # evaluation's episodes, the expert group in step
     # same weights at step 1: the rollout's record is the training routers' own choice, up to
     # near-ties (positions, observations included, laid out as the trainer feeds them)
     assert expected[0]["moe/routing_mismatch"] < 0.01
