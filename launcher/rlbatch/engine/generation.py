@@ -5,8 +5,8 @@ Two runners, both returning logits only for the positions that are sampled next:
 - :class:`LeanDecoder` (tp = 1, pp = 1, one chunk): the policy's own weights (the megatron
   modules' parameters, not copies) driven by a handful of torch ops per layer, with a per-slot
   KV cache; an MoE layer's MLP is megatron's own MoE layer (router, token dispatcher, experts),
-  called on the decoder's tokens. Each slot holds one sequence at its own length, so a finished row's slot takes a new
-  prompt while the others keep decoding (continuous batching). Prefill is packed: every new
+  called on the decoder's tokens. Each slot holds one sequence at its own length, so a
+  finished row's slot takes a new prompt while the others keep decoding (continuous batching). Prefill is packed: every new
   prompt in full, each distinct prompt once (a GRPO group shares one prompt), attention per
   prompt, and logits only at each prompt's last position. The math is the layer's own (RMSNorm,
   Qwen3's per-head QK norm, rotary embedding with linear position interpolation or llama3
@@ -194,7 +194,8 @@ class LeanDecoder:
         self.chunk = chunk
         self.routing: Optional[torch.Tensor] = None
         """MoE with ``record_routing``: ``[num_slots, max_len, num_moe_layers, k]`` the experts
-        each fed position of each slot was routed to (-1 = not fed): what r3 replays."""
+        each fed position of each slot was routed to (-1 = not fed): what r3 replays. On the
+        host, int8 while expert ids fit (Qwen3-30B-A3B: 48 x 8 bytes a position)."""
         if is_moe(chunk):  # megatron's own top-k: no replay or record left from a pass
             from rlbatch.engine import routing
 
@@ -202,8 +203,10 @@ class LeanDecoder:
             if record_routing:
                 layers = routing.attach([chunk])
                 routing.set_routing(chunk, None)  # each router keeps its own top-k
-                topk = unwrap(chunk).config.moe_router_topk
-                self.routing = torch.full((num_slots, max_len, layers, topk), -1, dtype=torch.int16)
+                config = unwrap(chunk).config
+                small = routing.routing_dtype(config.num_moe_experts).itemsize == 1
+                shape = (num_slots, max_len, layers, config.moe_router_topk)
+                self.routing = torch.full(shape, -1, dtype=torch.int8 if small else torch.int16)
         device, dtype = self.embed.device, self.embed.dtype
         rotary = model.rotary_pos_emb
         inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
@@ -436,7 +439,9 @@ class LeanDecoder:
         assert self.routing is not None
         slot_t, index, pos = (torch.tensor(c, dtype=torch.long) for c in zip(*fed, strict=True))
         for layer, ids in routing.taken(self.chunk).items():
-            self.routing[slot_t, pos, layer] = ids[index.to(ids.device)].to(torch.int16).cpu()
+            self.routing[slot_t, pos, layer] = (
+                ids[index.to(ids.device)].to(self.routing.dtype).cpu()
+            )
 
     def routing_of(self, slot: int, length: int) -> Any:
         """Slot ``slot``'s first ``length`` positions' routing as a sample carries it
