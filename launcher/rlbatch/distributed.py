@@ -172,6 +172,18 @@ def any_in_expert_group(flag: bool) -> bool:
     return bool(value.item() > 0)
 
 
+def any_in_expert_group_each(flags: Sequence[bool]) -> list[bool]:
+    """Per flag, whether it holds on any rank of the expert-parallel group, in one all-reduce
+    (``flags`` themselves without expert parallelism). Every rank of the group calls."""
+    size, group = expert_group()
+    if size == 1:
+        return list(flags)
+    values = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)
+    values = values.to(comm_device(group))
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return [v > 0 for v in values.tolist()]
+
+
 def max_in_expert_group(value: int) -> int:
     """The largest ``value`` over the ranks of the expert-parallel group (``value`` itself
     without expert parallelism). Every rank of the group calls."""

@@ -249,9 +249,12 @@ def test_rewards_splits_and_metrics(agent_run):
 def test_a_rewritten_history_stops_the_run_under_on_divergence_error(
     agent_run, bin_dir, subprocess_env
 ):
+    """The MoE policy's episodes (tiny_moe: the per-row decoder runs megatron's MoE layers)
+    decode their first calls, and the rewritten history of a second call stops the run."""
     tmp = agent_run[3]
     proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={tmp / 'diverge'}",
-                "env.harness=harness.py:run", "trainer.max_steps=1", "env.agent.on_divergence=error")  # fmt: skip
+                "env.harness=harness.py:run", "trainer.max_steps=1", "env.agent.on_divergence=error",
+                "model=tiny_moe")  # fmt: skip
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
     assert "call 2 of episode" in out and "env.agent.on_divergence=error" in out, out[-2000:]

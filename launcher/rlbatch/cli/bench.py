@@ -9,6 +9,8 @@ rlbatch-bench rollout    generation tokens/s: rlbatch against transformers' gene
 rlbatch-bench rewards    sandboxed code executions/s and judge requests/s
 rlbatch-bench servers    GRPO steps with colocated vLLM against vLLM rollout servers
 rlbatch-bench distill    held-out reward vs steps and seconds: distillation, GRPO and both
+rlbatch-bench moe        an MoE step vs the dense model of equal active parameters, ep 1 vs 2;
+                         the planner's balance with MoE costs vs token counts
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ BENCHES = {
     "rewards": ("rlbatch.bench.rewards", "sandboxed code executions/s and judge requests/s"),
     "servers": ("rlbatch.bench.rollout_servers", "GRPO steps: colocated vLLM against servers"),
     "distill": ("rlbatch.bench.distill", "held-out reward: distillation vs GRPO vs both"),
+    "moe": ("rlbatch.bench.moe", "MoE step vs dense of equal active parameters; planner costs"),
 }
 
 

@@ -101,4 +101,23 @@ def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     " it, or env.harness=null",
                 )
             )
-    errors += per_row_decoder_errors(cfg, "agent harnesses (env.harness)")
+    if backend == RolloutBackend.megatron:
+        errors += per_row_decoder_errors(cfg, "agent harnesses (env.harness)")
+    if cfg.model.num_moe_experts is not None and p.ep > 1:
+        why = (
+            "each rank decodes its harnesses' calls when they arrive, and the ranks of an "
+            "expert-parallel group must run every MoE forward together (an all-to-all; "
+            "multi-turn environments, env.path, keep them in step)"
+            if backend == RolloutBackend.megatron
+            else "the servers' weight syncs gather the experts over the expert-parallel group "
+            "at each rank's first call of a round, which harnesses time on their own (not "
+            "verified here)"
+        )
+        errors.append(
+            ConfigError(
+                "parallel.ep",
+                p.ep,
+                f"agent harnesses (env.harness) with an MoE policy run at parallel.ep=1 only "
+                f"today: {why}: set parallel.ep=1 (each rank holds every expert)",
+            )
+        )

@@ -21,22 +21,43 @@ def overlaps_generation(cfg: RunConfig) -> bool:
     return g.overlap_generation and ahead and not filtering and p.tp == p.pp == p.cp == 1
 
 
-def per_row_decoder_errors(cfg: RunConfig, feature: str) -> list[ConfigError]:
-    """What the built-in engine's per-row KV-cache decoder (multi-turn environments, agent
-    harnesses and partial rollouts decode on it) cannot compute, named for ``feature``: it is a
-    dense-block decoder (rlbatch.engine.generation.LeanDecoder), so an MoE model or yarn RoPE
-    is refused before launch rather than at the first rollout."""
+def per_row_decoder_errors(
+    cfg: RunConfig, feature: str, records_routing: bool = False
+) -> list[ConfigError]:
+    """What the built-in engine's per-row KV-cache decoder (rlbatch.engine.generation.
+    LeanDecoder: multi-turn environments, agent harnesses and partial rollouts decode on it)
+    cannot compute or record, named for ``feature``, refused before launch rather than at the
+    first rollout: yarn RoPE; MoE in the partial-rollout stream; the routing
+    grpo.routing_replay=r3 replays where ``feature`` keeps none (the decoder computes an MoE
+    layer with megatron's own MoE layer and records each fed token's routing; multi-turn
+    episodes carry it, ``records_routing``, an agent harness's spliced calls do not)."""
     m, errors = cfg.model, []
-    if m.num_moe_experts is not None:
+    partial = feature.startswith("partial")
+    if m.num_moe_experts is not None and partial:
         errors.append(
             ConfigError(
                 "model.num_moe_experts",
                 m.num_moe_experts,
-                f"{feature} decode on the built-in engine's per-row KV-cache decoder, which "
-                "computes dense models only: use a dense model, or a single-turn run without "
-                "partial rollouts",
+                f"{feature} with an MoE policy are not supported yet (the stream's rows "
+                "continue across weight updates, and which routing a re-prefilled segment "
+                "replays is not decided; its expert-parallel peers are not kept in step): use "
+                "a dense model, or grpo.partial_rollouts=false",
             )
         )
+    if m.num_moe_experts is not None and not partial and not records_routing:
+        from rlbatch.config.enums import RoutingReplay
+
+        if RoutingReplay(cfg.grpo.routing_replay) == RoutingReplay.r3:
+            errors.append(
+                ConfigError(
+                    "grpo.routing_replay",
+                    "r3",
+                    f"with {feature} on the built-in engine is not supported yet: each call "
+                    "decodes its whole conversation again and its sample splices the calls' "
+                    "sampled tokens, so no one rollout routing belongs to each trained token: "
+                    "set grpo.routing_replay=r2 (the old-logprob pass's routing) or none",
+                )
+            )
     if RopeScaling(m.rope_scaling) == RopeScaling.yarn:
         errors.append(
             ConfigError(

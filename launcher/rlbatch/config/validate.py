@@ -436,7 +436,7 @@ def _check_env(cfg: RunConfig, errors: list[ConfigError]) -> None:
                     " rollout.backend=vllm (any layout), or env.path=null",
                 )
             )
-    errors += per_row_decoder_errors(cfg, "multi-turn rollouts (env.path)")
+    errors += per_row_decoder_errors(cfg, "multi-turn rollouts (env.path)", records_routing=True)
 
 
 def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -4,8 +4,9 @@ Two runners, both returning logits only for the positions that are sampled next:
 
 - :class:`LeanDecoder` (tp = 1, pp = 1, one chunk): the policy's own weights (the megatron
   modules' parameters, not copies) driven by a handful of torch ops per layer, with a per-slot
-  KV cache. Each slot holds one sequence at its own length, so a finished row's slot takes a new
-  prompt while the others keep decoding (continuous batching). Prefill is packed: every new
+  KV cache; an MoE layer's MLP is megatron's own MoE layer (router, token dispatcher, experts),
+  called on the decoder's tokens. Each slot holds one sequence at its own length, so a
+  finished row's slot takes a new prompt while the others keep decoding (continuous batching). Prefill is packed: every new
   prompt in full, each distinct prompt once (a GRPO group shares one prompt), attention per
   prompt, and logits only at each prompt's last position. The math is the layer's own (RMSNorm,
   Qwen3's per-head QK norm, rotary embedding with linear position interpolation or llama3
@@ -19,6 +20,7 @@ Two runners, both returning logits only for the positions that are sampled next:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,31 +77,43 @@ class _Layer:
     qkv: _Linear
     proj: _Linear
     norm2: torch.Tensor
-    fc1: _Linear
-    fc2: _Linear
+    fc1: Optional[_Linear]
+    fc2: Optional[_Linear]
+    """The dense SwiGLU MLP (None in an MoE layer)."""
     q_norm: Optional[torch.Tensor] = None
     """Per-head RMSNorm weights of queries and keys before the rotary embedding (Qwen3)."""
     k_norm: Optional[torch.Tensor] = None
+    moe: Any = None
+    """An MoE layer's megatron MoELayer (megatron.core.transformer.moe.moe_layer): the
+    trainer's own router (fp32 top-k, norm_topk_prob), token dispatcher and experts, so a token
+    is routed and computed as the training forward routes and computes it. At expert
+    parallelism > 1 each call is an all-to-all over the expert-parallel group."""
 
 
 def lean_decoding_supported(chunks: list[Any]) -> bool:
-    """True when :class:`LeanDecoder` computes exactly this model."""
-    return not lean_decoding_refusal(chunks)
+    """True when the single-turn rollout decodes this model on :class:`LeanDecoder`'s
+    continuous batch: a model it computes, dense. A single-turn MoE policy decodes in lockstep
+    through megatron's forward (:class:`PipelineForward`), which records each token's routing
+    for grpo.routing_replay=r3 and keeps expert-parallel peers in step per decoding step."""
+    return not lean_decoding_refusal(chunks) and not is_moe(chunks[0])
+
+
+def is_moe(chunk: Any) -> bool:
+    """Whether this model has MoE layers."""
+    return bool(getattr(unwrap(chunk).config, "num_moe_experts", None))
 
 
 def lean_decoding_refusal(chunks: list[Any]) -> str:
     """Why :class:`LeanDecoder` cannot compute this model ('' when it can): it needs one chunk,
-    tp = pp = 1, and the dense Qwen2 / Qwen3 / Llama block (RMSNorm, SwiGLU, no linear biases
-    besides QKV, rotary embedding of non-interleaved halves, optional QK norm)."""
+    tp = pp = 1, and the Qwen2 / Qwen3 / Llama / Qwen3-MoE block (RMSNorm, SwiGLU or megatron's
+    MoE layer, no linear biases besides QKV, rotary embedding of non-interleaved halves,
+    optional QK norm)."""
     if len(chunks) != 1 or distributed.pp_size() > 1:
         return "it runs one pipeline stage (parallel.pp=1, no vpp)"
     model = unwrap(chunks[0])
     c = model.config
     checks = {
         "parallel.tp=1": c.tensor_model_parallel_size == 1,
-        "a dense model (not MoE: model.num_moe_experts=null)": not getattr(
-            c, "num_moe_experts", None
-        ),
         "RMSNorm": c.normalization == "RMSNorm" and not c.layernorm_zero_centered_gamma,
         "a SwiGLU MLP": bool(c.gated_linear_unit) and c.activation_func is F.silu,
         "no linear biases besides QKV": not c.add_bias_linear,
@@ -155,7 +169,9 @@ class LeanDecoder:
     other slots (rows that left the batch).
     """
 
-    def __init__(self, chunk: Any, num_slots: int, max_len: int) -> None:
+    def __init__(
+        self, chunk: Any, num_slots: int, max_len: int, record_routing: bool = False
+    ) -> None:
         refusal = lean_decoding_refusal([chunk])
         if refusal:  # never a decoder of some other model than the one trained
             raise ValueError(f"the built-in engine's per-row KV-cache decoder: {refusal}")
@@ -171,6 +187,26 @@ class LeanDecoder:
             else model.output_layer.weight
         )
         self.layers = [self._layer(layer) for layer in model.decoder.layers]
+        self.expert_parallel = is_moe(chunk) and distributed.expert_group()[0] > 1
+        """MoE at parallel.ep > 1: every forward (prefill, decode, extend, :meth:`idle`) is an
+        all-to-all over the expert-parallel group, so the group's ranks call as many of them in
+        the same order (rlbatch.rollout.multiturn keeps them in step)."""
+        self.chunk = chunk
+        self.routing: Optional[torch.Tensor] = None
+        """MoE with ``record_routing``: ``[num_slots, max_len, num_moe_layers, k]`` the experts
+        each fed position of each slot was routed to (-1 = not fed): what r3 replays. On the
+        host, int8 while expert ids fit (Qwen3-30B-A3B: 48 x 8 bytes a position)."""
+        if is_moe(chunk):  # megatron's own top-k: no replay or record left from a pass
+            from rlbatch.engine import routing
+
+            routing.clear([chunk])
+            if record_routing:
+                layers = routing.attach([chunk])
+                routing.set_routing(chunk, None)  # each router keeps its own top-k
+                config = unwrap(chunk).config
+                small = routing.routing_dtype(config.num_moe_experts).itemsize == 1
+                shape = (num_slots, max_len, layers, config.moe_router_topk)
+                self.routing = torch.full(shape, -1, dtype=torch.int8 if small else torch.int16)
         device, dtype = self.embed.device, self.embed.dtype
         rotary = model.rotary_pos_emb
         inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
@@ -201,15 +237,21 @@ class LeanDecoder:
             return _Linear(module.weight, bias, active_branch(module))
 
         q_norm, k_norm = (getattr(attn, f"{n}_layernorm", None) for n in ("q", "k"))
+        sparse = getattr(mlp, "router", None) is not None  # megatron's MoELayer
         return _Layer(
             norm1=_norm_weight(attn.linear_qkv, layer.input_layernorm),
             qkv=linear(attn.linear_qkv, attn.linear_qkv.bias),
             proj=linear(attn.linear_proj),
-            norm2=_norm_weight(mlp.linear_fc1, layer.pre_mlp_layernorm),
-            fc1=linear(mlp.linear_fc1),
-            fc2=linear(mlp.linear_fc2),
+            norm2=(
+                layer.pre_mlp_layernorm.weight
+                if sparse
+                else _norm_weight(mlp.linear_fc1, layer.pre_mlp_layernorm)
+            ),
+            fc1=None if sparse else linear(mlp.linear_fc1),
+            fc2=None if sparse else linear(mlp.linear_fc2),
             q_norm=getattr(q_norm, "weight", None),
             k_norm=getattr(k_norm, "weight", None),
+            moe=mlp if sparse else None,
         )
 
     def _qkv(
@@ -233,9 +275,23 @@ class LeanDecoder:
         return q, qk[:, :, per_group], qkv[:, :, per_group + 1]
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        h = layer.fc1(F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps))
-        gate, up = h.chunk(2, dim=-1)
+        h = F.rms_norm(x, x.shape[-1:], layer.norm2, self.eps)
+        if layer.moe is not None:  # megatron's MoE layer on [N, 1, H] (its [S, B, H])
+            out, _ = layer.moe(h[:, None])
+            return x + out[:, 0]
+        assert layer.fc1 is not None and layer.fc2 is not None
+        gate, up = layer.fc1(h).chunk(2, dim=-1)
         return x + layer.fc2(F.silu(gate) * up)
+
+    def idle(self) -> None:
+        """A forward of nobody's tokens for the expert-parallel peers (MoE at parallel.ep > 1):
+        each MoE layer once, in order, on one zero token, so a peer's forward of the same
+        step finds this rank in its all-to-alls. Attention and the dense layers are local and
+        skipped; no cache or length changes."""
+        h = torch.zeros(1, 1, self.embed.shape[1], dtype=self.embed.dtype, device=self.device)
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe(h)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.out_w)
@@ -271,6 +327,11 @@ class LeanDecoder:
             x = self._mlp(x, layer)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         self.lens[slot_t] = torch.tensor(lens, device=self.device)[src]
+        if self.routing is not None:  # every slot of a prompt gets its tokens' routing
+            starts = [0, *itertools.accumulate(lens)]
+            fed = [(slot, starts[j] + t, t) for slot, j in zip(slots, owner, strict=True)
+                   for t in range(lens[j])]  # fmt: skip
+            self._record(fed)
         return self._logits(x[last][src])
 
     def decode(self, tokens: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -307,6 +368,8 @@ class LeanDecoder:
             x = x + layer.proj(out.reshape(len(tokens), -1))
             x = self._mlp(x, layer)
         self.lens[slots] = pos + 1
+        if self.routing is not None:
+            self._record(list(zip(slots.tolist(), range(len(tokens)), pos.tolist(), strict=True)))
         return self._logits(x)
 
     def _decode_masks(
@@ -360,13 +423,45 @@ class LeanDecoder:
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         for slot, start, n in zip(slots, starts, lens, strict=True):
             self.lens[slot] = start + n
+        if self.routing is not None:
+            offsets = [0, *itertools.accumulate(lens)]
+            fed = [(slot, offsets[i] + t, start + t)
+                   for i, (slot, start, n) in enumerate(zip(slots, starts, lens, strict=True))
+                   for t in range(n)]  # fmt: skip
+            self._record(fed)
         return self._logits(x[last])
+
+    def _record(self, fed: list[tuple[int, int, int]]) -> None:
+        """The routers' own choice in the forward that just ran, ``(slot, token index in the
+        forward, position)`` per fed token, into :attr:`routing`."""
+        from rlbatch.engine import routing
+
+        assert self.routing is not None
+        slot_t, index, pos = (torch.tensor(c, dtype=torch.long) for c in zip(*fed, strict=True))
+        for layer, ids in routing.taken(self.chunk).items():
+            self.routing[slot_t, pos, layer] = (
+                ids[index.to(ids.device)].to(self.routing.dtype).cpu()
+            )
+
+    def routing_of(self, slot: int, length: int) -> Any:
+        """Slot ``slot``'s first ``length`` positions' routing as a sample carries it
+        (``[length, num_moe_layers, k]``, rlbatch.engine.routing.routing_dtype), the last
+        position -1: a row's last token is never fed (nothing scored depends on its routing)."""
+        from rlbatch.engine import routing
+
+        assert self.routing is not None
+        dtype = routing.routing_dtype(unwrap(self.chunk).config.num_moe_experts)
+        arr = self.routing[slot, :length].numpy().astype(dtype)
+        arr[length - 1 :] = -1
+        return arr
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only these slots (in this order): rows that left the batch free their cache."""
         self.k = [k[slots] for k in self.k]
         self.v = [v[slots] for v in self.v]
         self.lens = self.lens[slots]
+        if self.routing is not None:
+            self.routing = self.routing[slots.cpu()]
 
 
 # -------------------------------------------------------------------------- megatron path

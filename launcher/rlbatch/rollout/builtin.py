@@ -297,7 +297,8 @@ class MegatronRolloutEngine:
         """Multi-turn: decode-slot occupancy of the last generate (rlbatch.rollout.multiturn)."""
         self.record_routing = record_routing
         """MoE: record every token's routing (prompt and response) into its Sample
-        (rlbatch.engine.routing; the lockstep path through megatron's forward)."""
+        (rlbatch.engine.routing): the lockstep path through megatron's forward (single-turn)
+        and the per-row decoder (multi-turn)."""
         self.decode_stats = DecodeStats()
         """Single-turn decode-slot occupancy, accumulated over generate() calls (a caller
         that wants it per round assigns a fresh DecodeStats())."""
@@ -371,10 +372,16 @@ class MegatronRolloutEngine:
         self.driver.begin([p for _, p in rows])
         self.slot_stats = SlotStats()
         with generation.inference_mode(self.chunks):
-            decoder = generation.LeanDecoder(self.chunks[0], size, self.max_total_tokens)
+            decoder = generation.LeanDecoder(
+                self.chunks[0], size, self.max_total_tokens, record_routing=self.record_routing
+            )
             trajs = decode_turns(
                 decoder, prompt_ids, self.params, keys, size, self.driver, budget, self.slot_stats
             )
+        if decoder.routing is not None:
+            from rlbatch.engine import routing
+
+            routing.clear(self.chunks)
         return episode_samples(rows, trajs, self.driver.records(), version)
 
 

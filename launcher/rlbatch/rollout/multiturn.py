@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional, Protocol
 
 import torch
@@ -63,6 +64,9 @@ class Trajectory:
     truncated: bool = False
     turn_start: int = 0
     """Index in ids where the current assistant turn starts."""
+    routing: Any = None
+    """MoE, recorded by the decoder: ``[prompt + len(ids), num_moe_layers, k]`` the experts
+    each token of the episode was routed to as it was fed (rlbatch.engine.routing)."""
 
     def add_sampled(self, token: int, logp: float) -> None:
         self.ids.append(token)
@@ -150,9 +154,15 @@ class _Batch:
         self.active: list[int] = []  # slots decoding, ascending
         self.logits: Optional[torch.Tensor] = None  # [len(active), V]
         self.device = device
+        self.freed: list[tuple[int, int]] = []  # (slot, row) whose episode ended this step
 
     def free(self) -> list[int]:
         return [s for s, r in enumerate(self.row_of) if r < 0]
+
+    def free_slot(self, slot: int) -> None:
+        """The row in ``slot`` ended its episode: the slot takes the next prompt."""
+        self.freed.append((slot, self.row_of[slot]))
+        self.row_of[slot] = -1
 
     def set_active(self, parts: dict[int, torch.Tensor]) -> None:
         """parts: slot -> logits [V]; the active set becomes these slots."""
@@ -170,43 +180,119 @@ def decode_turns(
     max_response: Sequence[int],
     stats: Optional[SlotStats] = None,
 ) -> list[Trajectory]:
-    """Multi-turn rollouts of every row on a per-slot decoder (see the module docstring)."""
+    """Multi-turn rollouts of every row on a per-slot decoder (see the module docstring).
+
+    Each step runs up to three forwards, in this order: decode (the rows that go on), extend
+    (the rows whose observation came back), prefill (new prompts in freed slots). An MoE
+    decoder at expert parallelism > 1 (``decoder.expert_parallel``) exchanges tokens with its
+    expert group in every forward, so the group's ranks agree before each phase whether any of
+    them runs it (one all-reduce for decode and one for extend + prefill); a rank with nothing
+    for a phase some peer runs, or with no rows left while a peer has some, runs the decoder's
+    idle forward (each MoE layer on one zero token) in its place. Samples do not change."""
     stats = stats if stats is not None else SlotStats()
     trajs = [Trajectory() for _ in prompt_ids]
     queue = deque(sorted(range(len(prompt_ids)), key=lambda r: -len(prompt_ids[r])))
     batch = _Batch(num_slots, decoder.device)
     keys = keys.to(decoder.device)
-    batch.set_active(_refill(decoder, batch, queue, prompt_ids))
-    while batch.active:
-        rows = [batch.row_of[s] for s in batch.active]
-        assert batch.logits is not None
-        steps = torch.tensor([len(trajs[r].ids) for r in rows], device=decoder.device)
-        tok, lp = sample_tokens(batch.logits, params, keys[rows], steps)
+    step = _InStep(decoder)
+    refill = _plan_refill(batch, queue)
+    (anyone,) = step.agree([bool(refill)])
+    batch.set_active(step.run(bool(refill), anyone, partial(_prefill, decoder, refill, prompt_ids)))
+    while True:
         going: dict[int, int] = {}  # slot -> token to feed
         waiting: dict[int, int] = {}  # slot -> its last token (EOS), fed on re-entry
-        for slot, row, t, logp in zip(batch.active, rows, tok.tolist(), lp.tolist(), strict=True):
-            traj = trajs[row]
-            traj.add_sampled(t, logp)
-            why = turn_end(traj, params.ends(t), params.max_new_tokens, max_response[row])
-            if why == "":
-                going[slot] = t
-            elif close_turn(driver, row, traj, why):
-                waiting[slot] = t
-            else:
-                batch.row_of[slot] = -1
-        _count(stats, len(batch.active), len(going), bool(waiting), num_slots)
-        parts: dict[int, torch.Tensor] = {}
-        if going:
-            slots = sorted(going)
-            every = len(slots) == num_slots  # every slot decodes: no gather of the caches
-            index = None if every else torch.tensor(slots, device=decoder.device)
-            feed = torch.tensor([going[s] for s in slots], device=decoder.device)
-            parts.update(zip(slots, decoder.decode(feed, index), strict=True))
-        if waiting:
-            parts.update(_reenter(decoder, batch, waiting, driver, trajs, max_response))
-        parts.update(_refill(decoder, batch, queue, prompt_ids))
+        if batch.active:
+            _sample_turns(batch, trajs, params, keys, driver, max_response, going, waiting)
+            _count(stats, len(batch.active), len(going), bool(waiting), num_slots)
+        alive, decoding = step.agree([bool(batch.active), bool(going)])
+        if not alive:
+            break
+        parts = step.run(bool(going), decoding, partial(_decode, decoder, going, num_slots))
+        back = _answers(batch, waiting, driver, trajs, max_response) if waiting else {}
+        _keep_routing(decoder, batch, trajs, prompt_ids)
+        refill = _plan_refill(batch, queue)
+        extending, filling = step.agree([bool(back), bool(refill)])
+        parts.update(step.run(bool(back), extending, partial(_extend, decoder, back)))
+        parts.update(
+            step.run(bool(refill), filling, partial(_prefill, decoder, refill, prompt_ids))
+        )
         batch.set_active(parts)
     return trajs
+
+
+class _InStep:
+    """Phases of a decoding step agreed over the expert-parallel group (an MoE decoder at
+    parallel.ep > 1); without it every call is local and free."""
+
+    def __init__(self, decoder: Any) -> None:
+        self.decoder = decoder
+        self.on = bool(getattr(decoder, "expert_parallel", False))
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Per flag: whether it holds on some rank of the group."""
+        if not self.on:
+            return flags
+        from rlbatch import distributed
+
+        return distributed.any_in_expert_group_each(flags)
+
+    def run(self, mine: bool, anyone: bool, forward: Any) -> dict[int, torch.Tensor]:
+        """This rank's forward of the phase, or the idle forward when only peers run it."""
+        if mine:
+            parts: dict[int, torch.Tensor] = forward()
+            return parts
+        if anyone and self.on:
+            self.decoder.idle()
+        return {}
+
+
+def _sample_turns(
+    batch: _Batch,
+    trajs: list[Trajectory],
+    params: SamplingParams,
+    keys: torch.Tensor,
+    driver: TurnDriver,
+    max_response: Sequence[int],
+    going: dict[int, int],
+    waiting: dict[int, int],
+) -> None:
+    """Sample the next token of every active row; fill ``going`` (it decodes on) and
+    ``waiting`` (its turn ended: handed to the driver); a row whose episode ended frees its
+    slot."""
+    rows = [batch.row_of[s] for s in batch.active]
+    assert batch.logits is not None
+    steps = torch.tensor([len(trajs[r].ids) for r in rows], device=batch.device)
+    tok, lp = sample_tokens(batch.logits, params, keys[rows], steps)
+    for slot, row, t, logp in zip(batch.active, rows, tok.tolist(), lp.tolist(), strict=True):
+        traj = trajs[row]
+        traj.add_sampled(t, logp)
+        why = turn_end(traj, params.ends(t), params.max_new_tokens, max_response[row])
+        if why == "":
+            going[slot] = t
+        elif close_turn(driver, row, traj, why):
+            waiting[slot] = t
+        else:
+            batch.free_slot(slot)
+
+
+def _keep_routing(
+    decoder: Any, batch: _Batch, trajs: list[Trajectory], prompt_ids: Sequence[Sequence[int]]
+) -> None:
+    """The routing the decoder recorded (MoE) of the episodes that ended this step, taken
+    before their slots take new prompts."""
+    if getattr(decoder, "routing", None) is not None:
+        for slot, row in batch.freed:
+            length = len(prompt_ids[row]) + len(trajs[row].ids)
+            trajs[row].routing = decoder.routing_of(slot, length)
+    batch.freed.clear()
+
+
+def _decode(decoder: Any, going: dict[int, int], num_slots: int) -> dict[int, torch.Tensor]:
+    slots = sorted(going)
+    every = len(slots) == num_slots  # every slot decodes: no gather of the caches
+    index = None if every else torch.tensor(slots, device=decoder.device)
+    feed = torch.tensor([going[s] for s in slots], device=decoder.device)
+    return dict(zip(slots, decoder.decode(feed, index), strict=True))
 
 
 def _count(stats: SlotStats, active: int, decoded: int, any_waiting: bool, slots: int) -> None:
@@ -218,43 +304,49 @@ def _count(stats: SlotStats, active: int, decoded: int, any_waiting: bool, slots
         stats.slot_steps_while_waiting += slots
 
 
-def _reenter(
-    decoder: Any,
+def _answers(
     batch: _Batch,
     waiting: dict[int, int],
     driver: TurnDriver,
     trajs: list[Trajectory],
     max_response: Sequence[int],
-) -> dict[int, torch.Tensor]:
+) -> dict[int, list[int]]:
     """The driver's answers for the rows that waited: finished rows free their slot; the others
-    re-enter with [their EOS] + observation (prefill of those tokens only)."""
+    re-enter with [their EOS] + observation: ``{slot: tokens to feed}``."""
     answers = driver.collect()
-    slots, feeds = [], []
+    feeds: dict[int, list[int]] = {}
     for slot, last in sorted(waiting.items()):
         row = batch.row_of[slot]
         observation = answers[row]
         if not take_observation(driver, row, trajs[row], observation, max_response[row]):
-            batch.row_of[slot] = -1
+            batch.free_slot(slot)
             continue
         assert observation is not None
-        slots.append(slot)
-        feeds.append([last, *observation])
-    if not slots:
-        return {}
-    return dict(zip(slots, decoder.extend(slots, feeds), strict=True))
+        feeds[slot] = [last, *observation]
+    return feeds
 
 
-def _refill(
-    decoder: Any, batch: _Batch, queue: deque[int], prompt_ids: Sequence[Sequence[int]]
-) -> dict[int, torch.Tensor]:
-    """Free slots take the next prompts (prefill); returns their logits by slot."""
+def _extend(decoder: Any, feeds: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    """Prefill of the re-entering rows' new tokens on top of their caches."""
+    slots = sorted(feeds)
+    return dict(zip(slots, decoder.extend(slots, [feeds[s] for s in slots]), strict=True))
+
+
+def _plan_refill(batch: _Batch, queue: deque[int]) -> dict[int, int]:
+    """Free slots take the next prompts: ``{slot: row}``, the slots marked taken."""
     slots = batch.free()[: len(queue)]
-    if not slots:
-        return {}
-    rows = [queue.popleft() for _ in slots]
-    for slot, row in zip(slots, rows, strict=True):
+    plan = {slot: queue.popleft() for slot in slots}
+    for slot, row in plan.items():
         batch.row_of[slot] = row
-    logits = decoder.prefill(slots, [prompt_ids[r] for r in rows])
+    return plan
+
+
+def _prefill(
+    decoder: Any, plan: dict[int, int], prompt_ids: Sequence[Sequence[int]]
+) -> dict[int, torch.Tensor]:
+    """Prefill of the planned slots' prompts; their logits by slot."""
+    slots = list(plan)
+    logits = decoder.prefill(slots, [prompt_ids[plan[s]] for s in slots])
     return dict(zip(slots, logits, strict=True))
 
 
@@ -277,6 +369,7 @@ def episode_samples(
             policy_version=version,
             loss_mask=t.mask,
             episode=ep,
+            routing=t.routing,
         )
         for (g, p), t, ep in zip(rows, trajs, episodes, strict=True)
     ]

@@ -89,13 +89,14 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
     assert "grpo.overlap_generation=false" in overlap["parallel.ep"]
     tp = _errors_for(["model=tiny_moe", "parallel.tp=2"])
     assert "parallel.sequence_parallel=true" in tp["parallel.sequence_parallel"]
-    turns = _errors_for(["env=guess_number", "model=tiny_moe"])
-    assert "multi-turn rollouts (env.path)" in turns["model.num_moe_experts"]
-    assert "dense models only" in turns["model.num_moe_experts"]
     harness = _errors_for(
-        ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe"]
-    )
-    assert "agent harnesses (env.harness)" in harness["model.num_moe_experts"]
+        ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
+         "parallel.dp=2", "parallel.ep=2", "grpo.routing_replay=r3"]
+    )  # fmt: skip
+    assert "agent harnesses (env.harness)" in harness["parallel.ep"]
+    assert "set parallel.ep=1" in harness["parallel.ep"]
+    assert "agent harnesses (env.harness)" in harness["grpo.routing_replay"]
+    assert "splices the calls' sampled tokens" in harness["grpo.routing_replay"]
     partial = _errors_for(
         ["model=tiny_moe", "grpo.partial_rollouts=true", "grpo.num_steps_async=1",
          "grpo.max_staleness=3"]
@@ -113,6 +114,39 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
     assert "grpo.routing_replay=r3" in sliced["grpo.routing_replay"]
     few = _errors_for(["model=tiny_moe", "parallel.dp=2", "parallel.ep=2", "eval.max_prompts=1"])
     assert "set eval.max_prompts=2 or more" in few["eval.max_prompts"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["env=guess_number", "parallel.dp=2", "parallel.ep=2"],
+        ["env=guess_number", "parallel.dp=2", "parallel.ep=2", "grpo.routing_replay=r2",
+         "grpo.num_iterations=2"],
+        ["env=guess_number", "parallel.dp=2", "parallel.ep=2", "grpo.routing_replay=r3"],
+        ["env=guess_number", "parallel.dp=2", "parallel.ep=2", "rollout.backend=vllm",
+         "model.head_dim=32"],
+        ["+env.harness=agent.py:run", "data.chat_template=qwen", "parallel.dp=2"],
+    ],
+    ids=["env_dp2_ep2", "env_r2", "env_r3", "env_vllm", "harness_dp2_ep1"],
+)  # fmt: skip
+def test_an_moe_policy_validates_with_multi_turn_environments_and_harnesses(overrides, tmp_path):
+    """The per-row decoder computes MoE blocks: multi-turn environments at any expert
+    parallelism (the expert group kept in step), r2 and r3 (the decoder records the rollout's
+    routing), agent harnesses at ep 1."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    (tmp_path / "agent.py").write_text("async def run(client, model, row):\n    return 0.0\n")
+    overrides = [o.replace("agent.py", str(tmp_path / "agent.py")) for o in overrides]
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(
+            config_name="config", overrides=["+recipe=grpo_qwen", "model=tiny_moe", *overrides]
+        )
+    check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))  # no error
 
 
 def test_yarn_rope_is_refused_where_the_per_row_decoder_would_run():
@@ -225,7 +259,10 @@ def test_routing_replay_refusals_name_their_keys_all_at_once():
     assert "has no such pass" in errors["grpo.routing_replay"]
     assert "set model.recompute=selective or none" in errors["model.recompute"]
     assert "set parallel.cp=1" in errors["parallel.cp"]
-    assert "dense models only" in errors["model.num_moe_experts"]  # partial rollouts
+    assert (
+        "partial rollouts (grpo.partial_rollouts) with an MoE policy"
+        in errors["model.num_moe_experts"]
+    )
 
 
 def test_r3_is_refused_on_a_backend_that_returns_no_routing():

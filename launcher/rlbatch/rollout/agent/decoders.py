@@ -42,7 +42,7 @@ class BuiltinDecoder:
     """Calls decoded on the built-in engine's continuous batch (its live weights are the
     policy's current version): each call sampled from its own key, so its tokens are those of
     the same call decoded alone; a call asking fewer tokens than the longest keeps its first
-    ``max_tokens``."""
+    ``max_tokens``. An MoE policy decodes here at parallel.ep=1 (every expert on the rank)."""
 
     def __init__(self, engine: Any, rollout: Any, pad_id: int) -> None:
         self.engine, self.rollout, self.pad_id = engine, rollout, pad_id
@@ -76,6 +76,11 @@ class BuiltinDecoder:
         longest = max(len(p) for p in prompt_ids) + params.max_new_tokens
         with generation.inference_mode(engine.chunks), torch.inference_mode():
             decoder = generation.LeanDecoder(engine.chunks[0], len(prompt_ids), longest)
+            if decoder.expert_parallel:  # refused before launch (config/agent_rules.py)
+                raise ValueError(
+                    "agent harnesses with an MoE policy decode on the built-in engine at "
+                    "parallel.ep=1 only: its calls are not kept in step with the expert group"
+                )
             out = decode_continuous(decoder, prompt_ids, params, keys, len(prompt_ids), [])
         rows = []
         for ids, logps, limit in zip(out.response_ids, out.logps, max_tokens, strict=True):
