@@ -27,6 +27,7 @@ from rlbatch.config.moe_rules import (
 from rlbatch.config.objectives import objective_errors
 from rlbatch.config.parallel_rules import check_layout, check_world, world_size
 from rlbatch.config.schema import (
+    Architecture,
     BatchingMode,
     BatchingPassConfig,
     DataSource,
@@ -245,6 +246,18 @@ def _check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "model.hidden_size",
                 m.hidden_size,
                 f"must be divisible by model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+    arch = Architecture(m.architecture)
+    if m.add_qkv_bias and arch != Architecture.qwen2:
+        errors.append(
+            ConfigError(
+                "model.add_qkv_bias",
+                m.add_qkv_bias,
+                f"model.architecture={arch.value} has no q/k/v biases in its Hugging Face form "
+                "(its attention_bias would add an o_proj bias as well), so an export would "
+                "drop the trained biases: set model.add_qkv_bias=false, or "
+                "model.architecture=qwen2",
             )
         )
     if m.logits_chunk_tokens < 0:

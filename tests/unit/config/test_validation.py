@@ -10,7 +10,8 @@ import pytest
 from rlbatch.cli.common import compose
 from rlbatch.config.errors import ConfigErrors
 from rlbatch.config.load import check_structure, load_run_config, to_container
-from rlbatch.config.validate import check
+from rlbatch.config.schema import RunConfig
+from rlbatch.config.validate import check, validate
 
 BASE = ["+recipe=grpo_qwen"]
 
@@ -283,3 +284,19 @@ def test_objective_keys_the_run_ignores_are_warned_about():
     assert "grpo.rollout_correction_lower=0.5 is ignored" in text
     assert "grpo.scale_rewards=batch is ignored" in text
     assert "debug.perturb_behaviour_logps=0.1" in text
+
+
+def test_qkv_biases_are_refused_where_the_hugging_face_form_has_none():
+    """Qwen3 (MoE too) and Llama have no q/k/v-only biases in Hugging Face's classes (their
+    attention_bias adds an o_proj bias as well): trained biases would be dropped by the export,
+    so a model of those architectures with model.add_qkv_bias=true is refused before launch."""
+    from rlbatch.config.schema import Architecture
+
+    for arch in (Architecture.qwen3, Architecture.llama):
+        cfg = RunConfig()
+        cfg.model.architecture = arch
+        (error,) = [e for e in validate(cfg) if e.key == "model.add_qkv_bias"]
+        assert f"model.architecture={arch.value}" in str(error)
+        cfg.model.add_qkv_bias = False
+        assert not [e for e in validate(cfg) if e.key == "model.add_qkv_bias"]
+    assert not [e for e in validate(RunConfig()) if e.key == "model.add_qkv_bias"]  # qwen2
