@@ -99,3 +99,28 @@ def test_the_server_is_checked_before_launch():
         server.server_close()
     with pytest.raises(OpenEnvError, match="does not answer as an OpenEnv server"):
         default_action_problem(url, timeout=2)
+
+
+def test_a_full_server_is_an_error_naming_both_fixes():
+    """A session past the server's max_concurrent_envs: OpenEnv's client raises the server's
+    error (this text is what openenv-core 0.3.0's server and GenericEnvClient give for a second
+    session on max_concurrent_envs=1); the episode's error names the call and both fixes."""
+    import asyncio
+
+    from rlbatch.rollout.agent.openenv import OpenEnvError, OpenEnvHarness
+
+    full = (
+        "Server error: Server at capacity: 1/1 sessions active. Cannot accept new connections."
+        " (code: CAPACITY_REACHED)"
+    )
+
+    async def refused():
+        raise RuntimeError(full)
+
+    harness = object.__new__(OpenEnvHarness)  # no server to read a schema from
+    harness.url = "http://127.0.0.1:1"
+    with pytest.raises(OpenEnvError) as caught:
+        asyncio.run(harness._call(refused(), "reset"))
+    text = str(caught.value)
+    assert text.startswith("the OpenEnv server http://127.0.0.1:1 failed the reset: " + full)
+    assert "max_concurrent_envs" in text and "env.max_concurrency" in text
