@@ -12,6 +12,7 @@ process's), and no partial-rollout stream. Each refusal names its fix.
 from __future__ import annotations
 
 from rlbatch.config.enums import ChatTemplate, RolloutBackend
+from rlbatch.config.env import harness_key, harness_spec
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import RunConfig
 from rlbatch.config.streaming import per_row_decoder_errors
@@ -22,15 +23,18 @@ SERVED_BY = (RolloutBackend.megatron, RolloutBackend.vllm_server)
 
 def check_agent(cfg: RunConfig, errors: list[ConfigError]) -> None:
     env = cfg.env
-    if not env.harness:
+    _check_openenv_keys(cfg, errors)
+    if not harness_spec(env):
         return
+    key = harness_key(env)
+    spec = env.harness if key == "env.harness" else env.agent.openenv_url
     if env.path:
         errors.append(
             ConfigError(
                 "env.path",
                 env.path,
-                f"and env.harness={env.harness} are two ways to run episodes: set one of them"
-                " (env.path=null for a harness)",
+                f"and {key}={spec} are two ways to run episodes: set one of them (env.path=null"
+                f" for {'a harness' if key == 'env.harness' else 'the OpenEnv environment'})",
             )
         )
     if ChatTemplate(cfg.data.chat_template) == ChatTemplate.none:
@@ -66,17 +70,50 @@ def check_agent(cfg: RunConfig, errors: list[ConfigError]) -> None:
     _check_layout(cfg, errors)
 
 
+def _check_openenv_keys(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """env.agent.openenv_url is a harness of its own (exclusive with env.harness), and
+    env.agent.openenv_action means nothing without it."""
+    agent = cfg.env.agent
+    if agent.openenv_url and cfg.env.harness:
+        errors.append(
+            ConfigError(
+                "env.agent.openenv_url",
+                agent.openenv_url,
+                f"and env.harness={cfg.env.harness} are two ways to run episodes (the OpenEnv"
+                " server's episodes run through a built-in harness): set one of them",
+            )
+        )
+    if agent.openenv_url and not agent.openenv_url.startswith(("http://", "https://")):
+        errors.append(
+            ConfigError(
+                "env.agent.openenv_url",
+                agent.openenv_url,
+                "must be the server's http:// or https:// address (e.g. http://127.0.0.1:8000)",
+            )
+        )
+    if agent.openenv_action and not agent.openenv_url:
+        errors.append(
+            ConfigError(
+                "env.agent.openenv_action",
+                agent.openenv_action,
+                "turns replies into an OpenEnv environment's actions, and env.agent.openenv_url"
+                " is not set: set it, or env.agent.openenv_action=null",
+            )
+        )
+
+
 def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
     p, r, g = cfg.parallel, cfg.rollout, cfg.grpo
+    key = harness_key(cfg.env)
     backend = RolloutBackend(r.backend)
     if backend not in SERVED_BY:
         errors.append(
             ConfigError(
                 "rollout.backend",
                 backend.value,
-                "agent harnesses (env.harness) run on the built-in engine (megatron) or on vLLM"
+                f"agent harnesses ({key}) run on the built-in engine (megatron) or on vLLM"
                 " servers (vllm_server) today: set rollout.backend=megatron or vllm_server, or"
-                " env.harness=null",
+                f" {key}=null",
             )
         )
     needs: dict[str, tuple[object, object]] = {
@@ -90,19 +127,20 @@ def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
         needs["rollout.kv_cache"] = (r.kv_cache, True)
     if min(g.num_steps_async, g.max_staleness) > 0:  # run-ahead: inline, in this process
         needs["grpo.overlap_generation"] = (g.overlap_generation, False)
+    harness = key
     for key, (got, wanted) in needs.items():
         if got != wanted:
             errors.append(
                 ConfigError(
                     key,
                     got,
-                    f"agent harnesses (env.harness) run between training steps, one process"
+                    f"agent harnesses ({harness}) run between training steps, one process"
                     f" per model replica, today, which needs {key}={str(wanted).lower()}: set"
-                    " it, or env.harness=null",
+                    f" it, or {harness}=null",
                 )
             )
     if backend == RolloutBackend.megatron:
-        errors += per_row_decoder_errors(cfg, "agent harnesses (env.harness)")
+        errors += per_row_decoder_errors(cfg, f"agent harnesses ({harness})")
     if cfg.model.num_moe_experts is not None and p.ep > 1:
         why = (
             "each rank decodes its harnesses' calls when they arrive, and the ranks of an "
@@ -117,7 +155,7 @@ def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
             ConfigError(
                 "parallel.ep",
                 p.ep,
-                f"agent harnesses (env.harness) with an MoE policy run at parallel.ep=1 only "
+                f"agent harnesses ({harness}) with an MoE policy run at parallel.ep=1 only "
                 f"today: {why}: set parallel.ep=1 (each rank holds every expert)",
             )
         )

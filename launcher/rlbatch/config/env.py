@@ -38,6 +38,17 @@ class AgentConfig:
     ``time.sleep``, a blocking tool); beyond it that episode is an error naming it and the line
     it blocks at (raise_error stops the run; zero_reward scores it 0 and restarts the others
     on a fresh loop)."""
+    openenv_url: Optional[str] = None
+    """An OpenEnv environment served over HTTP (``http://host:port``): episodes run through the
+    built-in OpenEnv harness instead of env.harness: one server session per episode, reset with
+    the row's seed, each assistant reply turned into an action and stepped, each observation the
+    next user message; the reward is the environment's rewards summed (docs/agents.md). The
+    server must take env.max_concurrency sessions per data-parallel rank at once."""
+    openenv_action: Optional[str] = None
+    """How the policy's reply becomes the OpenEnv environment's action: ``PATH.py:fn`` or
+    ``module:fn``, ``fn(text, observation) -> dict`` (or the environment's Action model); null =
+    the action's only required text field set to the reply (environments whose action is one
+    string; any other action needs a function)."""
 
 
 @dataclass
@@ -88,4 +99,21 @@ class EnvConfig:
 def multi_turn(env: EnvConfig) -> bool:
     """Rollouts are episodes (an environment's turns or a harness's calls), each sample bounded
     by env.max_total_tokens rather than one prompt and one completion."""
-    return bool(env.path or env.harness)
+    return bool(env.path or harness_spec(env))
+
+
+OPENENV_HARNESS = "rlbatch.rollout.agent.openenv:OpenEnvHarness"
+"""What runs an episode when env.agent.openenv_url is set (its error messages name it)."""
+
+
+def harness_spec(env: EnvConfig) -> Optional[str]:
+    """The harness episodes run through: env.harness, or the built-in OpenEnv harness when
+    env.agent.openenv_url is set (exclusive: config rules refuse both); None = no harness."""
+    if env.harness:
+        return env.harness
+    return OPENENV_HARNESS if env.agent.openenv_url else None
+
+
+def harness_key(env: EnvConfig) -> str:
+    """The key that turned harness episodes on (for error messages and their fixes)."""
+    return "env.harness" if env.harness or not env.agent.openenv_url else "env.agent.openenv_url"

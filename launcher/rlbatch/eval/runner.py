@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from rlbatch.config.env import harness_spec
 from rlbatch.config.schema import DataSource, RunConfig
 from rlbatch.eval.answers import AnswerFn, answer_fn, voting_kind
 from rlbatch.eval.metrics import PromptResult, ScoredSample, summarize
@@ -190,7 +191,7 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]
 
     debug = dataclasses.replace(cfg.debug, response_length_median=0)
     sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg), data=eval_data(cfg), debug=debug)
-    if cfg.env.harness:  # the harness's episodes, sampled with the evaluation's settings
+    if harness_spec(cfg.env):  # the harness's episodes, sampled with the evaluation's settings
         from rlbatch.rollout.agent.engine import build_agent_engine
 
         return build_agent_engine(sampling, model, tokenizer), None

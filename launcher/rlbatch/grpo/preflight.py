@@ -148,11 +148,55 @@ def _check_harness(cfg: RunConfig, errors: list[ConfigError]) -> None:
         errors.append(ConfigError("env.harness", cfg.env.harness, str(err)))
 
 
+def _check_openenv(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """env.agent.openenv_url: the openai and openenv packages installed, the server answering
+    as an OpenEnv server, and its action built by env.agent.openenv_action (loadable, callable
+    as fn(text, observation); a relative file path made absolute for the workers) or, without
+    one, a text action (the action's one required text field)."""
+    import importlib.util
+
+    from rlbatch.rollout.agent import openenv
+
+    agent = cfg.env.agent
+    url = str(agent.openenv_url)
+    for package, what in (("openai", "the harness's client"), ("openenv", "OpenEnv's client")):
+        if importlib.util.find_spec(package) is None:
+            errors.append(
+                ConfigError(
+                    "env.agent.openenv_url",
+                    agent.openenv_url,
+                    f"needs the {package} package ({what}): pip install 'rlbatch[openenv]'",
+                )
+            )
+    if agent.openenv_action:
+        agent.openenv_action = _absolute_spec(agent.openenv_action)
+        try:
+            openenv.load_action(agent.openenv_action)
+        except ValueError as err:
+            errors.append(ConfigError("env.agent.openenv_action", agent.openenv_action, str(err)))
+    try:
+        problem = None if agent.openenv_action else openenv.default_action_problem(url)
+    except openenv.OpenEnvError as err:
+        errors.append(
+            ConfigError(
+                "env.agent.openenv_url",
+                agent.openenv_url,
+                f"{err}: start the environment's server (e.g. uvicorn on an app made by"
+                " openenv's create_app) or fix the address",
+            )
+        )
+        return
+    if problem:
+        errors.append(ConfigError("env.agent.openenv_action", None, problem))
+
+
 def _check_environment(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """env.path: importable, reset / step present, constructible with env.kwargs (the same
     loader as reward functions); a relative file path is made absolute for the workers."""
     if cfg.env.harness:
         _check_harness(cfg, errors)
+    if cfg.env.agent.openenv_url:
+        _check_openenv(cfg, errors)
     if not cfg.env.path:
         return
     from rlbatch.env.loader import check_environment

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from rlbatch.config.env import harness_spec
 from rlbatch.config.schema import RunConfig
 from rlbatch.grpo.lcm import LCMAggregator
 from rlbatch.grpo.types import Prompt, Sample
@@ -134,7 +135,7 @@ def build_engine(
     environment env.path names when it is set, or through the agent harness env.harness names."""
     from rlbatch.rollout.builtin import build_rollout_engine
 
-    if cfg.env.harness:
+    if harness_spec(cfg.env):
         from rlbatch.rollout.agent.engine import build_agent_engine
 
         return build_agent_engine(cfg, model, tokenizer)

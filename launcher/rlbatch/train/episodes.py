@@ -109,6 +109,9 @@ def check_env_errors(
             + (
                 " fix the harness (env.harness)"
                 if env.harness
+                else " check the OpenEnv server (env.agent.openenv_url) and the actions it is"
+                " sent (env.agent.openenv_action)"
+                if env.agent.openenv_url
                 else " fix the environment, or raise env.timeout_s / env.max_concurrency if its"
                 " calls time out"
             )

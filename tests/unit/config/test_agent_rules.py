@@ -46,3 +46,31 @@ def test_run_ahead_generates_inline():
     assert "grpo.overlap_generation=false" in errors["grpo.overlap_generation"].message
     assert _errors(grpo__num_steps_async=1, grpo__overlap_generation=False) == {}
     assert _errors(grpo__num_steps_async=1, grpo__max_staleness=0) == {}  # no lag: synchronous
+
+
+def _openenv_errors(**agent) -> dict[str, ConfigError]:
+    cfg = RunConfig()
+    cfg.data.chat_template = ChatTemplate.qwen
+    cfg.env.max_total_tokens = cfg.data.max_prompt_len + 64
+    for name, value in agent.items():
+        setattr(cfg.env if name == "harness" else cfg.env.agent, name, value)
+    cfg.rollout.backend = RolloutBackend.vllm  # a harness's layout rules apply to OpenEnv too
+    errors: list[ConfigError] = []
+    check_agent(cfg, errors)
+    return {e.key: e for e in errors}
+
+
+def test_openenv_is_a_harness_of_its_own():
+    """env.agent.openenv_url runs episodes through the built-in OpenEnv harness: exclusive with
+    env.harness, an http(s) address, under the harness's layout rules (its fixes naming
+    env.agent.openenv_url); env.agent.openenv_action without it would do nothing."""
+    errors = _openenv_errors(openenv_url="http://127.0.0.1:8000")
+    assert set(errors) == {"rollout.backend"}
+    assert "env.agent.openenv_url=null" in errors["rollout.backend"].message
+    errors = _openenv_errors(openenv_url="http://h:1", harness="h.py:run")
+    assert set(errors) == {"env.agent.openenv_url", "rollout.backend"}
+    assert "env.harness=h.py:run are two ways" in errors["env.agent.openenv_url"].message
+    assert "http://" in str(_openenv_errors(openenv_url="localhost:1")["env.agent.openenv_url"])
+    errors = _openenv_errors(openenv_action="act.py:act")
+    assert set(errors) == {"env.agent.openenv_action"}  # no harness at all: no layout rule
+    assert "env.agent.openenv_url is not set" in errors["env.agent.openenv_action"].message

@@ -230,11 +230,13 @@ def test_a_step_whose_every_harness_episode_failed_names_the_harness_fix():
     error = "harness h.py:run on sample 0 (prompt index 3) raised ValueError: x"
     sample = Sample(Prompt(3, (1,), "a"), 0, [2], [0.0], False, 0, episode={"error": error})
     metrics = {"env_errors": 1.0, "env_episodes": 1.0}
-    for harness, fix, other in (
-        ("h.py:run", "fix the harness (env.harness)", "env.max_concurrency"),
-        (None, "raise env.timeout_s / env.max_concurrency", "env.harness"),
+    for harness, url, fix, other in (
+        ("h.py:run", None, "fix the harness (env.harness)", "env.max_concurrency"),
+        (None, "http://h:1", "check the OpenEnv server (env.agent.openenv_url)", "env.harness"),
+        (None, None, "raise env.timeout_s / env.max_concurrency", "env.harness"),
     ):
-        env = SimpleNamespace(harness=harness, max_error_fraction=0.5)
+        agent = SimpleNamespace(openenv_url=url)
+        env = SimpleNamespace(harness=harness, agent=agent, max_error_fraction=0.5)
         with pytest.raises(EnvCallError) as caught:
             check_env_errors(metrics, [sample], env, step=1)
         assert error in str(caught.value) and fix in str(caught.value)

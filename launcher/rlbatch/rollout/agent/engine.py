@@ -35,7 +35,7 @@ from rlbatch.grpo.types import Prompt, Sample, group_rows
 from rlbatch.rollout.agent.decoders import AgentDecoder, build_decoder
 from rlbatch.rollout.agent.endpoint import Endpoint
 from rlbatch.rollout.agent.episodes import assemble
-from rlbatch.rollout.agent.harness import episode_reward, load_harness
+from rlbatch.rollout.agent.harness import build_harness, episode_reward
 from rlbatch.rollout.agent.loop import HarnessLoop, run_harness
 from rlbatch.rollout.agent.session import AgentSession, Episode, Limits
 from rlbatch.rollout.protocol import row_seeds
@@ -81,8 +81,9 @@ class AgentRolloutEngine:
         self.decode = decode
         self.row_of = row_of
         """Prompt -> the row dict the harness gets."""
-        self.harness_spec = env.harness
-        self.harness = load_harness(env.harness)
+        self.harness, self.harness_spec, self.source = build_harness(cfg)
+        """The harness (env.harness, or OpenEnv's for env.agent.openenv_url), how errors name
+        it, and its file: where the loop watchdog looks for the line that blocks."""
         self.limits = Limits(
             max_new_tokens=cfg.rollout.max_new_tokens,
             max_total_tokens=env.max_total_tokens,
@@ -97,8 +98,6 @@ class AgentRolloutEngine:
         for name in ("httpx", "httpx2"):  # the clients' per-call lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self.loop = HarnessLoop()
-        self.source = getattr(getattr(self.harness, "__code__", None), "co_filename", "")
-        """The harness's file: where the loop watchdog looks for the line that blocks."""
         self.restarts = 0
         self.version = -1
 
@@ -123,7 +122,9 @@ class AgentRolloutEngine:
         # (trainer.timeout_s) must let the deadline score a late episode, not stop the run
         bound = waves * (env.agent.episode_timeout_s + 5.0) + self.cfg.trainer.timeout_s
         try:
-            with progress.user_call(f"{len(episodes)} harness episodes ({env.harness})", bound):
+            with progress.user_call(
+                f"{len(episodes)} harness episodes ({self.harness_spec})", bound
+            ):
                 outcomes = self._run(session, list(episodes.items()))
         finally:
             session.fail_waiting(RuntimeError("the episode's round is over"))

@@ -33,6 +33,20 @@ def load_harness(spec: str) -> Any:
     return fn
 
 
+def build_harness(cfg: Any) -> tuple[Any, str, str]:
+    """(the harness the run's episodes go through, how errors name it, the file the loop
+    watchdog looks in for the line that blocks): env.harness's function, or the built-in
+    OpenEnv harness for env.agent.openenv_url (rlbatch.rollout.agent.openenv)."""
+    if cfg.env.harness:
+        fn = load_harness(cfg.env.harness)
+        return fn, cfg.env.harness, getattr(getattr(fn, "__code__", None), "co_filename", "")
+    from rlbatch.rollout.agent import openenv
+
+    harness = openenv.OpenEnvHarness(cfg)
+    source = getattr(getattr(harness.act, "__code__", None), "co_filename", openenv.__file__)
+    return harness, f"OpenEnv (env.agent.openenv_url={harness.url})", source
+
+
 def episode_reward(value: Any, where: str) -> tuple[float, dict[str, float]]:
     """(reward, extra logged parts) of what a harness returned; EnvCallError when it is not a
     finite number or a dict with one under ``reward``."""
