@@ -1,5 +1,7 @@
 """MoE policies through the real commands, on tiny Qwen3-MoE models: rlbatch-logprobs on a
-transformers-made checkpoint equals transformers' float64 forward at ep 1, dp 2 x ep 2 and tp 2;
+transformers-made checkpoint equals transformers' float64 forward at ep 1, tp 2 and dp 2 x ep 2
+x pp 2 x vpp 2; rlbatch-train at that pipelined layout rolls out the checkpoint's samples,
+trains on-policy, exports every expert and resumes exactly;
 rlbatch-train at dp 2 x ep 2 learns the default task and exports every expert (transformers
 loads the export, rlbatch-logprobs at ep 2 on it equals transformers on it); training from the
 checkpoint with the router frozen leaves the routers as they were. SIGKILL + resume at dp 2 x
@@ -21,6 +23,9 @@ from hf_reference import moe_reference, moe_reference_replayed, save_tiny_qwen3_
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TOL = 1e-5
+PIPELINED = ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.vpp=2"]
+"""4 processes: two pipeline stages of one layer per chunk (the checkpoint's 4 layers), each
+stage's two data-parallel ranks one expert-parallel group."""
 MOE_RUN = ["+recipe=grpo_qwen", "model=tiny_moe", "parallel.dp=2", "parallel.ep=2",
            "logging.tensorboard=false"]  # fmt: skip
 
@@ -90,12 +95,14 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "layout",
-    [[], ["parallel.dp=2", "parallel.ep=2"], ["parallel.tp=2"]],
-    ids=["ep1", "dp2_ep2", "tp2"],
+    [[], ["parallel.tp=2"], PIPELINED],
+    ids=["ep1", "tp2", "dp2_ep2_pp2_vpp2"],
 )
 def test_logprobs_equal_transformers(bin_dir, subprocess_env, tmp_path, checkpoint, layout):
     """Rows routed freely, and rows whose "routing" the routers replay (rows 1 and 3: the
-    relayout at ep 2 and tp 2 too), equal transformers' float64 forward with the same experts."""
+    relayout at ep 2 with pipeline stages and virtual chunks, and at tp 2 too), equal
+    transformers' float64 forward with the same experts. (dp 2 x ep 2 at pp 1: the export
+    check of test_dp2_ep2_learns_and_exports_every_expert.)"""
     hf, want, margin = checkpoint
     routing = _forced_routing()
     got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "out", *layout, routing=routing)
@@ -234,7 +241,7 @@ def test_r3_replays_the_rollout_routing_through_a_resume(
     args = ["+recipe=grpo_qwen", "logging.tensorboard=false", "model=tiny_moe", f"model.hf_path={hf}",
             "model.tokenizer=bytes", "grpo.num_steps_async=1", "grpo.num_iterations=2",
             "grpo.overlap_generation=false", "grpo.routing_replay=r3",
-            "grpo.global_batch_size=16", "grpo.num_generations=4", "logging.samples=true",
+            "grpo.global_batch_size=32", "grpo.num_generations=4", "logging.samples=true",
             "model.moe_aux_loss_coeff=0.01", f"hydra.run.dir={run_dir}"]  # fmt: skip
 
     def train(*extra: str) -> None:
@@ -261,6 +268,82 @@ def test_r3_replays_the_rollout_routing_through_a_resume(
     assert _response_error(samples, "old_logps", free) > 100 * TOL
     initial, _ = moe_reference(hf, rows)
     assert _response_error(samples, "ref_logps", initial) <= TOL
+
+
+def _prompts_of_many_lengths(path: Path) -> Path:
+    """64 prompts of 1 to 28 characters: data-parallel ranks then hold prompts of different
+    lengths, so one rank's rows end while its expert-parallel peer still decodes (its idle
+    forwards keep the peer's all-to-alls fed; 3 a stage at step 1 here)."""
+    import random
+
+    r = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(64):
+            text = "".join(r.choice("abcdefgh ") for _ in range(r.randint(1, 28)))
+            f.write(json.dumps({"prompt": text, "answer": "x"}) + "\n")
+    return path
+
+
+def test_dp2_ep2_pp2_vpp2_rolls_out_on_policy_exports_and_resumes(
+    bin_dir, subprocess_env, tmp_path, checkpoint
+):
+    """Expert parallelism beside pipeline parallelism (dp 2 x ep 2 x pp 2 x vpp 2, 4
+    processes) through rlbatch-train from the transformers-made checkpoint: the built-in
+    rollout's samples are the checkpoint's (behaviour log-probs equal transformers' float64
+    forward with the routing the rollout recorded, every pipeline stage's layers merged into it,
+    and that routing is transformers' own top-k), training is on-policy, <run_dir>/hf holds
+    every expert of every stage, and a run resumed from step 1's checkpoint continues exactly
+    as the uninterrupted run (metrics identical: step 2 trains on the resumed weights, Adam
+    moments and expert shards)."""
+    import shutil
+
+    hf, _, _ = checkpoint
+    run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
+    args = [*PIPELINED, f"model.hf_path={hf}", "model.tokenizer=bytes", "data=jsonl",
+            f"data.path={_prompts_of_many_lengths(tmp_path / 'prompts.jsonl')}",
+            "data.reward=exact_match", "grpo.global_batch_size=32", "grpo.num_generations=4",
+            "trainer.max_steps=2", "trainer.checkpoint.every_steps=1", "logging.plot=false"]  # fmt: skip
+    _train(bin_dir, subprocess_env, *args, "logging.samples=true", f"hydra.run.dir={run_dir}")
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in records)  # trainer == rollout
+    samples = _samples(run_dir, 1)
+    rows = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    routing = torch.tensor([x for s in samples for x in s["routing"][:-1]])  # [tokens, 3, 2]
+    assert (routing >= 0).all()  # every stage's layers recorded every fed token
+    want = moe_reference_replayed(hf, rows, [s["routing"] for s in samples])
+    assert _response_error(samples, "behaviour_logps", want) <= TOL
+    free = torch.tensor([x for r in _router_choices(hf, rows) for x in r[:-1]])
+    flips = int((routing.sort(-1).values != free.sort(-1).values).any(-1).sum())
+    assert flips <= 0.001 * free.shape[0] * free.shape[1], f"{flips} expert sets flipped"
+
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    assert records[0]["trainable_params"] == sum(p.numel() for p in exported.parameters())
+
+    shutil.copytree(run_dir, resumed)  # as if killed after step 1's checkpoint
+    shutil.rmtree(resumed / "checkpoints" / "step_00000002")
+    _train(bin_dir, subprocess_env, *args, "trainer.resume=auto", f"hydra.run.dir={resumed}")
+    assert _metrics(resumed) == records
+
+
+def _router_choices(path: Path, rows: list[list[int]]) -> list[list]:
+    """transformers' float64 top-k experts of every token at every sparse layer (its own
+    routing): per row ``[len, num_sparse_layers, k]``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, experts_implementation="eager", attn_implementation="eager"
+    )
+    model = model.double().eval()
+    k = model.config.num_experts_per_tok
+    out = []
+    with torch.no_grad():
+        for ids in rows:
+            logits = model(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+            out.append(torch.stack([x.topk(k, dim=-1).indices for x in logits], 1).tolist())
+    return out
 
 
 LORA_RUN = ["model.lora.rank=8", "trainer.max_steps=3", "trainer.checkpoint.every_steps=1",
