@@ -1,7 +1,8 @@
 """MoE policies through the real commands, on tiny Qwen3-MoE models: rlbatch-logprobs on a
 transformers-made checkpoint equals transformers' float64 forward at ep 1, tp 2 and dp 2 x ep 2
-x pp 2 x vpp 2; rlbatch-train at that pipelined layout rolls out the checkpoint's samples,
-trains on-policy, exports every expert and resumes exactly;
+x pp 2 x vpp 2; rlbatch-train at dp 2 x pp 2 x vpp 2 rolls out the checkpoint's samples and
+trains on-policy, and resumed at ep 2 (the distributed optimizer) continues the run and
+exports every expert; a dp 2 x ep 2 checkpoint resumes at ep 1 (the plain optimizer);
 rlbatch-train at dp 2 x ep 2 learns the default task and exports every expert (transformers
 loads the export, rlbatch-logprobs at ep 2 on it equals transformers on it); training from the
 checkpoint with the router frozen leaves the routers as they were. SIGKILL + resume at dp 2 x
@@ -128,6 +129,22 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not (k.endswith(timing) or "per_s" in k)} for r in rows]
 
 
+def _continues(resumed: list[dict], uninterrupted: list[dict], steps: list[int]) -> None:
+    """A run resumed at another expert-parallel size continues as the uninterrupted one: the
+    same samples (rewards, lengths: the data-parallel ranks and their seeds are the same) and,
+    at fp32 rounding (the experts' tokens are grouped differently), the same losses and
+    gradients; history before the resume carried over as it was."""
+    by_step = {r["step"]: r for r in uninterrupted}
+    assert [r["step"] for r in resumed] == [*range(1, steps[0]), *steps]
+    assert resumed[: steps[0] - 1] == uninterrupted[: steps[0] - 1]
+    for r in resumed[steps[0] - 1 :]:
+        want = by_step[r["step"]]
+        for key in ("reward_mean", "response_len_mean", "tokens"):
+            assert r[key] == want[key], (r["step"], key)
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert r[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), (r["step"], key)
+
+
 def test_dp2_ep2_learns_and_exports_every_expert(bin_dir, subprocess_env, tmp_path):
     run_dir = tmp_path / "run"
     _train(bin_dir, subprocess_env, "trainer.max_steps=30", f"hydra.run.dir={run_dir}")
@@ -164,17 +181,20 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
     records its routing at dp 2 x ep 2, and with the weights that sampled it that is the
     rollout's routing, token by token (prompt included; the last token has none). And it
     caps each expert at its fair share (model.moe_expert_capacity_factor=1.0): the dropped
-    assignments are counted (moe/dropped_tokens)."""
+    assignments are counted (moe/dropped_tokens). Step 1's checkpoint resumed at dp 2 x ep 1
+    (megatron's plain optimizer: one optimizer instead of the dense + expert pair) continues
+    the run, step 3 training with the Adam moments it loaded."""
     hf, _, _ = checkpoint
     ref_dir = tmp_path / "ref"
-    _train(bin_dir, subprocess_env, "trainer.max_steps=3", f"model.hf_path={hf}",
-           "model.tokenizer=bytes", "model.moe_freeze_router=true",
-           "grpo.routing_replay=r2", "grpo.num_iterations=2", "logging.samples=true",
-           "model.moe_expert_capacity_factor=1.0", f"hydra.run.dir={ref_dir}",
-           # each rank plans its old-logprob pass over its own samples: a small budget makes
-           # the two ranks' micro-batch counts differ, which the expert group evens out with
-           # fillers (its all-to-alls hung without them)
-           "batching.infer.max_tokens=96")  # fmt: skip
+    args = ["trainer.max_steps=3", f"model.hf_path={hf}", "model.tokenizer=bytes",
+            "model.moe_freeze_router=true", "grpo.routing_replay=r2", "grpo.num_iterations=2",
+            "logging.samples=true", "model.moe_expert_capacity_factor=1.0",
+            "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3",
+            # each rank plans its old-logprob pass over its own samples: a small budget makes
+            # the two ranks' micro-batch counts differ, which the expert group evens out with
+            # fillers (its all-to-alls hung without them)
+            "batching.infer.max_tokens=96"]  # fmt: skip
+    _train(bin_dir, subprocess_env, *args, f"hydra.run.dir={ref_dir}")
     # a capacity of 1.0 x the fair share drops some assignments, counted, never all
     records = _metrics(ref_dir)
     assert all(r["moe/dropped_tokens"] > 0 and 0 < r["moe/dropped_fraction"] < 0.5 for r in records)
@@ -208,6 +228,11 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
     total = sum(t.numel() for t in before.values())
     frozen = sum(before[k].numel() for k in routers)
     assert _metrics(ref_dir)[0]["trainable_params"] == total - frozen
+
+    ep1 = tmp_path / "ep1"
+    _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
+           f"trainer.resume={ref_dir / 'checkpoints' / 'step_00000001'}", f"hydra.run.dir={ep1}")  # fmt: skip
+    _continues(_metrics(ep1), records, [2, 3])
 
 
 def _samples(run_dir: Path, step: int) -> list[dict]:
@@ -284,28 +309,31 @@ def _prompts_of_many_lengths(path: Path) -> Path:
     return path
 
 
-def test_dp2_ep2_pp2_vpp2_rolls_out_on_policy_exports_and_resumes(
+def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
     bin_dir, subprocess_env, tmp_path, checkpoint
 ):
-    """Expert parallelism beside pipeline parallelism (dp 2 x ep 2 x pp 2 x vpp 2, 4
-    processes) through rlbatch-train from the transformers-made checkpoint: the built-in
-    rollout's samples are the checkpoint's (behaviour log-probs equal transformers' float64
-    forward with the routing the rollout recorded, every pipeline stage's layers merged into it,
-    and that routing is transformers' own top-k), training is on-policy, <run_dir>/hf holds
-    every expert of every stage, and a run resumed from step 1's checkpoint continues exactly
-    as the uninterrupted run (metrics identical: step 2 trains on the resumed weights, Adam
-    moments and expert shards)."""
-    import shutil
-
+    """Expert and pipeline parallelism together (dp 2 x pp 2 x vpp 2: 4 processes, one layer a
+    chunk) through rlbatch-train from the transformers-made checkpoint, with the distributed
+    optimizer. At ep 1 the built-in rollout's samples are the checkpoint's: behaviour
+    log-probs equal transformers' float64 forward with the routing the rollout recorded (every
+    stage's layers merged into it), which is transformers' own top-k; training is on-policy.
+    Step 1's checkpoint resumed at ep 2 (megatron's optimizer then splits into a dense and an
+    expert one, the checkpoint's common state is one) continues the run: the same samples
+    (decoded in step across the stages: one replica's rows end first and it idles), losses and
+    gradients at fp32 rounding; step 3 trains with the Adam moments it loaded. Its export
+    holds every expert of both stages."""
     hf, _, _ = checkpoint
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
     args = [*PIPELINED, f"model.hf_path={hf}", "model.tokenizer=bytes", "data=jsonl",
             f"data.path={_prompts_of_many_lengths(tmp_path / 'prompts.jsonl')}",
             "data.reward=exact_match", "grpo.global_batch_size=32", "grpo.num_generations=4",
-            "trainer.max_steps=2", "trainer.checkpoint.every_steps=1", "logging.plot=false"]  # fmt: skip
-    _train(bin_dir, subprocess_env, *args, "logging.samples=true", f"hydra.run.dir={run_dir}")
+            "parallel.use_distributed_optimizer=true", "trainer.max_steps=3",
+            "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3",
+            "logging.plot=false", "logging.samples=true"]  # fmt: skip
+    _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
+           f"hydra.run.dir={run_dir}")  # fmt: skip
     records = _metrics(run_dir)
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3]
     assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in records)  # trainer == rollout
     samples = _samples(run_dir, 1)
     rows = [s["prompt_ids"] + s["response_ids"] for s in samples]
@@ -317,15 +345,19 @@ def test_dp2_ep2_pp2_vpp2_rolls_out_on_policy_exports_and_resumes(
     flips = int((routing.sort(-1).values != free.sort(-1).values).any(-1).sum())
     assert flips <= 0.001 * free.shape[0] * free.shape[1], f"{flips} expert sets flipped"
 
+    _train(bin_dir, subprocess_env, *args, f"hydra.run.dir={resumed}",
+           f"trainer.resume={run_dir / 'checkpoints' / 'step_00000001'}")  # fmt: skip
+    after = _metrics(resumed)
+    _continues(after, records, [2, 3])
+    assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in after)
+    for ours, theirs in zip(_samples(resumed, 2), _samples(run_dir, 2), strict=True):
+        assert ours["response_ids"] == theirs["response_ids"]
+        assert ours["routing"] == theirs["routing"]  # global expert ids, whatever the ep
+
     import transformers
 
-    exported = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf")
-    assert records[0]["trainable_params"] == sum(p.numel() for p in exported.parameters())
-
-    shutil.copytree(run_dir, resumed)  # as if killed after step 1's checkpoint
-    shutil.rmtree(resumed / "checkpoints" / "step_00000002")
-    _train(bin_dir, subprocess_env, *args, "trainer.resume=auto", f"hydra.run.dir={resumed}")
-    assert _metrics(resumed) == records
+    exported = transformers.AutoModelForCausalLM.from_pretrained(resumed / "hf")
+    assert after[0]["trainable_params"] == sum(p.numel() for p in exported.parameters())
 
 
 def _router_choices(path: Path, rows: list[list[int]]) -> list[list]:

@@ -347,9 +347,16 @@ def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
     )
     if p.pp > 1:
         errors.append(
-            ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.pp > 1 is not "
-                        f"supported yet ({why}): set parallel.pp=1 or the coefficient to 0")
-        )  # fmt: skip
+            ConfigError(
+                "model.moe_aux_loss_coeff",
+                coeff,
+                f"with parallel.pp > 1 is not supported yet ({why}; the routers of the earlier "
+                "pipeline stages are not on that stage, and a term of their own would have to "
+                "weight each sample as the policy loss's normalization does, which only the "
+                "last stage computes; megatron's own per-stage aux loss is a per-micro-batch "
+                "statistic that counts padding): set parallel.pp=1 or the coefficient to 0",
+            )
+        )
     if p.tp > 1:
         errors.append(
             ConfigError("model.moe_aux_loss_coeff", coeff, f"at parallel.tp={p.tp} is not "
