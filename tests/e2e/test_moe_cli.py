@@ -2,7 +2,8 @@
 transformers-made checkpoint equals transformers' float64 forward at ep 1, tp 2 and dp 2 x ep 2
 x pp 2 x vpp 2; rlbatch-train at dp 2 x pp 2 x vpp 2 rolls out the checkpoint's samples and
 trains on-policy, and resumed at ep 2 (the distributed optimizer) continues the run and
-exports every expert; a dp 2 x ep 2 checkpoint resumes at ep 1 (the plain optimizer);
+exports every expert; a dp 2 x ep 2 checkpoint resumes at ep 1 (the plain optimizer); a
+Qwen2-MoE (shared expert) checkpoint's log-probs equal transformers' at dp 2 x ep 2;
 rlbatch-train at dp 2 x ep 2 learns the default task and exports every expert (transformers
 loads the export, rlbatch-logprobs at ep 2 on it equals transformers on it); training from the
 checkpoint with the router frozen leaves the routers as they were. SIGKILL + resume at dp 2 x
@@ -19,7 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_reference import moe_reference, moe_reference_replayed, save_tiny_qwen3_moe
+from hf_reference import (
+    moe_reference,
+    moe_reference_replayed,
+    save_tiny_qwen2_moe,
+    save_tiny_qwen3_moe,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -109,6 +115,20 @@ def test_logprobs_equal_transformers(bin_dir, subprocess_env, tmp_path, checkpoi
     got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "out", *layout, routing=routing)
     # a top-k near a tie could flip between the fp32 and float64 forwards (another expert
     # set, another log-prob): the closest the routing comes to a tie is in the message
+    error = _max_error(got, want)
+    assert error <= TOL, f"max error {error:.2e}; smallest top-k margin {margin:.2e}"
+
+
+def test_qwen2_moe_logprobs_equal_transformers_at_dp2_ep2(bin_dir, subprocess_env, tmp_path):
+    """A transformers-made Qwen2-MoE (a shared expert behind its sigmoid gate in every sparse
+    layer, top-2 not renormalised, q/k/v biases, layer 1 dense) through rlbatch-logprobs at
+    dp 2 x ep 2 equals transformers' float64 forward. (Its export round trip:
+    tests/unit/engine/test_hf.py.)"""
+    hf = tmp_path / "qwen2_moe"
+    save_tiny_qwen2_moe(hf)
+    want, margin = moe_reference(hf, _rows())
+    got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "qwen2_moe", "parallel.dp=2",
+                    "parallel.ep=2")  # fmt: skip
     error = _max_error(got, want)
     assert error <= TOL, f"max error {error:.2e}; smallest top-k margin {margin:.2e}"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.moe import MoeFields
+from rlbatch.config.moe import MOE_ARCHITECTURES, MoeFields
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
 from rlbatch.config.streaming import overlaps_generation
 
@@ -51,12 +51,13 @@ def check_moe(cfg: RunConfig, errors: list[ConfigError]) -> None:
     (never ignored). The expert-parallel layout is :func:`check_expert_layout`'s."""
     m = cfg.model
     if m.num_moe_experts is None:
-        if Architecture(m.architecture) == Architecture.qwen3_moe:
+        if Architecture(m.architecture) in MOE_ARCHITECTURES:
             errors.append(
                 ConfigError(
                     "model.num_moe_experts",
                     None,
-                    "model.architecture=qwen3_moe needs experts: set model.num_moe_experts",
+                    f"model.architecture={Architecture(m.architecture).value} needs experts: "
+                    "set model.num_moe_experts",
                 )
             )
         _check_dense(cfg, errors)
@@ -110,13 +111,30 @@ def _check_sizes(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"(model.num_layers = {m.num_layers})",
             )
         )
-    if Architecture(m.architecture) != Architecture.qwen3_moe:
+    arch = Architecture(m.architecture)
+    if arch not in MOE_ARCHITECTURES:
         errors.append(
             ConfigError(
                 "model.architecture",
-                Architecture(m.architecture).value,
-                "an MoE model (model.num_moe_experts set) maps onto Hugging Face's Qwen3-MoE "
-                "only: set model.architecture=qwen3_moe",
+                arch.value,
+                "an MoE model (model.num_moe_experts set) maps onto Hugging Face's Qwen3-MoE or "
+                "Qwen2-MoE only: set model.architecture=qwen3_moe (or qwen2_moe)",
+            )
+        )
+    shared = m.moe_shared_expert_intermediate_size
+    if shared is not None and shared < 1:
+        errors.append(
+            ConfigError(
+                "model.moe_shared_expert_intermediate_size", shared, "must be positive (or null)"
+            )
+        )  # fmt: skip
+    elif shared and arch == Architecture.qwen3_moe:
+        errors.append(
+            ConfigError(
+                "model.moe_shared_expert_intermediate_size",
+                shared,
+                "Qwen3-MoE has no shared expert (its export would drop it): set "
+                "model.architecture=qwen2_moe, or the size to null",
             )
         )
 
@@ -144,6 +162,25 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "MoE models do not roll out on megatron's dynamic engine yet (its MoE "
                 "inference path is not verified here): set rollout.backend=megatron, vllm or "
                 "vllm_server",
+            )
+        )
+    if m.moe_shared_expert_intermediate_size and backend in VLLM_BACKENDS:
+        errors.append(
+            ConfigError(
+                "model.moe_shared_expert_intermediate_size",
+                m.moe_shared_expert_intermediate_size,
+                f"a shared expert (Qwen2-MoE) with rollout.backend={backend.value} is not "
+                "supported yet (vLLM's Qwen2-MoE loading rlbatch's weight sync is not verified "
+                "here): set rollout.backend=megatron",
+            )
+        )
+    if m.moe_shared_expert_intermediate_size and m.lora.rank > 0:
+        errors.append(
+            ConfigError(
+                "model.lora.rank",
+                m.lora.rank,
+                "LoRA on a model with a shared expert (Qwen2-MoE) is not supported yet (PEFT's "
+                "names for it are not verified here): set model.lora.rank=0",
             )
         )
     if p.ep > 1 and p.pp > 1 and backend in VLLM_BACKENDS:

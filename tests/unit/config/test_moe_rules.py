@@ -197,6 +197,47 @@ def test_fields_of_other_moe_families_are_refused_by_name(tmp_path):
         config_from_hf(_write(tmp_path, shared_expert_intermediate_size=32, n_group=4))
     keys = {e.key for e in info.value.errors}
     assert keys == {"shared_expert_intermediate_size", "n_group"}
+    assert "qwen2_moe only" in str(info.value)
+
+
+def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
+    """Qwen2-MoE: a shared expert (model.moe_shared_expert_intermediate_size), q/k/v biases, no
+    QK-norm, top-k not renormalised by default; the export writes it back as Qwen2-MoE. The
+    shared expert with LoRA or a vLLM rollout, or on a Qwen3-MoE model, is refused."""
+    from dataclasses import replace
+
+    from rlbatch.config.schema import ModelConfig
+
+    qwen2 = {"model_type": "qwen2_moe", "shared_expert_intermediate_size": 40, "head_dim": None}
+    fields = config_from_hf(_write(tmp_path, **qwen2))
+    assert fields["moe_shared_expert_intermediate_size"] == 40
+    assert fields["add_qkv_bias"] is True and fields["qk_layernorm"] is False
+    assert fields["moe_norm_topk_prob"] is False
+    model = replace(ModelConfig(), **{k: v for k, v in fields.items() if k != "name"})
+    out = hf_config_dict(model)
+    assert out["architectures"] == ["Qwen2MoeForCausalLM"] and out["qkv_bias"] is True
+    assert out["shared_expert_intermediate_size"] == 40 and "head_dim" not in out
+    errors = _errors_for(
+        [
+            "model=tiny_moe",
+            "model.moe_shared_expert_intermediate_size=32",
+            "model.lora.rank=8",
+            "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+        ]  # fmt: skip
+    )
+    assert "Qwen3-MoE has no shared expert" in errors["model.moe_shared_expert_intermediate_size"]
+    assert "shared expert (Qwen2-MoE)" in errors["model.lora.rank"]
+    errors = _errors_for(
+        [
+            "model=tiny_moe",
+            "model.architecture=qwen2_moe",
+            "model.head_dim=32",
+            "model.moe_shared_expert_intermediate_size=32",
+            "rollout.backend=vllm",
+        ]  # fmt: skip
+    )
+    assert set(errors) == {"model.moe_shared_expert_intermediate_size"}
+    assert "rollout.backend=vllm" in errors["model.moe_shared_expert_intermediate_size"]
 
 
 def test_export_config_round_trips(tmp_path):
