@@ -239,6 +239,36 @@ def save_tiny_qwen3_moe(path: Path, seed: int = 0, num_layers: int = 4) -> Any:
     return model
 
 
+def save_tiny_qwen2_moe(path: Path, seed: int = 0) -> Any:
+    """A random Qwen2MoeForCausalLM over the byte tokenizer's vocabulary: 4 experts, top-2 not
+    renormalised (Qwen2-MoE's default), a shared expert behind its sigmoid gate in every sparse
+    layer, q/k/v biases; layer 1 dense. Router, gate and norms perturbed so that the routing is
+    decisive and the shared expert's gate is away from 0.5; saved by transformers."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=264, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        mlp_only_layers=[1], max_position_embeddings=256, qkv_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        tie_word_embeddings=False, attn_implementation="eager", use_sliding_window=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Qwen2MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+                p.copy_(0.5 * torch.randn_like(p))
+            if name.endswith("_proj.bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
 def moe_reference(path: Path, rows: list[list[int]]) -> tuple[list[list[float]], float]:
     """transformers' float64 forward of a local Qwen3-MoE directory: each row's per-token
     log-probs, and the smallest gap between the k-th and (k+1)-th routing probability over

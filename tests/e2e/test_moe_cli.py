@@ -1,5 +1,9 @@
 """MoE policies through the real commands, on tiny Qwen3-MoE models: rlbatch-logprobs on a
-transformers-made checkpoint equals transformers' float64 forward at ep 1, dp 2 x ep 2 and tp 2;
+transformers-made checkpoint equals transformers' float64 forward at ep 1, tp 2 and dp 2 x ep 2
+x pp 2 x vpp 2; rlbatch-train at dp 2 x pp 2 x vpp 2 rolls out the checkpoint's samples and
+trains on-policy, and resumed at ep 2 (the distributed optimizer) continues the run and
+exports every expert; a dp 2 x ep 2 checkpoint resumes at ep 1 (the plain optimizer); a
+Qwen2-MoE (shared expert) checkpoint's log-probs equal transformers' at dp 2 x ep 2;
 rlbatch-train at dp 2 x ep 2 learns the default task and exports every expert (transformers
 loads the export, rlbatch-logprobs at ep 2 on it equals transformers on it); training from the
 checkpoint with the router frozen leaves the routers as they were. SIGKILL + resume at dp 2 x
@@ -16,11 +20,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_reference import moe_reference, moe_reference_replayed, save_tiny_qwen3_moe
+from hf_reference import (
+    moe_reference,
+    moe_reference_replayed,
+    save_tiny_qwen2_moe,
+    save_tiny_qwen3_moe,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TOL = 1e-5
+PIPELINED = ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.vpp=2"]
+"""4 processes: two pipeline stages of one layer per chunk (the checkpoint's 4 layers), each
+stage's two data-parallel ranks one expert-parallel group."""
 MOE_RUN = ["+recipe=grpo_qwen", "model=tiny_moe", "parallel.dp=2", "parallel.ep=2",
            "logging.tensorboard=false"]  # fmt: skip
 
@@ -90,17 +102,33 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "layout",
-    [[], ["parallel.dp=2", "parallel.ep=2"], ["parallel.tp=2"]],
-    ids=["ep1", "dp2_ep2", "tp2"],
+    [[], ["parallel.tp=2"], PIPELINED],
+    ids=["ep1", "tp2", "dp2_ep2_pp2_vpp2"],
 )
 def test_logprobs_equal_transformers(bin_dir, subprocess_env, tmp_path, checkpoint, layout):
     """Rows routed freely, and rows whose "routing" the routers replay (rows 1 and 3: the
-    relayout at ep 2 and tp 2 too), equal transformers' float64 forward with the same experts."""
+    relayout at ep 2 with pipeline stages and virtual chunks, and at tp 2 too), equal
+    transformers' float64 forward with the same experts. (dp 2 x ep 2 at pp 1: the export
+    check of test_dp2_ep2_learns_and_exports_every_expert.)"""
     hf, want, margin = checkpoint
     routing = _forced_routing()
     got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "out", *layout, routing=routing)
     # a top-k near a tie could flip between the fp32 and float64 forwards (another expert
     # set, another log-prob): the closest the routing comes to a tie is in the message
+    error = _max_error(got, want)
+    assert error <= TOL, f"max error {error:.2e}; smallest top-k margin {margin:.2e}"
+
+
+def test_qwen2_moe_logprobs_equal_transformers_at_dp2_ep2(bin_dir, subprocess_env, tmp_path):
+    """A transformers-made Qwen2-MoE (a shared expert behind its sigmoid gate in every sparse
+    layer, top-2 not renormalised, q/k/v biases, layer 1 dense) through rlbatch-logprobs at
+    dp 2 x ep 2 equals transformers' float64 forward. (Its export round trip:
+    tests/unit/engine/test_hf.py.)"""
+    hf = tmp_path / "qwen2_moe"
+    save_tiny_qwen2_moe(hf)
+    want, margin = moe_reference(hf, _rows())
+    got = _logprobs(bin_dir, subprocess_env, tmp_path, hf, "qwen2_moe", "parallel.dp=2",
+                    "parallel.ep=2")  # fmt: skip
     error = _max_error(got, want)
     assert error <= TOL, f"max error {error:.2e}; smallest top-k margin {margin:.2e}"
 
@@ -119,6 +147,22 @@ def _metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timing = ("_s", "_seconds", "seconds", "memory_gb")
     return [{k: v for k, v in r.items() if not (k.endswith(timing) or "per_s" in k)} for r in rows]
+
+
+def _continues(resumed: list[dict], uninterrupted: list[dict], steps: list[int]) -> None:
+    """A run resumed at another expert-parallel size continues as the uninterrupted one: the
+    same samples (rewards, lengths: the data-parallel ranks and their seeds are the same) and,
+    at fp32 rounding (the experts' tokens are grouped differently), the same losses and
+    gradients; history before the resume carried over as it was."""
+    by_step = {r["step"]: r for r in uninterrupted}
+    assert [r["step"] for r in resumed] == [*range(1, steps[0]), *steps]
+    assert resumed[: steps[0] - 1] == uninterrupted[: steps[0] - 1]
+    for r in resumed[steps[0] - 1 :]:
+        want = by_step[r["step"]]
+        for key in ("reward_mean", "response_len_mean", "tokens"):
+            assert r[key] == want[key], (r["step"], key)
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert r[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), (r["step"], key)
 
 
 def test_dp2_ep2_learns_and_exports_every_expert(bin_dir, subprocess_env, tmp_path):
@@ -157,17 +201,20 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
     records its routing at dp 2 x ep 2, and with the weights that sampled it that is the
     rollout's routing, token by token (prompt included; the last token has none). And it
     caps each expert at its fair share (model.moe_expert_capacity_factor=1.0): the dropped
-    assignments are counted (moe/dropped_tokens)."""
+    assignments are counted (moe/dropped_tokens). Step 1's checkpoint resumed at dp 2 x ep 1
+    (megatron's plain optimizer: one optimizer instead of the dense + expert pair) continues
+    the run, step 3 training with the Adam moments it loaded."""
     hf, _, _ = checkpoint
     ref_dir = tmp_path / "ref"
-    _train(bin_dir, subprocess_env, "trainer.max_steps=3", f"model.hf_path={hf}",
-           "model.tokenizer=bytes", "model.moe_freeze_router=true",
-           "grpo.routing_replay=r2", "grpo.num_iterations=2", "logging.samples=true",
-           "model.moe_expert_capacity_factor=1.0", f"hydra.run.dir={ref_dir}",
-           # each rank plans its old-logprob pass over its own samples: a small budget makes
-           # the two ranks' micro-batch counts differ, which the expert group evens out with
-           # fillers (its all-to-alls hung without them)
-           "batching.infer.max_tokens=96")  # fmt: skip
+    args = ["trainer.max_steps=3", f"model.hf_path={hf}", "model.tokenizer=bytes",
+            "model.moe_freeze_router=true", "grpo.routing_replay=r2", "grpo.num_iterations=2",
+            "logging.samples=true", "model.moe_expert_capacity_factor=1.0",
+            "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3",
+            # each rank plans its old-logprob pass over its own samples: a small budget makes
+            # the two ranks' micro-batch counts differ, which the expert group evens out with
+            # fillers (its all-to-alls hung without them)
+            "batching.infer.max_tokens=96"]  # fmt: skip
+    _train(bin_dir, subprocess_env, *args, f"hydra.run.dir={ref_dir}")
     # a capacity of 1.0 x the fair share drops some assignments, counted, never all
     records = _metrics(ref_dir)
     assert all(r["moe/dropped_tokens"] > 0 and 0 < r["moe/dropped_fraction"] < 0.5 for r in records)
@@ -202,6 +249,11 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
     frozen = sum(before[k].numel() for k in routers)
     assert _metrics(ref_dir)[0]["trainable_params"] == total - frozen
 
+    ep1 = tmp_path / "ep1"
+    _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
+           f"trainer.resume={ref_dir / 'checkpoints' / 'step_00000001'}", f"hydra.run.dir={ep1}")  # fmt: skip
+    _continues(_metrics(ep1), records, [2, 3])
+
 
 def _samples(run_dir: Path, step: int) -> list[dict]:
     lines = (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
@@ -234,7 +286,7 @@ def test_r3_replays_the_rollout_routing_through_a_resume(
     args = ["+recipe=grpo_qwen", "logging.tensorboard=false", "model=tiny_moe", f"model.hf_path={hf}",
             "model.tokenizer=bytes", "grpo.num_steps_async=1", "grpo.num_iterations=2",
             "grpo.overlap_generation=false", "grpo.routing_replay=r3",
-            "grpo.global_batch_size=16", "grpo.num_generations=4", "logging.samples=true",
+            "grpo.global_batch_size=32", "grpo.num_generations=4", "logging.samples=true",
             "model.moe_aux_loss_coeff=0.01", f"hydra.run.dir={run_dir}"]  # fmt: skip
 
     def train(*extra: str) -> None:
@@ -261,6 +313,89 @@ def test_r3_replays_the_rollout_routing_through_a_resume(
     assert _response_error(samples, "old_logps", free) > 100 * TOL
     initial, _ = moe_reference(hf, rows)
     assert _response_error(samples, "ref_logps", initial) <= TOL
+
+
+def _prompts_of_many_lengths(path: Path) -> Path:
+    """64 prompts of 1 to 28 characters: data-parallel ranks then hold prompts of different
+    lengths, so one rank's rows end while its expert-parallel peer still decodes (its idle
+    forwards keep the peer's all-to-alls fed; 3 a stage at step 1 here)."""
+    import random
+
+    r = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(64):
+            text = "".join(r.choice("abcdefgh ") for _ in range(r.randint(1, 28)))
+            f.write(json.dumps({"prompt": text, "answer": "x"}) + "\n")
+    return path
+
+
+def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
+    bin_dir, subprocess_env, tmp_path, checkpoint
+):
+    """Expert and pipeline parallelism together (dp 2 x pp 2 x vpp 2: 4 processes, one layer a
+    chunk) through rlbatch-train from the transformers-made checkpoint, with the distributed
+    optimizer. At ep 1 the built-in rollout's samples are the checkpoint's: behaviour
+    log-probs equal transformers' float64 forward with the routing the rollout recorded (every
+    stage's layers merged into it), which is transformers' own top-k; training is on-policy.
+    Step 1's checkpoint resumed at ep 2 (megatron's optimizer then splits into a dense and an
+    expert one, the checkpoint's common state is one) continues the run: the same samples
+    (decoded in step across the stages: one replica's rows end first and it idles), losses and
+    gradients at fp32 rounding; step 3 trains with the Adam moments it loaded. Its export
+    holds every expert of both stages."""
+    hf, _, _ = checkpoint
+    run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
+    args = [*PIPELINED, f"model.hf_path={hf}", "model.tokenizer=bytes", "data=jsonl",
+            f"data.path={_prompts_of_many_lengths(tmp_path / 'prompts.jsonl')}",
+            "data.reward=exact_match", "grpo.global_batch_size=32", "grpo.num_generations=4",
+            "parallel.use_distributed_optimizer=true", "trainer.max_steps=3",
+            "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3",
+            "logging.plot=false", "logging.samples=true"]  # fmt: skip
+    _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
+           f"hydra.run.dir={run_dir}")  # fmt: skip
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in records)  # trainer == rollout
+    samples = _samples(run_dir, 1)
+    rows = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    routing = torch.tensor([x for s in samples for x in s["routing"][:-1]])  # [tokens, 3, 2]
+    assert (routing >= 0).all()  # every stage's layers recorded every fed token
+    want = moe_reference_replayed(hf, rows, [s["routing"] for s in samples])
+    assert _response_error(samples, "behaviour_logps", want) <= TOL
+    free = torch.tensor([x for r in _router_choices(hf, rows) for x in r[:-1]])
+    flips = int((routing.sort(-1).values != free.sort(-1).values).any(-1).sum())
+    assert flips <= 0.001 * free.shape[0] * free.shape[1], f"{flips} expert sets flipped"
+
+    _train(bin_dir, subprocess_env, *args, f"hydra.run.dir={resumed}",
+           f"trainer.resume={run_dir / 'checkpoints' / 'step_00000001'}")  # fmt: skip
+    after = _metrics(resumed)
+    _continues(after, records, [2, 3])
+    assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in after)
+    for ours, theirs in zip(_samples(resumed, 2), _samples(run_dir, 2), strict=True):
+        assert ours["response_ids"] == theirs["response_ids"]
+        assert ours["routing"] == theirs["routing"]  # global expert ids, whatever the ep
+
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(resumed / "hf")
+    assert after[0]["trainable_params"] == sum(p.numel() for p in exported.parameters())
+
+
+def _router_choices(path: Path, rows: list[list[int]]) -> list[list]:
+    """transformers' float64 top-k experts of every token at every sparse layer (its own
+    routing): per row ``[len, num_sparse_layers, k]``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, experts_implementation="eager", attn_implementation="eager"
+    )
+    model = model.double().eval()
+    k = model.config.num_experts_per_tok
+    out = []
+    with torch.no_grad():
+        for ids in rows:
+            logits = model(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+            out.append(torch.stack([x.topk(k, dim=-1).indices for x in logits], 1).tolist())
+    return out
 
 
 LORA_RUN = ["model.lora.rank=8", "trainer.max_steps=3", "trainer.checkpoint.every_steps=1",

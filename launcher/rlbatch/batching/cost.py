@@ -47,14 +47,17 @@ def linear_flops_per_token(model: ModelConfig) -> float:
 def mlp_multiply_adds(model: ModelConfig) -> float:
     """Multiply-adds of every layer's MLP for one token: SwiGLU (gate, up, down) of
     ffn_hidden_size in a dense layer; in an MoE layer (``model.num_moe_experts``, the layers
-    ``model.moe_layer_freq`` marks) the router plus the k experts the token is routed to: its
-    active parameters, not the layer's total."""
+    ``model.moe_layer_freq`` marks) the router plus the k experts the token is routed to, and
+    the shared expert with its gate where there is one: its active parameters, not the layer's
+    total."""
     h = model.hidden_size
     dense = 3 * h * model.ffn_hidden_size
     if not model.num_moe_experts:
         return float(model.num_layers * dense)
     expert = 3 * h * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
     sparse = h * model.num_moe_experts + model.moe_router_topk * expert
+    if model.moe_shared_expert_intermediate_size:
+        sparse += 3 * h * model.moe_shared_expert_intermediate_size + h
     pattern = list(model.moe_layer_freq) or [1] * model.num_layers
     return float(sum(sparse if is_moe else dense for is_moe in pattern))
 

@@ -134,6 +134,7 @@ class Architecture(str, Enum):
     qwen3 = "qwen3"
     llama = "llama"
     qwen3_moe = "qwen3_moe"
+    qwen2_moe = "qwen2_moe"
 
 
 class RopeScaling(str, Enum):

@@ -2,7 +2,8 @@
 
 A model is MoE when ``model.num_moe_experts`` is set: its sparse layers replace the dense MLP
 by a router (fp32, softmax over the experts, top-k) and ``num_moe_experts`` SwiGLU experts of
-width ``moe_ffn_hidden_size``; ``moe_layer_freq`` says which layers are sparse. docs/engine.md
+width ``moe_ffn_hidden_size`` (plus, for Qwen2-MoE, a gated shared expert every token passes);
+``moe_layer_freq`` says which layers are sparse. docs/engine.md
 ("MoE models") says how each key maps onto megatron-core and onto Hugging Face's Qwen3-MoE.
 """
 
@@ -10,6 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from rlbatch.config.enums import Architecture
+
+MOE_ARCHITECTURES = (Architecture.qwen3_moe, Architecture.qwen2_moe)
+"""The Hugging Face MoE families an MoE model maps onto (import, export, tensor names)."""
 
 
 @dataclass
@@ -40,6 +46,10 @@ class MoeFields:
     moe/dropped_fraction."""
     moe_freeze_router: bool = False
     """Keep the router weights fixed during training (no gradient, no optimizer state)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """SwiGLU width of the shared expert that every token of an MoE layer also passes, its
+    output scaled by a sigmoid gate of the token (HF shared_expert_intermediate_size and
+    shared_expert_gate, Qwen2-MoE); null = no shared expert (Qwen3-MoE)."""
 
 
 def num_moe_layers(model: MoeFields) -> int:

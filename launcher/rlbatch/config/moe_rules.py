@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.moe import MoeFields
+from rlbatch.config.moe import MOE_ARCHITECTURES, MoeFields
 from rlbatch.config.schema import Architecture, RolloutBackend, RunConfig
 from rlbatch.config.streaming import overlaps_generation
 
@@ -44,15 +44,6 @@ def check_expert_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "parallel.ep", p.ep, f"must divide model.num_moe_experts = {experts}"
             )
         )  # fmt: skip
-    if p.ep > 1 and p.pp > 1:
-        errors.append(
-            ConfigError(
-                "parallel.ep",
-                p.ep,
-                "with parallel.pp > 1 is not supported yet (the built-in rollout keeps the "
-                "expert-parallel ranks' forwards in step with pp = 1 only): set parallel.pp=1",
-            )
-        )
 
 
 def check_moe_model(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -60,12 +51,13 @@ def check_moe_model(cfg: RunConfig, errors: list[ConfigError]) -> None:
     -logprobs, -eval, -serve)."""
     m = cfg.model
     if m.num_moe_experts is None:
-        if Architecture(m.architecture) == Architecture.qwen3_moe:
+        if Architecture(m.architecture) in MOE_ARCHITECTURES:
             errors.append(
                 ConfigError(
                     "model.num_moe_experts",
                     None,
-                    "model.architecture=qwen3_moe needs experts: set model.num_moe_experts",
+                    f"model.architecture={Architecture(m.architecture).value} needs experts: "
+                    "set model.num_moe_experts",
                 )
             )
         _check_dense(cfg, errors)
@@ -181,13 +173,30 @@ def _check_sizes(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"(model.num_layers = {m.num_layers})",
             )
         )
-    if Architecture(m.architecture) != Architecture.qwen3_moe:
+    arch = Architecture(m.architecture)
+    if arch not in MOE_ARCHITECTURES:
         errors.append(
             ConfigError(
                 "model.architecture",
-                Architecture(m.architecture).value,
-                "an MoE model (model.num_moe_experts set) maps onto Hugging Face's Qwen3-MoE "
-                "only: set model.architecture=qwen3_moe",
+                arch.value,
+                "an MoE model (model.num_moe_experts set) maps onto Hugging Face's Qwen3-MoE or "
+                "Qwen2-MoE only: set model.architecture=qwen3_moe (or qwen2_moe)",
+            )
+        )
+    shared = m.moe_shared_expert_intermediate_size
+    if shared is not None and shared < 1:
+        errors.append(
+            ConfigError(
+                "model.moe_shared_expert_intermediate_size", shared, "must be positive (or null)"
+            )
+        )  # fmt: skip
+    elif shared and arch == Architecture.qwen3_moe:
+        errors.append(
+            ConfigError(
+                "model.moe_shared_expert_intermediate_size",
+                shared,
+                "Qwen3-MoE has no shared expert (its export would drop it): set "
+                "model.architecture=qwen2_moe, or the size to null",
             )
         )
 
@@ -199,6 +208,36 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
     backend = RolloutBackend(cfg.rollout.backend)
     if m.lora.rank > 0:
         _check_lora(cfg, backend, errors)
+    if m.moe_shared_expert_intermediate_size and backend in VLLM_BACKENDS:
+        errors.append(
+            ConfigError(
+                "model.moe_shared_expert_intermediate_size",
+                m.moe_shared_expert_intermediate_size,
+                f"a shared expert (Qwen2-MoE) with rollout.backend={backend.value} is not "
+                "supported yet (vLLM's Qwen2-MoE loading rlbatch's weight sync is not verified "
+                "here): set rollout.backend=megatron",
+            )
+        )
+    if m.moe_shared_expert_intermediate_size and m.lora.rank > 0:
+        errors.append(
+            ConfigError(
+                "model.lora.rank",
+                m.lora.rank,
+                "LoRA on a model with a shared expert (Qwen2-MoE) is not supported yet (PEFT's "
+                "names for it are not verified here): set model.lora.rank=0",
+            )
+        )
+    if p.ep > 1 and p.pp > 1 and backend in VLLM_BACKENDS:
+        errors.append(
+            ConfigError(
+                "parallel.ep",
+                p.ep,
+                f"with parallel.pp={p.pp} and rollout.backend={backend.value} is not supported "
+                "yet (the weight sync would gather the experts over the expert-parallel group "
+                "of each pipeline stage, which no test runs here): set rollout.backend=megatron "
+                "(its rollout runs at every ep x pp layout), parallel.pp=1 or parallel.ep=1",
+            )
+        )
     if p.ep > 1 and overlaps_generation(cfg):
         errors.append(
             ConfigError(
@@ -378,9 +417,16 @@ def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
     )
     if p.pp > 1:
         errors.append(
-            ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.pp > 1 is not "
-                        f"supported yet ({why}): set parallel.pp=1 or the coefficient to 0")
-        )  # fmt: skip
+            ConfigError(
+                "model.moe_aux_loss_coeff",
+                coeff,
+                f"with parallel.pp > 1 is not supported yet ({why}; the routers of the earlier "
+                "pipeline stages are not on that stage, and a term of their own would have to "
+                "weight each sample as the policy loss's normalization does, which only the "
+                "last stage computes; megatron's own per-stage aux loss is a per-micro-batch "
+                "statistic that counts padding): set parallel.pp=1 or the coefficient to 0",
+            )
+        )
     if p.tp > 1:
         errors.append(
             ConfigError("model.moe_aux_loss_coeff", coeff, f"at parallel.tp={p.tp} is not "

@@ -35,14 +35,10 @@ FIXED = (
     "grpo.generation_batch_size",
     "grpo.steps_per_generation",
     "grpo.num_iterations",
-    "parallel.ep",
     "grpo.distill.",
     "grpo.routing_replay",
 )
-"""Keys (or prefixes ending in '.') a resume may not change. parallel.ep: resharding a
-checkpoint across expert-parallel sizes is not supported yet (megatron's optimizer groups the
-experts' parameters by their expert-parallel layout; loading across sizes stops with a
-KeyError). grpo.routing_replay: the pending samples carry the routing the run's mode recorded
+"""Keys (or prefixes ending in '.') a resume may not change. grpo.routing_replay: the pending samples carry the routing the run's mode recorded
 (r2: the old-logprob pass's, taken at a round's first step), and a round continued under
 another mode would train its remaining steps on routing no pass recorded. grpo.distill: the pending samples of the checkpoint carry the teacher's advantages,
 and the objective is the run's."""

@@ -100,7 +100,8 @@ class ModelConfig(MoeFields):
     add_qkv_bias: bool = True
     """Bias on Q, K, V projections (Qwen2 architecture)."""
     architecture: Architecture = Architecture.qwen2
-    """HF architecture (qwen2, qwen3, llama): tensor names and config.json of the HF export."""
+    """HF architecture (qwen2, qwen3, llama, qwen3_moe, qwen2_moe): tensor names and config.json
+    of the HF export."""
     head_dim: Optional[int] = None
     """Per-head width (HF head_dim); null = hidden_size / num_attention_heads."""
     qk_layernorm: bool = False

@@ -50,7 +50,10 @@ def vllm_head_dim(cfg: RunConfig) -> int:
     """The head dimension vLLM builds the model with: its Qwen2 takes hidden / heads whatever
     ``head_dim`` says; Qwen3 and Llama read ``head_dim``."""
     m = cfg.model
-    if Architecture(m.architecture) == Architecture.qwen2 or m.head_dim is None:
+    if (
+        Architecture(m.architecture) in (Architecture.qwen2, Architecture.qwen2_moe)
+        or m.head_dim is None
+    ):
         return m.hidden_size // m.num_attention_heads
     return m.head_dim
 

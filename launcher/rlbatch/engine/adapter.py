@@ -122,6 +122,11 @@ def moe_kwargs(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.tp,
     )
+    if model.moe_shared_expert_intermediate_size:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x)
+        kwargs.update(
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=True,
+        )
     return kwargs
 
 

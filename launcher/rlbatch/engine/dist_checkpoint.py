@@ -101,7 +101,87 @@ def load_sharded(directory: str | Path, model: list[Any], optimizer: Any) -> Non
                     f"missing: {missing[:4]}, unexpected: {result.unexpected_keys[:4]})"
                 )
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        saved = dist_checkpointing.load_common_state_dict(str(directory)).get("optimizer")
+        optimizer.load_state_dict(fit_optimizer_chains(loaded["optimizer"], saved, optimizer))
+
+
+def _chains(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _saved_parts(saved: Any) -> list[dict[str, Any]]:
+    """The per-optimizer common state a checkpoint holds: megatron's chained optimizer writes
+    one dict per optimizer under its index (several), or the only one's dict itself."""
+    indices = sorted(k for k in saved if isinstance(k, int))
+    return [saved[i] for i in indices] if indices else [saved]
+
+
+_GROUPED = ("optimizer", "param_groups", "state")
+"""Common state that is per parameter group (hyperparameters, the step), fitted below."""
+GROUP_KEY = ("wd_mult", "lr_mult", "is_decoupled_lr")
+"""What tells a parameter group's hyperparameters apart whatever the expert-parallel layout
+(megatron's own key adds ``is_expert_parallel``, which the layout decides)."""
+
+
+def fit_optimizer_chains(loaded: Any, saved: Any, optimizer: Any) -> Any:
+    """``loaded`` (megatron's load of this run's optimizer structure: its tensors, Adam moments
+    keyed by parameter name, resharded) with the common state of a checkpoint saved under
+    another grouping of optimizers. megatron builds one optimizer for the dense parameters and
+    one for the routed experts when expert parallelism is on (their gradients reduce over other
+    groups), a single one at ``parallel.ep=1``; the common state (each parameter group's
+    hyperparameters, the step count) is written per optimizer, so a checkpoint of one grouping
+    does not load into the other. Each of this run's parameter groups takes the hyperparameters
+    of the saved group with the same weight-decay and learning-rate multipliers (and the saved
+    step); the tensors stay as loaded. At the saved grouping: ``loaded`` unchanged."""
+    chains = _chains(optimizer)
+    old = _saved_parts(saved) if isinstance(saved, dict) else []
+    if not old or len(old) == len(chains):
+        return loaded
+    steps = [p["state"]["common_step"] for p in old if "common_step" in p.get("state", {})]
+    if len({float(x) for x in steps}) > 1:
+        raise ValueError(f"the checkpoint's optimizers disagree on the step: {steps}")
+    saved_groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for part in old:
+        for g in _param_groups(part):
+            saved_groups.setdefault(tuple(g[k] for k in GROUP_KEY), g)
+    new = [loaded] if len(chains) == 1 else [loaded[i] for i in range(len(chains))]
+    out = []
+    for part, chain in zip(new, chains, strict=True):
+        current = chain.state_dict()
+        fitted = [_fit_group(g, saved_groups) for g in _param_groups(current)]
+        mine = {k: v for k, v in part.items() if not isinstance(k, int)}
+        # the rest of the saved common state (the distributed optimizer's sharding type, a
+        # grad scaler's): the same for every optimizer of a run
+        mine |= {k: v for k, v in old[0].items() if k not in (*mine, *_GROUPED)}
+        if "optimizer" in current:  # the distributed optimizer: moments in its param_state
+            out.append(mine | {"optimizer": current["optimizer"] | {"param_groups": fitted}})
+            continue
+        ids = [g["params"] for g in part["param_groups"]]
+        state = {k: v for k, v in part["state"].items() if k != "common_step"}
+        if steps:
+            state["common_step"] = steps[0].clone()
+        groups = [g | {"params": p} for g, p in zip(fitted, ids, strict=True)]
+        out.append(mine | {"param_groups": groups, "state": state})
+    return out[0] if len(chains) == 1 else dict(enumerate(out))
+
+
+def _param_groups(part: dict[str, Any]) -> list[dict[str, Any]]:
+    """A parameter group list of one optimizer's state: top level (megatron's FP32 optimizer),
+    or under "optimizer" (its distributed optimizer)."""
+    inner = part.get("optimizer")
+    return inner["param_groups"] if isinstance(inner, dict) else part["param_groups"]
+
+
+def _fit_group(mine: dict[str, Any], saved: dict[tuple[Any, ...], dict[str, Any]]) -> dict:
+    """This run's parameter group ``mine`` with the saved hyperparameters of its kind."""
+    key = tuple(mine[k] for k in GROUP_KEY)
+    if key not in saved:
+        raise ValueError(
+            "the checkpoint has no optimizer parameter group with "
+            f"{dict(zip(GROUP_KEY, key, strict=True))}"
+        )
+    hyper = {k: v for k, v in saved[key].items() if k != "params"}
+    return hyper | {"is_expert_parallel": mine["is_expert_parallel"]}
 
 
 def _init_torch_adam_state(optimizer: Any) -> None:

@@ -582,16 +582,25 @@ class PipelineForward:
 
     def idle(self) -> None:
         """A forward whose output nobody reads, for the MoE layers' all-to-all when this
-        rank's rows have all ended and an expert-parallel peer's have not (pp = 1; one token
-        of padding, no KV cache)."""
-        assert self.pp == 1, "idle forwards need pp = 1"
-        with torch.no_grad(), lm_head.output_layer_mode([unwrap(self.chunks[0])], "last"):
-            self.chunks[0](
-                torch.zeros((1, 1), dtype=torch.long, device=self.device),
-                torch.zeros((1, 1), dtype=torch.long, device=self.device),
-                _causal_mask(1, 1, 1).to(self.device),
-                runtime_gather_output=True,
-            )
+        rank's rows have all ended and an expert-parallel peer's have not: one token of
+        padding through each of this rank's chunks in order, no KV cache. With pp > 1 every
+        stage of the idle replica runs it on its own (a stage after the first takes a zero
+        hidden state instead of receiving one): a peer's expert-parallel group lies within one
+        pipeline stage, and its chunks run their MoE layers in the same order, so each
+        all-to-all meets its counterpart whatever the peers' point-to-point traffic."""
+        for v, chunk in enumerate(self.chunks):
+            if _stage_of(v, self.pp) > 0:
+                config = _config_of(chunk)
+                dtype = config.pipeline_dtype or config.params_dtype
+                hidden = torch.zeros(1, 1, config.hidden_size, dtype=dtype, device=self.device)
+                _set_input_tensor(chunk, hidden)
+            with torch.no_grad(), lm_head.output_layer_mode([unwrap(chunk)], "last"):
+                chunk(
+                    torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                    torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                    _causal_mask(1, 1, 1).to(self.device),
+                    runtime_gather_output=True,
+                )
 
 
 # Point-to-point hidden states between pipeline stages for generation (the sampled tokens go

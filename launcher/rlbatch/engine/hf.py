@@ -267,6 +267,15 @@ def _moe_targets(layer: Any, pre: str, hf: str) -> Iterator[tuple[str, str, Any]
     released per-expert name (model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight, E
     global: ep rank * local experts + local index)."""
     yield pre + "mlp.router.weight", "rep", hf + "mlp.gate.weight"
+    if getattr(layer.mlp, "shared_experts", None) is not None:  # Qwen2-MoE: every data rank
+        shared, theirs = f"{pre}mlp.shared_experts.", f"{hf}mlp.shared_expert."
+        yield (
+            shared + "linear_fc1.weight",
+            "fc1",
+            (theirs + "gate_proj.weight", theirs + "up_proj.weight"),
+        )
+        yield shared + "linear_fc2.weight", "col", theirs + "down_proj.weight"
+        yield shared + "gate_weight", "rep", hf + "mlp.shared_expert_gate.weight"
     first = _first_expert(layer)
     for local in range(len(layer.mlp.experts.local_experts)):
         mine = f"{pre}mlp.experts.local_experts.{local}."

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlbatch.config.errors import ConfigError, ConfigErrors
+from rlbatch.config.moe import MOE_ARCHITECTURES
 from rlbatch.config.schema import Architecture, Dtype, ModelConfig, RopeScaling
 
 HF_CONFIG = "config.json"
@@ -27,6 +28,7 @@ _CLASSES = {
     Architecture.qwen3: "Qwen3ForCausalLM",
     Architecture.llama: "LlamaForCausalLM",
     Architecture.qwen3_moe: "Qwen3MoeForCausalLM",
+    Architecture.qwen2_moe: "Qwen2MoeForCausalLM",
 }
 _ROPE_TYPES = {
     "default": RopeScaling.none,
@@ -184,7 +186,6 @@ def _arch_checks(hf: dict[str, Any], arch: Architecture, errors: list[ConfigErro
 
 
 _MOE_REFUSED = {
-    "shared_expert_intermediate_size": "shared experts (Qwen2-MoE) are not supported",
     "first_k_dense_replace": "DeepSeek-style leading dense layers are not supported",
     "n_shared_experts": "shared experts are not supported",
     "moe_router_topk_scaling_factor": "a routed-weight scaling factor is not supported",
@@ -195,17 +196,29 @@ _MOE_REFUSED = {
 """MoE fields of other families whose presence changes the forward: an error each when set."""
 
 
-def _moe_fields(hf: dict[str, Any], errors: list[ConfigError]) -> dict[str, Any]:
-    """Qwen3-MoE's routing fields as ModelConfig's megatron-named keys. A layer is sparse when
-    it is not in ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0 (transformers'
-    rule); config.json names the expert count ``num_experts`` (transformers 4) or
-    ``num_local_experts`` (transformers 5)."""
+def _moe_fields(
+    hf: dict[str, Any], arch: Architecture, errors: list[ConfigError]
+) -> dict[str, Any]:
+    """Qwen3-MoE's and Qwen2-MoE's routing fields as ModelConfig's megatron-named keys. A layer
+    is sparse when it is not in ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0
+    (transformers' rule); config.json names the expert count ``num_experts`` (transformers 4)
+    or ``num_local_experts`` (transformers 5). Qwen2-MoE adds the gated shared expert
+    (``shared_expert_intermediate_size``); on Qwen3-MoE that field is another family's."""
+    shared = hf.get("shared_expert_intermediate_size")
+    if shared and arch != Architecture.qwen2_moe:
+        errors.append(
+            ConfigError(
+                "shared_expert_intermediate_size",
+                shared,
+                f"shared experts are mapped for model_type qwen2_moe only, not {arch.value}",
+            )
+        )
     for key, why in _MOE_REFUSED.items():
         if hf.get(key):
             errors.append(ConfigError(key, hf[key], why))
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     if not experts:
-        errors.append(ConfigError("num_experts", experts, "a qwen3_moe model needs experts"))
+        errors.append(ConfigError("num_experts", experts, f"a {arch.value} model needs experts"))
         return {}
     layers = int(hf["num_hidden_layers"])
     step = int(hf.get("decoder_sparse_step") or 1)
@@ -217,6 +230,7 @@ def _moe_fields(hf: dict[str, Any], errors: list[ConfigError]) -> dict[str, Any]
         "moe_ffn_hidden_size": int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
         "moe_layer_freq": [] if all(pattern) else pattern,
         "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "moe_shared_expert_intermediate_size": int(shared) if shared else None,
     }
 
 
@@ -241,8 +255,8 @@ def config_from_hf(path: str | Path) -> dict[str, Any]:
     heads = hf["num_attention_heads"]
     _arch_checks(hf, arch, errors)
     fields = _rope_fields(hf, errors)
-    if arch == Architecture.qwen3_moe:
-        fields.update(_moe_fields(hf, errors))
+    if arch in MOE_ARCHITECTURES:
+        fields.update(_moe_fields(hf, arch, errors))
     if errors:
         raise ConfigErrors(errors)
     dtype = {"bfloat16": Dtype.bf16, "float16": Dtype.fp16}.get(
@@ -262,7 +276,8 @@ def config_from_hf(path: str | Path) -> dict[str, Any]:
         "max_position_embeddings": hf.get("max_position_embeddings", 32768),
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "add_qkv_bias": arch == Architecture.qwen2,
+        "add_qkv_bias": arch == Architecture.qwen2
+        or (arch == Architecture.qwen2_moe and bool(hf.get("qkv_bias", True))),
         "qk_layernorm": arch in (Architecture.qwen3, Architecture.qwen3_moe),
         "params_dtype": dtype,
     }
@@ -275,6 +290,7 @@ ARCH_FIELDS = (
     "rope_original_max_position_embeddings", "rope_low_freq_factor", "rope_high_freq_factor",
     "rope_beta_fast", "rope_beta_slow", "max_position_embeddings", "num_moe_experts",
     "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_norm_topk_prob",
+    "moe_shared_expert_intermediate_size",
 )  # fmt: skip
 
 
@@ -355,21 +371,25 @@ def hf_config_dict(model: ModelConfig, dtype_name: str = "float32") -> dict[str,
         "use_cache": True,
         "torch_dtype": dtype_name,
     }
-    if arch == Architecture.qwen2 and model.head_dim is None:
-        del out["head_dim"]  # Qwen2Config has no head_dim
-    if arch in (Architecture.qwen2, Architecture.qwen3, Architecture.qwen3_moe):
+    if arch in (Architecture.qwen2, Architecture.qwen2_moe) and model.head_dim is None:
+        del out["head_dim"]  # Qwen2Config and Qwen2MoeConfig have no head_dim
+    if arch in (Architecture.qwen2, Architecture.qwen3, *MOE_ARCHITECTURES):
         out["use_sliding_window"] = False
     else:
         out.update(attention_bias=False, mlp_bias=False)
     if arch in (Architecture.qwen3, Architecture.qwen3_moe):
         out["attention_bias"] = False
-    if arch == Architecture.qwen3_moe:
+    if arch in MOE_ARCHITECTURES:
         out.update(_moe_dict(model))
+    if arch == Architecture.qwen2_moe:
+        out["qkv_bias"] = model.add_qkv_bias
+        out["shared_expert_intermediate_size"] = model.moe_shared_expert_intermediate_size or 0
     return out
 
 
 def _moe_dict(model: ModelConfig) -> dict[str, Any]:
-    """Qwen3MoeConfig's routing fields (the expert count under both of transformers' names)."""
+    """Qwen3MoeConfig's / Qwen2MoeConfig's routing fields (the expert count under both of
+    transformers' names)."""
     layers = list(model.moe_layer_freq) or [1] * model.num_layers
     return {
         "num_experts": model.num_moe_experts,

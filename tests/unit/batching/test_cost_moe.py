@@ -38,6 +38,14 @@ def test_dense_layers_of_an_moe_model_count_their_mlp():
     assert got - linear_flops_per_token(_qwen3_30b_a3b()) == 2 * (dense - moe)
 
 
+def test_a_shared_expert_counts_with_its_gate_in_every_sparse_layer():
+    # Qwen2-MoE: every token also passes the shared SwiGLU (width 5632 in Qwen1.5-MoE-A2.7B)
+    # and its gate (one output), in each of the 48 sparse layers here
+    got = linear_flops_per_token(_qwen3_30b_a3b(moe_shared_expert_intermediate_size=5632))
+    shared = 3 * 2048 * 5632 + 2048
+    assert got - linear_flops_per_token(_qwen3_30b_a3b()) == 2 * 48 * shared
+
+
 def test_rlbatch_plan_shows_the_moe_cost(tmp_path, bin_dir, subprocess_env):
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([100, 900, 300, 700, 500, 200, 800, 400]))

@@ -49,6 +49,27 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     assert "rollout.backend=megatron, vllm or vllm_server" in errors["rollout.backend"]
 
 
+def test_expert_parallelism_with_pipeline_stages_validates_on_the_builtin_engine_only():
+    """dp 2 x ep 2 x pp 2 x vpp 2 (4 processes) trains on the built-in rollout; with a vLLM
+    backend it is refused naming parallel.ep (its weight sync there is not tested)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    layout = ["model=tiny_moe", "model.num_layers=4", "parallel.dp=2", "parallel.ep=2",
+              "parallel.pp=2", "parallel.vpp=2"]  # fmt: skip
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=["+recipe=grpo_qwen", *layout])
+    check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))  # no error
+    errors = _errors_for([*layout, "rollout.backend=vllm", "model.head_dim=32"])
+    assert set(errors) == {"parallel.ep"}
+    assert "with parallel.pp=2 and rollout.backend=vllm" in errors["parallel.ep"]
+    assert "rollout.backend=megatron" in errors["parallel.ep"]
+
+
 @pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
 def test_an_moe_policy_on_vllm_validates_without_a_capacity_only(backend):
     """vLLM rolls MoE policies out (dropless); a capacity factor, which vLLM's MoE layer does not
@@ -210,6 +231,47 @@ def test_fields_of_other_moe_families_are_refused_by_name(tmp_path):
         config_from_hf(_write(tmp_path, shared_expert_intermediate_size=32, n_group=4))
     keys = {e.key for e in info.value.errors}
     assert keys == {"shared_expert_intermediate_size", "n_group"}
+    assert "qwen2_moe only" in str(info.value)
+
+
+def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
+    """Qwen2-MoE: a shared expert (model.moe_shared_expert_intermediate_size), q/k/v biases, no
+    QK-norm, top-k not renormalised by default; the export writes it back as Qwen2-MoE. The
+    shared expert with LoRA or a vLLM rollout, or on a Qwen3-MoE model, is refused."""
+    from dataclasses import replace
+
+    from rlbatch.config.schema import ModelConfig
+
+    qwen2 = {"model_type": "qwen2_moe", "shared_expert_intermediate_size": 40, "head_dim": None}
+    fields = config_from_hf(_write(tmp_path, **qwen2))
+    assert fields["moe_shared_expert_intermediate_size"] == 40
+    assert fields["add_qkv_bias"] is True and fields["qk_layernorm"] is False
+    assert fields["moe_norm_topk_prob"] is False
+    model = replace(ModelConfig(), **{k: v for k, v in fields.items() if k != "name"})
+    out = hf_config_dict(model)
+    assert out["architectures"] == ["Qwen2MoeForCausalLM"] and out["qkv_bias"] is True
+    assert out["shared_expert_intermediate_size"] == 40 and "head_dim" not in out
+    errors = _errors_for(
+        [
+            "model=tiny_moe",
+            "model.moe_shared_expert_intermediate_size=32",
+            "model.lora.rank=8",
+            "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+        ]  # fmt: skip
+    )
+    assert "Qwen3-MoE has no shared expert" in errors["model.moe_shared_expert_intermediate_size"]
+    assert "shared expert (Qwen2-MoE)" in errors["model.lora.rank"]
+    errors = _errors_for(
+        [
+            "model=tiny_moe",
+            "model.architecture=qwen2_moe",
+            "model.head_dim=32",
+            "model.moe_shared_expert_intermediate_size=32",
+            "rollout.backend=vllm",
+        ]  # fmt: skip
+    )
+    assert set(errors) == {"model.moe_shared_expert_intermediate_size"}
+    assert "rollout.backend=vllm" in errors["model.moe_shared_expert_intermediate_size"]
 
 
 def test_export_config_round_trips(tmp_path):

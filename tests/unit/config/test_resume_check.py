@@ -39,13 +39,14 @@ def test_fixed_keys_are_refused_and_the_rest_listed(tmp_path):
     assert check_resume(new, ckpt) == ([], [])
 
 
-def test_the_expert_parallel_size_is_fixed():
-    """Resharding across expert-parallel sizes is not supported: refused before launch."""
+def test_the_expert_parallel_size_may_change():
+    """A checkpoint reshards across expert-parallel sizes (tests/e2e/test_moe_cli.py): the
+    change is listed, not refused."""
     new = RunConfig()
     new.parallel.ep, new.parallel.dp = 2, 2
     refused, allowed = compare(to_container(RunConfig()), to_container(new))
-    assert [k for k, _, _ in refused] == ["parallel.ep"]
-    assert [k for k, _, _ in allowed] == ["parallel.dp"]
+    assert refused == []
+    assert [k for k, _, _ in allowed] == ["parallel.dp", "parallel.ep"]
 
 
 def test_run_ahead_keys_are_refused_and_with_partial_rollouts_the_stream_keys():

@@ -1,5 +1,6 @@
 """HF interop against transformers' own Qwen2 (no download): logits parity on variable-length
-sequences (fp32 max abs diff <= 1e-4) and an exact export round trip."""
+sequences (fp32 max abs diff <= 1e-4) and an exact export round trip; Qwen2-MoE (shared
+expert and its gate) imports and exports exactly."""
 
 # ruff: noqa: F811  (pytest fixtures imported from engine_helpers)
 
@@ -93,3 +94,34 @@ def test_a_gathered_expert_tensor_takes_its_owners_global_index():
     assert hf._expert_renumbered(name, -1) == "model.layers.12.mlp.experts.0.down_proj.weight"
     assert hf.is_expert_tensor(name)
     assert not hf.is_expert_tensor("model.layers.12.mlp.gate.weight")  # the router: replicated
+
+
+def test_qwen2_moe_imports_and_exports_exactly(megatron_world, tmp_path):
+    """A transformers-made Qwen2-MoE (routed experts, a gated shared expert, q/k/v biases, a
+    dense layer): every tensor of the export equals the checkpoint's, and the export's
+    config.json maps back onto the same model keys (per-token parity with transformers:
+    tests/e2e/test_moe_cli.py)."""
+    from hf_reference import save_tiny_qwen2_moe
+
+    path = tmp_path / "qwen2_moe"
+    ref = save_tiny_qwen2_moe(path)
+    cfg = replace(megatron_world)
+    cfg.model = replace(ModelConfig(), hf_path=str(path))
+    cfg.model, _ = hf.resolve_model_config(cfg.model)
+    assert cfg.model.moe_shared_expert_intermediate_size == 40 and cfg.model.add_qkv_bias
+    chunks = engine_model.build_model(cfg, wrap_ddp=False)
+    hf.load_hf_into(chunks, path)
+    out = tmp_path / "export"
+    hf.export_hf(chunks, cfg.model, out)
+    exported = hf.HFWeights(out)
+    original = hf.HFWeights(path)
+    assert set(exported.weight_map) == set(original.weight_map)
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in exported.weight_map
+    for k in original.weight_map:
+        assert torch.equal(exported.get(k), original.get(k)), k
+    fields = ("architecture", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+              "moe_layer_freq", "moe_norm_topk_prob", "moe_shared_expert_intermediate_size",
+              "add_qkv_bias", "qk_layernorm", "head_dim")  # fmt: skip
+    again, source = hf.config_from_hf(out), hf.config_from_hf(path)
+    assert {k: again.get(k) for k in fields} == {k: source.get(k) for k in fields}
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(out)) is type(ref)

@@ -20,8 +20,8 @@ def test_the_engines_model_dir_carries_the_runs_eos_and_bos(arch, eos_ids):
 
     model = ModelConfig(
         architecture=arch,
-        add_qkv_bias=arch == Architecture.qwen2,
-        num_moe_experts=4 if arch == Architecture.qwen3_moe else None,  # MoE needs experts
+        add_qkv_bias=arch in (Architecture.qwen2, Architecture.qwen2_moe),
+        num_moe_experts=4 if "moe" in arch.value else None,  # MoE needs experts
     )
     path = write_model_dir(model, "float32", SpecialIds(eos_ids, 257))
     expected = eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
