@@ -249,15 +249,14 @@ def _check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
         )
     arch = Architecture(m.architecture)
-    if m.add_qkv_bias and arch != Architecture.qwen2:
+    if m.add_qkv_bias and arch not in (Architecture.qwen2, Architecture.qwen2_moe):
         errors.append(
             ConfigError(
                 "model.add_qkv_bias",
                 m.add_qkv_bias,
                 f"model.architecture={arch.value} has no q/k/v biases in its Hugging Face form "
                 "(its attention_bias would add an o_proj bias as well), so an export would "
-                "drop the trained biases: set model.add_qkv_bias=false, or "
-                "model.architecture=qwen2",
+                "drop the trained biases: set model.add_qkv_bias=false",
             )
         )
     if m.logits_chunk_tokens < 0:

@@ -265,7 +265,9 @@ def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
         [
             "model=tiny_moe",
             "model.architecture=qwen2_moe",
-            "model.head_dim=32",
+            "model.head_dim=null",  # vLLM's Qwen2-MoE takes hidden_size / heads = 32
+            "model.num_attention_heads=2",
+            "model.num_query_groups=2",
             "model.moe_shared_expert_intermediate_size=32",
             "rollout.backend=vllm",
         ]  # fmt: skip

@@ -299,4 +299,7 @@ def test_qkv_biases_are_refused_where_the_hugging_face_form_has_none():
         assert f"model.architecture={arch.value}" in str(error)
         cfg.model.add_qkv_bias = False
         assert not [e for e in validate(cfg) if e.key == "model.add_qkv_bias"]
-    assert not [e for e in validate(RunConfig()) if e.key == "model.add_qkv_bias"]  # qwen2
+    for arch in (Architecture.qwen2, Architecture.qwen2_moe):  # q/k/v biases: Qwen2's own
+        cfg = RunConfig()
+        cfg.model.architecture = arch
+        assert not [e for e in validate(cfg) if e.key == "model.add_qkv_bias"]
