@@ -36,14 +36,14 @@ async def run(client, model, row):
     """Two turns (the second streamed, with a stop string); odd secrets then start over."""
     auth = await auth_checked(client) if row["answer"] == "0" else 1.0
     messages = [{"role": "user", "content": row["prompt"]}]
-    first = await client.chat.completions.create(
-        model="any-name", messages=messages, max_tokens=12, temperature=0.3, logprobs=True)
+    first = await client.chat.completions.create(  # one seed on every call of the episode
+        model="any-name", messages=messages, max_tokens=12, temperature=0.3, logprobs=True, seed=5)
     reply = first.choices[0].message
     assert first.choices[0].logprobs is not None
     messages += [{"role": "assistant", "content": reply.content},
                  {"role": "user", "content": "once more"}]
     stream = await client.chat.completions.create(
-        model=model, messages=messages, stream=True, stop=["7"])
+        model=model, messages=messages, stream=True, stop=["7"], seed=5)
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     if int(row["answer"]) % 2:
         await client.chat.completions.create(  # a rewritten history: a new segment
@@ -131,10 +131,11 @@ def _episodes(lines):
 
 def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
     """Every sampled token of every segment is trained, exactly once, with the log-probability
-    the endpoint recorded; a split episode trains each of its segments."""
+    the endpoint recorded; a split episode trains each of its segments; a client seed sent on
+    both turns does not replay the first turn's sampling noise on the second."""
     _, _, steps, _ = agent_run
     tok = ByteTokenizer()
-    spliced = lossy = 0
+    spliced = lossy = same = compared = 0
     for lines in steps:
         episodes = _episodes(lines)
         assert len(episodes) == 16
@@ -150,6 +151,9 @@ def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
             history = first["prompt_ids"] + first["completion_ids"]
             assert second["spliced"] and second["prompt_ids"][: len(history)] == history
             spliced += 1
+            pairs = list(zip(first["completion_ids"], second["completion_ids"], strict=False))
+            same += sum(a == b for a, b in pairs)
+            compared += len(pairs)
             text = tok.decode(first["completion_ids"])
             lossy += tok.encode(text) != [t for t in first["completion_ids"] if t < 256]
             # odd secrets rewrote their history at call 2: two segments, both trained
@@ -175,6 +179,10 @@ def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
             if int(s["answer"]) % 2:
                 assert calls[2]["diverged"] and not calls[2]["spliced"]
     assert spliced == 32
+    # both calls send seed=5, yet the second samples fresh noise (its seed is drawn from its
+    # prompt too): on the near-uniform tiny model, replayed noise repeats the first reply's
+    # token at most positions, fresh noise at about 1 in 256
+    assert compared > 100 and same / compared < 0.1, (same, compared)
     assert lossy > 0  # some sampled bytes do not survive decode / encode: the splice kept them
 
 

@@ -32,7 +32,9 @@ class AgentConfig:
     episode and the call)."""
     episode_timeout_s: float = 300.0
     """Longest one episode (the harness's run call) may take; beyond it the episode is an
-    error (env.on_error decides what that does)."""
+    error (env.on_error decides what that does). The hang detector waits on a round of
+    episodes for its waves of env.max_concurrency times this + 5 s, plus trainer.timeout_s, on
+    every data-parallel rank."""
     block_timeout_s: float = 10.0
     """Longest a harness may hold the rank's event loop without awaiting (synchronous code:
     ``time.sleep``, a blocking tool); beyond it that episode is an error naming it and the line

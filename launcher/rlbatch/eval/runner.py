@@ -181,7 +181,7 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]
     if cfg.env.harness:  # the harness's episodes, sampled with the evaluation's settings
         from rlbatch.rollout.agent.engine import build_agent_engine
 
-        return build_agent_engine(sampling, model, tokenizer), None
+        return build_agent_engine(sampling, model, tokenizer, meet=False), None
     driver = None
     if cfg.env.path:
         from rlbatch.rollout.turns import build_turn_driver
