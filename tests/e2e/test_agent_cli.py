@@ -48,12 +48,15 @@ async def run(client, model, row):
     if int(row["answer"]) % 2:
         await client.chat.completions.create(  # a rewritten history: a new segment
             model=model, messages=[{"role": "user", "content": "fresh " + text[:4]}])
-    return {"reward": float(len(text) % 3 == 0), "length": float(len(text)), "auth": auth}
+    advertised = float(client.base_url.host == "localhost")  # env.agent.advertise_host
+    return {"reward": float(len(text) % 3 == 0), "length": float(len(text)), "auth": auth,
+            "advertised": advertised}
 '''
 
 AGENT_RUN = (
     "env.harness=harness.py:run", "logging.samples=true", "trainer.max_steps=2",
     "env.max_concurrency=3", "env.agent.auth_token=s3cret", "data.reward_fn=bonus.py:bonus",
+    "env.agent.host=0.0.0.0", "env.agent.advertise_host=localhost",
     "grpo.beta=0.02", "eval.every_steps=2", "eval.data.path=held_out.jsonl", "eval.num_samples=1",
     "eval.at_start=false", "eval.temperature=0", "grpo.num_steps_async=1",
     "grpo.overlap_generation=false",
@@ -240,6 +243,8 @@ def test_rewards_splits_and_metrics(agent_run):
         assert r["turns_mean"] == pytest.approx(sum(len(s["turns"]) for s in samples) / 16)
         for s in samples:
             assert s["reward_parts"]["harness.auth"] == 1.0  # answer 0: checked against 401
+            # bound to every interface, the harness's base_url names the advertised host
+            assert s["reward_parts"]["harness.advertised"] == 1.0
             assert s["reward_parts"]["harness.length"] >= 0.0
             assert s["env_rewards"] in ([0.0], [1.0])
             # the data reward (data.reward_fn) adds to the harness's

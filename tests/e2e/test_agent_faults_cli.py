@@ -255,12 +255,19 @@ def test_skip_leaves_errored_episodes_out_of_the_loss_and_the_baselines(
 ):
     """A crash scored 0 beside wrong answers scored -1 would get a positive advantage under
     zero_reward; under skip it carries no loss and its group's other episodes are compared
-    among themselves (a float64 recomputation of their GRPO advantages)."""
+    among themselves (a float64 recomputation of their GRPO advantages). Evaluation through
+    the same harness counts its crashes (eval/env_errors), marks them in its samples file, and
+    leaves them out of eval/reward_mean: a policy that breaks the harness does not evaluate
+    better than one that answers wrong."""
     (fault_run / "crashes.py").write_text(CRASHES)
+    held = [{"prompt": "guess 0-9:", "answer": str(a)} for a in (1, 2, 3, 4)]
+    (fault_run / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
     run_dir = fault_run / "skip"
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
                 "env.harness=crashes.py:run", "env.on_error=skip", "env.max_error_fraction=1.0",
-                "logging.samples=true", "trainer.max_steps=1")  # fmt: skip
+                "logging.samples=true", "trainer.max_steps=1", "eval.every_steps=1",
+                "eval.at_start=false", "eval.data.path=held.jsonl", "eval.num_samples=4",
+                "eval.temperature=1.0")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip
     grpo = yaml.safe_load((run_dir / "resolved.yaml").read_text())["grpo"]
@@ -292,6 +299,15 @@ def test_skip_leaves_errored_episodes_out_of_the_loss_and_the_baselines(
     (record,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert record["env_errors"] == len(errored)
     assert record["env_error_groups_untrained"] == lone
+    lines = (run_dir / "eval" / "step_00001.jsonl").read_text().splitlines()
+    scored = [x for line in lines for x in json.loads(line)["samples"]]
+    crashed = [x for x in scored if x["error"] is not None]
+    assert 0 < len(crashed) < len(scored) == 16
+    for x in crashed:
+        assert "crashes.py:run" in x["error"] and not x["correct"]
+    assert record["eval/env_errors"] == len(crashed)
+    kept = [x["reward"] for x in scored if x["error"] is None]
+    assert record["eval/reward_mean"] == pytest.approx(math.fsum(kept) / len(kept), abs=1e-9)
 
 
 def test_harness_error_stops_the_run_naming_harness_and_row(fault_run, bin_dir, subprocess_env):

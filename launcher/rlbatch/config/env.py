@@ -17,7 +17,12 @@ class AgentConfig:
     """The OpenAI-compatible endpoint an ``env.harness`` calls (docs/agents.md)."""
 
     host: str = "127.0.0.1"
-    """Address the endpoint binds to (0.0.0.0: harnesses in other containers or hosts)."""
+    """Address the endpoint binds to (0.0.0.0: harnesses in other containers or hosts; set
+    env.agent.auth_token then, and env.agent.advertise_host)."""
+    advertise_host: Optional[str] = None
+    """The host the harness's ``base_url`` names: the address a harness in another container or
+    on another host reaches this machine by. null = env.agent.host, or 127.0.0.1 when that
+    binds every interface (0.0.0.0, ::)."""
     port: int = 0
     """Port of data-parallel rank 0's endpoint (rank r binds port + r); 0 = any free port."""
     auth_token: Optional[str] = None

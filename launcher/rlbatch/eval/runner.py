@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from rlbatch.config.enums import EnvOnError
 from rlbatch.config.schema import DataSource, RunConfig
 from rlbatch.eval.answers import AnswerFn, answer_fn, voting_kind
 from rlbatch.eval.metrics import PromptResult, ScoredSample, summarize
@@ -129,7 +130,11 @@ class Evaluator:
             samples = self.engine.generate(prompts, n, step, rank_seed(self.seed, b))
             mine += self._score(prompts, samples, n)
         results = sorted((r for part in self.gather(mine) for r in part), key=lambda r: r.index)
-        metrics = summarize(results, eval_pass_k(self.cfg), self.answer is not None)
+        harness = bool(self.cfg.env.harness)
+        skip = harness and EnvOnError(self.cfg.env.on_error) == EnvOnError.skip
+        metrics = summarize(
+            results, eval_pass_k(self.cfg), self.answer is not None, harness, skip_errors=skip
+        )
         metrics["eval/seconds"] = time.perf_counter() - started
         return metrics, results
 
@@ -144,21 +149,29 @@ class Evaluator:
         # multi-turn: the environment's rewards, bounded as in training
         totals = add_episode_rewards(samples, totals, self.cfg.data.reward_abs_max)
         threshold = self.cfg.eval.correct_threshold
+        errors = [_harness_error(s) if self.cfg.env.harness else None for s in samples]
         scored = [
             ScoredSample(
                 text=x.response,
                 reward=r,
-                correct=r > threshold,
+                correct=r > threshold and error is None,
                 num_tokens=len(s.response_ids),
                 truncated=s.truncated,
                 answer=self.answer(x) if self.answer is not None else None,
+                error=error,
             )
-            for s, x, r in zip(samples, inputs, totals, strict=True)
+            for s, x, r, error in zip(samples, inputs, totals, errors, strict=True)
         ]
         return [
             PromptResult(p.index, p.text, p.answer, tuple(scored[g * n : (g + 1) * n]))
             for g, p in enumerate(prompts)
         ]
+
+
+def _harness_error(sample: Sample) -> Optional[str]:
+    """The error an agent harness's episode ended with (env.on_error zero_reward / skip)."""
+    episode = sample.episode or {}
+    return str(episode.get("error")) if episode.get("end") == "error" else None
 
 
 def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]:

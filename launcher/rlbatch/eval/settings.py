@@ -86,4 +86,6 @@ def eval_metric_names(cfg: RunConfig) -> list[str]:
     """The metrics of one evaluation (eval/reward_mean, eval/pass@k, ...)."""
     from rlbatch.eval.metrics import metric_names
 
-    return metric_names(eval_pass_k(cfg), cfg.eval.num_samples, majority_supported(cfg))
+    return metric_names(
+        eval_pass_k(cfg), cfg.eval.num_samples, majority_supported(cfg), bool(cfg.env.harness)
+    )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -61,14 +62,26 @@ class _Running:
 _ENDPOINTS: dict[tuple[str, int], Endpoint] = {}
 
 
-def shared_endpoint(host: str, port: int, token: Optional[str]) -> Endpoint:
+def shared_endpoint(
+    host: str, port: int, token: Optional[str], advertise: Optional[str] = None
+) -> Endpoint:
     """This process's endpoint at (host, port): training's engine and evaluation's share it
-    (they never generate at once), so a fixed env.agent.port is bound once."""
+    (they never generate at once), so a fixed env.agent.port is bound once. Bound to every
+    interface without a token, anyone who reaches the port can call into a running episode:
+    a warning says so."""
     key = (host, port)
     if port == 0 and _ENDPOINTS:
         return next(iter(_ENDPOINTS.values()))
     if key not in _ENDPOINTS:
-        _ENDPOINTS[key] = Endpoint(host, port, token)
+        if host in ("0.0.0.0", "::", "") and not token:
+            log.warning(
+                "env.agent.host=%s without env.agent.auth_token: anything that reaches port %s"
+                " of this machine can call into the running episodes; set"
+                " env.agent.auth_token",
+                host,
+                port or "(any)",
+            )
+        _ENDPOINTS[key] = Endpoint(host, port, token, advertise)
     return _ENDPOINTS[key]
 
 
@@ -101,7 +114,9 @@ class AgentRolloutEngine:
             on_divergence=OnDivergence(env.agent.on_divergence),
         )
         port = env.agent.port + rank if env.agent.port else 0
-        self.endpoint = shared_endpoint(env.agent.host, port, env.agent.auth_token)
+        self.endpoint = shared_endpoint(
+            env.agent.host, port, env.agent.auth_token, env.agent.advertise_host
+        )
         for name in ("httpx", "httpx2"):  # the clients' per-call lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self.loop = HarnessLoop()
@@ -125,7 +140,10 @@ class AgentRolloutEngine:
             return []
         self.version = policy_version
         seeds = row_seeds(seed, len(rows))
-        episodes = {f"{seed:x}-{i}": Episode(i, p, s) for i, ((_, p), s) in enumerate(zip(rows, seeds, strict=True))}  # fmt: skip
+        # an episode's address is a random key: calls reach an episode only from its client
+        # (seeds, not keys, make the samples)
+        tag = secrets.token_hex(8)
+        episodes = {f"{tag}-{i}": Episode(i, p, s) for i, ((_, p), s) in enumerate(zip(rows, seeds, strict=True))}  # fmt: skip
         session = AgentSession(self.limits, self.tokenizer, episodes, self.cfg.env.timeout_s)
         self.endpoint.session = session
         env = self.cfg.env
