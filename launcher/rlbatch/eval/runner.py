@@ -104,6 +104,9 @@ class Evaluator:
         self.prompts = load_eval_prompts(cfg, tokenizer)
         blocks = prompt_blocks(self.prompts, cfg.rollout.micro_batch_size, dp_size, cfg.parallel.ep)
         self.blocks = list(enumerate(blocks))[dp_rank::dp_size]  # (block index, prompts)
+        self.wait_s = _harness_bound(cfg, blocks, dp_size)
+        """dp > 1 with a harness: how long a rank waits for the others' episodes (else 0)."""
+        self.evaluations = 0
         self.tokenizer = tokenizer
         self.engine, self.driver = _engine(cfg, model, tokenizer)
         self.rewards = build_rewards(data, cfg.batching.infer)
@@ -129,6 +132,7 @@ class Evaluator:
         for b, prompts in self.blocks:
             samples = self.engine.generate(prompts, n, step, rank_seed(self.seed, b))
             mine += self._score(prompts, samples, n)
+        self._meet_peers()
         results = sorted((r for part in self.gather(mine) for r in part), key=lambda r: r.index)
         harness = bool(self.cfg.env.harness)
         skip = harness and EnvOnError(self.cfg.env.on_error) == EnvOnError.skip
@@ -137,6 +141,19 @@ class Evaluator:
         )
         metrics["eval/seconds"] = time.perf_counter() - started
         return metrics, results
+
+    def _meet_peers(self) -> None:
+        """dp > 1 with a harness: wait for every rank's evaluation episodes (their deadlines may
+        run past trainer.timeout_s, which the gather below would give up at)."""
+        if self.wait_s <= 0:
+            return
+        from rlbatch import distributed
+        from rlbatch.runtime import progress
+
+        self.evaluations += 1
+        what = "the other ranks' evaluation harness episodes"
+        with progress.user_call(what, self.wait_s):
+            distributed.meet(f"agent-eval-{self.evaluations}", self.wait_s)
 
     def _score(
         self, prompts: Sequence[Prompt], samples: list[Sample], n: int
@@ -166,6 +183,19 @@ class Evaluator:
             PromptResult(p.index, p.text, p.answer, tuple(scored[g * n : (g + 1) * n]))
             for g, p in enumerate(prompts)
         ]
+
+
+def _harness_bound(cfg: RunConfig, blocks: Sequence[Sequence[Prompt]], dp_size: int) -> float:
+    """The longest a rank's evaluation harness episodes may take, the same on every rank: its
+    most blocks, each of the largest block's waves of env.max_concurrency episodes at
+    env.agent.episode_timeout_s + 5 s, plus trainer.timeout_s (0 without a harness or at dp 1:
+    the ranks need not meet)."""
+    if not cfg.env.harness or dp_size <= 1 or not blocks:
+        return 0.0
+    rows = max(len(b) for b in blocks) * cfg.eval.num_samples
+    waves = -(-rows // max(1, cfg.env.max_concurrency))
+    per_rank = -(-len(blocks) // dp_size)
+    return per_rank * waves * (cfg.env.agent.episode_timeout_s + 5.0) + cfg.trainer.timeout_s
 
 
 def _harness_error(sample: Sample) -> Optional[str]:
