@@ -345,6 +345,15 @@ def meet(tag: str, timeout_s: float) -> None:
         raise TimeoutError(
             f"rank {dist.get_rank()} waited {timeout_s:.0f} s at {tag} for ranks {missing}"
         ) from err
+    # every rank has passed the previous meet (each set this one's key after it): its key can go,
+    # so a long run does not fill the store with a key per rank per round
+    _MET.append(prefix + str(dist.get_rank()))
+    if len(_MET) > 1:
+        store.delete_key(_MET.pop(0))
+
+
+_MET: list[str] = []
+"""This rank's key of its latest meet (and, briefly, the one before)."""
 
 
 def all_gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
