@@ -7,6 +7,7 @@ initialized (rlbatch.engine.parallel.initialize), else the world.
 - ``all_reduce_sum``: many tensors/scalars summed in ONE flattened float64 collective.
 - ``reduce_dp`` / ``reduce_step``: the GRPO step's ReduceFn's (1-D float64 vectors).
 - ``all_gather_object``, ``barrier``, ``check_same_across_ranks`` (plan-hash agreement).
+- ``meet``: every rank reaches a point, waiting longer than a collective's timeout allows.
 - ``broadcast_from_last_stage``: values computed on the last pipeline stage to every stage.
 - ``from_first_in_model_parallel_group``: a call made on one rank of a model-parallel group,
   its result (or its error) on every rank of it.
@@ -332,6 +333,39 @@ def reduce_max(value: float) -> float:
 def barrier(group: Optional[Any] = None) -> None:
     if dist.is_initialized() and _group_size(group) > 1:
         dist.barrier(group=group)
+
+
+def meet(tag: str, timeout_s: float) -> None:
+    """Wait until every rank of the world has called ``meet(tag, ...)``, for up to ``timeout_s``
+    seconds, through the rendezvous store rather than a collective: a collective gives up after
+    trainer.timeout_s (the process group's timeout), and ranks that wait for a peer still running
+    a round of user code bounded longer than that (agent harness episodes, each with its own
+    deadline) must wait as long as the peer's bound. Each rank calls it with the same tags in
+    the same order. Raises TimeoutError naming the ranks that did not come."""
+    from datetime import timedelta
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"rlbatch/meet/{tag}/"
+    store.set(prefix + str(dist.get_rank()), "1")
+    keys = [prefix + str(r) for r in range(dist.get_world_size())]
+    try:
+        store.wait(keys, timedelta(seconds=max(timeout_s, 1.0)))
+    except (RuntimeError, dist.DistError) as err:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise TimeoutError(
+            f"rank {dist.get_rank()} waited {timeout_s:.0f} s at {tag} for ranks {missing}"
+        ) from err
+    # every rank has passed the previous meet (each set this one's key after it): its key can go,
+    # so a long run does not fill the store with a key per rank per round
+    _MET.append(prefix + str(dist.get_rank()))
+    if len(_MET) > 1:
+        store.delete_key(_MET.pop(0))
+
+
+_MET: list[str] = []
+"""This rank's key of its latest meet (and, briefly, the one before)."""
 
 
 def all_gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:

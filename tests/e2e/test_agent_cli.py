@@ -36,24 +36,27 @@ async def run(client, model, row):
     """Two turns (the second streamed, with a stop string); odd secrets then start over."""
     auth = await auth_checked(client) if row["answer"] == "0" else 1.0
     messages = [{"role": "user", "content": row["prompt"]}]
-    first = await client.chat.completions.create(
-        model="any-name", messages=messages, max_tokens=12, temperature=0.3, logprobs=True)
+    first = await client.chat.completions.create(  # one seed on every call of the episode
+        model="any-name", messages=messages, max_tokens=12, temperature=0.3, logprobs=True, seed=5)
     reply = first.choices[0].message
     assert first.choices[0].logprobs is not None
     messages += [{"role": "assistant", "content": reply.content},
                  {"role": "user", "content": "once more"}]
     stream = await client.chat.completions.create(
-        model=model, messages=messages, stream=True, stop=["7"])
+        model=model, messages=messages, stream=True, stop=["7"], seed=5)
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     if int(row["answer"]) % 2:
         await client.chat.completions.create(  # a rewritten history: a new segment
             model=model, messages=[{"role": "user", "content": "fresh " + text[:4]}])
-    return {"reward": float(len(text) % 3 == 0), "length": float(len(text)), "auth": auth}
+    advertised = float(client.base_url.host == "localhost")  # env.agent.advertise_host
+    return {"reward": float(len(text) % 3 == 0), "length": float(len(text)), "auth": auth,
+            "advertised": advertised}
 '''
 
 AGENT_RUN = (
     "env.harness=harness.py:run", "logging.samples=true", "trainer.max_steps=2",
     "env.max_concurrency=3", "env.agent.auth_token=s3cret", "data.reward_fn=bonus.py:bonus",
+    "env.agent.host=0.0.0.0", "env.agent.advertise_host=localhost",
     "grpo.beta=0.02", "eval.every_steps=2", "eval.data.path=held_out.jsonl", "eval.num_samples=1",
     "eval.at_start=false", "eval.temperature=0", "grpo.num_steps_async=1",
     "grpo.overlap_generation=false",
@@ -131,10 +134,11 @@ def _episodes(lines):
 
 def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
     """Every sampled token of every segment is trained, exactly once, with the log-probability
-    the endpoint recorded; a split episode trains each of its segments."""
+    the endpoint recorded; a split episode trains each of its segments; a client seed sent on
+    both turns does not replay the first turn's sampling noise on the second."""
     _, _, steps, _ = agent_run
     tok = ByteTokenizer()
-    spliced = lossy = 0
+    spliced = lossy = same = compared = 0
     for lines in steps:
         episodes = _episodes(lines)
         assert len(episodes) == 16
@@ -150,6 +154,9 @@ def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
             history = first["prompt_ids"] + first["completion_ids"]
             assert second["spliced"] and second["prompt_ids"][: len(history)] == history
             spliced += 1
+            pairs = list(zip(first["completion_ids"], second["completion_ids"], strict=False))
+            same += sum(a == b for a, b in pairs)
+            compared += len(pairs)
             text = tok.decode(first["completion_ids"])
             lossy += tok.encode(text) != [t for t in first["completion_ids"] if t < 256]
             # odd secrets rewrote their history at call 2: two segments, both trained
@@ -175,6 +182,10 @@ def test_every_trained_token_is_one_the_endpoint_sampled(agent_run):
             if int(s["answer"]) % 2:
                 assert calls[2]["diverged"] and not calls[2]["spliced"]
     assert spliced == 32
+    # both calls send seed=5, yet the second samples fresh noise (its seed is drawn from its
+    # prompt too): on the near-uniform tiny model, replayed noise repeats the first reply's
+    # token at most positions, fresh noise at about 1 in 256
+    assert compared > 100 and same / compared < 0.1, (same, compared)
     assert lossy > 0  # some sampled bytes do not survive decode / encode: the splice kept them
 
 
@@ -232,6 +243,8 @@ def test_rewards_splits_and_metrics(agent_run):
         assert r["turns_mean"] == pytest.approx(sum(len(s["turns"]) for s in samples) / 16)
         for s in samples:
             assert s["reward_parts"]["harness.auth"] == 1.0  # answer 0: checked against 401
+            # bound to every interface, the harness's base_url names the advertised host
+            assert s["reward_parts"]["harness.advertised"] == 1.0
             assert s["reward_parts"]["harness.length"] >= 0.0
             assert s["env_rewards"] in ([0.0], [1.0])
             # the data reward (data.reward_fn) adds to the harness's

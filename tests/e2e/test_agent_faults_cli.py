@@ -24,7 +24,20 @@ FAULTS = """
 import asyncio
 import time
 
+import openai
+
 BLOCKED = []
+
+async def late_call(base_url, key, model):  # a call after the harness returned (a task left behind)
+    await asyncio.sleep(1.0)
+    late = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+    try:
+        await late.chat.completions.create(model=model, messages=[{"role": "user", "content": "late"}])
+    except openai.APIStatusError as err:
+        with open(__file__[: -len("faults.py")] + "late_status.txt", "a") as out:
+            out.write(f"{err.status_code} ")
+    finally:
+        await late.close()
 
 async def run(client, model, row):
     kind = int(row["answer"])
@@ -34,12 +47,13 @@ async def run(client, model, row):
             time.sleep(40)  # BLOCKS HERE
         await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
         return 1.0
-    if kind == 8:  # two calls at once on one prompt (best-of-2, its own seeds), then on from the 1st
+    if kind == 8:  # two calls at once on one prompt (best-of-2, its own seeds), then on from the
+        # 1st up to the run's limit (rollout.max_new_tokens): the episode ends in the 1st's segment
         messages = [{"role": "user", "content": "x"}]
         a, b = await asyncio.gather(*[client.chat.completions.create(
             model=model, messages=messages, max_tokens=3, seed=s) for s in (0, 1)])
         messages += [a.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "y"}]
-        await client.chat.completions.create(model=model, messages=messages, max_tokens=3)
+        await client.chat.completions.create(model=model, messages=messages)
         return 1.0
     if kind == 0:
         raise ValueError("broken harness")
@@ -67,6 +81,7 @@ async def run(client, model, row):
     stream = await client.completions.create(  # token in, streamed out
         model=model, prompt=[104, 105, 58], max_tokens=5, stream=True)
     text = "".join([c.choices[0].text async for c in stream])
+    asyncio.get_running_loop().create_task(late_call(str(client.base_url), client.api_key, model))
     return {"reward": 1.0, "chars": float(len(text)), "refused": refused}
 """
 
@@ -92,11 +107,12 @@ def zero_run(fault_run, bin_dir, subprocess_env):
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
                 "env.harness=faults.py:run", "env.on_error=zero_reward", "data.path=rows.jsonl",
                 "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=36",
-                "env.agent.episode_timeout_s=20", "env.timeout_s=1", "env.max_error_fraction=1.0",
+                "env.agent.episode_timeout_s=30", "env.timeout_s=1", "env.max_error_fraction=1.0",
                 "env.max_turns=3", "env.agent.block_timeout_s=4",
+                "grpo.mask_truncated_completions=true",
                 # the hang detector's bound is below the episode deadline: the round's wait on
                 # its harnesses is bounded by their deadlines, not by trainer.timeout_s
-                "trainer.timeout_s=19")  # fmt: skip
+                "trainer.timeout_s=29")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (metrics,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip
@@ -132,6 +148,8 @@ def test_harness_faults_score_zero_under_zero_reward(zero_run):
             assert len(s["turns"]) == 5 and s["turns"][3]["completion_ids"] == []
             continue
         if s["answer"] == "6":  # a completions call given token ids samples after them
+            # (and the call its harness left behind, made after it returned, is not in the
+            # episode: refused 409, counted in episode_late_calls)
             (call,) = s["turns"]
             assert call["prompt_ids"] == s["prompt_ids"] == [104, 105, 58]
             assert s["response_ids"] == call["completion_ids"]
@@ -142,6 +160,19 @@ def test_harness_faults_score_zero_under_zero_reward(zero_run):
         assert s["end"] == "error" and s["reward"] == 0.0
         assert "harness" in s["error"] and "faults.py:run" in s["error"]
         assert expected[int(s["answer"])] in s["error"], s["error"]
+
+
+def test_a_call_after_the_harness_returned_is_refused_and_counted(zero_run, fault_run):
+    """Each answer-6 harness leaves a task that calls its episode's address 1 s after returning,
+    while the round still runs (answer 4 waits out its 30 s deadline): the call is answered 409,
+    counted, and neither sampled nor trained (the sample holds the episode's one call)."""
+    metrics, samples = zero_run
+    assert metrics["episode_late_calls"] == 4
+    assert (fault_run / "late_status.txt").read_text().split() == ["409"] * 4
+    for s in samples:
+        if s["answer"] == "6":
+            assert len(s["turns"]) == 1
+            assert sum(s["loss_mask"]) == len(s["turns"][0]["completion_ids"])
 
 
 def test_concurrent_calls_on_one_prompt_are_branches_and_every_one_trains(zero_run):
@@ -160,19 +191,23 @@ def test_concurrent_calls_on_one_prompt_are_branches_and_every_one_trains(zero_r
         assert not any(c["diverged"] for c in calls) and calls[2]["spliced"]
         on = [i for i in (0, 1) if calls[2]["prompt_ids"][: len(calls[i]["prompt_ids"]) + len(calls[i]["completion_ids"])] == calls[i]["prompt_ids"] + calls[i]["completion_ids"]]  # fmt: skip
         assert len(on) == 1  # it went on from one of the two replies
-        assert sorted([first["calls"], last["calls"]]) == sorted([[on[0], 2], [1 - on[0]]])
+        # the row (its last line) is the segment of the episode's last call, whichever of the
+        # two calls at once came first
+        assert (last["calls"], first["calls"]) == ([on[0], 2], [1 - on[0]])
         for part in (first, last):
             mine = [calls[i] for i in part["calls"]]
             trained = [t for t, m in zip(part["response_ids"], part["loss_mask"], strict=True) if m]  # fmt: skip
             assert trained == [t for c in mine for t in c["completion_ids"]]
             assert part["prompt_ids"] == mine[0]["prompt_ids"]
-            assert part["reward"] == 1.0 and not part["truncated"]
+            # the episode's truncation is its last call's, on both segments
+            assert part["reward"] == 1.0 and part["truncated"] == calls[2]["truncated"]
 
 
 def test_truncated_means_a_limit_of_the_run(zero_run):
     """A call cut by the client's own max_tokens (3 or 5 here) answers finish_reason=length but
     is not truncated (grpo.mask_truncated_completions leaves it in the loss); one cut by
-    rollout.max_new_tokens (16) or refused past env.max_turns is."""
+    rollout.max_new_tokens (16) or refused past env.max_turns is. An episode is truncated when
+    its last call is, whichever segment that call is in."""
     metrics, samples = zero_run
     calls = [c for s in samples for c in s["turns"]]
     client_cut = [c for c in calls if c["finish_reason"] == "length" and 0 < len(c["completion_ids"]) < 16]  # fmt: skip
@@ -180,11 +215,24 @@ def test_truncated_means_a_limit_of_the_run(zero_run):
     for c in calls:
         run_cut = c["finish_reason"] == "length" and len(c["completion_ids"]) in (0, 16)
         assert c["truncated"] == run_cut, c
-    assert metrics["episodes_truncated"] == sum(bool(s["turns"]) and s["turns"][-1]["truncated"] for s in samples)  # fmt: skip
-    for s in samples:  # a sample is truncated when its last call is
-        if s["turns"]:
-            mine = [s["turns"][i] for i in s["calls"]]
-            assert s["truncated"] == mine[-1]["truncated"]
+    rows = [s for s in samples if s["segment"] == s["segments"] - 1]
+    assert metrics["episodes_truncated"] == sum(bool(s["turns"]) and s["turns"][-1]["truncated"] for s in rows)  # fmt: skip
+    # an episode is truncated when its last call is, and so is every one of its samples: the
+    # calls past env.max_turns (answer 5, answered with no tokens) truncate theirs, as does a
+    # best-of-2 whose last call (in the first segment, answer 8) met rollout.max_new_tokens
+    episode = []
+    for s in samples:  # an episode's earlier segments, then its row (which lists its calls)
+        episode.append(s)
+        if s is not rows[0]:
+            continue
+        rows.pop(0)
+        cut = bool(s["turns"]) and s["turns"][-1]["truncated"]
+        assert [p["truncated"] for p in episode] == [cut] * len(episode), s["answer"]
+        assert cut or s["answer"] != "5"
+        episode = []
+    assert not rows and not episode
+    # grpo.mask_truncated_completions masks every sample of a truncated episode, and only those
+    assert metrics["masked_truncated"] == sum(s["truncated"] for s in samples) > 4
 
 
 CRASHES = """
@@ -207,12 +255,19 @@ def test_skip_leaves_errored_episodes_out_of_the_loss_and_the_baselines(
 ):
     """A crash scored 0 beside wrong answers scored -1 would get a positive advantage under
     zero_reward; under skip it carries no loss and its group's other episodes are compared
-    among themselves (a float64 recomputation of their GRPO advantages)."""
+    among themselves (a float64 recomputation of their GRPO advantages). Evaluation through
+    the same harness counts its crashes (eval/env_errors), marks them in its samples file, and
+    leaves them out of eval/reward_mean: a policy that breaks the harness does not evaluate
+    better than one that answers wrong."""
     (fault_run / "crashes.py").write_text(CRASHES)
+    held = [{"prompt": "guess 0-9:", "answer": str(a)} for a in (1, 2, 3, 4)]
+    (fault_run / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
     run_dir = fault_run / "skip"
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
                 "env.harness=crashes.py:run", "env.on_error=skip", "env.max_error_fraction=1.0",
-                "logging.samples=true", "trainer.max_steps=1")  # fmt: skip
+                "logging.samples=true", "trainer.max_steps=1", "eval.every_steps=1",
+                "eval.at_start=false", "eval.data.path=held.jsonl", "eval.num_samples=4",
+                "eval.temperature=1.0")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     samples = [json.loads(x) for x in (run_dir / "samples/step_00001.jsonl").read_text().splitlines()]  # fmt: skip
     grpo = yaml.safe_load((run_dir / "resolved.yaml").read_text())["grpo"]
@@ -244,6 +299,15 @@ def test_skip_leaves_errored_episodes_out_of_the_loss_and_the_baselines(
     (record,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert record["env_errors"] == len(errored)
     assert record["env_error_groups_untrained"] == lone
+    lines = (run_dir / "eval" / "step_00001.jsonl").read_text().splitlines()
+    scored = [x for line in lines for x in json.loads(line)["samples"]]
+    crashed = [x for x in scored if x["error"] is not None]
+    assert 0 < len(crashed) < len(scored) == 16
+    for x in crashed:
+        assert "crashes.py:run" in x["error"] and not x["correct"]
+    assert record["eval/env_errors"] == len(crashed)
+    kept = [x["reward"] for x in scored if x["error"] is None]
+    assert record["eval/reward_mean"] == pytest.approx(math.fsum(kept) / len(kept), abs=1e-9)
 
 
 def test_harness_error_stops_the_run_naming_harness_and_row(fault_run, bin_dir, subprocess_env):

@@ -17,7 +17,12 @@ class AgentConfig:
     """The OpenAI-compatible endpoint an ``env.harness`` calls (docs/agents.md)."""
 
     host: str = "127.0.0.1"
-    """Address the endpoint binds to (0.0.0.0: harnesses in other containers or hosts)."""
+    """Address the endpoint binds to (0.0.0.0: harnesses in other containers or hosts; set
+    env.agent.auth_token then, and env.agent.advertise_host)."""
+    advertise_host: Optional[str] = None
+    """The host the harness's ``base_url`` names: the address a harness in another container or
+    on another host reaches this machine by. null = env.agent.host, or 127.0.0.1 when that
+    binds every interface (0.0.0.0, ::)."""
     port: int = 0
     """Port of data-parallel rank 0's endpoint (rank r binds port + r); 0 = any free port."""
     auth_token: Optional[str] = None
@@ -32,7 +37,9 @@ class AgentConfig:
     episode and the call)."""
     episode_timeout_s: float = 300.0
     """Longest one episode (the harness's run call) may take; beyond it the episode is an
-    error (env.on_error decides what that does)."""
+    error (env.on_error decides what that does). The hang detector waits on a round of
+    episodes for its waves of env.max_concurrency times this + 5 s, plus trainer.timeout_s, on
+    every data-parallel rank."""
     block_timeout_s: float = 10.0
     """Longest a harness may hold the rank's event loop without awaiting (synchronous code:
     ``time.sleep``, a blocking tool); beyond it that episode is an error naming it and the line

@@ -39,6 +39,9 @@ class ScoredSample:
     """Ended at the token limit without EOS."""
     answer: Optional[str] = None
     """The answer the reward grades (majority vote); None when none could be read."""
+    error: Optional[str] = None
+    """Why its episode failed (an agent harness's error under env.on_error=zero_reward or
+    skip); None when it did not. An errored sample is never correct."""
 
 
 @dataclass(frozen=True)
@@ -82,26 +85,41 @@ def majority_answer(samples: Sequence[ScoredSample]) -> Optional[ScoredSample]:
     return first[winner]
 
 
-def metric_names(pass_k: Sequence[int], num_samples: int, majority: bool) -> list[str]:
-    """Names of the metrics :func:`summarize` returns for these settings (without timings)."""
+def metric_names(
+    pass_k: Sequence[int], num_samples: int, majority: bool, errors: bool = False
+) -> list[str]:
+    """Names of the metrics :func:`summarize` returns for these settings (without timings);
+    ``errors``: episodes can fail (an agent harness), so ``env_errors`` counts them."""
     names = ["reward_mean", *(f"pass@{k}" for k in pass_k), f"mean@{num_samples}"]
     if majority:
         names.append(f"maj@{num_samples}")
     names += ["response_len_mean", "num_prompts"]
+    if errors:
+        names.append("env_errors")
     return [PREFIX + n for n in names]
 
 
 def summarize(
-    results: Sequence[PromptResult], pass_k: Sequence[int], majority: bool
+    results: Sequence[PromptResult],
+    pass_k: Sequence[int],
+    majority: bool,
+    errors: bool = False,
+    skip_errors: bool = False,
 ) -> dict[str, float]:
-    """The evaluation's metrics (names: :func:`metric_names`); every prompt has N samples."""
+    """The evaluation's metrics (names: :func:`metric_names`); every prompt has N samples.
+    ``errors``: count the errored samples (``env_errors``); ``skip_errors`` (env.on_error=skip):
+    ``reward_mean`` is over the others (NaN when every sample failed), as training leaves
+    errored episodes out, so a policy that breaks the harness does not score above a wrong
+    answer scored below 0. Errored samples are never correct (pass@k, mean@N, maj@N)."""
     if not results:
         raise ValueError("an evaluation needs at least one prompt")
     n = len(results[0].samples)
     if n < 1 or any(len(r.samples) != n for r in results):
         raise ValueError("every evaluation prompt needs the same number (>= 1) of samples")
     samples = [s for r in results for s in r.samples]
-    out = {"reward_mean": sum(s.reward for s in samples) / len(samples)}
+    scored = [s for s in samples if not (skip_errors and s.error is not None)]
+    mean = sum(s.reward for s in scored) / len(scored) if scored else math.nan
+    out = {"reward_mean": mean}
     for k in pass_k:
         out[f"pass@{k}"] = _mean(pass_at_k(n, r.num_correct, k) for r in results)
     out[f"mean@{n}"] = _mean(r.num_correct / n for r in results)
@@ -110,6 +128,8 @@ def summarize(
         out[f"maj@{n}"] = _mean(1.0 if v is not None and v.correct else 0.0 for v in votes)
     out["response_len_mean"] = sum(s.num_tokens for s in samples) / len(samples)
     out["num_prompts"] = float(len(results))
+    if errors:
+        out["env_errors"] = float(sum(1 for s in samples if s.error is not None))
     return {PREFIX + k: v for k, v in out.items()}
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from rlbatch.config.enums import EnvOnError
 from rlbatch.config.env import harness_spec
 from rlbatch.config.schema import DataSource, RunConfig
 from rlbatch.eval.answers import AnswerFn, answer_fn, voting_kind
@@ -116,6 +117,9 @@ class Evaluator:
             self.prompts, cfg.rollout.micro_batch_size, dp_size, in_step_ranks(cfg)
         )
         self.blocks = list(enumerate(blocks))[dp_rank::dp_size]  # (block index, prompts)
+        self.wait_s = _harness_bound(cfg, blocks, dp_size)
+        """dp > 1 with a harness: how long a rank waits for the others' episodes (else 0)."""
+        self.evaluations = 0
         self.tokenizer = tokenizer
         self.engine, self.driver = _engine(cfg, model, tokenizer)
         self.rewards = build_rewards(data, cfg.batching.infer)
@@ -141,10 +145,28 @@ class Evaluator:
         for b, prompts in self.blocks:
             samples = self.engine.generate(prompts, n, step, rank_seed(self.seed, b))
             mine += self._score(prompts, samples, n)
+        self._meet_peers()
         results = sorted((r for part in self.gather(mine) for r in part), key=lambda r: r.index)
-        metrics = summarize(results, eval_pass_k(self.cfg), self.answer is not None)
+        harness = bool(harness_spec(self.cfg.env))
+        skip = harness and EnvOnError(self.cfg.env.on_error) == EnvOnError.skip
+        metrics = summarize(
+            results, eval_pass_k(self.cfg), self.answer is not None, harness, skip_errors=skip
+        )
         metrics["eval/seconds"] = time.perf_counter() - started
         return metrics, results
+
+    def _meet_peers(self) -> None:
+        """dp > 1 with a harness: wait for every rank's evaluation episodes (their deadlines may
+        run past trainer.timeout_s, which the gather below would give up at)."""
+        if self.wait_s <= 0:
+            return
+        from rlbatch import distributed
+        from rlbatch.runtime import progress
+
+        self.evaluations += 1
+        what = "the other ranks' evaluation harness episodes"
+        with progress.user_call(what, self.wait_s):
+            distributed.meet(f"agent-eval-{self.evaluations}", self.wait_s)
 
     def _score(
         self, prompts: Sequence[Prompt], samples: list[Sample], n: int
@@ -157,21 +179,42 @@ class Evaluator:
         # multi-turn: the environment's rewards, bounded as in training
         totals = add_episode_rewards(samples, totals, self.cfg.data.reward_abs_max)
         threshold = self.cfg.eval.correct_threshold
+        errors = [_harness_error(s) if harness_spec(self.cfg.env) else None for s in samples]
         scored = [
             ScoredSample(
                 text=x.response,
                 reward=r,
-                correct=r > threshold,
+                correct=r > threshold and error is None,
                 num_tokens=len(s.response_ids),
                 truncated=s.truncated,
                 answer=self.answer(x) if self.answer is not None else None,
+                error=error,
             )
-            for s, x, r in zip(samples, inputs, totals, strict=True)
+            for s, x, r, error in zip(samples, inputs, totals, errors, strict=True)
         ]
         return [
             PromptResult(p.index, p.text, p.answer, tuple(scored[g * n : (g + 1) * n]))
             for g, p in enumerate(prompts)
         ]
+
+
+def _harness_bound(cfg: RunConfig, blocks: Sequence[Sequence[Prompt]], dp_size: int) -> float:
+    """The longest a rank's evaluation harness episodes may take, the same on every rank: its
+    most blocks, each of the largest block's waves of env.max_concurrency episodes at
+    env.agent.episode_timeout_s + 5 s, plus trainer.timeout_s (0 without a harness or at dp 1:
+    the ranks need not meet)."""
+    if not harness_spec(cfg.env) or dp_size <= 1 or not blocks:
+        return 0.0
+    rows = max(len(b) for b in blocks) * cfg.eval.num_samples
+    waves = -(-rows // max(1, cfg.env.max_concurrency))
+    per_rank = -(-len(blocks) // dp_size)
+    return per_rank * waves * (cfg.env.agent.episode_timeout_s + 5.0) + cfg.trainer.timeout_s
+
+
+def _harness_error(sample: Sample) -> Optional[str]:
+    """The error an agent harness's episode ended with (env.on_error zero_reward / skip)."""
+    episode = sample.episode or {}
+    return str(episode.get("error")) if episode.get("end") == "error" else None
 
 
 def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]:
@@ -194,7 +237,7 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]
     if harness_spec(cfg.env):  # the harness's episodes, sampled with the evaluation's settings
         from rlbatch.rollout.agent.engine import build_agent_engine
 
-        return build_agent_engine(sampling, model, tokenizer), None
+        return build_agent_engine(sampling, model, tokenizer, meet=False), None
     driver = None
     if cfg.env.path:
         from rlbatch.rollout.turns import build_turn_driver

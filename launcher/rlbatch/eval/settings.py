@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import math
 
+from rlbatch.config.env import harness_spec
 from rlbatch.config.schema import DataConfig, RolloutBackend, RolloutConfig, RunConfig
 
 GREEDY = 0.0
@@ -87,7 +88,12 @@ def eval_metric_names(cfg: RunConfig) -> list[str]:
     """The metrics of one evaluation (eval/reward_mean, eval/pass@k, ...)."""
     from rlbatch.eval.metrics import metric_names
 
-    return metric_names(eval_pass_k(cfg), cfg.eval.num_samples, majority_supported(cfg))
+    return metric_names(
+        eval_pass_k(cfg),
+        cfg.eval.num_samples,
+        majority_supported(cfg),
+        bool(harness_spec(cfg.env)),
+    )
 
 
 def in_step_ranks(cfg: RunConfig) -> int:

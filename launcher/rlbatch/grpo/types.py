@@ -92,11 +92,13 @@ class Sample:
     no loss (every token of it, earlier segments included, is masked out), takes no part in its
     group's baseline or scale, and its advantage is 0 (rlbatch.grpo.stages.skip_episode)."""
     earlier_segments: list[Sample] = field(default_factory=list)
-    """A split agent episode (env.agent.on_divergence=split): the segments before its last, in
-    order, each its own training sample (its own prompt, tokens, mask and behaviour logps).
-    This sample is the episode's last segment and the row of its group: reward and advantage
-    are the episode's, computed on this sample, and :func:`trained_samples` hands them to the
-    earlier segments. Empty for every other sample."""
+    """A split or branched agent episode (env.agent.on_divergence=split, best-of-k calls): its
+    segments other than the one where it ended (the one holding its last call), in the order its
+    calls created them, each its own training sample (its own prompt, tokens, mask and
+    behaviour logps). This sample is the segment where the episode ended and the row of its
+    group: reward, advantage and truncation are the episode's, computed on this sample, and
+    :func:`trained_samples` hands them to the earlier segments. Empty for every other
+    sample."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

@@ -15,7 +15,8 @@ rollout.max_new_tokens never does); agent harnesses (env.harness) add ``episode_
 (calls that rewrote their episode's history and started a new segment: each is one more
 trained sample, rlbatch.grpo.types.trained_samples) and ``episode_branches`` (calls that sampled
 again from a point their episode had reached, e.g. two calls at once on one prompt: one more
-trained sample each, no divergence).
+trained sample each, no divergence) and ``episode_late_calls`` (calls made to an episode's
+address after its harness returned or failed, while its round ran: refused, never trained).
 
 A logged sample is one trained sample: an episode split in k segments writes k lines (its
 earlier segments first, then the last, which carries the episode's calls under ``turns``), each
@@ -39,7 +40,7 @@ from rlbatch.grpo.types import Sample, trained_samples
 
 _SUMS = (
     "samples", "turns", "env_seconds", "observation_tokens", "truncated", "errors", "cut",
-    "reached", "splits", "branches", "groups_untrained",
+    "reached", "splits", "branches", "late_calls", "groups_untrained",
 )  # fmt: skip
 
 
@@ -59,6 +60,7 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         local["reached"] += bool(ep.get("reached_env", False))
         local["splits"] += ep.get("splits", 0)
         local["branches"] += ep.get("branches", 0)
+        local["late_calls"] += ep.get("late_calls", 0)
         turns_max = max(turns_max, ep.get("num_turns", 1))
     local["groups_untrained"] = float(groups_untrained(samples))
     total = dict(zip(_SUMS, dist.all_reduce_sum([local[k] for k in _SUMS]), strict=True))
@@ -74,6 +76,7 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         "env_episodes": total["reached"],
         "episode_splits": total["splits"],
         "episode_branches": total["branches"],
+        "episode_late_calls": total["late_calls"],
         "env_error_groups_untrained": total["groups_untrained"],
     }
 

@@ -150,6 +150,22 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
     return logger.history
 
 
+def _warn_untrained_restarts(cfg: RunConfig, producer: Any) -> None:
+    """Rounds generated ahead for steps past trainer.max_steps are not trained by this run, so
+    their rollout/* figures reach no step record: name the server restarts among them."""
+    ahead = list(getattr(producer, "queue", []))
+    restarts = sum(r.filter_metrics.get("rollout/server_restarts", 0.0) for r in ahead)
+    if restarts:
+        log.warning(
+            "%d rollout server restart(s) happened while generating round(s) %s ahead for steps"
+            " past trainer.max_steps=%d: a round's rollout/* figures are reported with the step"
+            " that trains it, so metrics.jsonl does not count them",
+            restarts,
+            [r.round_index for r in ahead],
+            cfg.trainer.max_steps,
+        )
+
+
 def _eval_due(cfg: RunConfig, comps: Components, step: int) -> bool:
     return comps.evaluate is not None and eval_due(cfg, step)
 
@@ -353,6 +369,7 @@ def _record(
 
 
 def _finish(cfg: RunConfig, comps: Components, logger: MetricsLogger) -> None:
+    _warn_untrained_restarts(cfg, comps.producer)
     if cfg.trainer.checkpoint.export_hf and comps.export_hf is not None:
         comps.export_hf(run_dir(cfg) / "hf")
     if comps.dist.rank != 0:

@@ -115,3 +115,21 @@ def test_answers_the_rewards_grade():
     assert voting_kind(RewardKind.format, []) is None
     assert voting_kind(RewardKind.format, ["my.py:fn", "math"]) == RewardKind.math
     assert voting_kind(RewardKind.math, ["my.py:fn"]) is None
+
+
+def test_harness_errors_are_counted_and_left_out_of_the_reward_mean_under_skip():
+    """Two prompts x 2 samples: a crash scored 0 beside wrong answers scored -1. Counted in
+    eval/env_errors; under env.on_error=skip the reward mean is the other samples' (-1), not
+    raised by the crash; under zero_reward the crash weighs its 0."""
+    crash = ScoredSample("", 0.0, False, 3, False, error="harness h.py:run raised ValueError")
+    wrong = ScoredSample("7", -1.0, False, 3, False)
+    right = ScoredSample("4", 1.0, True, 3, False)
+    results = [PromptResult(0, "p", "4", (crash, wrong)), PromptResult(1, "q", "4", (wrong, right))]
+    skip = summarize(results, [1], majority=False, errors=True, skip_errors=True)
+    assert list(skip) == metric_names([1], 2, False, errors=True)
+    assert skip["eval/env_errors"] == 1.0
+    assert skip["eval/reward_mean"] == pytest.approx((-1.0 - 1.0 + 1.0) / 3)
+    zero = summarize(results, [1], majority=False, errors=True)
+    assert zero["eval/reward_mean"] == pytest.approx((0.0 - 1.0 - 1.0 + 1.0) / 4)
+    assert zero["eval/mean@2"] == pytest.approx(0.25)
+    assert "eval/env_errors" not in summarize(results, [1], majority=False)

@@ -1,21 +1,28 @@
 """The agent endpoint's pure parts: conversations rendered as Qwen2.5 renders them, hermes tool
 calls read back, the splice's continuation (a Qwen3-style template that drops earlier turns'
-reasoning leaves the sampled turn alone), and episodes assembled into segments from token ids
-alone (the expected segments written out by hand)."""
+reasoning leaves the sampled turn alone), episodes assembled into segments from token ids
+alone (the expected segments written out by hand) and ending in their last call's segment,
+the seeds of calls that send their own, and calls after an episode ended refused."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from rlbatch.config.enums import ChatTemplate, ToolParser
 from rlbatch.engine.tokenizer import ByteTokenizer
+from rlbatch.grpo.types import Prompt
 from rlbatch.rollout.agent.chat import (
     continuation_text,
     parse_tool_calls,
     render,
     same_assistant_turn,
 )
-from rlbatch.rollout.agent.episodes import Call, assemble
+from rlbatch.rollout.agent.endpoint import CallError
+from rlbatch.rollout.agent.episodes import Call, assemble, final_segment
+from rlbatch.rollout.agent.session import AgentSession, Episode, _seed
+from rlbatch.rollout.protocol import segment_seed
 
 SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant"
 
@@ -141,6 +148,62 @@ def test_assemble_tells_branches_from_splits():
     segments = (first, second, third, fourth)
     trained = sorted(t for s in segments for t, m in zip(s.ids, s.mask, strict=True) if m)
     assert trained == sorted(t for c in calls for t in c.completion_ids)
+
+
+def test_the_episode_ends_in_the_segment_of_its_last_call():
+    """The row's segment holds the episode's last call, not the last-created segment: a best-of-2
+    whose harness went on from the first reply ends in the first segment; a last call answered
+    with no tokens (past env.max_turns) ends where its prompt continues, else where the latest
+    sampled call is."""
+    best_of_2 = [
+        _call(0, [1, 2], [10, 11]),
+        _call(1, [1, 2], [12, 13]),  # a branch, created after the main line
+        _call(2, [1, 2, 10, 11, 20], [14], "length"),  # on from call 0's reply
+    ]
+    segments = assemble(best_of_2)
+    assert [s.calls for s in segments] == [[0, 2], [1]]
+    assert final_segment(segments, best_of_2) == 0
+    out_of_turns = [*best_of_2, _call(3, [1, 2, 10, 11, 20, 14, 21], [])]
+    assert final_segment(assemble(out_of_turns), out_of_turns) == 0
+    elsewhere = [*best_of_2, _call(3, [9], [])]  # continues no segment: the latest sampled call's
+    assert final_segment(assemble(elsewhere), elsewhere) == 0
+    on_branch = [*best_of_2[:2], _call(2, [1, 2, 12, 13, 20], [])]
+    assert final_segment(assemble(on_branch), on_branch) == 1
+
+
+def test_a_client_seed_samples_fresh_noise_for_every_prompt_and_every_repeat():
+    """A seed sent on every call of an episode: each turn (a longer prompt) and a prompt sent
+    again draw other noise; the seed does not depend on the call's index (arrival order), and
+    calls without a seed draw from (row seed, index)."""
+    ep = Episode(0, Prompt(0, (1,), "a"), 1234)
+    first = _seed(ep, 0, {"seed": 42}, [1, 2])
+    call = _call(0, [1, 2], [10, 11])
+    call.client_seed = 42
+    ep.calls.append(call)
+    next_turn = _seed(ep, 1, {"seed": 42}, [1, 2, 10, 11, 20])
+    again = _seed(ep, 1, {"seed": 42}, [1, 2])  # the same prompt and seed once more
+    other = _seed(ep, 1, {"seed": 43}, [1, 2])
+    assert len({first, next_turn, again, other}) == 4
+    fresh = Episode(0, Prompt(0, (1,), "a"), 1234)
+    assert _seed(fresh, 7, {"seed": 42}, [1, 2]) == first  # whatever index it arrived at
+    assert _seed(fresh, 3, {}, [1, 2]) == segment_seed(1234, 3)
+    assert _seed(Episode(0, Prompt(0, (1,), "a"), 99), 0, {"seed": 42}, [1, 2]) != first
+
+
+def test_a_call_after_its_episode_ended_is_refused_409_and_counted():
+    ep = Episode(0, Prompt(0, (1,), "a"), 1)
+    session = AgentSession(None, None, {"k": ep}, 30.0)  # type: ignore[arg-type]
+    ep.calls.append(_call(0, [1, 2], [10]))
+    ep.calls[0].reply = {"role": "assistant", "content": "x"}
+    ep.calls.append(_call(1, [1, 2, 10, 5], []))  # a call it did not await: no reply yet
+    session.end("k")
+    assert [c.index for c in ep.calls] == [0] and ep.late_calls == 1
+    with pytest.raises(CallError) as err:
+        session.answer("k", "chat", {"messages": [{"role": "user", "content": "late"}]})
+    assert err.value.status == 409 and ep.late_calls == 2 and "k" in session.keys()
+    with pytest.raises(CallError) as err:
+        session.answer("other", "chat", {"messages": [{"role": "user", "content": "x"}]})
+    assert err.value.status == 404
 
 
 def _reply(**over):

@@ -318,3 +318,30 @@ def test_evaluation_steps_leave_training_unchanged_and_keep_the_best(tmp_path):
         "step_00000003",
         "step_00000008",
     ]
+
+
+def test_a_restart_in_a_round_generated_past_max_steps_is_named_at_the_end(tmp_path, caplog):
+    """With run-ahead, the last step generates the round of a step the run never trains: a
+    server restart its generation saw (its rollout/* figures) reaches no step record, so the
+    run's end names it (8 steps in rounds of 2, one round ahead: round 4 is generated at step 7
+    for steps 9-10)."""
+    from rlbatch.rollout.streaming import RoundOutput
+
+    cfg = _cfg(tmp_path)
+    comps = _components(cfg)
+    inner = comps.producer.generate_fn
+
+    def generate(request, snapshot):
+        restarts = float(request.round_index == 4)
+        out = inner(request, snapshot)
+        return RoundOutput(request, out, {"rollout/server_restarts": restarts})
+
+    comps.producer.generate_fn = generate
+    with caplog.at_level("WARNING", logger="rlbatch.train"):
+        train(cfg, comps)
+    warned = [r.getMessage() for r in caplog.records if "rollout server restart" in r.getMessage()]
+    assert warned == [
+        "1 rollout server restart(s) happened while generating round(s) [4] ahead for steps"
+        " past trainer.max_steps=8: a round's rollout/* figures are reported with the step that"
+        " trains it, so metrics.jsonl does not count them"
+    ]

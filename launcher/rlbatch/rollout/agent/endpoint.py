@@ -56,8 +56,12 @@ class _Server(ThreadingHTTPServer):
 class Endpoint:
     """The HTTP server of one rank (started once, serving every round's episodes)."""
 
-    def __init__(self, host: str, port: int, token: Optional[str]) -> None:
+    def __init__(
+        self, host: str, port: int, token: Optional[str], advertise: Optional[str] = None
+    ) -> None:
         self.token = token
+        self.advertise = advertise
+        """The host base_urls name (env.agent.advertise_host); None: the bound one."""
         self.session: Optional[Served] = None
         endpoint = self
 
@@ -74,7 +78,8 @@ class Endpoint:
     def address(self) -> str:
         host, port = self.server.server_address[:2]
         host = str(host, "ascii") if isinstance(host, bytes) else str(host)
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        host = self.advertise or host
         return f"http://{host}:{port}"
 
     def base_url(self, episode: str) -> str:

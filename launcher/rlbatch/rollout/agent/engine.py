@@ -13,9 +13,11 @@ env.agent.episode_timeout_s, and a harness that holds the loop past env.agent.bl
 is an error of its own episode (:meth:`AgentRolloutEngine._unblock`).
 
 Each episode's calls become samples by rlbatch.rollout.agent.episodes (exact sampled ids,
-splice, divergence, branches): one per segment. The row's sample is the last segment and
-carries the earlier ones (``Sample.earlier_segments``: a split episode trains every segment,
-with the episode's reward and advantage). The harness's return value is the episode's reward
+splice, divergence, branches): one per segment. The row's sample is the segment where the
+episode ended (the one holding its last call, :func:`~rlbatch.rollout.agent.episodes.final_segment`,
+whichever order branches created the segments in) and carries the others
+(``Sample.earlier_segments``: a split episode trains every segment, with the episode's reward,
+advantage and truncation, its last call's). The harness's return value is the episode's reward
 (``Sample.episode`` carries it and the calls, as an environment's episode record does).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -34,7 +37,7 @@ from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Prompt, Sample, group_rows
 from rlbatch.rollout.agent.decoders import AgentDecoder, build_decoder
 from rlbatch.rollout.agent.endpoint import Endpoint
-from rlbatch.rollout.agent.episodes import assemble
+from rlbatch.rollout.agent.episodes import assemble, final_segment
 from rlbatch.rollout.agent.harness import build_harness, episode_reward
 from rlbatch.rollout.agent.loop import HarnessLoop, run_harness
 from rlbatch.rollout.agent.session import AgentSession, Episode, Limits
@@ -59,14 +62,26 @@ class _Running:
 _ENDPOINTS: dict[tuple[str, int], Endpoint] = {}
 
 
-def shared_endpoint(host: str, port: int, token: Optional[str]) -> Endpoint:
+def shared_endpoint(
+    host: str, port: int, token: Optional[str], advertise: Optional[str] = None
+) -> Endpoint:
     """This process's endpoint at (host, port): training's engine and evaluation's share it
-    (they never generate at once), so a fixed env.agent.port is bound once."""
+    (they never generate at once), so a fixed env.agent.port is bound once. Bound to every
+    interface without a token, anyone who reaches the port can call into a running episode:
+    a warning says so."""
     key = (host, port)
     if port == 0 and _ENDPOINTS:
         return next(iter(_ENDPOINTS.values()))
     if key not in _ENDPOINTS:
-        _ENDPOINTS[key] = Endpoint(host, port, token)
+        if host in ("0.0.0.0", "::", "") and not token:
+            log.warning(
+                "env.agent.host=%s without env.agent.auth_token: anything that reaches port %s"
+                " of this machine can call into the running episodes; set"
+                " env.agent.auth_token",
+                host,
+                port or "(any)",
+            )
+        _ENDPOINTS[key] = Endpoint(host, port, token, advertise)
     return _ENDPOINTS[key]
 
 
@@ -74,7 +89,13 @@ class AgentRolloutEngine:
     """The loop's RolloutEngine for env.harness (see the module docstring)."""
 
     def __init__(
-        self, cfg: Any, tokenizer: Any, decode: AgentDecoder, row_of: Any, rank: int
+        self,
+        cfg: Any,
+        tokenizer: Any,
+        decode: AgentDecoder,
+        row_of: Any,
+        rank: int,
+        meet: bool = False,
     ) -> None:
         env = cfg.env
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -94,12 +115,17 @@ class AgentRolloutEngine:
             on_divergence=OnDivergence(env.agent.on_divergence),
         )
         port = env.agent.port + rank if env.agent.port else 0
-        self.endpoint = shared_endpoint(env.agent.host, port, env.agent.auth_token)
+        self.endpoint = shared_endpoint(
+            env.agent.host, port, env.agent.auth_token, env.agent.advertise_host
+        )
         for name in ("httpx", "httpx2"):  # the clients' per-call lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self.loop = HarnessLoop()
         self.restarts = 0
         self.version = -1
+        self.meet = meet
+        """Wait for the other ranks' rounds at the end of each round (:meth:`_meet_peers`)."""
+        self.rounds = 0
 
     def take_figures(self) -> dict[str, float]:
         """The decoder's ``rollout/*`` counters (a backend with its own weights: its syncs)."""
@@ -113,7 +139,10 @@ class AgentRolloutEngine:
             return []
         self.version = policy_version
         seeds = row_seeds(seed, len(rows))
-        episodes = {f"{seed:x}-{i}": Episode(i, p, s) for i, ((_, p), s) in enumerate(zip(rows, seeds, strict=True))}  # fmt: skip
+        # an episode's address is a random key: calls reach an episode only from its client
+        # (seeds, not keys, make the samples)
+        tag = secrets.token_hex(8)
+        episodes = {f"{tag}-{i}": Episode(i, p, s) for i, ((_, p), s) in enumerate(zip(rows, seeds, strict=True))}  # fmt: skip
         session = AgentSession(self.limits, self.tokenizer, episodes, self.cfg.env.timeout_s)
         self.endpoint.session = session
         env = self.cfg.env
@@ -121,19 +150,32 @@ class AgentRolloutEngine:
         # the round waits on the harnesses, each bounded by its own deadline: the watchdog
         # (trainer.timeout_s) must let the deadline score a late episode, not stop the run
         bound = waves * (env.agent.episode_timeout_s + 5.0) + self.cfg.trainer.timeout_s
-        try:
-            with progress.user_call(
-                f"{len(episodes)} harness episodes ({self.harness_spec})", bound
-            ):
+        started = time.monotonic()
+        with progress.user_call(f"{len(episodes)} harness episodes ({self.harness_spec})", bound):
+            try:
                 outcomes = self._run(session, list(episodes.items()))
-        finally:
-            session.fail_waiting(RuntimeError("the episode's round is over"))
-            self.endpoint.session = None
-            self.decode.release(session.keys())
+            finally:
+                session.fail_waiting(RuntimeError("the episode's round is over"))
+                self.endpoint.session = None
+                self.decode.release(session.keys())
+            self._meet_peers(bound - (time.monotonic() - started))
         return [
             self._sample(g, ep, outcome, policy_version)
             for (g, _), (ep, outcome) in zip(rows, outcomes, strict=True)
         ]
+
+    def _meet_peers(self, seconds: float) -> None:
+        """At dp > 1, wait (up to ``seconds``, what is left of the round's bound) until every
+        rank has ended its round: the first collective after the round would give up on a peer
+        still running its harnesses after trainer.timeout_s, while the peer's episodes may run to
+        their deadlines (env.agent.episode_timeout_s). Training's rounds only: every rank runs
+        them in lockstep (evaluation's blocks are uneven across ranks)."""
+        if not self.meet:
+            return
+        from rlbatch import distributed
+
+        self.rounds += 1
+        distributed.meet(f"agent-round-{self.rounds}", seconds)
 
     def _run(
         self, session: AgentSession, episodes: list[tuple[str, Episode]]
@@ -149,7 +191,7 @@ class AgentRolloutEngine:
             while queue and len(running) < env.max_concurrency:
                 key, ep = queue.pop(0)
                 running[key] = self._start(key, key, ep)
-            self._collect(running, outcomes)
+            self._collect(session, running, outcomes)
             holder = self._holder(running, env.agent.block_timeout_s) if running else None
             if holder is not None:
                 self._unblock(session, running, outcomes, *holder)
@@ -160,15 +202,19 @@ class AgentRolloutEngine:
         ep.idle_since = time.monotonic()
         return _Running(slot, ep, self.loop.submit(self._episode(key, ep)), time.monotonic())
 
-    def _collect(self, running: dict[str, _Running], outcomes: dict[str, Any]) -> None:
-        """Move the ended and the late episodes of ``running`` to ``outcomes``. Nobody is late
-        while the loop is held (the watchdog names who holds it)."""
+    def _collect(
+        self, session: AgentSession, running: dict[str, _Running], outcomes: dict[str, Any]
+    ) -> None:
+        """Move the ended and the late episodes of ``running`` to ``outcomes``, their calls
+        closed (AgentSession.end: a call after its harness returned is refused, never trained).
+        Nobody is late while the loop is held (the watchdog names who holds it)."""
         deadline = self.cfg.env.agent.episode_timeout_s + 5.0
         held = self._holder(running, 1.0) is not None
         for key, r in list(running.items()):
             seconds = time.monotonic() - r.started
             late = seconds > deadline and not held
             if r.future.done() or late:
+                session.end(key)
                 result = _outcome(r.future, late, seconds, deadline - 5.0)
                 outcomes[r.slot] = (r.episode, result)
                 del running[key]
@@ -280,7 +326,8 @@ class AgentRolloutEngine:
             if EnvOnError(self.cfg.env.on_error) == EnvOnError.raise_error:
                 raise
             problem = str(err)
-        segments = assemble(ep.calls)
+        segments, splits, branches = _segments(ep)
+        truncated = bool(ep.calls) and ep.calls[-1].truncated
         eos = self.tokenizer.eos_ids[0]
         record = {
             "turns": [c.record() for c in ep.calls],
@@ -289,29 +336,34 @@ class AgentRolloutEngine:
             "reward": reward,
             "end": "error" if problem else "done",
             "error": problem,
-            "truncated": bool(ep.calls) and ep.calls[-1].truncated,
+            "truncated": truncated,
             "env_seconds": seconds,
             "observation_tokens": sum(len(s.ids) - sum(s.mask) for s in segments),
             "observations_cut": 0,
             "reached_env": True,
-            "splits": sum(1 for s in segments[1:] if not s.branch),
-            "branches": sum(1 for s in segments[1:] if s.branch),
+            "splits": splits,
+            "branches": branches,
+            "late_calls": ep.late_calls,
             "segment": max(0, len(segments) - 1),
             "calls": segments[-1].calls if segments else [],
         }
         metrics = {f"reward/harness.{k}": v for k, v in parts.items()}  # the logged parts
         if not segments:  # a failed episode with nothing sampled: one masked token, no loss
             return Sample(ep.prompt, group, [eos], [0.0], False, version, loss_mask=[0], episode=record, metrics=metrics)  # fmt: skip
-        *earlier, last = [self._segment_sample(ep, group, seg, version) for seg in segments]
+        samples = [self._segment_sample(ep, group, seg, version, truncated) for seg in segments]
+        *earlier, last = samples
         last.episode, last.metrics = record, metrics
         last.earlier_segments = earlier
         for k, part in enumerate(earlier):  # what logging.samples shows of an earlier segment
             part.episode = {"segment": k, "calls": segments[k].calls, "end": "split"}
         return last
 
-    def _segment_sample(self, ep: Episode, group: int, seg: Any, version: int) -> Sample:
+    def _segment_sample(
+        self, ep: Episode, group: int, seg: Any, version: int, truncated: bool
+    ) -> Sample:
         """One segment as a training sample: its own prompt (the prompt its first call sent;
-        logged samples show its text), its tokens, mask and behaviour logps."""
+        logged samples show its text), its tokens, mask and behaviour logps, and the episode's
+        truncation (its last call's: grpo.mask_truncated_completions masks an episode whole)."""
         prompt = dataclasses.replace(
             ep.prompt,
             prompt_ids=tuple(seg.prompt_ids),
@@ -322,11 +374,23 @@ class AgentRolloutEngine:
             group,
             seg.ids,
             seg.logps,
-            seg.truncated,
+            truncated,
             version,
             loss_mask=seg.mask,
             token_versions=[version] * len(seg.ids),
         )
+
+
+def _segments(ep: Episode) -> tuple[list[Any], int, int]:
+    """(segments, splits, branches) of an episode: the segment where it ended last (the row's
+    sample), the others in the order the calls created them."""
+    segments = assemble(ep.calls)
+    splits = sum(1 for s in segments[1:] if not s.branch)
+    branches = sum(1 for s in segments[1:] if s.branch)
+    if segments:
+        end = final_segment(segments, ep.calls)
+        segments = [*segments[:end], *segments[end + 1 :], segments[end]]
+    return segments, splits, branches
 
 
 def _outcome(
@@ -350,11 +414,14 @@ def _outcome(
 
 
 # ------------------------------------------------------------------------------ building
-def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngine:
+def build_agent_engine(
+    cfg: Any, model: Any, tokenizer: Any, meet: bool = True
+) -> AgentRolloutEngine:
     """The agent engine of env.harness on the run's built-in engine (rollout.backend=megatron,
     KV cache on) or on its vLLM servers (vllm_server), tp = pp = cp = 1 (config rules refuse
     the rest before launch), sampling with ``cfg.rollout`` (evaluation passes its own) over
-    ``cfg.data``'s rows."""
+    ``cfg.data``'s rows; ``meet``: the ranks meet after each round (training's rounds; not
+    evaluation's, whose ranks run different numbers of rounds)."""
     from rlbatch import distributed
     from rlbatch.rollout.builtin import build_rollout_engine
 
@@ -373,4 +440,5 @@ def build_agent_engine(cfg: Any, model: Any, tokenizer: Any) -> AgentRolloutEngi
         raw = prompt.raw if prompt.raw is not None else prompt.text
         return {**prompt.fields, data.prompt_key: raw, data.answer_key: prompt.answer}
 
-    return AgentRolloutEngine(cfg, tokenizer, decode, row_of, distributed.dp_rank())
+    meet = meet and distributed.world_size() > 1
+    return AgentRolloutEngine(cfg, tokenizer, decode, row_of, distributed.dp_rank(), meet)

@@ -47,6 +47,8 @@ class Call:
     finish_reason: str
     """stop | length | tool_calls."""
     seed: int
+    """The seed it sampled from (rlbatch.rollout.agent.session: from the row's seed and its
+    index, or from the client's ``seed`` and its prompt)."""
     spliced: bool = False
     """Its prompt is the episode's token history + the new messages' rendering."""
     diverged: bool = False
@@ -58,6 +60,8 @@ class Call:
     """The assistant message returned (chat calls)."""
     server: Optional[str] = None
     """The rollout server that decoded it (rollout.backend=vllm_server); None elsewhere."""
+    client_seed: Optional[int] = None
+    """The ``seed`` the client sent, if any."""
     truncated: bool = False
     """It stopped at a token limit of the run (rollout.max_new_tokens, env.max_total_tokens),
     not at the client's own smaller ``max_tokens`` (both answer finish_reason=length)."""
@@ -139,6 +143,25 @@ def assemble(calls: Sequence[Call]) -> list[Segment]:
         home.add(call)
         sampled.append(call)
     return segments
+
+
+def final_segment(segments: Sequence[Segment], calls: Sequence[Call]) -> int:
+    """The index in ``segments`` (:func:`assemble`'s) of the segment where the episode ended:
+    the one holding its last call (``calls[-1]``, whatever order the segments were created in),
+    or, when that call was answered without sampling (past env.max_turns, no room left under
+    env.max_total_tokens), the latest one its prompt extends, else the one holding the latest
+    sampled call."""
+    if not segments:
+        raise ValueError("an episode without sampled calls has no segment")
+    last = calls[-1]
+    for k, seg in enumerate(segments):
+        if last.index in seg.calls:
+            return k
+    for k in reversed(range(len(segments))):
+        if segments[k].extended_by(last.prompt_ids):
+            return k
+    latest = max(c for seg in segments for c in seg.calls)
+    return next(k for k, seg in enumerate(segments) if latest in seg.calls)
 
 
 class DivergenceError(RuntimeError):

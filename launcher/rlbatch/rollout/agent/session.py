@@ -8,12 +8,15 @@ never their timing."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Optional
+
+import numpy as np
 
 from rlbatch.config.enums import ChatTemplate, OnDivergence, ToolParser
 from rlbatch.grpo.types import Prompt
@@ -53,6 +56,10 @@ class Episode:
         """A call diverged under env.agent.on_divergence=error."""
         self.waiting = 0
         """Calls waiting to be decoded."""
+        self.closed = False
+        """Its harness returned, raised or ran out of time: no call of it is sampled anymore."""
+        self.late_calls = 0
+        """Calls refused because they came after that (409)."""
         self.idle_since = time.monotonic()
         """When it last started or had a call answered (its harness's own work since)."""
         self.lock = threading.Lock()
@@ -84,6 +91,8 @@ class AgentSession:
         self.warned: set[str] = set()
         self.retired: list[str] = []
         """Keys of episodes given up on (their calls are answered 404 from then on)."""
+        self.ended: dict[str, Episode] = {}
+        """Episodes whose harness returned, raised or ran past its deadline (:meth:`end`)."""
 
     def retire(self, key: str, err: BaseException) -> None:
         """Stop serving episode ``key``: its waiting calls fail with ``err``, later ones 404."""
@@ -94,14 +103,35 @@ class AgentSession:
                 job.future.set_exception(err)
                 self.jobs.remove(job)
 
+    def end(self, key: str) -> None:
+        """Episode ``key``'s harness returned, raised or ran past its deadline: calls it left
+        unanswered (a task it did not await) are dropped from its record, and every later call
+        is refused (409, counted in its ``late_calls``), never sampled or trained: its reward was
+        given on the calls before."""
+        with self.changed:
+            ep = self.episodes.pop(key, None)
+            if ep is None:
+                return
+            self.ended[key] = ep
+            with ep.lock:
+                ep.closed = True
+                ep.late_calls += sum(1 for c in ep.calls if c.reply is None)
+                ep.calls = [c for c in ep.calls if c.reply is not None]
+            gone = CallError(409, _late_text(key))
+            for job in [j for j in self.jobs if j.episode is ep]:
+                job.future.set_exception(gone)
+                self.jobs.remove(job)
+                ep.waiting -= 1
+
     def keys(self) -> list[str]:
-        """Every episode key of the round, retired ones included."""
-        return [*self.episodes, *self.retired]
+        """Every episode key of the round, retired and ended ones included."""
+        return [*self.episodes, *self.retired, *self.ended]
 
     # --------------------------------------------------------------- endpoint threads
     def answer(self, key: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         ep = self.episodes.get(key)
         if ep is None:
+            self._refuse_late(self.ended.get(key), key)
             raise CallError(404, f"episode {key} is not running")
         n = body.get("n", 1)
         if n not in (1, None):
@@ -109,10 +139,13 @@ class AgentSession:
             raise CallError(400, f"n={n}: this endpoint samples one completion per call (n=1)")
         self._warn_ignored(body)
         with ep.lock:
+            if ep.closed:
+                self._refuse_late(ep, key)
             index = len(ep.calls)
             prompt_ids, spliced, diverged = self._prompt(ep, kind, body)
-            call = Call(index, prompt_ids, [], [], -1, "length", _seed(ep, index, body), spliced)
-            call.diverged = diverged
+            seed = _seed(ep, index, body, prompt_ids)
+            call = Call(index, prompt_ids, [], [], -1, "length", seed, spliced)
+            call.diverged, call.client_seed = diverged, client_seed(body)
             if kind == "chat":
                 call.messages = list(body.get("messages") or [])
                 call.tools = body.get("tools") or None
@@ -124,6 +157,8 @@ class AgentSession:
             return self._reply(call, "", [], "", [])
         job = _Job(key, ep, prompt_ids, call.seed, limit, Future())
         with self.changed:
+            if ep.closed:  # ended meanwhile: end() dropped the call and counted it
+                raise CallError(409, _late_text(key))
             ep.waiting += 1
             self.jobs.append(job)
             self.changed.notify_all()
@@ -132,6 +167,13 @@ class AgentSession:
         reply = self._finish(call, row, version, limit, body)
         call.truncated = call.finish_reason == "length" and limit >= run_limit
         return reply
+
+    def _refuse_late(self, ep: Optional[Episode], key: str) -> None:
+        """A call of an ended episode (:meth:`end`): counted, refused 409."""
+        if ep is None:
+            return
+        ep.late_calls += 1
+        raise CallError(409, _late_text(key))
 
     def _warn_ignored(self, body: dict[str, Any]) -> None:
         for key in IGNORED_SAMPLING:
@@ -298,14 +340,41 @@ class AgentSession:
             self.jobs = []
 
 
-def _seed(ep: Episode, index: int, body: dict[str, Any]) -> int:
-    """A call's sampling seed: from the row's seed and the call's index in its episode, or the
-    client's ``seed`` when it sends one (calls sent at once arrive in any order, so their
-    indices do; their seeds need not)."""
+def _late_text(key: str) -> str:
+    return (
+        f"episode {key} is over: its harness returned (or failed), so this call is not sampled"
+        " or trained (await every call before returning)"
+    )
+
+
+_CLIENT_SEED_TAG = 0xC1_5EED
+
+
+def _seed(ep: Episode, index: int, body: dict[str, Any], prompt_ids: list[int]) -> int:
+    """A call's sampling seed (called under ``ep.lock``, before the call joins ``ep.calls``):
+    from the row's seed and the call's index in its episode, or, when the client sends a
+    ``seed``, from the row's seed, that seed, the call's prompt ids and how many earlier calls of
+    the episode sent both. Calls sent at once arrive in any order, so their indices do; their
+    seeds and prompts need not. The prompt keeps a seed sent on every call of an episode from
+    replaying the same noise at each turn (each turn's prompt is longer), the count from
+    replaying it on a prompt sent again (two calls at once with one seed are two samples; which
+    call gets which follows their arrival)."""
+    asked = client_seed(body)
+    if asked is None:
+        return segment_seed(ep.seed, index)
+    repeat = sum(1 for c in ep.calls if c.client_seed == asked and c.prompt_ids == prompt_ids)
+    ids = np.asarray(prompt_ids, dtype=np.int64).tobytes()
+    digest = int.from_bytes(hashlib.blake2b(ids, digest_size=16).digest(), "little")
+    entropy = [_CLIENT_SEED_TAG, ep.seed, asked, digest, repeat]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def client_seed(body: dict[str, Any]) -> Optional[int]:
+    """The client's ``seed`` when it is one this endpoint uses (a non-negative int)."""
     asked = body.get("seed")
     if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
-        return segment_seed(ep.seed, (1 << 40) + asked)
-    return segment_seed(ep.seed, index)
+        return asked
+    return None
 
 
 def _stop_cut(tokenizer: Any, ids: list[int], stops: list[str]) -> Optional[tuple[int, str]]:
