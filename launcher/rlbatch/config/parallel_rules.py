@@ -31,6 +31,47 @@ def check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
         )
 
 
+def runs_on_gloo(p: ParallelConfig) -> bool:
+    """The workers' collectives run on gloo: parallel.backend=gloo, or auto on a machine without
+    CUDA (the launcher runs where its workers do: a scheduler's job validates on its node)."""
+    from rlbatch.config.enums import DistBackend
+
+    if DistBackend(p.backend) != DistBackend.auto:
+        return DistBackend(p.backend) == DistBackend.gloo
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def check_gloo_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Layouts gloo cannot run, refused before launch rather than by the workers: context
+    parallelism (its attention needs CUDA), and expert parallelism with tensor parallelism (the
+    expert-tensor-parallel group all-gathers uneven token counts after the all-to-all, which
+    gloo refuses). rlbatch-plan, which only previews a layout, does not apply them."""
+    p, experts = cfg.parallel, cfg.model.num_moe_experts
+    cp = p.cp > 1
+    tp_ep = bool(experts) and p.ep > 1 and p.tp > 1
+    if not (cp or tp_ep) or not runs_on_gloo(p):
+        return
+    if cp:
+        errors.append(
+            ConfigError(
+                "parallel.cp", p.cp, "context parallelism needs CUDA (NCCL): set parallel.cp=1"
+            )
+        )
+    if tp_ep:
+        errors.append(
+            ConfigError(
+                "parallel.ep",
+                p.ep,
+                f"with parallel.tp={p.tp} on gloo (a machine without CUDA): after the experts' "
+                "all-to-all the tensor-parallel ranks hold different numbers of tokens, which "
+                "the dispatcher all-gathers over them, and gloo refuses uneven sizes: set "
+                "parallel.tp=1 (ep scales the experts) or parallel.ep=1",
+            )
+        )
+
+
 def check_world(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """The workers the launcher starts: tp*pp*cp*dp, over nnodes."""
     p = cfg.parallel

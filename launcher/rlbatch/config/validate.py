@@ -25,7 +25,12 @@ from rlbatch.config.moe_rules import (
     check_routing_replay,
 )
 from rlbatch.config.objectives import objective_errors
-from rlbatch.config.parallel_rules import check_layout, check_world, world_size
+from rlbatch.config.parallel_rules import (
+    check_gloo_layout,
+    check_layout,
+    check_world,
+    world_size,
+)
 from rlbatch.config.schema import (
     Architecture,
     BatchingMode,
@@ -536,6 +541,7 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"model"}), _check_model_shape),
     Rule(frozenset({"model", "parallel"}), _check_model_split),
     Rule(frozenset({"parallel"}), check_expert_layout),
+    Rule(frozenset({"model", "parallel"}), check_gloo_layout),
     Rule(frozenset({"model"}), check_moe_model),
     Rule(frozenset({"model", "rollout"}), check_moe_backend),
     Rule(frozenset({"model", "logprobs"}), check_moe_scoring),

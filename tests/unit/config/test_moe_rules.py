@@ -497,3 +497,26 @@ def test_an_moe_teacher_is_dropless_and_must_split_over_the_expert_group(tmp_pat
     cfg.parallel.dp, cfg.parallel.ep = 3, 3
     (error,) = [e for e in teacher_errors(cfg) if "experts" in str(e)]
     assert error.key == "grpo.distill.teacher" and "8 experts" in str(error)
+
+
+def test_layouts_gloo_cannot_run_are_refused_before_launch():
+    """On gloo (this machine: no CUDA) tp > 1 with ep > 1 crashed at the first training forward
+    (the expert-tensor-parallel all-gather of uneven token counts) and cp > 1 stopped every
+    worker after launch: both are refused before launch, naming the key. rlbatch-plan, which
+    previews a layout for any machine, does not apply them; an explicit NCCL backend is left to
+    the workers."""
+    import torch
+
+    from rlbatch.config.validate import PLAN_SCOPE, validate
+
+    if torch.cuda.is_available():
+        pytest.skip("gloo is not this machine's backend")
+    tp_ep = ["model=tiny_moe", "parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
+             "parallel.sequence_parallel=true"]  # fmt: skip
+    errors = _errors_for(tp_ep)
+    assert "gloo refuses uneven sizes" in errors["parallel.ep"]
+    assert "context parallelism needs CUDA" in _errors_for(["parallel.cp=2"])["parallel.cp"]
+    keys = {e.key for e in validate(_composed(tp_ep), PLAN_SCOPE)}
+    assert "parallel.ep" not in keys
+    nccl = {e.key for e in validate(_composed([*tp_ep, "parallel.backend=nccl"]))}
+    assert "parallel.ep" not in nccl
