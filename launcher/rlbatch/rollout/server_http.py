@@ -122,12 +122,13 @@ def _await_answer(conn: http.client.HTTPConnection, url: str, path: str, deadlin
     """Return once the server starts answering; ServerDownError when its /health fails first
     (its engine died: vLLM's HTTP server may outlive it, holding the request), TimeoutError
     at ``deadline``."""
+    poller = select.poll()  # select.select refuses descriptors past 1023; a trainer may hold more
+    poller.register(conn.sock, select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
-        ready, _, _ = select.select([conn.sock], [], [], min(HEALTH_POLL_S, left))
-        if ready:
+        if poller.poll(min(HEALTH_POLL_S, left) * 1000):
             return
         why = _WATCH.down(url)
         if why is not None:

@@ -184,6 +184,7 @@ def test_a_probe_the_server_aborted_is_asked_again_and_counted():
         )  # fmt: skip
     finally:
         server.shutdown()
+        server.server_close()
     assert (fixed, token, sampled) == ([-1.0, -1.25], 5, -1.5)
     assert len(received) == 3 and received[0] == received[2]
     assert len(counted) == 2
@@ -208,4 +209,35 @@ def test_a_probe_aborted_more_than_max_resubmits_stops_the_run_naming_the_key():
             )
     finally:
         server.shutdown()
+        server.server_close()
     assert len(received) == 2
+
+
+def test_a_request_waits_for_its_answer_on_a_descriptor_past_1023():
+    """A trainer may hold more than 1024 open files (checkpoints, datasets, sockets): a request
+    whose connection gets a descriptor past 1023 waits for its answer like any other (it failed
+    with "filedescriptor out of range in select()")."""
+    import os
+    import resource
+
+    from rlbatch.rollout.server_answers import probe_server
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    server, url, _ = _probe_server([SCORED])
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        fixed, token, sampled = probe_server(
+            url, SEQUENCE, 4, timeout_s=10, label="abc-2", max_resubmits=0, on_resubmit=lambda: None,
+        )  # fmt: skip
+    finally:
+        for fd in held:
+            os.close(fd)
+        server.shutdown()
+        server.server_close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert (fixed, token, sampled) == ([-1.0, -1.25], 5, -1.5)
