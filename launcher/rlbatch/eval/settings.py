@@ -13,7 +13,7 @@ import hashlib
 import math
 
 from rlbatch.config.env import harness_spec
-from rlbatch.config.schema import DataConfig, RolloutBackend, RolloutConfig, RunConfig
+from rlbatch.config.schema import DataConfig, RolloutConfig, RunConfig
 
 GREEDY = 0.0
 """eval.temperature that means greedy decoding."""
@@ -97,10 +97,11 @@ def eval_metric_names(cfg: RunConfig) -> list[str]:
 
 
 def in_step_ranks(cfg: RunConfig) -> int:
-    """The expert-parallel size evaluation's decoding must keep in step: the built-in engine's
-    MoE forwards are all-to-alls over the expert group; vLLM's engines hold every expert."""
-    vllm = RolloutBackend(cfg.rollout.backend) in (RolloutBackend.vllm, RolloutBackend.vllm_server)
-    return 1 if vllm else cfg.parallel.ep
+    """The expert-parallel size evaluation's ranks must keep in step at: on the built-in engine
+    each MoE forward is an all-to-all over the expert group, and on vLLM the weight sync before
+    the first generate call gathers the experts over it (a rank with no block would never make
+    that call, and its peers would wait for it)."""
+    return cfg.parallel.ep
 
 
 def blocks_needed(prompts: int, size: int, dp: int) -> int:

@@ -92,10 +92,11 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def _check_eval_in_step(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """Evaluation whose ranks decode in step (the built-in engine at parallel.ep > 1: each MoE
-    forward is an all-to-all over the expert group) gives every data-parallel rank as many
-    blocks of prompts, each block at least one prompt: too few held-out prompts are refused
-    here, naming the key that sets their count, rather than after launch."""
+    """Evaluation whose ranks keep in step (parallel.ep > 1: each MoE forward of the built-in
+    engine, and vLLM's weight sync, is a collective over the expert group) gives every
+    data-parallel rank as many blocks of prompts, each block at least one prompt: too few
+    held-out prompts are refused here, naming the key that sets their count, rather than
+    after launch."""
     from rlbatch.eval.runner import eval_examples
     from rlbatch.eval.settings import blocks_needed, in_step_ranks
 
@@ -117,10 +118,11 @@ def _check_eval_in_step(cfg: RunConfig, errors: list[ConfigError]) -> None:
         ConfigError(
             key,
             value,
-            f"gives {count} held-out prompt(s); at parallel.ep={ep} on the built-in engine the "
-            f"{dp} data-parallel ranks decode in step (each MoE forward is an all-to-all over "
-            f"the expert group), {needed} blocks of at most rollout.micro_batch_size={size} "
-            f"prompts, each with a prompt: evaluate at least {needed} prompts",
+            f"gives {count} held-out prompt(s); at parallel.ep={ep} the {dp} data-parallel "
+            f"ranks evaluate in step (each MoE forward, and vLLM's weight sync, is a collective "
+            f"over the expert group), {needed} blocks of at most "
+            f"rollout.micro_batch_size={size} prompts, each with a prompt: evaluate at least "
+            f"{needed} prompts",
         )
     )
 

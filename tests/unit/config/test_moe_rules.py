@@ -461,10 +461,11 @@ def test_every_command_that_builds_an_moe_model_checks_its_expert_keys():
 
 
 def test_an_evaluation_too_small_for_the_expert_group_is_refused_before_launch():
-    """At dp 2 x ep 2 on the built-in engine every rank decodes as many blocks of held-out
-    prompts (each MoE forward is an all-to-all over the expert group): one prompt is refused
-    before launch naming eval.data.num_prompts (it stopped the workers after launch). On vLLM
-    evaluation does not decode in step (every engine holds every expert): no such rule."""
+    """At dp 2 x ep 2 every rank evaluates as many blocks of held-out prompts (each MoE forward
+    of the built-in engine is an all-to-all over the expert group): one prompt is refused before
+    launch naming eval.data.num_prompts (it stopped the workers after launch). On vLLM too: its
+    weight sync before the first generate call gathers the experts over the group, and a rank
+    with no block never made it (a review saw the run hang)."""
     from rlbatch.grpo.preflight import check_eval_inputs
 
     small = ["model=tiny_moe", "parallel.dp=2", "parallel.ep=2", "eval.data.num_prompts=1"]
@@ -479,7 +480,7 @@ def test_an_evaluation_too_small_for_the_expert_group_is_refused_before_launch()
     cfg.eval.every_steps = 1
     errors = []
     check_eval_inputs(cfg, errors)
-    assert errors == []
+    assert [e.key for e in errors] == ["eval.data.num_prompts"]
 
 
 def test_an_moe_teacher_is_dropless_and_must_split_over_the_expert_group(tmp_path):
