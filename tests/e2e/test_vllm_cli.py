@@ -111,21 +111,28 @@ def test_a_killed_dp2_ep2_moe_vllm_run_resumes_with_identical_metrics(
     expert left out of the stream, or left in the checkpoint's layout by the CPU build's
     update, puts them ~1e-2 apart); the run SIGKILLed during step 2 and resumed with
     trainer.resume=auto (a fresh engine, started from the config and synced from the
-    checkpoint's weights) gives the uninterrupted run's metrics exactly."""
+    checkpoint's weights) gives the uninterrupted run's metrics exactly. Each step evaluates 4
+    held-out prompts, one block of the micro-batch for the two ranks: the blocks are dealt so
+    both ranks make a generate call (its weight sync gathers the experts over the expert group;
+    a rank without one left its peer waiting, and the run hung)."""
     pytest.importorskip("vllm")
     common = (
         "model=tiny_moe", *HEADS_OF_32, "model.head_dim=32", "parallel.dp=2", "parallel.ep=2",
         "trainer.max_steps=2", "trainer.checkpoint.every_steps=1",
-        "rollout.vllm.kv_cache_space_gb=0.25",
+        "rollout.vllm.kv_cache_space_gb=0.25", "eval.every_steps=1", "eval.at_start=false",
+        "eval.max_prompts=4", "eval.num_samples=2",
     )  # fmt: skip
     ref = _train(bin_dir, subprocess_env, tmp_path / "ref", *common)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     expected = _records(tmp_path / "ref")
     assert [r["step"] for r in expected] == [1, 2]
     for r in expected:
-        assert abs(r["mismatch_kl_k1"]) < 1e-6 and r["rollout/weight_sync_s"] > 0
+        assert abs(r["mismatch_kl_k1"]) < 1e-6
         assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    # the engines take step 1's weights for its evaluation, before step 2's rollout
+    assert expected[0]["rollout/weight_sync_s"] > 0
     assert expected[-1]["kl"] > 0  # step 2 sampled the updated experts
+    assert all("eval/reward_mean" in r for r in expected)
     run_dir = tmp_path / "killed"
     killed = _train(bin_dir, subprocess_env, run_dir, *common, "debug.fail_at_step=2",
                     "debug.fail_kind=kill")  # fmt: skip
