@@ -38,12 +38,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
+
+from rlbatch.bench.train_runs import train_run
 
 VARIANTS: dict[str, list[str]] = {
     "dense": [
@@ -142,16 +142,7 @@ def planner_figures(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 # ------------------------------------------------------------------------------ step
 def _run(overrides: list[str], run_dir: Path) -> tuple[Optional[list[dict]], str]:
     """(metrics records, '') of one rlbatch-train run, or (None, why it did not run)."""
-    train = Path(sys.executable).parent / "rlbatch-train"
-    command = [str(train) if train.exists() else "rlbatch-train", *COMMON, *overrides,
-               f"hydra.run.dir={run_dir}"]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=run_dir.parent)
-    metrics = run_dir / "metrics.jsonl"
-    if proc.returncode != 0 or not metrics.exists():
-        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
-        errors = [ln.strip() for ln in lines if ln.strip().startswith("- ")]
-        return None, " ".join(errors or lines[-2:])[:300]
-    return [json.loads(line) for line in metrics.read_text().splitlines()], ""
+    return train_run([*COMMON, *overrides], run_dir)
 
 
 def active_parameters(run_dir: Path) -> float:

@@ -33,11 +33,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
+
+from rlbatch.bench.train_runs import train_run
 
 MODELS = {
     "tiny": ["model.num_attention_heads=2", "model.num_query_groups=2"],
@@ -105,17 +105,9 @@ def variants(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def _run(overrides: list[str], run_dir: Path) -> tuple[Optional[list[dict]], str]:
     """(metrics records, '') of one rlbatch-train run, or (None, why it did not run)."""
-    train = Path(sys.executable).parent / "rlbatch-train"
-    command = [str(train) if train.exists() else "rlbatch-train", "+recipe=grpo_qwen", *overrides,
-               f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
-               "trainer.checkpoint.export_hf=false", "trainer.checkpoint.every_steps=0"]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=run_dir.parent)
-    metrics = run_dir / "metrics.jsonl"
-    if proc.returncode != 0 or not metrics.exists():
-        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
-        errors = [ln.strip() for ln in lines if ln.strip().startswith("- ")]
-        return None, " ".join(errors or lines[-2:])[:300]
-    return [json.loads(line) for line in metrics.read_text().splitlines()], ""
+    quiet = ["logging.plot=false", "logging.tensorboard=false",
+             "trainer.checkpoint.export_hf=false", "trainer.checkpoint.every_steps=0"]  # fmt: skip
+    return train_run(["+recipe=grpo_qwen", *overrides, *quiet], run_dir)
 
 
 def figures(records: list[dict[str, Any]], warmup: int) -> dict[str, Optional[float]]:
