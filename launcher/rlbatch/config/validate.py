@@ -16,6 +16,7 @@ from rlbatch.config.errors import ConfigError, ConfigErrors
 from rlbatch.config.evaluation_rules import check_eval
 from rlbatch.config.lengths import longest_sequence, longest_sequence_text
 from rlbatch.config.lora_rules import check_lora
+from rlbatch.config.model_rules import check_model_paths, check_model_shape, check_model_split
 from rlbatch.config.moe_rules import (
     check_expert_layout,
     check_moe,
@@ -32,7 +33,6 @@ from rlbatch.config.parallel_rules import (
     world_size,
 )
 from rlbatch.config.schema import (
-    Architecture,
     BatchingMode,
     BatchingPassConfig,
     DataSource,
@@ -233,68 +233,6 @@ def _check_budget_fits(name: str, cfg: RunConfig, errors: list[ConfigError]) -> 
                     f"it, or set {key}.oversize=isolate or truncate",
                 )
             )
-
-
-def _check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    m = cfg.model
-    if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
-        errors.append(
-            ConfigError(
-                "model.num_query_groups",
-                m.num_query_groups,
-                f"must divide model.num_attention_heads = {m.num_attention_heads}",
-            )
-        )
-    if m.head_dim is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
-        errors.append(
-            ConfigError(
-                "model.hidden_size",
-                m.hidden_size,
-                f"must be divisible by model.num_attention_heads = {m.num_attention_heads}",
-            )
-        )
-    arch = Architecture(m.architecture)
-    if m.add_qkv_bias and arch not in (Architecture.qwen2, Architecture.qwen2_moe):
-        errors.append(
-            ConfigError(
-                "model.add_qkv_bias",
-                m.add_qkv_bias,
-                f"model.architecture={arch.value} has no q/k/v biases in its Hugging Face form "
-                "(its attention_bias would add an o_proj bias as well), so an export would "
-                "drop the trained biases: set model.add_qkv_bias=false",
-            )
-        )
-    if m.logits_chunk_tokens < 0:
-        errors.append(
-            ConfigError(
-                "model.logits_chunk_tokens",
-                m.logits_chunk_tokens,
-                "must be >= 0 (positions projected at a time; 0 = the whole micro-batch)",
-            )
-        )
-
-
-def _check_model_split(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """The model splits over the pipeline (layers) and tensor (heads) groups."""
-    p, m = cfg.parallel, cfg.model
-    stages = p.pp * p.vpp
-    if m.num_layers > 0 and stages > 0 and m.num_layers % stages:
-        errors.append(
-            ConfigError(
-                "model.num_layers",
-                m.num_layers,
-                f"must be divisible by parallel.pp * parallel.vpp = {stages}",
-            )
-        )
-    if p.tp > 1 and (m.num_query_groups % p.tp or m.num_attention_heads % p.tp):
-        errors.append(
-            ConfigError(
-                "parallel.tp",
-                p.tp,
-                f"must divide model.num_query_groups = {m.num_query_groups} and "
-                f"model.num_attention_heads = {m.num_attention_heads}",
-            )
-        )
 
 
 def _check_debug(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -504,19 +442,6 @@ def _check_tracking(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
 
 
-def _check_model_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    from rlbatch.config.hub_id import looks_like_hub_id
-
-    for key, path in (
-        ("model.hf_path", cfg.model.hf_path),
-        ("model.tokenizer_path", cfg.model.tokenizer_path),
-    ):
-        if key == "model.hf_path" and path is not None and looks_like_hub_id(path):
-            continue  # a hub id: resolved (or reported) by the CLI before these rules
-        if path is not None and not Path(path).is_dir():
-            errors.append(ConfigError(key, path, "no such directory (a local HF model dir)"))
-
-
 def _check_resume(cfg: RunConfig, errors: list[ConfigError]) -> None:
     resume = cfg.trainer.resume
     if resume not in ("none", "auto") and not Path(resume).exists():
@@ -538,8 +463,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(frozenset({"parallel"}), check_layout),
     Rule(frozenset({"parallel"}), check_world),
-    Rule(frozenset({"model"}), _check_model_shape),
-    Rule(frozenset({"model", "parallel"}), _check_model_split),
+    Rule(frozenset({"model"}), check_model_shape),
+    Rule(frozenset({"model", "parallel"}), check_model_split),
     Rule(frozenset({"parallel"}), check_expert_layout),
     Rule(frozenset({"model", "parallel"}), check_gloo_layout),
     Rule(frozenset({"model"}), check_moe_model),
@@ -561,7 +486,7 @@ RULES: tuple[Rule, ...] = (
         lambda c, e: check_vllm(c, e, (longest_sequence(c), longest_sequence_text(c))),
     ),
     Rule(frozenset({"data"}), _check_data),
-    Rule(frozenset({"model"}), _check_model_paths),
+    Rule(frozenset({"model"}), check_model_paths),
     Rule(frozenset({"model", "rollout"}), check_lora),
     Rule(frozenset({"trainer"}), _check_resume),
     Rule(frozenset({"logging"}), _check_tracking),

@@ -1,0 +1,85 @@
+"""The model's own rules: its shape, how it splits over the layout, where its files are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlbatch.config.errors import ConfigError
+from rlbatch.config.schema import Architecture, RunConfig
+
+
+def check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """Heads, groups and widths that fit together, and biases the export can write."""
+    m = cfg.model
+    if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
+        errors.append(
+            ConfigError(
+                "model.num_query_groups",
+                m.num_query_groups,
+                f"must divide model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+    if m.head_dim is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        errors.append(
+            ConfigError(
+                "model.hidden_size",
+                m.hidden_size,
+                f"must be divisible by model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+    arch = Architecture(m.architecture)
+    if m.add_qkv_bias and arch not in (Architecture.qwen2, Architecture.qwen2_moe):
+        errors.append(
+            ConfigError(
+                "model.add_qkv_bias",
+                m.add_qkv_bias,
+                f"model.architecture={arch.value} has no q/k/v biases in its Hugging Face form "
+                "(its attention_bias would add an o_proj bias as well), so an export would "
+                "drop the trained biases: set model.add_qkv_bias=false",
+            )
+        )
+    if m.logits_chunk_tokens < 0:
+        errors.append(
+            ConfigError(
+                "model.logits_chunk_tokens",
+                m.logits_chunk_tokens,
+                "must be >= 0 (positions projected at a time; 0 = the whole micro-batch)",
+            )
+        )
+
+
+def check_model_split(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """The model splits over the pipeline (layers) and tensor (heads) groups."""
+    p, m = cfg.parallel, cfg.model
+    stages = p.pp * p.vpp
+    if m.num_layers > 0 and stages > 0 and m.num_layers % stages:
+        errors.append(
+            ConfigError(
+                "model.num_layers",
+                m.num_layers,
+                f"must be divisible by parallel.pp * parallel.vpp = {stages}",
+            )
+        )
+    if p.tp > 1 and (m.num_query_groups % p.tp or m.num_attention_heads % p.tp):
+        errors.append(
+            ConfigError(
+                "parallel.tp",
+                p.tp,
+                f"must divide model.num_query_groups = {m.num_query_groups} and "
+                f"model.num_attention_heads = {m.num_attention_heads}",
+            )
+        )
+
+
+def check_model_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """model.hf_path / model.tokenizer_path name local directories (or a hub id)."""
+    from rlbatch.config.hub_id import looks_like_hub_id
+
+    for key, path in (
+        ("model.hf_path", cfg.model.hf_path),
+        ("model.tokenizer_path", cfg.model.tokenizer_path),
+    ):
+        if key == "model.hf_path" and path is not None and looks_like_hub_id(path):
+            continue  # a hub id: resolved (or reported) by the CLI before these rules
+        if path is not None and not Path(path).is_dir():
+            errors.append(ConfigError(key, path, "no such directory (a local HF model dir)"))
