@@ -307,6 +307,7 @@ class MegatronRolloutEngine:
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
     ) -> list[Sample]:
         from rlbatch.engine import generation
+        from rlbatch.engine.pipeline_forward import PipelineForward
 
         rows = group_rows(prompts, num_generations)
         if not rows:
@@ -336,7 +337,7 @@ class MegatronRolloutEngine:
                 out = Decoded([], [], [])
                 for start in range(0, len(rows), size):
                     part = prompt_ids[start : start + size]
-                    forward = generation.PipelineForward(
+                    forward = PipelineForward(
                         self.chunks,
                         len(part),
                         max_len,
