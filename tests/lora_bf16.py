@@ -169,7 +169,7 @@ def measure(cfg: Any, chunk: Any, engine: Any) -> Gap:
 
 
 def builtin_gap() -> Gap:
-    from rlbatch.rollout.builtin import MegatronRolloutEngine
+    from rlbatch.rollout.engines.builtin import MegatronRolloutEngine
     from rlbatch.rollout.sampling import SamplingParams
 
     cfg = bf16_config()
@@ -180,7 +180,7 @@ def builtin_gap() -> Gap:
 
 def vllm_gap() -> Gap:
     """Needs the vllm extra, and a process without another vLLM engine."""
-    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.engines.builtin import build_rollout_engine
 
     cfg = bf16_config("vllm")
     chunk = build_policy(cfg)

@@ -17,7 +17,7 @@ def test_dynamic_engine_greedy_equals_builtin():
     from rlbatch.engine import parallel
     from rlbatch.engine.model import build_model
     from rlbatch.grpo.types import Prompt
-    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.engines.builtin import build_rollout_engine
 
     cfg = RunConfig()
     cfg.model.init_method_std = 0.3  # peaked logits: greedy far from ties

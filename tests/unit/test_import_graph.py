@@ -131,12 +131,13 @@ def test_the_layer_rule_catches_an_upward_import(tmp_path):
 
 def test_generation_code_lives_in_the_rollout_package():
     """Rollout backends, sampling and the decode loops are one package; the engine keeps the
-    model's forwards (the KV-cache decoder included) and nothing that makes samples."""
-    rollout = {p.stem for p in (PACKAGE / "rollout").glob("*.py")}
+    model's forwards (the KV-cache decoder included) and nothing that makes samples. The package
+    shows its parts: the engines, the rollout servers, the agent endpoint."""
+    rollout = {p.relative_to(PACKAGE / "rollout").with_suffix("").as_posix() for p in (PACKAGE / "rollout").rglob("*.py")}  # fmt: skip
+    assert {"engines/builtin", "engines/megatron_dynamic", "engines/vllm_engine"} <= rollout
+    assert {"servers/backend", "servers/sync", "servers/transfer", "agent/endpoint"} <= rollout
+    assert not any(p.startswith("server_") for p in rollout)  # one subpackage, not a prefix
     assert {
-        "builtin",
-        "megatron_dynamic",
-        "vllm_engine",
         "protocol",
         "sampling",
         "weights",

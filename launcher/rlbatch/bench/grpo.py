@@ -205,7 +205,7 @@ def produce_samples(
     from rlbatch.grpo.lcm import LCMAggregator, Stages, plan_aggregation
     from rlbatch.grpo.rewards import build_reward_fn
     from rlbatch.grpo.stages import make_logps_fn, make_reward_batch_fn, reference_logps_fn
-    from rlbatch.rollout.builtin import MegatronRolloutEngine, as_rollout_fn
+    from rlbatch.rollout.engines.builtin import MegatronRolloutEngine, as_rollout_fn
 
     cfg = world.cfg
     ref_fn = reference_logps_fn(cfg, world.ref, world.model)

@@ -160,7 +160,7 @@ def run_hf(model: Any, prompts: list[list[int]], batch: int, max_new: int, seed:
 def run_rlbatch(model: Any, prompts: list[list[int]], batch: int, max_new: int, seed: int, *,
                 continuous: bool) -> int:  # fmt: skip
     from rlbatch.grpo.types import Prompt
-    from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
+    from rlbatch.rollout.engines.builtin import MegatronRolloutEngine, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, eos_id=EOS_ID)
     engine = MegatronRolloutEngine(model, params, chunk_size=batch, continuous=continuous)

@@ -95,7 +95,7 @@ def build_engine(cfg: Any, model: list[Any], backend: str) -> Any:
     import dataclasses
 
     from rlbatch.config.schema import RolloutBackend
-    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.engines.builtin import build_rollout_engine
 
     rollout = dataclasses.replace(cfg.rollout, backend=RolloutBackend(backend))
     run = dataclasses.replace(cfg, rollout=rollout)

@@ -87,7 +87,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from rlbatch.env.driver import EnvDriver
     from rlbatch.env.loader import build_environment
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
+    from rlbatch.rollout.engines.builtin import MegatronRolloutEngine, SamplingParams
 
     torch.set_num_threads(args.threads)
     cfg = _config(args)

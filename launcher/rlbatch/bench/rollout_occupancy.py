@@ -51,7 +51,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
 
 def measure(engine: Any, prompts: list[Any], args: argparse.Namespace) -> dict[str, Any]:
     """Occupancy, decode steps and tokens of each round on this engine configuration."""
-    from rlbatch.rollout.builtin import DecodeStats
+    from rlbatch.rollout.engines.builtin import DecodeStats
 
     occupancy, steps, tokens = [], [], []
     for r in range(args.rounds):
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlbatch.engine.model import build_model
     from rlbatch.engine.tokenizer import build_tokenizer
     from rlbatch.grpo.data import load_prompts
-    from rlbatch.rollout.builtin import MegatronRolloutEngine
+    from rlbatch.rollout.engines.builtin import MegatronRolloutEngine
 
     torch.set_num_threads(1)
     cfg = compose(overrides(args), "rlbatch-bench rollout --occupancy")

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-h", "--help") for a in args):
         print(help_text("rlbatch-serve", USAGE))
         return
-    from rlbatch.rollout.server_process import (
+    from rlbatch.rollout.servers.process import (
         ServerProcess,
         remove_dir,
         server_spec,
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = server_config(args)
     s = cfg.rollout.servers
-    from rlbatch.rollout.server_sync import sweep_weight_files, transfer_folder
+    from rlbatch.rollout.servers.sync import sweep_weight_files, transfer_folder
 
     sweep_weight_files(transfer_folder(cfg))  # what trainers killed mid-sync left here
     stop: list[int] = []

@@ -245,7 +245,7 @@ def _check_probe_length(
     HTTP 400 at the first sync, after the first step's compute, and the run would stop as if
     the server had failed. ``served_len``: the run's longest served sequence
     (rlbatch.config.vllm_rules.longest_served), which rlbatch.config.vllm_rules passes in."""
-    from rlbatch.rollout.server_probe import probe_length
+    from rlbatch.rollout.servers.probe import probe_length
 
     n = cfg.rollout.servers.probe_tokens
     held = cfg.rollout.vllm.max_model_len or served_len

@@ -1,7 +1,7 @@
 """megatron-core's own inference engine (``DynamicInferenceEngine``: paged KV cache, continuous
 batching, CUDA graphs) decoding token ids, behind ``rollout.backend=megatron_dynamic``. CUDA only.
 
-It decodes token ids (rlbatch.rollout.megatron_dynamic wraps it into the same ``RolloutEngine``
+It decodes token ids (rlbatch.rollout.engines.megatron_dynamic wraps it into the same ``RolloutEngine``
 contract as the built-in engine) on the policy's own GPTModel (tp >= 1, pp = 1 here), so the weights it samples from are always
 the current policy's: no weight sync. Samples carry megatron's behaviour logprobs (at the
 rollout temperature). Seeds: one engine per generate call seeded from ``seed``; megatron's
@@ -72,7 +72,7 @@ class _Tokens:
 
 class DynamicRolloutEngine:
     """Token-level decoding on megatron-core's DynamicInferenceEngine (see the module
-    docstring); rlbatch.rollout.builtin wraps it into a RolloutEngine."""
+    docstring); rlbatch.rollout.engines.builtin wraps it into a RolloutEngine."""
 
     def __init__(self, model: Any, params: Any, *, buffer_size_gb: float = 4.0) -> None:
         check_available()
@@ -128,7 +128,7 @@ class DynamicRolloutEngine:
         self, prompt_ids: Sequence[Sequence[int]], seed: int
     ) -> list[tuple[list[int], list[float], bool]]:
         """One completion per prompt: (response tokens, behaviour logprobs, truncated) each.
-        The engine knows token ids only; rlbatch.rollout.builtin turns these into samples."""
+        The engine knows token ids only; rlbatch.rollout.engines.builtin turns these into samples."""
         from megatron.core.inference.sampling_params import SamplingParams as MSampling
 
         p = self.params

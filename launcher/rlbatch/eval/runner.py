@@ -228,7 +228,7 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]
 
     A backend with its own copy of the weights (rollout.backend=vllm) is one engine per process:
     evaluation uses the run's engine, with its own sampling per request and its own turns."""
-    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.engines.builtin import build_rollout_engine
     from rlbatch.rollout.generation import SequenceParallelOffEngine
     from rlbatch.rollout.protocol import SYNCED_BACKENDS, SyncedRolloutEngine, token_sampling
 

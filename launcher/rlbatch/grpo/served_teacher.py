@@ -33,7 +33,7 @@ from rlbatch.config.lengths import longest_sequence, longest_sequence_text
 from rlbatch.config.lora import LoraConfig
 from rlbatch.config.schema import ModelConfig, RunConfig
 from rlbatch.grpo.types import Sample
-from rlbatch.rollout.server_http import ServerDownError, ServerError, call, health
+from rlbatch.rollout.servers.client import ServerDownError, ServerError, call, health
 
 KEY = "grpo.distill.teacher_url"
 ENDPOINT = "/inference/v1/generate"
@@ -194,7 +194,7 @@ UNIFORM_SPREAD = 1e-2
 """Nats: probe log-probs all within this of each other come from near-uniform weights (vLLM's
 dummy initialization); any trained model spreads them by whole nats."""
 STARTUP_LABEL = "default"
-"""vLLM's weight label until a weight update sets one (rlbatch.rollout.server_answers)."""
+"""vLLM's weight label until a weight update sets one (rlbatch.rollout.servers.answers)."""
 
 
 def _label_errors(url: str) -> list[ConfigError]:

@@ -18,7 +18,7 @@ from rlbatch.config.env import harness_spec
 from rlbatch.config.schema import RunConfig
 from rlbatch.grpo.lcm import LCMAggregator
 from rlbatch.grpo.types import Prompt, Sample
-from rlbatch.rollout.builtin import RolloutEngine, as_rollout_fn
+from rlbatch.rollout.engines.builtin import RolloutEngine, as_rollout_fn
 from rlbatch.rollout.protocol import GenerateFn, GenerationRequest, PolicySnapshot
 
 
@@ -133,7 +133,7 @@ def build_engine(
     """The rollout engine of a run (a training run's LCM aggregator chunks, so by default no
     chunk size; evaluation chunks by rollout.micro_batch_size), multi-turn through the
     environment env.path names when it is set, or through the agent harness env.harness names."""
-    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.engines.builtin import build_rollout_engine
 
     if harness_spec(cfg.env):
         from rlbatch.rollout.agent.engine import build_agent_engine

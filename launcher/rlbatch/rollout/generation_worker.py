@@ -271,7 +271,7 @@ def _build(cfg: RunConfig, dp_rank: int, threads: int, ref_weights: Any, nonce: 
     parallel.initialize(local)
     torch.set_num_threads(threads)
     if nonce is not None:  # rollout servers: the trainer's labels, and DP rank 0's worker pushes
-        from rlbatch.rollout.server_backend import join_run
+        from rlbatch.rollout.servers.backend import join_run
 
         join_run(cfg, nonce, pushes=dp_rank == 0)
 

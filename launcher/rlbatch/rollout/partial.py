@@ -48,7 +48,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from rlbatch.rollout.builtin import DecodeStats
+from rlbatch.rollout.engines.builtin import DecodeStats
 from rlbatch.rollout.protocol import TokenBackend, TokenSampling, segment_seed
 from rlbatch.rollout.sampling import SamplingParams, length_caps, row_keys, sample_tokens
 

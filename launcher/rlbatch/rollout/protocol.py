@@ -2,7 +2,7 @@
 
 A ``TokenBackend`` decodes token ids only (no text, no GRPO types) and is told when the policy
 changed; ``SyncedRolloutEngine`` turns it into the loop's ``RolloutEngine``
-(rlbatch.rollout.builtin): rows of a prompt contiguous, one seed per row, ``Sample``s with the
+(rlbatch.rollout.engines.builtin): rows of a prompt contiguous, one seed per row, ``Sample``s with the
 version of the weights that produced them. A server-based backend (an engine on other GPUs,
 weights broadcast over NCCL) implements the same two methods.
 """
@@ -282,15 +282,15 @@ class SyncedRolloutEngine:
 
 
 SYNCED_BACKENDS = {
-    "vllm": "rlbatch.rollout.vllm_engine:build_vllm_engine",
-    "vllm_server": "rlbatch.rollout.server_backend:build_server_engine",
+    "vllm": "rlbatch.rollout.engines.vllm_engine:build_vllm_engine",
+    "vllm_server": "rlbatch.rollout.servers.backend:build_server_engine",
 }
 """rollout.backend -> the factory (module:function) of a backend with its own copy of the
 weights; the module is imported only when its backend is chosen (vLLM's import is heavy). The
 module also has ``shutdown_engine()`` (:func:`shutdown_synced_engines`)."""
 
 
-BACKEND_CHECKS = {"vllm_server": "rlbatch.rollout.server_backend:check_servers"}
+BACKEND_CHECKS = {"vllm_server": "rlbatch.rollout.servers.backend:check_servers"}
 """rollout.backend -> its checks before launch (module:function taking the config and the
 error list), for backends that reach outside the run (servers that must answer)."""
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlbatch.config.schema import ConsumptionGranularity, RunConfig
 from rlbatch.grpo.types import Prompt, Sample
-from rlbatch.rollout.builtin import DecodeStats
+from rlbatch.rollout.engines.builtin import DecodeStats
 from rlbatch.rollout.protocol import GenerateFn, GenerationRequest, PolicySnapshot
 from rlbatch.rollout.schedule import PromptSampler, schedule_from_config
 

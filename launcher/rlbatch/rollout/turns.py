@@ -19,7 +19,7 @@ assistant token, ends the episode as truncated. A turn the backend ended short o
 without EOS is an error, never a truncated row.
 
 In a model-parallel group (tp x pp ranks) every turn is decoded once, on the group's first
-rank, and its rows broadcast (rlbatch.rollout.vllm_engine); the environment is stepped once, on
+rank, and its rows broadcast (rlbatch.rollout.engines.vllm_engine); the environment is stepped once, on
 that rank too, and its answers and episode records are broadcast (:class:`SharedTurns`), so no
 rank can see another turn than its peers, whatever the engine or the environment does.
 """

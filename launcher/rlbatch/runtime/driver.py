@@ -144,8 +144,8 @@ def _rollout_servers(cfg: RunConfig, run_dir: Path) -> Iterator[dict[str, str]]:
         yield {}
         return
     from rlbatch.config.schema import ServerFailure
-    from rlbatch.rollout.server_pool import LOGS_ENV, URLS_ENV
-    from rlbatch.rollout.server_process import Restarter, remove_dir, start_servers, stop_servers
+    from rlbatch.rollout.servers.pool import LOGS_ENV, URLS_ENV
+    from rlbatch.rollout.servers.process import Restarter, remove_dir, start_servers, stop_servers
 
     s = cfg.rollout.servers
     root = run_dir / "servers"
@@ -375,7 +375,7 @@ SECONDARY = (
 
 
 ROLLOUT_FAILURES = ("RolloutUnavailableError", "ServerError", "ServerDownError")
-"""The error types of a rollout server that failed (rlbatch.rollout.server_http), as a rank's
+"""The error types of a rollout server that failed (rlbatch.rollout.servers.client), as a rank's
 report names them."""
 
 

@@ -393,7 +393,7 @@ def _server_run(cfg: RunConfig) -> tuple[Any, Any]:
 
     import torch.distributed as dist
 
-    from rlbatch.rollout.server_backend import run_nonce
+    from rlbatch.rollout.servers.backend import run_nonce
 
     nonce = run_nonce()
     if cfg.parallel.dp == 1:

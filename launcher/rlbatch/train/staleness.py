@@ -7,7 +7,7 @@
   continued across weight updates are the long ones, so with partial rollouts it is positive;
   0.0 when either has no spread (e.g. synchronous training);
 - ``rollout/slot_occupancy``: busy decode slot-steps / (decode steps x slots) of the round
-  (rlbatch.rollout.builtin.DecodeStats), over every rank;
+  (rlbatch.rollout.engines.builtin.DecodeStats), over every rank;
 - partial rollouts: ``rollout/carried_rows`` (rows still decoding when the round was delivered),
   ``rollout/waiting_groups`` (finished groups left for later rounds) and
   ``rollout/untrained_fraction`` (rows started and neither trained nor still in the stream, over

@@ -174,7 +174,7 @@ def generate(chunks: list[Any]) -> list[tuple[list[int], list[float]]]:
     for generation as the trainer does."""
     from rlbatch.engine.model import sequence_parallel_off
     from rlbatch.grpo.types import Prompt
-    from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
+    from rlbatch.rollout.engines.builtin import MegatronRolloutEngine, SamplingParams
 
     prompts = [Prompt(index=i, prompt_ids=tuple(seq[:5]), answer="") for i, seq in
                enumerate(sequences()[:3])]  # fmt: skip

@@ -256,7 +256,7 @@ def test_rollout_engine_samples_the_adapted_policy(tiny_cfg):
     the base model" bug cannot happen with rollout.backend=megatron."""
     from rlbatch.grpo.stages import make_logps_fn
     from rlbatch.grpo.types import Prompt
-    from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
+    from rlbatch.rollout.engines.builtin import MegatronRolloutEngine, SamplingParams
 
     cfg = _lora_cfg(tiny_cfg)
     cfg.trainer.optim.lr = 5e-2

@@ -17,7 +17,7 @@ from rlbatch.engine.tokenizer import ByteTokenizer
 from rlbatch.env.driver import EnvDriver
 from rlbatch.env.protocol import EnvCallError
 from rlbatch.grpo.types import Prompt
-from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
+from rlbatch.rollout.engines.builtin import MegatronRolloutEngine, SamplingParams
 
 TOK = ByteTokenizer()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlbatch.grpo.types import Prompt
-from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams, as_rollout_fn
+from rlbatch.rollout.engines.builtin import MegatronRolloutEngine, SamplingParams, as_rollout_fn
 
 VOCAB = 264
 
@@ -152,7 +152,7 @@ def test_chunked_by_rollout_micro_size(model):
 
 def test_factory_reads_the_rollout_config(model):
     from rlbatch.config.schema import RunConfig
-    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.engines.builtin import build_rollout_engine
 
     cfg = RunConfig()
     cfg.rollout.micro_batch_size, cfg.rollout.top_k, cfg.rollout.kv_cache = 2, 1, False
@@ -168,7 +168,7 @@ def test_factory_reads_the_rollout_config(model):
 
 
 def test_filter_logits_against_a_float64_reference():
-    from rlbatch.rollout.builtin import filter_logits
+    from rlbatch.rollout.engines.builtin import filter_logits
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g, dtype=torch.float64) * 3
@@ -191,7 +191,7 @@ def test_filter_logits_against_a_float64_reference():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only error")
 def test_dynamic_backend_is_a_config_error_without_cuda(model):
     from rlbatch.config.schema import RunConfig
-    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.engines.builtin import build_rollout_engine
 
     cfg = RunConfig()
     cfg.rollout.backend = "megatron_dynamic"

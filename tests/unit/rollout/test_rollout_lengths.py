@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlbatch.grpo.types import Prompt
-from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
+from rlbatch.rollout.engines.builtin import MegatronRolloutEngine, SamplingParams
 from rlbatch.rollout.sampling import length_caps, row_keys
 
 LENGTHS = [5, 9, 3, 7, 4]

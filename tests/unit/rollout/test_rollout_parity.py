@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from rlbatch.grpo.types import Prompt  # noqa: E402
-from rlbatch.rollout.builtin import (  # noqa: E402
+from rlbatch.rollout.engines.builtin import (  # noqa: E402
     MegatronRolloutEngine,
     SamplingParams,
     row_keys,

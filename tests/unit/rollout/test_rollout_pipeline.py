@@ -67,7 +67,7 @@ def prompts():
 
 
 def generate_all(chunks) -> dict:
-    from rlbatch.rollout.builtin import MegatronRolloutEngine, SamplingParams
+    from rlbatch.rollout.engines.builtin import MegatronRolloutEngine, SamplingParams
 
     out = {}
     for name, params, kv in [

@@ -1,11 +1,11 @@
-"""Which vLLM server a request goes to (rlbatch.rollout.server_pool.ServerPool.least_loaded):
+"""Which vLLM server a request goes to (rlbatch.rollout.servers.pool.ServerPool.least_loaded):
 an agent episode's calls stay on the server of its first call (its prefix cache holds the
 conversation), new episodes go to the server with the fewest episodes, requests of no episode
 to the one with the fewest requests outstanding, and a server that left the pool gives its
 episodes to the others."""
 
-from rlbatch.rollout.server_http import ServerDownError
-from rlbatch.rollout.server_pool import ServerPool
+from rlbatch.rollout.servers.client import ServerDownError
+from rlbatch.rollout.servers.pool import ServerPool
 
 A, B, C = "http://a", "http://b", "http://c"
 

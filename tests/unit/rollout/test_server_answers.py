@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from rlbatch.rollout.protocol import TokenSampling
-from rlbatch.rollout.server_answers import RowAborted, read_row, request_body
-from rlbatch.rollout.server_http import ServerError
+from rlbatch.rollout.servers.answers import RowAborted, read_row, request_body
+from rlbatch.rollout.servers.client import ServerError
 
 URL = "http://127.0.0.1:9"
 EOS = (258, 7)
@@ -173,7 +173,7 @@ SCORED = {
 def test_a_probe_the_server_aborted_is_asked_again_and_counted():
     """Another client's pause aborts the probe (HTTP 200, no log-probabilities): the probe is
     asked again, not taken for a server of other weights."""
-    from rlbatch.rollout.server_answers import probe_server
+    from rlbatch.rollout.servers.answers import probe_server
 
     server, url, received = _probe_server([ABORTED, ABORTED, SCORED])
     counted = []
@@ -191,7 +191,7 @@ def test_a_probe_the_server_aborted_is_asked_again_and_counted():
 
 
 def test_a_probe_aborted_more_than_max_resubmits_stops_the_run_naming_the_key():
-    from rlbatch.rollout.server_answers import probe_server
+    from rlbatch.rollout.servers.answers import probe_server
 
     server, url, received = _probe_server([ABORTED])
     try:
@@ -220,7 +220,7 @@ def test_a_request_waits_for_its_answer_on_a_descriptor_past_1023():
     import os
     import resource
 
-    from rlbatch.rollout.server_answers import probe_server
+    from rlbatch.rollout.servers.answers import probe_server
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200:

@@ -3,7 +3,7 @@ end-to-end runs are in tests/e2e/test_vllm_servers.py)."""
 
 from __future__ import annotations
 
-from rlbatch.rollout.server_cache import drops_cache
+from rlbatch.rollout.servers.cache import drops_cache
 
 
 def _drops(versions, keep, max_staleness):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rlbatch.rollout.server_claim import (
+from rlbatch.rollout.servers.claim import (
     UpdateOwner,
     Verdict,
     judge,

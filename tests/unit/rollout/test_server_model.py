@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from rlbatch.config.schema import RunConfig
-from rlbatch.rollout.server_model import check_server_model, model_differences, served_model
+from rlbatch.rollout.servers.model import check_server_model, model_differences, served_model
 
 RUN = {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 260, "architectures": ["Q"]}
 

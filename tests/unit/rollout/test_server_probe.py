@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlbatch.rollout.server_probe import judge_probe, probe_sequence
+from rlbatch.rollout.servers.probe import judge_probe, probe_sequence
 
 PREVIOUS = [-1.0, -2.0, -3.0]
 CURRENT = [-1.0004, -2.0, -2.9996]  # one step moved them by 4e-4 (below a 1e-3 tolerance)

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from rlbatch.rollout.server_http import ServerDownError, ServerError, ServerRestartedError
-from rlbatch.rollout.server_pool import ServerPool
-from rlbatch.rollout.server_process import Restarter, ServerProcess, ServerSpec, free_port, healthy
+from rlbatch.rollout.servers.client import ServerDownError, ServerError, ServerRestartedError
+from rlbatch.rollout.servers.pool import ServerPool
+from rlbatch.rollout.servers.process import Restarter, ServerProcess, ServerSpec, free_port, healthy
 
 HEALTH_SERVER = """
 import http.server, os, sys

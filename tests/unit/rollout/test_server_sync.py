@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from rlbatch.config.schema import RunConfig, ServerTransfer
-from rlbatch.rollout import server_sync
-from rlbatch.rollout.server_backend import ServerDownError, ServerError
-from rlbatch.rollout.server_pool import ServerPool
+from rlbatch.rollout.servers import sync as server_sync
+from rlbatch.rollout.servers.backend import ServerDownError, ServerError
+from rlbatch.rollout.servers.pool import ServerPool
 
 A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -121,7 +121,7 @@ def test_a_wrong_answer_at_finish_stops_the_run_in_either_mode(servers):
 
 def test_a_transfer_host_this_machine_cannot_resolve_is_refused_before_launch():
     from rlbatch.config.errors import ConfigError
-    from rlbatch.rollout.server_backend import check_servers
+    from rlbatch.rollout.servers.backend import check_servers
 
     cfg = RunConfig()
     cfg.rollout.servers.transfer = ServerTransfer.broadcast

@@ -4,7 +4,7 @@ which needs CUDA) becomes a RolloutEngine: contiguous groups, every per-token fi
 from __future__ import annotations
 
 from rlbatch.grpo.types import Prompt
-from rlbatch.rollout.megatron_dynamic import TokenRolloutEngine
+from rlbatch.rollout.engines.megatron_dynamic import TokenRolloutEngine
 
 
 class _Reverse:

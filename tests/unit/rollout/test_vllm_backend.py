@@ -34,7 +34,7 @@ def setup():
     from rlbatch.config.schema import RolloutBackend, RunConfig
     from rlbatch.engine import parallel
     from rlbatch.engine.model import build_model
-    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.engines.builtin import build_rollout_engine
 
     cfg = RunConfig()
     cfg.model.num_attention_heads = 2
@@ -168,7 +168,7 @@ def test_sleep_after_a_round_and_wake_before_the_next_sync_and_decode(setup):
     the next round wakes it before it takes the weights and decodes. The CPU build cannot free
     memory, so the order of the calls is what can be observed here; the samples are those of
     an engine that never slept."""
-    from rlbatch.rollout.vllm_engine import release_memory
+    from rlbatch.rollout.engines.vllm_engine import release_memory
 
     _, _, engine = setup
     running = engine.backend.running

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 
-from rlbatch.rollout.vllm_engine import drop_expected_records, model_dir_path
+from rlbatch.rollout.engines.vllm_engine import drop_expected_records, model_dir_path
 
 
 def test_the_model_dir_is_in_the_run_dir_and_killed_processes_dirs_are_removed(tmp_path):
@@ -78,7 +78,7 @@ def test_only_the_expected_vllm_records_are_dropped():
 def test_a_process_removes_its_model_dir_at_exit(tmp_path):
     code = (
         "import sys; from pathlib import Path; from rlbatch.config.schema import ModelConfig;"
-        " from rlbatch.rollout.vllm_engine import SpecialIds, write_model_dir;"
+        " from rlbatch.rollout.engines.vllm_engine import SpecialIds, write_model_dir;"
         " p = write_model_dir(ModelConfig(), 'float32', SpecialIds((258,), 257), Path(sys.argv[1]));"
         " assert (p / 'generation_config.json').is_file(); print(p)"
     )

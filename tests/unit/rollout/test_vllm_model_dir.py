@@ -16,7 +16,7 @@ from rlbatch.config.schema import Architecture, ModelConfig
 def test_the_engines_model_dir_carries_the_runs_eos_and_bos(arch, eos_ids):
     from transformers import AutoConfig, GenerationConfig
 
-    from rlbatch.rollout.vllm_engine import SpecialIds, write_model_dir
+    from rlbatch.rollout.engines.vllm_engine import SpecialIds, write_model_dir
 
     model = ModelConfig(
         architecture=arch,

@@ -58,7 +58,7 @@ class BuiltinDecoder:
         import torch
 
         from rlbatch.engine import generation
-        from rlbatch.rollout.builtin import decode_continuous
+        from rlbatch.rollout.engines.builtin import decode_continuous
         from rlbatch.rollout.sampling import SamplingParams, row_keys
 
         engine, rollout = self.engine, self.rollout
@@ -101,7 +101,7 @@ class SyncedDecoder:
     vllm_server): the weights synced to the call's policy version first (a no-op when the
     backend holds it), each call sampled from its own seed, an episode's calls kept on one
     server (its prefix cache holds the conversation), a new episode on the server with the
-    fewest (rlbatch.rollout.server_backend)."""
+    fewest (rlbatch.rollout.servers.backend)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

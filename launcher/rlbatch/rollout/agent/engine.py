@@ -423,7 +423,7 @@ def build_agent_engine(
     ``cfg.data``'s rows; ``meet``: the ranks meet after each round (training's rounds; not
     evaluation's, whose ranks run different numbers of rounds)."""
     from rlbatch import distributed
-    from rlbatch.rollout.builtin import build_rollout_engine
+    from rlbatch.rollout.engines.builtin import build_rollout_engine
 
     inner = build_rollout_engine(
         cfg,

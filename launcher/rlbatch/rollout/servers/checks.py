@@ -1,14 +1,14 @@
 """``rollout.backend=vllm_server`` before launch: every server of rollout.servers.urls answers,
 has vLLM's RL endpoints, holds the run's longest sequence, runs the weight-transfer backend the
-run needs, serves the run's model (rlbatch.rollout.server_model) and holds no weight update of
-another live run (rlbatch.rollout.server_claim); every error at once, each naming the URL."""
+run needs, serves the run's model (rlbatch.rollout.servers.model) and holds no weight update of
+another live run (rlbatch.rollout.servers.claim); every error at once, each naming the URL."""
 
 from __future__ import annotations
 
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import RunConfig, ServerTransfer
-from rlbatch.rollout.server_http import ServerError, call, health
-from rlbatch.rollout.server_sync import expected_backend, server_transfer
+from rlbatch.rollout.servers.client import ServerError, call, health
+from rlbatch.rollout.servers.sync import expected_backend, server_transfer
 
 
 def check_servers(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -65,10 +65,10 @@ def _unhealthy(why: str) -> str:
 
 
 def _check_server_model(cfg: RunConfig, url: str, errors: list[ConfigError]) -> None:
-    """The server serves the run's model (rlbatch.rollout.server_model) and holds no weight
-    update of another live run (rlbatch.rollout.server_claim)."""
-    from rlbatch.rollout.server_claim import describe_live_owner
-    from rlbatch.rollout.server_model import check_server_model
+    """The server serves the run's model (rlbatch.rollout.servers.model) and holds no weight
+    update of another live run (rlbatch.rollout.servers.claim)."""
+    from rlbatch.rollout.servers.claim import describe_live_owner
+    from rlbatch.rollout.servers.model import check_server_model
 
     try:
         models = call(url, "/v1/models", timeout_s=10.0, get=True)
@@ -93,7 +93,7 @@ def _check_server_length(cfg: RunConfig, url: str, errors: list[ConfigError]) ->
     evaluation's): vLLM's token endpoint silently stops a request at the server's own
     --max-model-len (finish_reason "length"), which the run would train as a truncated row."""
     from rlbatch.config.vllm_rules import longest_served
-    from rlbatch.rollout.server_probe import probe_length
+    from rlbatch.rollout.servers.probe import probe_length
 
     try:
         served = int(call(url, "/v1/models", timeout_s=10.0, get=True)["data"][0]["max_model_len"])
@@ -121,7 +121,7 @@ def _check_server_transfer(cfg: RunConfig, url: str, errors: list[ConfigError]) 
     trainer (a server of another config would fail the first sync, after the workers started)."""
     import torch
 
-    from rlbatch.rollout.server_process import TRANSFER_BACKEND
+    from rlbatch.rollout.servers.process import TRANSFER_BACKEND
 
     try:
         backend, _ = server_transfer(url, timeout_s=10.0)

@@ -113,7 +113,7 @@ class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdat
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from rlbatch.rollout.vllm_moe_repack import watch
+        from rlbatch.rollout.engines.vllm_moe_repack import watch
 
         self._close_reload()  # one a failed update left open: count every layer afresh
         self.abandoned = False
@@ -124,7 +124,7 @@ class RlbatchTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdat
         if self.abandoned:  # closed already, without its weights: end vLLM's session only
             self.abandoned = False
             return
-        from rlbatch.rollout.vllm_moe_repack import repack_skipped
+        from rlbatch.rollout.engines.vllm_moe_repack import repack_skipped
 
         short = incomplete_layers(self.model)  # before finalising, which resets the counts
         self._close_reload()

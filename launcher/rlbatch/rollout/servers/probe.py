@@ -17,7 +17,7 @@ with its own forward. Two checks:
   tolerance alone and says so in the log (with how far they moved); the sync's label, which
   the server takes only at the end of a complete update, is then the only witness.
 
-The pure comparison is :func:`judge_probe`; rlbatch.rollout.server_backend asks the servers.
+The pure comparison is :func:`judge_probe`; rlbatch.rollout.servers.backend asks the servers.
 """
 
 from __future__ import annotations

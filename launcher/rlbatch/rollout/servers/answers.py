@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from rlbatch.rollout.protocol import DecodedRow
-from rlbatch.rollout.server_http import ServerError, ServerRestartedError, call
+from rlbatch.rollout.servers.client import ServerError, ServerRestartedError, call
 
 STARTUP_LABEL = "default"
 """vLLM's label of the weights a server started with (none pushed since)."""
@@ -140,7 +140,7 @@ def probe_server(
     max_resubmits: int,
     on_resubmit: Callable[[], None],
 ) -> tuple[list[float], int, float]:
-    """The probe's answer of ``url`` (rlbatch.rollout.server_probe): its log-probabilities
+    """The probe's answer of ``url`` (rlbatch.rollout.servers.probe): its log-probabilities
     (temperature 1) of ``sequence``'s tokens after the first ``prompt_len``, and the token it
     samples after them with its log-probability. An answer the server aborted (another
     client's pause) is asked again like a row, up to ``max_resubmits`` times (each counted by

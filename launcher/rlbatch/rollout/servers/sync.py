@@ -20,7 +20,7 @@ lifecycle, in the way ``rollout.servers.transfer`` names.
   middle (every member of the group fails with it), stops the run in either mode, naming the
   server.
 
-Either way, each server is first asked whose update it holds (rlbatch.rollout.server_claim):
+Either way, each server is first asked whose update it holds (rlbatch.rollout.servers.claim):
 once paused, it is labelled with this process as the update's owner until the sync's own label
 replaces it at finish; an update that this run or a run that is gone left open is ended
 before this one starts, and another live run's stops the run naming it. An update the server
@@ -52,15 +52,15 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from rlbatch.config.schema import RunConfig, ServerTransfer, SyncFault
-from rlbatch.rollout.server_claim import (
+from rlbatch.rollout.servers.claim import (
     ACTIVE_MARK,
     Verdict,
     parse_owner,
     this_process,
     verdict_of,
 )
-from rlbatch.rollout.server_http import ServerError, call
-from rlbatch.rollout.server_process import NCCL_BACKEND, TRANSFER_BACKEND, free_port
+from rlbatch.rollout.servers.client import ServerError, call
+from rlbatch.rollout.servers.process import NCCL_BACKEND, TRANSFER_BACKEND, free_port
 from rlbatch.runtime.lock import pid_alive
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -70,7 +70,7 @@ log = logging.getLogger("rlbatch.rollout")
 
 class ServerPool(Protocol):
     """What a sync needs of a process's connection to the servers
-    (rlbatch.rollout.server_backend's pool)."""
+    (rlbatch.rollout.servers.backend's pool)."""
 
     urls: list[str]
     nonce: str

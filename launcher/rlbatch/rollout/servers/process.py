@@ -8,7 +8,7 @@ the ``vllm`` console script of the CPU build does not start) with: token ids in 
 (``--skip-tokenizer-init --tokens-only``), the sampled token's log-probability at the sampling
 temperature (``--logprobs-mode processed_logprobs``, the trainer's convention), the RL endpoints
 (``VLLM_SERVER_DEV_MODE=1``: pause / resume / weight updates) and rlbatch's weight-transfer
-backend (rlbatch.rollout.server_transfer; vLLM's own NCCL one for GPU servers with
+backend (rlbatch.rollout.servers.transfer; vLLM's own NCCL one for GPU servers with
 rollout.servers.transfer=broadcast). Its model directory holds the config.json rlbatch's
 model config describes (architecture, dtype, EOS / BOS ids) and, when ``model.hf_path`` is a
 local checkpoint, links to its safetensors files; otherwise the server starts from dummy
@@ -44,7 +44,7 @@ from rlbatch.config.schema import RunConfig
 log = logging.getLogger("rlbatch.rollout")
 
 TRANSFER_BACKEND = "rlbatch"
-"""rlbatch.rollout.server_transfer.BACKEND (not imported here: that module imports vLLM)."""
+"""rlbatch.rollout.servers.transfer.BACKEND (not imported here: that module imports vLLM)."""
 NCCL_BACKEND = "nccl"
 """vLLM's own transfer backend: GPU servers with rollout.servers.transfer=broadcast."""
 
@@ -126,7 +126,7 @@ def server_spec(
     """The command line and environment of a server for ``cfg`` (model_dir written by
     :func:`write_server_model_dir`)."""
     from rlbatch.config.vllm_rules import cpu_build_installed
-    from rlbatch.rollout.vllm_engine import plan_engine
+    from rlbatch.rollout.engines.vllm_engine import plan_engine
 
     cpu = cpu_build_installed()
     settings = plan_engine(cfg, cpu=cpu)
@@ -169,7 +169,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
     """Whether GET {url}/health answers 200."""
-    from rlbatch.rollout.server_http import health
+    from rlbatch.rollout.servers.client import health
 
     return health(url, timeout_s) is None
 
@@ -188,7 +188,7 @@ class ServerProcess:
         # vLLM's output goes to the log file, or to stderr: stdout carries rlbatch-serve's URL
         out = self.log if self.log is not None else sys.stderr
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlbatch.rollout.server_process", json.dumps(spec.argv)],
+            [sys.executable, "-m", "rlbatch.rollout.servers.process", json.dumps(spec.argv)],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -255,7 +255,7 @@ class Restarter:
     HTTP server) for ``HEALTH_FAILS`` checks in a row; at most ``max_restarts`` times per
     server. ``servers`` is updated in place, so stopping them stops the new processes. The run's
     workers take a restarted server back once it holds their weights
-    (rlbatch.rollout.server_backend)."""
+    (rlbatch.rollout.servers.backend)."""
 
     HEALTH_EVERY_S = 5.0
     HEALTH_FAILS = 3
@@ -281,7 +281,7 @@ class Restarter:
         self.thread.join()
 
     def _run(self) -> None:
-        from rlbatch.rollout.server_http import health
+        from rlbatch.rollout.servers.client import health
 
         last_check = time.monotonic()
         while not self.stopping.wait(1.0):
@@ -334,7 +334,7 @@ def remove_dir(path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# The watcher: python -m rlbatch.rollout.server_process '<argv as JSON>'
+# The watcher: python -m rlbatch.rollout.servers.process '<argv as JSON>'
 # ------------------------------------------------------------------------------------------
 
 
@@ -380,7 +380,7 @@ def watch(argv: list[str]) -> int:
         _arm_parent_death_signal(signal.SIGTERM)  # the watcher killed: the guard kills all
 
     proc = subprocess.Popen(  # noqa: PLW1509 - no threads yet
-        [sys.executable, "-m", "rlbatch.rollout.server_process", GUARD, str(os.getpid()),
+        [sys.executable, "-m", "rlbatch.rollout.servers.process", GUARD, str(os.getpid()),
          json.dumps(argv)],
         preexec_fn=child_setup,
     )  # fmt: skip

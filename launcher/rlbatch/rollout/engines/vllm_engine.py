@@ -432,7 +432,7 @@ class VllmBackend:
             for _ in stream:
                 pass
             return
-        from rlbatch.rollout.vllm_moe_repack import repack_worker, watch_worker
+        from rlbatch.rollout.engines.vllm_moe_repack import repack_worker, watch_worker
 
         llm = self.running.llm
         with trainer_rng_kept():

@@ -15,7 +15,7 @@ A run that finds such a label on a server knows whose update is open or failed t
   over: the open update is ended, the whole weights are pushed, and the probe checks them;
 - another live run's is refused, naming it: two runs must not update one server.
 
-This module is the pure part (the label and the verdict); rlbatch.rollout.server_sync asks the
+This module is the pure part (the label and the verdict); rlbatch.rollout.servers.sync asks the
 server and acts on it.
 """
 

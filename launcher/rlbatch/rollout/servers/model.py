@@ -14,7 +14,7 @@ machine can read it, i.e. for a server of this machine or on a shared filesystem
 whose directory cannot be read here is left to the first sync's checks (an incomplete update,
 the probe). vLLM's /server_info does not carry the model's config, and collecting its system
 report can take longer than a pre-launch check may wait. The longest sequence the server holds
-is rlbatch.rollout.server_checks' own check.
+is rlbatch.rollout.servers.checks' own check.
 """
 
 from __future__ import annotations

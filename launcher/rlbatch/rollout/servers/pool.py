@@ -1,7 +1,7 @@
 """The pool of vLLM servers a process samples from (:class:`ServerPool`): which server a
 request goes to (an episode keeps its server, new work goes to the least loaded), servers that
 drop out and come back (``rollout.servers.on_failure``), rows sent again; and the URLs of the
-servers the run uses (:func:`server_urls`). rlbatch.rollout.server_backend drives it."""
+servers the run uses (:func:`server_urls`). rlbatch.rollout.servers.backend drives it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from rlbatch.config.schema import RunConfig
-from rlbatch.rollout.server_http import ServerDownError, ServerError, ServerRestartedError
+from rlbatch.rollout.servers.client import ServerDownError, ServerError, ServerRestartedError
 
 URLS_ENV = "RLBATCH_ROLLOUT_SERVER_URLS"
 """The URLs of the servers the launcher started (rollout.servers.count), comma-separated."""
@@ -98,7 +98,7 @@ class ServerPool:
         self.synced_version: Optional[int] = None
         """The policy version of the last sync."""
         self.group: Any = None
-        """rollout.servers.transfer=broadcast: the weight group (rlbatch.rollout.server_sync)."""
+        """rollout.servers.transfer=broadcast: the weight group (rlbatch.rollout.servers.sync)."""
         self.probe_logps: Optional[list[float]] = None
         """The trainer's log-probabilities of the probe's fixed tokens at the last sync."""
         self.pushed: Optional[dict[str, Any]] = None

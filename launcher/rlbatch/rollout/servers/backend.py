@@ -4,7 +4,7 @@
 Where requests come from: the first rank of each model-parallel group (tp x pp ranks, one
 replica of the model) sends its own data-parallel shard's rows, one request per row
 (``POST /inference/v1/generate``: prompt ids, the row's own seed, the EOS ids as its only stop
-ids, log-probs of the sampled tokens; what an answer may be: rlbatch.rollout.server_answers), at
+ids, log-probs of the sampled tokens; what an answer may be: rlbatch.rollout.servers.answers), at
 most ``rollout.servers.max_concurrency`` in flight, each to the server with the fewest of this
 rank's requests outstanding (an agent episode's calls, env.harness: all to the server its first
 call went to, whose prefix cache holds the conversation; a new episode to the server with the
@@ -15,12 +15,12 @@ hop through one client.
 Weight sync (whenever the policy version changes): the first replica's group streams the
 Hugging Face-named full tensors once from its tp / pp shards (rlbatch.rollout.weights); its
 first rank, global rank 0, hands them to every server through vLLM's RL lifecycle, as a file or
-a broadcast over one process group (``rollout.servers.transfer``, rlbatch.rollout.server_sync),
+a broadcast over one process group (``rollout.servers.transfer``, rlbatch.rollout.servers.sync),
 labelling the weights of this sync (finish_weight_update) and dropping the prefix cache (vLLM
 keeps it across updates; partial rollouts with rollout.servers.on_update=keep leave it, within
-grpo.max_staleness versions, so rows continue on the old KV: rlbatch.rollout.server_cache).
+grpo.max_staleness versions, so rows continue on the old KV: rlbatch.rollout.servers.cache).
 The other replicas' first ranks wait until every server reports that label (GET /weight_info)
-before they decode. Then a probe (rlbatch.rollout.server_probe): every server scores a fixed
+before they decode. Then a probe (rlbatch.rollout.servers.probe): every server scores a fixed
 sequence, whose log-probabilities must equal the trainer's own forward of the same tokens
 within ``rollout.servers.probe_tolerance`` and be nearer the trainer's current ones than the
 previous sync's, or the run stops naming the server.
@@ -74,13 +74,13 @@ from rlbatch.rollout.protocol import (
     decode_on_group_leader,
     token_sampling,
 )
-from rlbatch.rollout.server_answers import RowAborted, probe_server, read_row, request_body
-from rlbatch.rollout.server_cache import drops_cache
-from rlbatch.rollout.server_checks import check_servers  # noqa: F401  (rollout.protocol's)
-from rlbatch.rollout.server_http import ServerDownError, ServerError, call
-from rlbatch.rollout.server_pool import LOGS_ENV, ServerPool, server_urls
-from rlbatch.rollout.server_probe import NOISE, SEPARATION, judge_probe, probe_sequence
-from rlbatch.rollout.server_sync import close_group, push
+from rlbatch.rollout.servers.answers import RowAborted, probe_server, read_row, request_body
+from rlbatch.rollout.servers.cache import drops_cache
+from rlbatch.rollout.servers.checks import check_servers  # noqa: F401  (rollout.protocol's)
+from rlbatch.rollout.servers.client import ServerDownError, ServerError, call
+from rlbatch.rollout.servers.pool import LOGS_ENV, ServerPool, server_urls
+from rlbatch.rollout.servers.probe import NOISE, SEPARATION, judge_probe, probe_sequence
+from rlbatch.rollout.servers.sync import close_group, push
 
 log = logging.getLogger("rlbatch.rollout")
 
@@ -237,7 +237,7 @@ class ServerBackend:
 
     def _drops_cache(self, version: int) -> bool:
         """Whether the sync to ``version`` drops the servers' prefix cache
-        (rlbatch.rollout.server_cache)."""
+        (rlbatch.rollout.servers.cache)."""
         return drops_cache(
             not self.drops_cache, self.servers.cache_version, version, self.cfg.grpo.max_staleness
         )
@@ -247,7 +247,7 @@ class ServerBackend:
         /health answers) joins the pool before the push, so it is pushed the whole weights and
         probed with the others (a replica that does not push takes it once it holds this
         sync's label: :meth:`_await_label`)."""
-        from rlbatch.rollout.server_http import health
+        from rlbatch.rollout.servers.client import health
 
         for url in list(self.servers.down):
             if health(url) is None:
@@ -282,7 +282,7 @@ class ServerBackend:
 
     def _resync(self, url: str) -> bool:
         """Whether ``url`` is back and now holds the run's current weights."""
-        from rlbatch.rollout.server_http import health
+        from rlbatch.rollout.servers.client import health
 
         s = self.servers
         if s.syncs == 0:  # nothing pushed yet: the start-up weights are the run's
@@ -353,7 +353,7 @@ class ServerBackend:
         the loop averages over replicas); rollout/server_resubmits: rows a server aborted and
         this process sent again (summed over replicas); rollout/kv_cache_age: how many policy
         versions older than the last sync's the KV the servers' prefix cache may hold is
-        (rlbatch.rollout.server_cache; averaged over replicas like the pool's size);
+        (rlbatch.rollout.servers.cache; averaged over replicas like the pool's size);
         rollout/server_restarts: servers taken back after a restart (on_failure=restart;
         summed over replicas)."""
         s = self.servers
@@ -370,7 +370,7 @@ class ServerBackend:
         }  # fmt: skip
 
     def _probe(self) -> None:
-        """Every server holds this sync's weights (rlbatch.rollout.server_probe): its
+        """Every server holds this sync's weights (rlbatch.rollout.servers.probe): its
         log-probabilities of the probe's fixed tokens (and of one token it samples after them)
         equal the trainer's within the tolerance, and are nearer the trainer's current ones than
         the previous sync's."""
@@ -430,7 +430,7 @@ class ServerBackend:
     def _score(
         self, url: str, sequence: list[int], prompt_len: int
     ) -> tuple[list[float], int, float]:
-        """The server's answer to the probe (rlbatch.rollout.server_answers.probe_server)."""
+        """The server's answer to the probe (rlbatch.rollout.servers.answers.probe_server)."""
         return probe_server(
             url, sequence, prompt_len, timeout_s=self.servers.timeout_s,
             label=self.servers.label(), max_resubmits=self.cfg.rollout.servers.max_resubmits,
@@ -498,7 +498,7 @@ class ServerBackend:
     def _request(
         self, url: str, ids: list[int], seed: int, sampling: TokenSampling, limit: int
     ) -> DecodedRow:
-        """The row of one request (rlbatch.rollout.server_answers): a row the server aborted is
+        """The row of one request (rlbatch.rollout.servers.answers): a row the server aborted is
         sent again with its own seed, up to rollout.servers.max_resubmits times."""
         eos_ids = [i for i in sampling.eos_ids if i >= 0]
         body = request_body(ids, seed, limit, sampling, eos_ids)
@@ -523,7 +523,7 @@ class ServerBackend:
 
 
 class _OneServer:
-    """One server as a pool of its own (rlbatch.rollout.server_sync.ServerPool): the push to
+    """One server as a pool of its own (rlbatch.rollout.servers.sync.ServerPool): the push to
     a server taken back between syncs; its failure is raised."""
 
     def __init__(self, servers: ServerPool, url: str) -> None:

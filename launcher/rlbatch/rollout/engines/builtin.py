@@ -417,7 +417,7 @@ def _megatron_engine(
 def _dynamic_engine(
     cfg: RunConfig, model: Any, eos_ids: tuple[int, ...], pad_id: int, chunked: bool, driver: Any
 ) -> Any:
-    from rlbatch.rollout.megatron_dynamic import build_megatron_dynamic
+    from rlbatch.rollout.engines.megatron_dynamic import build_megatron_dynamic
 
     return build_megatron_dynamic(
         cfg, model, eos_id=eos_ids[0], pad_id=pad_id, extra_eos_ids=eos_ids
