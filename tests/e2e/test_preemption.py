@@ -119,19 +119,28 @@ def test_preemption_saves_then_resume_is_exact(
 
 
 LATE_SIGNALS = '''
-"""Imported by every Python process of the run (PYTHONPATH): torchrun and each rank worker get
-SIGUSR1, SIGTERM and SIGHUP while the interpreter shuts down, after Python dropped its own
-handlers: where a copy forwarded late by a loaded launcher or torchrun lands."""
+"""Imported by every Python process of the run (PYTHONPATH): each rank worker gets SIGUSR1,
+SIGTERM and SIGHUP while its interpreter shuts down, after Python dropped its own handlers, and
+torchrun (which ends with os._exit, no shutdown) as it exits: where a copy forwarded late by a
+loaded launcher or torchrun lands."""
 import os, signal, sys
+def _late_signals(kill=os.kill, open_=open, join=os.path.join,
+                  marks=os.environ["LATE_SIGNAL_MARKS"],
+                  sigs=(signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP)):
+    pid = os.getpid()
+    open_(join(marks, str(pid)), "w").close()
+    for sig in sigs:
+        kill(pid, sig)
 class _Late:
-    def __del__(self, kill=os.kill, pid=os.getpid(), open_=open, join=os.path.join,
-                marks=os.environ["LATE_SIGNAL_MARKS"],
-                sigs=(signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP)):
-        open_(join(marks, str(pid)), "w").close()
-        for sig in sigs:
-            kill(pid, sig)
-if {"rlbatch.runtime.worker", "rlbatch.runtime.torchrun"} & set(sys.orig_argv):
+    def __del__(self, late=_late_signals):
+        late()
+if "rlbatch.runtime.worker" in sys.orig_argv:
     _late = _Late()
+if "rlbatch.runtime.torchrun" in sys.orig_argv:
+    def _exit(code, real=os._exit, late=_late_signals):
+        late()
+        real(code)
+    os._exit = _exit
 '''
 
 

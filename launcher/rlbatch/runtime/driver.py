@@ -73,7 +73,7 @@ def torchrun_command(cfg: RunConfig, resolved: Path, entry: str) -> list[str]:
             f"--rdzv-endpoint={p.rdzv_endpoint}",
             f"--rdzv-id=rlbatch-{p.run_id or resolved.parent.name}",
         ]
-    cmd += ["--max-restarts=0", "--monitor-interval=0.5", "-m", "rlbatch.runtime.worker"]
+    cmd += ["--max-restarts=0", "--monitor-interval=0.1", "-m", "rlbatch.runtime.worker"]
     return cmd + ["--config", str(resolved), "--entry", entry]
 
 
