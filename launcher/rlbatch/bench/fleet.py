@@ -2,15 +2,16 @@
 against least-loaded routing: the servers' prefix-cache hit rate and the step time.
 
     rlbatch-bench fleet [--urls URL,URL | --servers 2] [--turns 4] [--steps 3] [--warmup 1]
-                        [--rows 8] [--generations 2] [--max-tokens 8] [--json] [-- KEY=VALUE ...]
+                        [--rows 8] [--generations 2] [--max-tokens 8]
+                        [--policies affine,least_loaded] [--json] [-- KEY=VALUE ...]
 
 Each policy is one real ``rlbatch-train`` run (``+recipe=grpo_qwen`` at the tiny model with
 heads of 32, the overrides after ``--`` on top) of an openai-client harness of ``--turns``
 completion calls per episode, each call's prompt the previous one, its completion and a short
 "tool" line (so each call extends its episode's conversation, as a multi-turn agent's does),
 on the same servers with ``rollout.servers.routing=affine`` (every call of an episode on the
-server of its first call) and then ``least_loaded`` (every call on the server with the fewest
-requests in flight). The servers are ``--urls`` (running rlbatch-serve servers of the same
+server of its first call) and ``least_loaded`` (every call on the server with the fewest
+requests in flight), one after the other in the order of ``--policies``. The servers are ``--urls`` (running rlbatch-serve servers of the same
 model) or ``--servers`` that the bench starts with rlbatch-serve for the workload and stops at
 the end; both runs use the same servers.
 
@@ -82,9 +83,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rows", type=int, default=8, help="dataset rows (prompts per step / 1)")
     p.add_argument("--generations", type=int, default=2, help="episodes per row")
     p.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each call")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma list of rollout.servers.routing values, in the order they run")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
     urls = [u for u in args.urls.split(",") if u]
+    policies = [x for x in args.policies.split(",") if x]
     if (
         args.steps <= args.warmup
         or args.turns < 2
@@ -92,10 +96,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         or args.generations < 2
         or args.max_tokens < 1
         or (not urls and args.servers < 2)
+        or not policies
+        or set(policies) - set(POLICIES)
     ):
         p.error(
             "--steps > --warmup, --turns >= 2, --rows >= 1, --generations >= 2, --max-tokens"
-            " >= 1, and --servers >= 2 without --urls (routing needs a choice of servers)"
+            " >= 1, --servers >= 2 without --urls (routing needs a choice of servers), and"
+            f" --policies from {','.join(POLICIES)}"
         )
     return args, extra
 
@@ -219,7 +226,7 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict[str, dict[str, A
             procs = start_servers(args.servers, base, root)
             urls = server_urls(procs)
         table: dict[str, dict[str, Any]] = {}
-        for policy in POLICIES:
+        for policy in [x for x in args.policies.split(",") if x]:
             hits0, queries0 = cache_counters(urls)
             quiet = [
                 "logging.plot=false", "logging.tensorboard=false",

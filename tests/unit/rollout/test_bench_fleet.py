@@ -90,7 +90,8 @@ def test_each_call_of_the_harness_extends_the_last_and_the_workload_fits(tmp_pat
 
 
 @pytest.mark.parametrize(
-    "argv", [["--servers", "1"], ["--turns", "1"], ["--steps", "1", "--warmup", "1"]]
+    "argv",
+    [["--servers", "1"], ["--turns", "1"], ["--steps", "1", "--warmup", "1"], ["--policies", "x"]],
 )
 def test_options_a_comparison_cannot_run_with_are_refused(argv):
     with pytest.raises(SystemExit):
