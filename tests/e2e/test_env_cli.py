@@ -160,10 +160,14 @@ def test_user_environment_trains_with_masks_rewards_and_samples(user_run):
     assert "old_logps_seconds" in records[0]  # num_iterations=2: the old pass ran
     tok = ByteTokenizer()
     errors = observed = 0
+    episodes = {}
     for step in (1, 2, 3, 4):
         lines = (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
         samples = [json.loads(line) for line in lines]
         assert len(samples) == 32
+        # num_iterations=2: steps 2 and 4 train the episodes of steps 1 and 3 again, and the
+        # episodes' event counts are counted once, on the steps that first train them
+        first = step in (1, 3)
         truncated = 0
         for s in samples:
             assert len(s["loss_mask"]) == len(s["response_ids"])
@@ -180,14 +184,20 @@ def test_user_environment_trains_with_masks_rewards_and_samples(user_run):
             assert s["num_turns"] == sum(t["role"] == "assistant" for t in s["turns"])
             truncated += s["truncated"]
             if s["end"] == "error":
-                errors += 1
+                errors += first
                 assert "Scripted.step" in s["error"] and "turn 1 raised ValueError" in s["error"]
                 assert s["reward"] == 0.0
             else:
                 assert s["reward"] == pytest.approx(sum(s["env_rewards"]) + 0.5)
                 assert s["reward_parts"]["bonus"] == 0.5
             observed += any(t["role"] == "observation" for t in s["turns"])
-        assert records[step - 1]["episodes_truncated"] == truncated
+        episodes[step] = sorted(s["response_ids"] for s in samples)
+        first = step in (1, 3)
+        assert first or episodes[step] == episodes[step - 1]
+        assert records[step - 1]["episodes_truncated"] == (truncated if first else 0)
+        assert records[step - 1]["env_errors"] == (
+            sum(s["end"] == "error" for s in samples) if first else 0
+        )
         # the planner sees whole trajectories: the train pass's lengths are the transcripts'
         plan = json.loads((run_dir / "plans" / f"step_{step:05d}.json").read_text())
         lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
@@ -223,16 +233,29 @@ def test_environment_exception_names_class_sample_and_turn(bin_dir, subprocess_e
 def test_evaluation_rolls_out_through_the_environment(user_run):
     """eval.every_steps during a multi-turn run: the held-out episodes run through the same
     environment and their rewards include its step rewards (a data reward alone would give
-    every sample exactly the 0.5 bonus), an environment error scoring 0 (env.on_error)."""
+    every sample exactly the 0.5 bonus), an environment error scoring 0 (env.on_error), counted
+    in eval/env_errors and marked in the evaluation's samples file, never correct."""
     run_dir, records = user_run
     assert [r["step"] for r in records if "eval/reward_mean" in r] == [2, 4]
-    rewards = []
+    rewards, errors = [], 0
     for step in (2, 4):
         lines = (run_dir / "eval" / f"step_{step:05d}.jsonl").read_text().splitlines()
-        rewards += [s["reward"] for line in lines for s in json.loads(line)["samples"]]
+        samples = [s for line in lines for s in json.loads(line)["samples"]]
+        failed = [s for s in samples if s["error"] is not None]
+        for s in failed:
+            assert "Scripted.step" in s["error"] and "raised ValueError" in s["error"], s
+            assert s["reward"] == 0.0 and not s["correct"]
+        record = records[step - 1]
+        assert record["eval/env_errors"] == len(failed)
+        # zero_reward: the errored samples' 0 counts in the mean
+        mean = sum(s["reward"] for s in samples) / len(samples)
+        assert record["eval/reward_mean"] == pytest.approx(mean)
+        rewards += [s["reward"] for s in samples]
+        errors += len(failed)
     assert len(rewards) == 2 * 8 * 2
     assert any(r > 0.5 for r in rewards)  # the environment paid: 0.5 + its step rewards
     assert set(rewards) <= {0.0, 0.5, 0.75, 1.5, 1.75}
+    assert errors > 0  # even secrets fail at turn 1 after a turn of even length
 
 
 # ------------------------------------------------------------------ a real tokenizer, qwen turns

@@ -1,11 +1,13 @@
 """OpenEnv environments through the real rlbatch-train (env.agent.openenv_url): a small OpenEnv
 environment written here (OpenEnv's own Action / Observation / Environment and create_app),
 served over HTTP by uvicorn in a process of its own, trained through the built-in OpenEnv
-harness. One shared run (env.on_error=zero_reward): two steps train, every trained token one the
-policy sampled (the endpoint's records), the reward the environment's rewards summed, a row's
-episodes reset with one seed, each observation the next user message, one server session per
-episode, a task whose step fails scored 0 and counted; at step 3 the server dies and the run
-stops naming it. A run before it (raise_error) with env.agent.openenv_action on a second
+harness. One shared run (dp 2, env.on_error=zero_reward, evaluation after step 2): two steps
+train, every trained token one the policy sampled (the endpoint's records), the reward the
+environment's rewards summed, a row's episodes reset with one seed, each observation the next
+user message, one server session per episode, a task whose step fails scored 0 and counted (in
+training and in eval/env_errors); at step 3 the server dies and the run stops naming it. The
+same run on a copy of the environment that does not crash, SIGKILLed during step 2 and resumed,
+equals it. A run before it (raise_error) with env.agent.openenv_action on a second
 environment of the same server: the function's actions reach it, and a step they make fail
 stops the run naming the row. The configuration errors before launch: a server that does not
 answer, a bad function, both env.harness and env.agent.openenv_url (an action with no text
@@ -103,8 +105,13 @@ class EchoTwo(Echo):
     APP, RESETS = "/two", []
 
 
+class EchoThree(Echo):  # "/"'s environment without the crash
+    APP, RESETS = "/three", []
+
+
 app = create_fastapi_app(Echo, Say, Heard, max_concurrent_envs=64)
 app.mount("/two", create_fastapi_app(EchoTwo, Two, Heard, max_concurrent_envs=64))
+app.mount("/three", create_fastapi_app(EchoThree, Say, Heard, max_concurrent_envs=64))
 uvicorn.run(app, host="127.0.0.1", port=PORT, log_level="warning")
 '''
 
@@ -121,6 +128,16 @@ ROWS = [  # every step trains the four rows (8 episodes: 2 generations each)
 ]
 RUN = ("data.path=rows.jsonl", "data.reward=none", "rollout.max_new_tokens=8",
        "grpo.num_generations=2", "grpo.global_batch_size=8", "env.max_turns=3", "logging.samples=true")  # fmt: skip
+HELD = [
+    {"prompt": "Play:", "answer": "0", "seed": 17},
+    {"prompt": "Play:", "answer": "0", "seed": 25},
+]
+"""Held-out rows: task 7 (its step fails) and task 5, seeds no training row resets with."""
+SHARED = (*RUN, "parallel.dp=2", "env.on_error=zero_reward", "env.max_error_fraction=1.0",
+          "rollout.micro_batch_size=2", "grpo.aggregation.train_micro_batch_size=2",
+          "trainer.max_steps=3", "trainer.checkpoint.every_steps=1", "eval.every_steps=2",
+          "eval.at_start=false", "eval.data.path=held.jsonl", "eval.num_samples=2")  # fmt: skip
+"""Two data-parallel ranks, evaluation after step 2, a checkpoint at every step."""
 
 
 def _free_port() -> int:
@@ -133,17 +150,18 @@ def _free_port() -> int:
 def tmp(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openenv")
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in HELD))
     (tmp / "act.py").write_text(ACTION)
     return tmp
 
 
 @pytest.fixture(scope="module")
 def server(tmp):
-    """The environments' server on a free port: (url, log path). "/" dies at its 17th reset
-    (step 3 of the shared run, which runs last)."""
+    """The environments' server on a free port: (url, log path). "/" dies at its 21st reset
+    (step 3 of the shared run, after 16 training and 4 evaluation episodes)."""
     port, log = _free_port(), tmp / "server.jsonl"
     (tmp / "server.py").write_text(SERVER)
-    proc = subprocess.Popen([sys.executable, str(tmp / "server.py"), str(log), str(port), "16"])
+    proc = subprocess.Popen([sys.executable, str(tmp / "server.py"), str(log), str(port), "20"])
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -175,14 +193,27 @@ def raise_run(tmp, server, bin_dir, subprocess_env):
 
 
 @pytest.fixture(scope="module")
-def shared_run(tmp, server, raise_run, bin_dir, subprocess_env):
-    """Three steps on "/" under zero_reward, after the raise run (the server dies at step 3's
-    first reset, the 17th): (the process, metrics records, samples per step, the server's log
-    lines of "/")."""
+def resumed_run(tmp, server, raise_run, bin_dir, subprocess_env):
+    """The shared run's config on "/three" (the same environment without the crash), SIGKILLed
+    during step 2 after the step-1 checkpoint and resumed (trainer.resume=auto), before the
+    shared run kills the server: (the killed process, the resumed one, the run's folder)."""
+    url, _ = server
+    run_dir = tmp / "killed"
+    common = (f"hydra.run.dir={run_dir}", *SHARED, f"env.agent.openenv_url={url}/three")
+    killed = _run(bin_dir, subprocess_env, tmp, *common, "debug.fail_at_step=2",
+                  "debug.fail_kind=kill")  # fmt: skip
+    resumed = _run(bin_dir, subprocess_env, tmp, *common, "trainer.resume=auto")
+    return killed, resumed, run_dir
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp, server, raise_run, resumed_run, bin_dir, subprocess_env):
+    """Three steps on "/" at dp 2 under zero_reward, evaluated after step 2, after the raise
+    and the resumed runs (the server dies at step 3's first reset, the 21st): (the process,
+    metrics records, samples per step, the server's log lines of "/")."""
     url, log = server
-    proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={tmp / 'run'}", *RUN,
-                f"env.agent.openenv_url={url}", "env.on_error=zero_reward",
-                "env.max_error_fraction=1.0", "trainer.max_steps=3")  # fmt: skip
+    proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={tmp / 'run'}", *SHARED,
+                f"env.agent.openenv_url={url}")  # fmt: skip
     assert (tmp / "run/metrics.jsonl").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(x) for x in (tmp / "run/metrics.jsonl").read_text().splitlines()]
     samples = {
@@ -231,7 +262,7 @@ def test_observations_rewards_and_one_session_per_episode(shared_run):
     0 under zero_reward and is counted; one session (reset) per episode, with the row's seed
     for every episode of the row."""
     _, records, samples, lines = shared_run
-    resets = [x for x in lines if x["event"] == "reset"]
+    resets = [x for x in lines if x["event"] == "reset" and x["seed"] not in (17, 25)]
     assert len(resets) == 16 and len({x["session"] for x in resets}) == 16
     seeds = Counter(x["seed"] for x in resets)
     drawn = [s for s in seeds if s not in (3, 7, 12)]
@@ -261,6 +292,54 @@ def test_observations_rewards_and_one_session_per_episode(shared_run):
         assert records[step - 1]["env_errors"] == errors == 2
     sent = [a["message"] for a in steps.values()]  # the default action: the reply's text
     assert len(sent) >= 24 and all(set(a) == {"message"} for a in steps.values())
+
+
+def test_evaluation_runs_episodes_on_the_environment(shared_run, tmp):
+    """eval.every_steps=2: the held-out rows' episodes (2 samples each) reset with their own
+    seeds, one session each; task 7's failing step is counted in eval/env_errors and marked in
+    the evaluation's samples file, scored 0 (zero_reward), never correct; task 5's finished
+    episodes score the environment's 1.5."""
+    _, records, _, lines = shared_run
+    assert [("eval/reward_mean" in r) for r in records] == [False, True]
+    resets = [x for x in lines if x["event"] == "reset" and x["seed"] in (17, 25)]
+    assert sorted(x["seed"] for x in resets) == [17, 17, 25, 25]
+    assert len({x["session"] for x in resets}) == 4
+    rows = [json.loads(x) for x in (tmp / "run/eval/step_00002.jsonl").read_text().splitlines()]
+    samples = [s for row in rows for s in row["samples"]]
+    assert len(samples) == 4
+    failed = [s for s in samples if s["error"] is not None]
+    assert len(failed) == 2 == records[1]["eval/env_errors"]
+    for s in failed:
+        assert "task 7 breaks at step 1" in s["error"] and s["reward"] == 0.0
+        assert not s["correct"]
+    assert {s["reward"] for s in samples if s["error"] is None} <= {0.0, 1.5}
+    assert records[1]["eval/reward_mean"] == pytest.approx(sum(s["reward"] for s in samples) / 4)
+
+
+def _untimed(records):
+    return [
+        {k: v for k, v in r.items()
+         if not k.endswith(("_s", "seconds", "memory_gb")) and "per_s" not in k}
+        for r in records
+    ]  # fmt: skip
+
+
+def test_a_killed_dp2_run_resumes_exactly(shared_run, resumed_run, server, tmp):
+    """The shared run's config on "/three", SIGKILLed during step 2 after the step-1 checkpoint
+    and resumed: steps 1 and 2, the evaluation included, equal the shared run's metrics, step
+    2's samples and its evaluation's samples byte for byte (the server's address in their error
+    messages aside), and step 3 trains."""
+    _, expected, _, _ = shared_run
+    url, _ = server
+    killed, resumed, run_dir = resumed_run
+    assert killed.returncode != 0
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert _untimed(records[:2]) == _untimed(expected)
+    for name in ("samples/step_00002.jsonl", "eval/step_00002.jsonl"):
+        mine = (run_dir / name).read_text().replace(f"{url}/three", url)
+        assert mine == (tmp / "run" / name).read_text(), name
 
 
 def test_the_action_function_builds_the_action_and_a_failed_step_stops_the_run(raise_run):

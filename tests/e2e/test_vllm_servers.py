@@ -20,7 +20,8 @@ live HTTP server fails its requests within seconds and, with
 rollout.servers.on_failure=continue, leaves the pool (and the broadcast group) while the run
 finishes on the other one with the metrics of a run on that one alone with the file transfer;
 async run-ahead overlaps training at dp 2 with the inline run's samples; an agent harness's
-episodes keep their server and train on policy; partial rollouts
+episodes keep their server and train on policy (rollout.servers.routing=least_loaded spreads
+them: rlbatch-bench fleet); partial rollouts
 continue rows across weight updates (abort:
 bit-identical to the in-process vLLM stream, resumed exactly; keep: on the old prefix cache).
 The servers (two shared, two spares to kill) are started once for the module."""
@@ -420,6 +421,31 @@ def test_agent_episodes_keep_their_server_and_train_on_policy(
         )
         assert trained == sampled  # every call of every segment, once
     assert used == set(servers)
+
+
+def test_the_fleet_bench_compares_affine_and_least_loaded_routing(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """rlbatch-bench fleet on the two shared servers (--urls): a 4-call harness run with
+    rollout.servers.routing=affine keeps every episode on one server, the same run with
+    least_loaded spreads episodes' calls over both; each policy's prefix-cache hit rate (from
+    the servers' /metrics) and step time are printed (figures for docs/agents.md, not a
+    target)."""
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-bench"), "fleet", "--urls", ",".join(servers), "--steps", "1",
+         "--warmup", "0", "--rows", "4", "--max-tokens", "6", "--json", "--",
+         "rollout.vllm.kv_cache_space_gb=0.25"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = json.loads(proc.stdout)
+    assert list(table) == ["affine", "least_loaded"]
+    for row in table.values():
+        assert row["refused"] is None, row
+        assert row["prompt_tokens"] > 0 and 0.0 <= row["prefix_cache_hit_rate"] <= 1.0
+        assert row["step_time_s"] > 0 and row["servers"] == 2
+    assert table["affine"]["one_server_episodes"] == 1.0
+    assert table["least_loaded"]["one_server_episodes"] < 1.0
 
 
 DP2 = (

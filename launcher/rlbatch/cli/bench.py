@@ -8,6 +8,7 @@ rlbatch-bench rollout    generation tokens/s: rlbatch against transformers' gene
                          rollout backends side by side (--backend vllm,megatron)
 rlbatch-bench rewards    sandboxed code executions/s and judge requests/s
 rlbatch-bench servers    GRPO steps with colocated vLLM against vLLM rollout servers
+rlbatch-bench fleet      an agent harness on rollout servers: affine vs least-loaded routing
 rlbatch-bench distill    held-out reward vs steps and seconds: distillation, GRPO and both
 rlbatch-bench moe        an MoE step vs the dense model of equal active parameters, ep 1 vs 2;
                          the planner's balance with MoE costs vs token counts
@@ -26,6 +27,7 @@ BENCHES = {
     "rollout": ("rlbatch.bench.rollout", "generation tokens/s against transformers' generate"),
     "rewards": ("rlbatch.bench.rewards", "sandboxed code executions/s and judge requests/s"),
     "servers": ("rlbatch.bench.rollout_servers", "GRPO steps: colocated vLLM against servers"),
+    "fleet": ("rlbatch.bench.fleet", "agent harness on servers: affine vs least-loaded routing"),
     "distill": ("rlbatch.bench.distill", "held-out reward: distillation vs GRPO vs both"),
     "moe": ("rlbatch.bench.moe", "MoE step vs dense of equal active parameters; planner costs"),
 }

@@ -295,6 +295,16 @@ class ServerUpdate(str, Enum):
     keep = "keep"
 
 
+class ServerRouting(str, Enum):
+    """Which rollout server an agent episode's calls go to (rollout.servers.routing):
+    ``affine``, every call of an episode to the server of its first call (the one with the
+    fewest episodes then); ``least_loaded``, every call to the server with the fewest requests
+    in flight."""
+
+    affine = "affine"
+    least_loaded = "least_loaded"
+
+
 class ServerTransfer(str, Enum):
     """How a weight sync reaches the rollout servers (rollout.servers.transfer): ``file``, one
     safetensors file every server reads; ``broadcast``, one process group of the trainer's

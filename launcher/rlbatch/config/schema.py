@@ -45,6 +45,7 @@ from rlbatch.config.enums import (  # noqa: F401  (re-exported: the schema's voc
     RoutingReplay,
     ScaleRewards,
     ServerFailure,
+    ServerRouting,
     ServerTransfer,
     ServerUpdate,
     SyncFault,

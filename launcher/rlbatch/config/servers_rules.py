@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from rlbatch.config.env import harness_spec
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import (
     DebugConfig,
@@ -15,6 +16,7 @@ from rlbatch.config.schema import (
     RolloutBackend,
     RunConfig,
     ServerFailure,
+    ServerRouting,
     ServersConfig,
     ServerTransfer,
     ServerUpdate,
@@ -61,6 +63,7 @@ def check_servers(
         return
     _check_source(cfg, errors)
     _check_restart(cfg, errors)
+    _check_routing(cfg, errors)
     _check_ranges(cfg, errors, served_len)
     _check_unsupported(cfg, errors)
 
@@ -72,7 +75,7 @@ def _check_server_only_numbers(cfg: RunConfig, errors: list[ConfigError]) -> Non
     backend = RolloutBackend(cfg.rollout.backend).value
     for name in (
         "host", "port", "devices", "start_timeout_s", "timeout_s", "max_concurrency",
-        "max_resubmits", "max_restarts", "probe_tokens", "probe_tolerance",
+        "max_resubmits", "max_restarts", "probe_tokens", "probe_tolerance", "routing",
     ):  # fmt: skip
         value, unset = getattr(s, name), getattr(default, name)
         if value != unset:
@@ -185,6 +188,22 @@ def _check_restart(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"applies to rollout.servers.on_failure=restart, not"
                 f" {ServerFailure(s.on_failure).value}: set rollout.servers.on_failure=restart,"
                 " or leave rollout.servers.max_restarts unset",
+            )
+        )
+
+
+def _check_routing(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """rollout.servers.routing chooses the server of an agent harness episode's calls: other
+    requests go to the least loaded server whatever it says."""
+    s = cfg.rollout.servers
+    if s.routing != ServersConfig().routing and not harness_spec(cfg.env):
+        errors.append(
+            ConfigError(
+                "rollout.servers.routing",
+                ServerRouting(s.routing).value,
+                "applies to agent harness episodes (env.harness or env.agent.openenv_url);"
+                " this run's requests go to the least loaded server anyway: leave"
+                " rollout.servers.routing unset",
             )
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rlbatch.config.enums import ServerFailure, ServerTransfer, ServerUpdate
+from rlbatch.config.enums import ServerFailure, ServerRouting, ServerTransfer, ServerUpdate
 
 
 @dataclass
@@ -114,6 +114,16 @@ class ServersConfig:
     server. 0: the first abort stops the run."""
     max_concurrency: int = 64
     """Requests in flight at once from one issuing rank (spread over the servers)."""
+    routing: ServerRouting = ServerRouting.affine
+    """Agent harness episodes (env.harness, env.agent.openenv_url): which server each call
+    goes to. ``affine``: every call of an episode to the server its first call went to, whose
+    prefix cache holds the conversation so far (a new episode to the server with the fewest
+    episodes, then the fewest requests in flight); ``least_loaded``: every call to the server
+    with the fewest of this rank's requests in flight, wherever its episode's earlier calls
+    went (the conversation is prefilled again on a server that has not seen it). Either way a
+    call samples the same tokens (its own seed, the same weights on every server). Other
+    requests always go to the least loaded server. rlbatch-bench fleet measures both
+    (docs/agents.md)."""
     transfer: ServerTransfer = ServerTransfer.file
     """How a weight sync reaches the servers. ``file``: the trainer's first rank writes the
     Hugging Face-named tensors to one safetensors file (``transfer_dir``) that every server

@@ -89,7 +89,8 @@ def metric_names(
     pass_k: Sequence[int], num_samples: int, majority: bool, errors: bool = False
 ) -> list[str]:
     """Names of the metrics :func:`summarize` returns for these settings (without timings);
-    ``errors``: episodes can fail (an agent harness), so ``env_errors`` counts them."""
+    ``errors``: episodes can fail (an environment, env.path, or an agent harness), so
+    ``env_errors`` counts them."""
     names = ["reward_mean", *(f"pass@{k}" for k in pass_k), f"mean@{num_samples}"]
     if majority:
         names.append(f"maj@{num_samples}")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlbatch.config.enums import EnvOnError
-from rlbatch.config.env import harness_spec
+from rlbatch.config.env import harness_spec, multi_turn
 from rlbatch.config.schema import DataSource, RunConfig
 from rlbatch.eval.answers import AnswerFn, answer_fn, voting_kind
 from rlbatch.eval.metrics import PromptResult, ScoredSample, summarize
@@ -147,10 +147,10 @@ class Evaluator:
             mine += self._score(prompts, samples, n)
         self._meet_peers()
         results = sorted((r for part in self.gather(mine) for r in part), key=lambda r: r.index)
-        harness = bool(harness_spec(self.cfg.env))
-        skip = harness and EnvOnError(self.cfg.env.on_error) == EnvOnError.skip
+        episodes = multi_turn(self.cfg.env)  # an environment's or a harness's: they can fail
+        skip = episodes and EnvOnError(self.cfg.env.on_error) == EnvOnError.skip
         metrics = summarize(
-            results, eval_pass_k(self.cfg), self.answer is not None, harness, skip_errors=skip
+            results, eval_pass_k(self.cfg), self.answer is not None, episodes, skip_errors=skip
         )
         metrics["eval/seconds"] = time.perf_counter() - started
         return metrics, results
@@ -179,7 +179,7 @@ class Evaluator:
         # multi-turn: the environment's rewards, bounded as in training
         totals = add_episode_rewards(samples, totals, self.cfg.data.reward_abs_max)
         threshold = self.cfg.eval.correct_threshold
-        errors = [_harness_error(s) if harness_spec(self.cfg.env) else None for s in samples]
+        errors = [_episode_error(s) if multi_turn(self.cfg.env) else None for s in samples]
         scored = [
             ScoredSample(
                 text=x.response,
@@ -211,8 +211,9 @@ def _harness_bound(cfg: RunConfig, blocks: Sequence[Sequence[Prompt]], dp_size: 
     return per_rank * waves * (cfg.env.agent.episode_timeout_s + 5.0) + cfg.trainer.timeout_s
 
 
-def _harness_error(sample: Sample) -> Optional[str]:
-    """The error an agent harness's episode ended with (env.on_error zero_reward / skip)."""
+def _episode_error(sample: Sample) -> Optional[str]:
+    """The error an episode ended with under env.on_error zero_reward / skip (an environment's,
+    env.path, or an agent harness's)."""
     episode = sample.episode or {}
     return str(episode.get("error")) if episode.get("end") == "error" else None
 

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import math
 
-from rlbatch.config.env import harness_spec
+from rlbatch.config.env import multi_turn
 from rlbatch.config.schema import DataConfig, RolloutConfig, RunConfig
 
 GREEDY = 0.0
@@ -92,7 +92,7 @@ def eval_metric_names(cfg: RunConfig) -> list[str]:
         eval_pass_k(cfg),
         cfg.eval.num_samples,
         majority_supported(cfg),
-        bool(harness_spec(cfg.env)),
+        multi_turn(cfg.env),
     )
 
 

@@ -209,7 +209,7 @@ def make_train_step(
         if write_samples is not None:
             write_samples(step, batch.samples)
         return {
-            **batch_figures(batch.samples, step),
+            **batch_figures(batch.samples, step, batch.iteration),
             **metrics,
             **prepared,
             **checked,
@@ -222,10 +222,12 @@ def make_train_step(
 
 def make_batch_figures(
     cfg: RunConfig, world: Any, rank: int
-) -> Callable[[list[Sample], int], dict[str, Any]]:
-    """figures(samples, step): the batch's own figures, summed over the ranks' samples: the
-    reward's mean per component, failure counts (rewards brought in, environments), episode
-    figures (multi-turn; their warnings printed once) and the teacher's (distillation)."""
+) -> Callable[[list[Sample], int, int], dict[str, Any]]:
+    """figures(samples, step, iteration): the batch's own figures, summed over the ranks'
+    samples: the reward's mean per component, failure counts (rewards brought in,
+    environments), episode figures (multi-turn; their warnings printed once; their event
+    counters counted at a round's first iteration only: grpo.num_iterations > 1 trains the same
+    episodes again, rlbatch.train.episodes.episode_metrics) and the teacher's (distillation)."""
     from rlbatch.grpo.distill import distill_metrics, sample_sums
     from rlbatch.grpo.rewards import brought_kinds, run_component_names
     from rlbatch.train.episodes import check_env_errors, episode_metrics
@@ -236,14 +238,14 @@ def make_batch_figures(
     )
     warned: set[str] = set()
 
-    def figures(samples: list[Sample], step: int) -> dict[str, Any]:
-        episodes = episode_metrics(samples, world) if multi_turn(cfg.env) else {}
+    def figures(samples: list[Sample], step: int, iteration: int = 0) -> dict[str, Any]:
+        episodes = episode_metrics(samples, world, iteration) if multi_turn(cfg.env) else {}
         distill = {}
         if distill_on(cfg):  # in-process or served teacher
             sums = world.all_reduce_sum(sample_sums(trained_samples(samples)))
             distill = distill_metrics(sums, cfg.parallel.dp)
         failures = failure_counts(samples, world) if count_failures else {}
-        if episodes:
+        if episodes and iteration == 0:  # a later iteration trains the episodes checked then
             _warn_env(check_env_errors(episodes, samples, cfg.env, step), rank, warned)
         return {**reward_means(samples, names, world), **failures, **episodes, **distill}
 

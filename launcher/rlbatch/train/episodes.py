@@ -44,8 +44,18 @@ _SUMS = (
 )  # fmt: skip
 
 
-def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
-    """The episode metrics of the step's samples over every DP rank (two collectives)."""
+EVENTS = (
+    "env_seconds", "episodes_truncated", "env_errors", "observations_cut", "env_episodes",
+    "episode_splits", "episode_branches", "episode_late_calls", "env_error_groups_untrained",
+)  # fmt: skip
+"""The metrics that count what happened while episodes ran: with grpo.num_iterations > 1 a
+round's samples are trained once per iteration, and these are counted on the steps of the
+first iteration only (0 on the others), so that summed over steps each episode counts once."""
+
+
+def episode_metrics(samples: Sequence[Sample], dist: Any, iteration: int = 0) -> dict[str, float]:
+    """The episode metrics of the step's samples over every DP rank (two collectives);
+    ``iteration`` > 0 (the round's samples trained again): :data:`EVENTS` are 0."""
     local = dict.fromkeys(_SUMS, 0.0)
     turns_max = 0
     for s in samples:
@@ -65,7 +75,7 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
     local["groups_untrained"] = float(groups_untrained(samples))
     total = dict(zip(_SUMS, dist.all_reduce_sum([local[k] for k in _SUMS]), strict=True))
     n = max(total["samples"], 1.0)
-    return {
+    metrics = {
         "turns_mean": total["turns"] / n,
         "turns_max": float(max(dist.all_gather_object(turns_max))),
         "env_seconds": total["env_seconds"],
@@ -79,6 +89,9 @@ def episode_metrics(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
         "episode_late_calls": total["late_calls"],
         "env_error_groups_untrained": total["groups_untrained"],
     }
+    if iteration > 0:
+        metrics.update(dict.fromkeys(EVENTS, 0.0))
+    return metrics
 
 
 def groups_untrained(rows: Sequence[Sample]) -> int:

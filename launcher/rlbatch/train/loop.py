@@ -47,9 +47,11 @@ from rlbatch.train.producer import StepBatch, oldest_version
 from rlbatch.train.saving import resume, run_dir, save
 from rlbatch.train.staleness import (
     ROLLOUT_COUNTERS,
+    ROUND_EVENTS,
     rollout_metrics,
     staleness_metrics,
     staleness_sums,
+    step_figures,
 )
 
 log = logging.getLogger("rlbatch.train")
@@ -148,22 +150,6 @@ def train(cfg: RunConfig, comps: Components) -> list[dict[str, Any]]:
         watchdog.stop()
         logger.close()
     return logger.history
-
-
-def _warn_untrained_restarts(cfg: RunConfig, producer: Any) -> None:
-    """Rounds generated ahead for steps past trainer.max_steps are not trained by this run, so
-    their rollout/* figures reach no step record: name the server restarts among them."""
-    ahead = list(getattr(producer, "queue", []))
-    restarts = sum(r.filter_metrics.get("rollout/server_restarts", 0.0) for r in ahead)
-    if restarts:
-        log.warning(
-            "%d rollout server restart(s) happened while generating round(s) %s ahead for steps"
-            " past trainer.max_steps=%d: a round's rollout/* figures are reported with the step"
-            " that trains it, so metrics.jsonl does not count them",
-            restarts,
-            [r.round_index for r in ahead],
-            cfg.trainer.max_steps,
-        )
 
 
 def _eval_due(cfg: RunConfig, comps: Components, step: int) -> bool:
@@ -268,8 +254,12 @@ def _one_step(cfg: RunConfig, comps: Components, heartbeat: Heartbeat, step: int
         check_finite(metrics, step=step, rank=rank)
     heartbeat.beat(step, "metrics")
     took = time.perf_counter() - start_time
+    # the run's last step also reports what the rounds generated ahead for steps past
+    # trainer.max_steps counted (a server restart seen while generating them), which no step of
+    # this run trains
+    ahead = comps.producer.take_ahead_events(ROUND_EVENTS) if step == cfg.trainer.max_steps else {}
     return _record(
-        comps, step, batch, metrics, took, reward_weight(cfg), float(cfg.grpo.distill.coef)
+        comps, step, batch, metrics, took, reward_weight(cfg), float(cfg.grpo.distill.coef), ahead
     )
 
 
@@ -303,10 +293,12 @@ def _record(
     step_time: float,
     reward_coef: float = 1.0,
     coef: float = 1.0,
+    ahead: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The step's record; advantage_zero_frac counts samples whose combined advantage
     (reward_coef * A + the per-token teacher advantage, coef * D_t) is 0 everywhere (D_t within
-    rlbatch.grpo.distill.ZERO_TOLERANCE)."""
+    rlbatch.grpo.distill.ZERO_TOLERANCE); ``ahead``: rollout/* events of rounds generated
+    past trainer.max_steps (the last step's, rlbatch.train.staleness.step_figures)."""
     local = [0.0] * 7
     for s in batch.samples:
         local[0] += 1
@@ -316,7 +308,7 @@ def _record(
         local[4] += batch.round_start_version - oldest_version(s)
         local[5] += sum(p.length for p in (s, *s.earlier_segments))  # every trained sample
         local[6] += float(zero_advantage(s, reward_coef, coef))
-    figures = dict(batch.filter_metrics)
+    figures = step_figures(batch, ahead)
     reported = [float(k in figures) for k in ROLLOUT_COUNTERS]  # present, even when 0
     rollout = [float(figures.pop(k, 0.0)) for k in ROLLOUT_COUNTERS]
     staleness = staleness_sums(batch)
@@ -369,7 +361,6 @@ def _record(
 
 
 def _finish(cfg: RunConfig, comps: Components, logger: MetricsLogger) -> None:
-    _warn_untrained_restarts(cfg, comps.producer)
     if cfg.trainer.checkpoint.export_hf and comps.export_hf is not None:
         comps.export_hf(run_dir(cfg) / "hf")
     if comps.dist.rank != 0:

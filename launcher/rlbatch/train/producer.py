@@ -316,6 +316,21 @@ class RunAheadProducer:
             slice_index=slice_index,
         )
 
+    def take_ahead_events(self, keys: tuple[str, ...]) -> dict[str, float]:
+        """The counters ``keys`` of the rounds generated and not yet started (at the run's last
+        step: rounds for steps past trainer.max_steps), summed and taken from them (set to 0 in
+        the queue), so the last step reports them and a run resumed from its checkpoint with
+        more steps, which trains those rounds, does not count them again."""
+        if self._thread is not None:
+            self._thread.quiesce()
+        taken: dict[str, float] = {}
+        for queued in self.queue:
+            for key in keys:
+                if key in queued.filter_metrics:
+                    taken[key] = taken.get(key, 0.0) + queued.filter_metrics[key]
+                    queued.filter_metrics[key] = 0.0
+        return taken
+
     def queued_versions(self) -> list[tuple[int, int]]:
         """(round, policy version) of every generated round not yet started."""
         if self._thread is not None:

@@ -49,6 +49,30 @@ ROLLOUT_COUNTERS = (
 )
 """A round's rank-local counters (GeneratedRound.filter_metrics), summed over ranks."""
 
+ROUND_EVENTS = (
+    "rollout/busy_slot_steps",
+    "rollout/slot_steps",
+    "rollout/server_resubmits",
+    "rollout/server_restarts",
+)
+"""The counters of things that happened once while a round was generated: a step reports them
+on its round's first step only (:func:`step_figures`); the round's ratios and gauges
+(slot occupancy, weight_sync_s, servers_alive, kv_cache_age, ...) on every step of it."""
+
+
+def step_figures(batch: Any, ahead: dict[str, float] | None = None) -> dict[str, float]:
+    """The round's figures as step ``batch.step`` reports them: its :data:`ROUND_EVENTS` on the
+    round's first step, 0 on the round's later steps (a round trained over several steps,
+    grpo.steps_per_generation or num_iterations > 1, counts each event once), plus ``ahead``:
+    the events of rounds generated for steps past trainer.max_steps, which the run's last step
+    reports (RunAheadProducer.take_ahead_events)."""
+    figures = dict(batch.filter_metrics)
+    if not batch.new_round:
+        figures.update({k: 0.0 for k in ROUND_EVENTS if k in figures})
+    for key, value in (ahead or {}).items():
+        figures[key] = figures.get(key, 0.0) + value
+    return figures
+
 
 def staleness_sums(batch: Any) -> list[float]:
     """[n, sum x, sum y, sum xy, sum x^2, sum y^2, token staleness sum, tokens] of the step's

@@ -384,3 +384,33 @@ def test_max_restarts_needs_on_failure_restart_and_is_not_negative():
     errors = _errors(count=1, on_failure=ServerFailure["restart"], max_restarts=-1)
     assert set(errors) == {"rollout.servers.max_restarts"}
     assert "must be >= 0" in errors["rollout.servers.max_restarts"].message
+
+
+def test_routing_applies_to_agent_harness_episodes_on_servers(capsys):
+    """rollout.servers.routing chooses the server of a harness episode's calls: least_loaded
+    without a harness (every request goes to the least loaded server anyway), or on another
+    backend, would be ignored; with a harness it composes from the command line."""
+    from rlbatch.cli.common import compose
+    from rlbatch.config.schema import ServerRouting
+
+    errors = _errors(urls=["http://a:1"], routing=ServerRouting.least_loaded)
+    assert set(errors) == {"rollout.servers.routing"}
+    assert errors["rollout.servers.routing"].value == "least_loaded"
+    assert "env.harness or env.agent.openenv_url" in errors["rollout.servers.routing"].message
+    cfg = RunConfig()
+    cfg.rollout.servers.routing = ServerRouting.least_loaded
+    other: list[ConfigError] = []
+    check_servers(cfg, other)
+    assert [e.key for e in other] == ["rollout.servers.routing"]
+    assert "rollout.backend=vllm_server" in other[0].message
+    cfg = _server_run()
+    cfg.env.harness = "h.py:run"
+    cfg.rollout.servers.routing = ServerRouting.least_loaded
+    assert "rollout.servers.routing" not in _keys(cfg)
+    base = [
+        "+recipe=grpo_qwen", "model.num_attention_heads=2", "model.num_query_groups=2",
+        "rollout.backend=vllm_server", "rollout.servers.urls=[http://a:1]",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        compose([*base, "rollout.servers.routing=random"], "t")
+    assert "is not one of: affine, least_loaded" in capsys.readouterr().err

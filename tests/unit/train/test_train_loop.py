@@ -320,28 +320,62 @@ def test_evaluation_steps_leave_training_unchanged_and_keep_the_best(tmp_path):
     ]
 
 
-def test_a_restart_in_a_round_generated_past_max_steps_is_named_at_the_end(tmp_path, caplog):
-    """With run-ahead, the last step generates the round of a step the run never trains: a
-    server restart its generation saw (its rollout/* figures) reaches no step record, so the
-    run's end names it (8 steps in rounds of 2, one round ahead: round 4 is generated at step 7
-    for steps 9-10)."""
+def _with_server_figures(comps, restarts, resubmits):
+    """generate answers with a rollout server round's figures: ``restarts`` / ``resubmits``
+    by round index (one server, alive)."""
     from rlbatch.rollout.streaming import RoundOutput
 
-    cfg = _cfg(tmp_path)
-    comps = _components(cfg)
     inner = comps.producer.generate_fn
 
     def generate(request, snapshot):
-        restarts = float(request.round_index == 4)
         out = inner(request, snapshot)
-        return RoundOutput(request, out, {"rollout/server_restarts": restarts})
+        figures = {
+            "rollout/servers_alive": 1.0, "rollout/server_pools": 1.0,
+            "rollout/kv_cache_age": 0.0,
+            "rollout/server_restarts": float(restarts.get(request.round_index, 0)),
+            "rollout/server_resubmits": float(resubmits.get(request.round_index, 0)),
+        }  # fmt: skip
+        return RoundOutput(request, out, figures)
 
     comps.producer.generate_fn = generate
-    with caplog.at_level("WARNING", logger="rlbatch.train"):
-        train(cfg, comps)
-    warned = [r.getMessage() for r in caplog.records if "rollout server restart" in r.getMessage()]
-    assert warned == [
-        "1 rollout server restart(s) happened while generating round(s) [4] ahead for steps"
-        " past trainer.max_steps=8: a round's rollout/* figures are reported with the step that"
-        " trains it, so metrics.jsonl does not count them"
-    ]
+    return comps
+
+
+RESTARTS, RESUBMITS = {1: 1, 4: 1}, {2: 3}
+
+
+def _servers(records):
+    keys = ("rollout/server_restarts", "rollout/server_resubmits", "rollout/servers_alive")
+    return {r["step"]: tuple(r[k] for k in keys) for r in records}
+
+
+def test_a_round_counts_its_server_events_once_and_the_last_step_counts_the_rounds_ahead(
+    tmp_path,
+):
+    """8 steps in rounds of 2 steps, generated one step ahead: a round's server restarts and
+    resubmits are counted on its first step only (not once per step of the round), and a
+    restart seen while generating round 4 (at step 8, for steps 9-10, which the run never
+    trains) is counted by the last step; a run resumed from its step-4 checkpoint reports the
+    same, and the finished run resumed with 2 more steps (training round 4) does not count that
+    restart again."""
+    cfg = _cfg(tmp_path / "ref")
+    train(cfg, _with_server_figures(_components(cfg), RESTARTS, RESUBMITS))
+    recs = read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    expected = {s: (0.0, 0.0, 1.0) for s in range(1, 9)}
+    expected.update({3: (1.0, 0.0, 1.0), 5: (0.0, 3.0, 1.0), 8: (1.0, 0.0, 1.0)})
+    assert _servers(recs) == expected
+    assert sum(r["rollout/server_restarts"] for r in recs) == 2  # rounds 1 and 4
+
+    run_cfg = _cfg(tmp_path / "run", fail_at_step=6, fail_kind=FailKind.raise_error)
+    with pytest.raises(InjectedFailure):
+        train(run_cfg, _with_server_figures(_components(run_cfg), RESTARTS, RESUBMITS))
+    run_cfg = _cfg(tmp_path / "run")
+    run_cfg.trainer.resume = "auto"
+    train(run_cfg, _with_server_figures(_components(run_cfg), RESTARTS, RESUBMITS))
+    assert _strip(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == _strip(recs)
+
+    cfg.trainer.resume = "auto"
+    cfg.trainer.max_steps = 10
+    train(cfg, _with_server_figures(_components(cfg), RESTARTS, RESUBMITS))
+    more = read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    assert _servers(more) == expected | {9: (0.0, 0.0, 1.0), 10: (0.0, 0.0, 1.0)}

@@ -275,3 +275,37 @@ def test_threaded_generation_error_reaches_the_training_thread():
     with pytest.raises(RuntimeError, match="generator died"):
         p.batch_for_step(1)
     p.close()
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_the_events_of_rounds_generated_ahead_are_taken_once(threaded):
+    """At the run's last step (3, one step ahead) round 3 is generated for a step the run never
+    trains: take_ahead_events waits for it (threaded: a slow generation thread), returns its
+    counters and leaves 0 in its place, so a second take (or a resumed run training it) finds
+    none; the round's other figures are left as they were."""
+    from rlbatch.rollout.streaming import RoundOutput
+
+    sched = derive_schedule(num_generations=1, global_batch_size=1, dp=1)
+
+    def generate(request, snapshot):
+        time.sleep(0.2 * threaded)
+        samples = [
+            Sample(Prompt(p, (1,), "a"), g, [5], [0.0], False, snapshot.version)
+            for p, g in zip(request.prompt_indices, request.group_ids, strict=True)
+        ]
+        figures = {"rollout/server_restarts": float(request.round_index), "rollout/kept": 1.0}
+        return RoundOutput(request, samples, figures)
+
+    p = RunAheadProducer(
+        PromptSampler(5, sched, dp_rank=0, seed=0), generate, num_steps_async=1,
+        max_staleness=1, threaded=threaded, snapshot_fn=lambda: None, timeout_s=10,
+    )  # fmt: skip
+    for step in (1, 2, 3):
+        p.batch_for_step(step)
+    keys = ("rollout/server_restarts", "rollout/absent")
+    assert p.take_ahead_events(keys) == {"rollout/server_restarts": 3.0}
+    assert p.take_ahead_events(keys) == {"rollout/server_restarts": 0.0}
+    assert [r.filter_metrics for r in p.queue] == [
+        {"rollout/server_restarts": 0.0, "rollout/kept": 1.0}
+    ]
+    p.close()

@@ -8,7 +8,8 @@ ids, log-probs of the sampled tokens; what an answer may be: rlbatch.rollout.ser
 most ``rollout.servers.max_concurrency`` in flight, each to the server with the fewest of this
 rank's requests outstanding (an agent episode's calls, env.harness: all to the server its first
 call went to, whose prefix cache holds the conversation; a new episode to the server with the
-fewest episodes); the decoded rows are broadcast to the group's other ranks, as with
+fewest episodes; rollout.servers.routing=least_loaded sends them like any other row); the
+decoded rows are broadcast to the group's other ranks, as with
 the colocated engines. Every replica thus sends its own share at the same time, with no extra
 hop through one client.
 
@@ -63,6 +64,7 @@ from typing import Any, Optional
 from rlbatch.config.schema import (
     RunConfig,
     ServerFailure,
+    ServerRouting,
     ServerUpdate,
     SyncFault,
 )
@@ -162,6 +164,9 @@ class ServerBackend:
         # rollouts only: a whole-round run has no row to continue)
         keep = ServerUpdate(cfg.rollout.servers.on_update) == ServerUpdate.keep
         self.drops_cache = not (keep and cfg.grpo.partial_rollouts)
+        # rollout.servers.routing: an agent episode's calls kept on one server, or each call
+        # to the least loaded one
+        self.affine = ServerRouting(cfg.rollout.servers.routing) == ServerRouting.affine
         if self.servers.max_restarts is not None and self.leader:
             self.servers.rejoin = self._rejoin_any
 
@@ -466,7 +471,9 @@ class ServerBackend:
         episodes: Optional[Sequence[str]] = None,
     ) -> list[DecodedRow]:
         limits = [sampling.max_new_tokens] * len(seeds) if max_tokens is None else max_tokens
-        keys: Sequence[Optional[str]] = [None] * len(seeds) if episodes is None else episodes
+        keys: Sequence[Optional[str]] = [None] * len(seeds)
+        if episodes is not None and self.affine:  # rollout.servers.routing
+            keys = episodes
         futures = [
             self.servers.pool.submit(self._balanced, list(ids), seed, sampling, limit, key)
             for ids, seed, limit, key in zip(prompt_ids, seeds, limits, keys, strict=True)
