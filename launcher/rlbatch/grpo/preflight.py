@@ -50,7 +50,7 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     errors += tokenizer_errors(cfg.model)
     errors += teacher_errors(cfg)
     errors += served_teacher_errors(cfg)
-    fields = _check_dataset(cfg, errors)
+    fields = _check_dataset(cfg, errors) if _check_verifiers(cfg, errors) else None
     warnings: list[str] = []
     if not pure_distillation(cfg):  # pure distillation loads and calls no reward function
         _check_rewards(cfg.data, fields, errors)
@@ -192,6 +192,25 @@ def _check_openenv(cfg: RunConfig, errors: list[ConfigError]) -> None:
         errors.append(ConfigError("env.agent.openenv_action", None, problem))
 
 
+def _check_verifiers(cfg: RunConfig, errors: list[ConfigError]) -> bool:
+    """env.agent.verifiers: verifiers and openai installed, the environment loadable as this
+    run plays it (one seat, a chat-loop harness, a finite taskset with tasks), this interpreter
+    able to run verifiers' chat program (rlbatch.rollout.agent.verifiers_env.check); a local
+    path is made absolute for the workers. False when it cannot run (its dataset is not read
+    then)."""
+    if not cfg.env.agent.verifiers:
+        return True
+    spec = str(cfg.env.agent.verifiers)
+    from rlbatch.rollout.agent import verifiers_env
+
+    path = Path(spec).expanduser()
+    if path.exists() and (spec.endswith(".py") or "/" in spec or spec.startswith(".")):
+        cfg.env.agent.verifiers = spec = str(path.resolve())
+    problems = verifiers_env.check(spec)
+    errors += [ConfigError("env.agent.verifiers", spec, p) for p in problems]
+    return not problems
+
+
 def _check_environment(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """env.path: importable, reset / step present, constructible with env.kwargs (the same
     loader as reward functions); a relative file path is made absolute for the workers."""
@@ -306,16 +325,20 @@ def _check_dataset(
         row_position,
     )
 
+    verifiers = cfg.env.agent.verifiers if data is None else None  # its tasks are the rows
     data = cfg.data if data is None else data
-    if data.source == DataSource.builtin and data.num_prompts <= 0:
+    if verifiers:
+        pass
+    elif data.source == DataSource.builtin and data.num_prompts <= 0:
         return None  # the data.num_prompts rule reports it
-    if data.source != DataSource.builtin and not _path_exists(data):
+    elif data.source != DataSource.builtin and not _path_exists(data):
         return None  # the data.path rule of rlbatch.config.validate reports it
     try:
         examples, problems = read_examples(
             data,
             cfg.trainer.seed if seed is None else seed,
             need_answer=key != "data.path" or not pure_distillation(cfg),
+            verifiers=verifiers,
         )
     except ValueError as err:
         errors.append(ConfigError(key, data.path, str(err)))
@@ -325,9 +348,12 @@ def _check_dataset(
     if tokenizer is not None and chat_ok:
         problems += prompt_length_problems(data, tokenizer, examples)[1]
         problems.sort(key=lambda p: row_position(p.where))
-    if problems:
-        where = data.path if data.source != DataSource.builtin else f"data.task={data.task.name}"
-        errors.append(ConfigError(key, data.path, describe_problems(where, problems)))
+    if problems and verifiers:
+        where = f"the taskset of env.agent.verifiers={verifiers}"
+        errors.append(ConfigError("env.agent.verifiers", verifiers, describe_problems(where, problems)))  # fmt: skip
+    elif problems:
+        at = data.path if data.source != DataSource.builtin else f"data.task={data.task.name}"
+        errors.append(ConfigError(key, data.path, describe_problems(at, problems)))
     if not examples:
         return None
     common = set(examples[0].fields)
