@@ -19,12 +19,16 @@ What runs here and why:
   Prime's sandboxes, is remote and paid), one seat per environment (a second seat's calls would
   reach the policy's endpoint and be trained).
 - verifiers runs the model side of an episode as a PEP 723 chat program that it installs with
-  ``uv`` at run time (downloading its dependencies). Its dependencies are verifiers' own
-  (openai, mcp, httpx, httpx2, tenacity, certifi), installed with the verifiers extra, so
-  :func:`prepare_chat_program` hands verifiers' runtime this interpreter for that program
-  (the entry of its cache of prepared scripts): nothing is installed or downloaded while
-  training, and the program is verifiers' own, run as verifiers runs it. Harnesses whose
-  program is another one (an agent CLI, a container) are refused before launch.
+  ``uv`` at run time (downloading its dependencies) and starts as a process per harness
+  segment. Its dependencies are verifiers' own (openai, mcp, httpx, httpx2, tenacity,
+  certifi), installed with the verifiers extra, so :func:`prepare_chat_program` hands
+  verifiers' runtime this interpreter for that program (the entry of its cache of prepared
+  scripts): nothing is installed or downloaded while training. :func:`run_chat_in_process`
+  then has the runtime run the program's own code, with verifiers' arguments, on this process's
+  event loop instead of starting a process for each segment (1.3 s of CPU for its imports,
+  most of a CPU run's time); a program with tools that run on this machine (``bash``) still
+  runs as a process. Harnesses whose program is another one (an agent CLI, a container) are
+  refused before launch.
 - A taskset without a harness of its own plays verifiers' tool-less chat loop (``null``), not
   ``bash`` as ``vf eval`` would: the program runs on this machine, and ``bash`` would run the
   policy's shell commands here. Tools come from the taskset's tool servers (MCP), which the
@@ -34,6 +38,7 @@ What runs here and why:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -174,7 +179,7 @@ def program_problem() -> Optional[str]:
     return None
 
 
-def prepare_chat_program() -> None:
+def prepare_chat_program() -> Path:
     """Hand verifiers' subprocess runtime this interpreter for its chat program: write the
     program where the runtime keeps prepared scripts (``<scripts_dir>/<sha256>.py``, the path
     it derives from the program's text) and enter this interpreter in its cache of prepared
@@ -190,6 +195,90 @@ def prepare_chat_program() -> None:
         tmp.write_bytes(data)
         tmp.replace(path)
     SubprocessRuntime._interpreters[str(path)] = sys.executable
+    return path
+
+
+LOCAL_TOOLS = ("--bash", "--edit", "--search")
+"""The chat program's flags that run tools on this machine (the ``bash`` harness): such a
+program runs as verifiers runs it, a process in the runtime's folder."""
+_ARGV: contextvars.ContextVar[list[str]] = contextvars.ContextVar("rlbatch_vf_argv")
+_PROGRAM: dict[str, Any] = {}
+
+
+def _program() -> dict[str, Any]:
+    """The chat program's namespace, executed once in this process (its ``__main__`` guard not
+    run), its ``argparse`` reading each run's arguments (:data:`_ARGV`) rather than sys.argv."""
+    if not _PROGRAM:
+        import argparse
+        import types
+
+        from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+
+        class Parser(argparse.ArgumentParser):
+            def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+                return super().parse_args(_ARGV.get() if args is None else args, namespace)
+
+        namespace: dict[str, Any] = {"__name__": "verifiers_chat_program"}
+        exec(compile(CHAT_PROGRAM_SOURCE, "verifiers_chat_program", "exec"), namespace)  # noqa: S102
+        shim = types.ModuleType("argparse")
+        shim.__dict__.update(vars(argparse))
+        shim.ArgumentParser = Parser  # type: ignore[attr-defined]
+        namespace["argparse"] = shim
+        _PROGRAM.update(namespace)
+    return _PROGRAM
+
+
+async def run_in_process(args: list[str], folder: Optional[Path]) -> Any:
+    """verifiers' chat program run with ``args`` on this event loop: its ``main()``, its
+    relative file arguments read from the runtime's ``folder``; its ProgramResult (0; its own
+    exit code; 1 and the traceback when it raises)."""
+    import traceback
+
+    from verifiers.v1.runtimes import ProgramResult
+
+    flag = "--initial-messages-file="
+    if folder is not None:
+        args = [
+            f"{flag}{folder / a[len(flag) :]}"
+            if a.startswith(flag) and not Path(a[len(flag) :]).is_absolute()
+            else a  # fmt: skip
+            for a in args
+        ]
+    main = _program()["main"]
+    token = _ARGV.set(args)
+    try:
+        await main()
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+        return ProgramResult(code, "", traceback.format_exc() if code else "")
+    except Exception:  # noqa: BLE001 - the program's failure is its result, as a process's is
+        return ProgramResult(1, "", traceback.format_exc())
+    finally:
+        _ARGV.reset(token)
+    return ProgramResult(0, "", "")
+
+
+def run_chat_in_process(path: Path) -> None:
+    """Make verifiers' subprocess runtime run the chat program at ``path`` in this process
+    (:func:`run_in_process`) instead of starting it as a process, unless its arguments ask for
+    tools that run on this machine (:data:`LOCAL_TOOLS`) or its harness sets program variables:
+    those run as a process, as verifiers runs them."""
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    original = SubprocessRuntime.run_program
+    if getattr(original, "rlbatch_in_process", None) == str(path):
+        return
+    program = str(path)
+
+    async def run_program(self: Any, argv: list[str], env: dict[str, str]) -> Any:
+        if program in argv and not env:
+            args = argv[argv.index(program) + 1 :]
+            if not any(a.split("=", 1)[0] in LOCAL_TOOLS for a in args):
+                return await run_in_process(args, self.workdir)
+        return await original(self, argv, env)
+
+    run_program.rlbatch_in_process = program  # type: ignore[attr-defined]
+    SubprocessRuntime.run_program = run_program  # type: ignore[method-assign]
 
 
 def check(spec: str) -> list[str]:
@@ -261,7 +350,7 @@ class VerifiersHarness:
         problem = program_problem()
         if problem:  # the pre-launch check says so first
             raise VerifiersError(problem)
-        prepare_chat_program()
+        run_chat_in_process(prepare_chat_program())
         for name in ("verifiers", "aiohttp.access"):  # per-rollout lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self._loops: dict[Any, tuple[asyncio.Lock, list[Any]]] = {}
