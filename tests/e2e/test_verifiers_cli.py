@@ -6,8 +6,7 @@ endpoint's records), the reward is the environment's own scoring recomputed here
 replies the policy sampled, each reward is logged, the taskset's tasks are the rows, the second
 turn is spliced onto the first. verifiers' chat program runs with this interpreter: a `uv` first
 on PATH that marks its use is never called. Before launch: what does not combine with
-env.agent.verifiers (every error at once), an environment with two agent seats, a harness
-whose program verifiers installs at run time."""
+env.agent.verifiers, every error at once with an environment's own (two agent seats)."""
 
 from __future__ import annotations
 
@@ -111,23 +110,6 @@ class Pair(vf.Env[PairConfig]):
 __all__ = ["Tasks", "Pair"]
 """
 
-OWN_HARNESS = """
-import verifiers.v1 as vf
-
-
-class Tasks(vf.Taskset[vf.Task]):
-    def load(self):
-        yield vf.Task(vf.TaskData(prompt="hi"))
-
-
-class Cli(vf.Harness):
-    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
-        raise NotImplementedError
-
-
-__all__ = ["Tasks", "Cli"]
-"""
-
 RUN = ("data.path=null", "data.reward=none", "rollout.max_new_tokens=8", "grpo.num_generations=2",
        "grpo.global_batch_size=8", "logging.samples=true")  # fmt: skip
 
@@ -137,7 +119,7 @@ def tmp(tmp_path_factory, subprocess_env):
     """The environments' files, and the runs' environment: a `uv` first on PATH that writes
     uv_called when run (verifiers would run it to install its chat program)."""
     tmp = tmp_path_factory.mktemp("verifiers")
-    for name, text in (("sums", SUMS), ("turns", TURNS), ("seats", SEATS), ("cli", OWN_HARNESS)):
+    for name, text in (("sums", SUMS), ("turns", TURNS), ("seats", SEATS)):
         (tmp / f"{name}.py").write_text(text)
     (tmp / "bin").mkdir()
     (tmp / "bin" / "uv").write_text(f"#!/bin/sh\ntouch {tmp / 'uv_called'}\nexit 1\n")
@@ -235,8 +217,9 @@ def test_a_multi_turn_environment_splices_its_turns(multi_run):
 
 
 def test_configuration_errors_before_launch(tmp, bin_dir):
-    """What does not combine, all at once with the environment's own problem (two seats); then
-    a harness whose program verifiers would install at run time."""
+    """What does not combine with env.agent.verifiers, all at once with the environment's own
+    problem (two agent seats); nothing runs. The other environments refused before launch:
+    tests/unit/rollout/test_verifiers_env.py."""
     tmp, env = tmp
     proc = _run(bin_dir, env, tmp, "env.agent.verifiers=seats.py", "env.harness=h.py:run",
                 "eval.every_steps=1", "data.reward=task")  # fmt: skip
@@ -246,7 +229,3 @@ def test_configuration_errors_before_launch(tmp, bin_dir):
                    "set data.reward=none", "has 2 agent seats (agent, judge)"):  # fmt: skip
         assert needle in out, (needle, out[-3000:])
     assert "Nothing was run" in out
-    proc = _run(bin_dir, env, tmp, *RUN, "env.agent.verifiers=cli.py")
-    out = " ".join((proc.stdout + proc.stderr).split())
-    assert proc.returncode != 0 and "plays the harness 'cli'" in out, out[-3000:]
-    assert "installs at run time" in out and "Nothing was run" in out
