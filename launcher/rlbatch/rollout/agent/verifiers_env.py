@@ -71,9 +71,9 @@ def module_id(spec: str) -> str:
     directory its name, its folder put on ``sys.path`` (and on PYTHONPATH, for the tool servers
     verifiers starts as ``python -m``)."""
     path = Path(spec).expanduser()
-    local = spec.endswith(".py") or os.sep in spec or spec.startswith(".")
-    if not local:
-        return spec
+    explicit = spec.endswith(".py") or spec.startswith((".", "/", "~"))
+    if not explicit and not ("/" in spec and path.exists()):
+        return spec  # an id (a hub id's owner/name@version too)
     if not path.exists():
         raise VerifiersError(f"{spec} does not exist: give an installed environment's id or a local .py file or package directory")  # fmt: skip
     path = path.resolve()
@@ -134,7 +134,7 @@ def load_environment(spec: str) -> Any:
                 f"its seat {name!r} plays the harness {harness.id!r}, whose program verifiers"
                 " installs at run time (uv, a container): rlbatch runs verifiers' chat-loop"
                 f" harnesses ({', '.join(CHAT_HARNESSES)}) with this interpreter; export"
-                " NullHarness from the taskset's module, or pin the seat's harness to null"
+                " none (the seat plays null) or NullHarness from the taskset's module"
             )
     return env
 
