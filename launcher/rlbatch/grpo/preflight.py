@@ -55,7 +55,12 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     if not pure_distillation(cfg):  # pure distillation loads and calls no reward function
         _check_rewards(cfg.data, fields, errors)
         check_brought_rewards(
-            cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer, warnings=warnings
+            cfg.data,
+            cfg.trainer.seed,
+            errors,
+            infer=cfg.batching.infer,
+            warnings=warnings,
+            verifiers=cfg.env.agent.verifiers,  # a taskset that cannot load: rows=None
         )
     _check_environment(cfg, errors)
     if eval_enabled(cfg):
@@ -467,11 +472,13 @@ def check_brought_rewards(
     infer: BatchingPassConfig | None = None,
     rows: DatasetRows | None = None,
     warnings: list[str] | None = None,
+    verifiers: str | None = None,
 ) -> None:
     """The brought kinds among the rewards (code_exec, http, judge, reward_model): each one's
     check (rlbatch.rewards.kinds.CHECKS) over the rows of ``data``'s dataset, whose file is
     config key ``key`` (data.path, or eval.data.path for the held-out set), or over ``rows``
-    when given (rlbatch-score's input: the dataset is not read then); with ``infer``
+    when given (rlbatch-score's input: the dataset is not read then), or over the tasks of
+    ``verifiers`` (env.agent.verifiers: its taskset is the dataset); with ``infer``
     (batching.infer), the reward model's longest text against that budget; with ``warnings``,
     code_exec's stub check over a sample of the rows (rlbatch.rewards.kinds.stub_warnings)."""
     from rlbatch.grpo.rewards import brought_kinds
@@ -484,11 +491,11 @@ def check_brought_rewards(
         from rlbatch.rewards.reward_model import budget_errors
 
         errors += budget_errors(data.reward_model_batching, infer)
-    if rows is None and (data.source == DataSource.builtin or _path_exists(data)):
+    if rows is None and (verifiers or data.source == DataSource.builtin or _path_exists(data)):
         from rlbatch.grpo.data import read_examples
 
         try:
-            examples, _ = read_examples(data, seed)
+            examples, _ = read_examples(data, seed, verifiers=verifiers)
             fields = [
                 {**ex.fields, data.prompt_key: ex.prompt, data.answer_key: ex.answer}
                 for ex in examples
