@@ -354,6 +354,9 @@ class VerifiersHarness:
         for name in ("verifiers", "aiohttp.access"):  # per-rollout lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self._loops: dict[Any, tuple[asyncio.Lock, list[Any]]] = {}
+        self._users: dict[str, int] = {}
+        """Episodes running per endpoint (each rlbatch episode has its own address; a client
+        shared by several is closed after the last)."""
 
     async def _env(self) -> Any:
         """This event loop's environment, serving (its interception server, the taskset's shared
@@ -383,13 +386,18 @@ class VerifiersHarness:
         env = await self._env()
         os.environ[TOKEN_VAR] = client.api_key
         endpoint = vf.EvalClientConfig(base_url=str(client.base_url), api_key_var=TOKEN_VAR)
+        key = endpoint.model_dump_json()
+        self._users[key] = self._users.get(key, 0) + 1
         try:
             episode = await env.run_episode(task, vf.ModelContext(model=model, client=endpoint))
-        finally:  # the interception server keeps a client per endpoint: this one's is done
-            server = getattr(env, "_interception", None)
-            kept = getattr(server, "clients", {}).pop(endpoint.model_dump_json(), None)
-            if kept is not None:
-                await kept.close()
+        finally:  # the interception server keeps a client per endpoint: close it after its last
+            self._users[key] -= 1
+            if not self._users[key]:
+                del self._users[key]
+                server = getattr(env, "_interception", None)
+                kept = getattr(server, "clients", {}).pop(key, None)
+                if kept is not None:
+                    await kept.close()
         return episode_result(episode)
 
 
