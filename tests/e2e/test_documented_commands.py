@@ -67,7 +67,7 @@ def _stand_ins(overrides: list[str], cwd: Path) -> list[str]:
     """Overrides with what this machine lacks stood in for:
 
     - a dataset file (``data.path``, ``eval.data.path``, ``plan.lengths``, ``score.input``) that
-      is not here: a small file of the same kind in the working directory;
+      is not here: a small file of the same kind in the working directory (``null`` stays);
     - ``model.hf_path`` of a checkpoint or hub id that is not here: left out (the preset's
       architecture is validated instead of the checkpoint's);
     - a distillation teacher (``grpo.distill.teacher``) that is not here: a tiny random one
@@ -84,7 +84,7 @@ def _stand_ins(overrides: list[str], cwd: Path) -> list[str]:
             continue
         if key.startswith(("hydra/", "hydra.")):
             continue
-        if key in ("data.path", "eval.data.path", "score.input") and not Path(value).exists():
+        if key in ("data.path", "eval.data.path", "score.input") and value != "null" and not Path(value).exists():  # fmt: skip
             local = cwd / Path(value).name
             shutil.copy(SAMPLE, local)
             value = str(local)

@@ -67,6 +67,15 @@ def _checks(source: Optional[Path], args: argparse.Namespace, picked: dict[str, 
             )
         elif args.step is not None or args.best:
             errors.append(ConfigError("--step/--best", True, "need a run directory"))
+        if cfg.env.agent.verifiers:  # its tasks are the training rows: none are held out
+            errors.append(
+                ConfigError(
+                    "env.agent.verifiers",
+                    cfg.env.agent.verifiers,
+                    "rlbatch-eval does not run verifiers environments yet: set"
+                    " env.agent.verifiers=null to evaluate on eval.data",
+                )
+            )
         check_eval_inputs(cfg, errors)
         check_rollout_servers(cfg, errors)
         return errors, []

@@ -11,7 +11,7 @@ process's), and no partial-rollout stream. Each refusal names its fix.
 
 from __future__ import annotations
 
-from rlbatch.config.enums import ChatTemplate, RolloutBackend
+from rlbatch.config.enums import ChatTemplate, RewardKind, RolloutBackend
 from rlbatch.config.env import harness_key, harness_spec
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import RunConfig
@@ -24,17 +24,22 @@ SERVED_BY = (RolloutBackend.megatron, RolloutBackend.vllm_server)
 def check_agent(cfg: RunConfig, errors: list[ConfigError]) -> None:
     env = cfg.env
     _check_openenv_keys(cfg, errors)
+    _check_verifiers_keys(cfg, errors)
     if not harness_spec(env):
         return
     key = harness_key(env)
-    spec = env.harness if key == "env.harness" else env.agent.openenv_url
+    spec, what = {
+        "env.harness": (env.harness, "a harness"),
+        "env.agent.openenv_url": (env.agent.openenv_url, "the OpenEnv environment"),
+        "env.agent.verifiers": (env.agent.verifiers, "the verifiers environment"),
+    }[key]
     if env.path:
         errors.append(
             ConfigError(
                 "env.path",
                 env.path,
                 f"and {key}={spec} are two ways to run episodes: set one of them (env.path=null"
-                f" for {'a harness' if key == 'env.harness' else 'the OpenEnv environment'})",
+                f" for {what})",
             )
         )
     if ChatTemplate(cfg.data.chat_template) == ChatTemplate.none:
@@ -98,6 +103,53 @@ def _check_openenv_keys(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 agent.openenv_action,
                 "turns replies into an OpenEnv environment's actions, and env.agent.openenv_url"
                 " is not set: set it, or env.agent.openenv_action=null",
+            )
+        )
+
+
+def _check_verifiers_keys(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """env.agent.verifiers is a harness of its own (exclusive with env.harness and
+    env.agent.openenv_url), its taskset is the dataset (data.path is not read), and its tasks
+    are not split into held-out rows (evaluation during training is refused)."""
+    name = cfg.env.agent.verifiers
+    if not name:
+        return
+    for key, value in (("env.harness", cfg.env.harness), ("env.agent.openenv_url", cfg.env.agent.openenv_url)):  # fmt: skip
+        if value:
+            errors.append(
+                ConfigError(
+                    "env.agent.verifiers",
+                    name,
+                    f"and {key}={value} are two ways to run episodes (the verifiers"
+                    " environment's episodes run through a built-in harness): set one of them",
+                )
+            )
+    if cfg.data.path is not None:
+        errors.append(
+            ConfigError(
+                "data.path",
+                cfg.data.path,
+                f"is not read with env.agent.verifiers={name}: the environment's taskset is the"
+                " dataset; set data.path=null",
+            )
+        )
+    if RewardKind(cfg.data.reward) == RewardKind.task and not cfg.data.reward_fn:
+        errors.append(
+            ConfigError(
+                "data.reward",
+                "task",
+                f"is the built-in task's reward, and env.agent.verifiers={name}'s tasks are the"
+                " rows: set data.reward=none (the environment's rewards alone) or a reward that"
+                " reads the rows",
+            )
+        )
+    if cfg.eval.every_steps > 0:
+        errors.append(
+            ConfigError(
+                "eval.every_steps",
+                cfg.eval.every_steps,
+                f"evaluation does not run verifiers environments yet (env.agent.verifiers={name}):"
+                " set eval.every_steps=0",
             )
         )
 

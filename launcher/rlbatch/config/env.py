@@ -56,6 +56,13 @@ class AgentConfig:
     ``module:fn``, ``fn(text, observation) -> dict`` (or the environment's Action model); null =
     the action's only required text field set to the reply (environments whose action is one
     string; any other action needs a function)."""
+    verifiers: Optional[str] = None
+    """A verifiers environment (the verifiers package, 0.4): its taskset's id (an installed
+    module, as verifiers loads it) or a local ``.py`` file or package directory. Its taskset's
+    tasks are the dataset (instead of data.source / data.path), each episode is its own rollout
+    (verifiers' Env, harness and interception) with every model call through the run's endpoint,
+    and the reward is its rewards' weighted sum (each logged). Exclusive with env.harness,
+    env.path and env.agent.openenv_url (docs/agents.md)."""
 
 
 @dataclass
@@ -111,16 +118,25 @@ def multi_turn(env: EnvConfig) -> bool:
 
 OPENENV_HARNESS = "rlbatch.rollout.agent.openenv:OpenEnvHarness"
 """What runs an episode when env.agent.openenv_url is set (its error messages name it)."""
+VERIFIERS_HARNESS = "rlbatch.rollout.agent.verifiers_env:VerifiersHarness"
+"""What runs an episode when env.agent.verifiers is set."""
 
 
 def harness_spec(env: EnvConfig) -> Optional[str]:
     """The harness episodes run through: env.harness, or the built-in OpenEnv harness when
-    env.agent.openenv_url is set (exclusive: config rules refuse both); None = no harness."""
+    env.agent.openenv_url is set, or the built-in verifiers harness when env.agent.verifiers is
+    (exclusive: config rules refuse two of them); None = no harness."""
     if env.harness:
         return env.harness
-    return OPENENV_HARNESS if env.agent.openenv_url else None
+    if env.agent.openenv_url:
+        return OPENENV_HARNESS
+    return VERIFIERS_HARNESS if env.agent.verifiers else None
 
 
 def harness_key(env: EnvConfig) -> str:
     """The key that turned harness episodes on (for error messages and their fixes)."""
-    return "env.harness" if env.harness or not env.agent.openenv_url else "env.agent.openenv_url"
+    if env.harness:
+        return "env.harness"
+    if env.agent.openenv_url:
+        return "env.agent.openenv_url"
+    return "env.agent.verifiers" if env.agent.verifiers else "env.harness"

@@ -94,8 +94,8 @@ def _check_numbers(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:
     data, own = eval_data(cfg), cfg.eval.data
-    if data.source == DataSource.builtin:
-        return
+    if data.source == DataSource.builtin or cfg.env.agent.verifiers:
+        return  # env.agent.verifiers: refused with evaluation (rlbatch.config.agent_rules)
     key = "eval.data.path" if own.path is not None else "data.path"
     if eval_enabled(cfg) and own.path is None:
         errors.append(

@@ -395,7 +395,8 @@ def _check_env(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def _check_data(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    if cfg.data.source != DataSource.builtin:
+    # env.agent.verifiers: its taskset is the dataset, data.source is not read
+    if cfg.data.source != DataSource.builtin and not cfg.env.agent.verifiers:
         if not cfg.data.path:
             errors.append(
                 ConfigError(

@@ -71,10 +71,23 @@ def describe_problems(path: str | None, problems: list[RowProblem]) -> str:
 
 
 def read_examples(
-    cfg: DataConfig, seed: int, *, need_answer: bool = True
+    cfg: DataConfig, seed: int, *, need_answer: bool = True, verifiers: str | None = None
 ) -> tuple[list[RawExample], list[RowProblem]]:
     """The dataset's good rows in file order and every bad row (built-in: generated). Without
-    ``need_answer`` (pure distillation: no reward) a row without data.answer_key has answer ""."""
+    ``need_answer`` (pure distillation: no reward) a row without data.answer_key has answer "".
+    ``verifiers`` (env.agent.verifiers): the rows are that environment's tasks instead
+    (rlbatch.rollout.agent.verifiers_env.taskset_rows; ValueError when it cannot load)."""
+    if verifiers:
+        from rlbatch.rollout.agent.verifiers_env import VerifiersError, taskset_rows
+
+        try:
+            tasks = taskset_rows(verifiers)
+        except VerifiersError as err:
+            raise ValueError(f"env.agent.verifiers={verifiers}: {err}") from err
+        return [
+            RawExample(prompt, answer, fields, where=f"task {fields['verifiers_task']}")
+            for prompt, answer, fields in tasks
+        ], []
     source = DataSource(cfg.source)
     if source == DataSource.builtin:
         return [
@@ -110,9 +123,12 @@ def read_examples(
     return examples, problems
 
 
-def load_examples(cfg: DataConfig, seed: int, *, need_answer: bool = True) -> list[RawExample]:
-    """The dataset's rows in file order; DatasetError listing every bad row."""
-    examples, problems = read_examples(cfg, seed, need_answer=need_answer)
+def load_examples(
+    cfg: DataConfig, seed: int, *, need_answer: bool = True, verifiers: str | None = None
+) -> list[RawExample]:
+    """The dataset's rows in file order (``verifiers``: read_examples); DatasetError listing
+    every bad row."""
+    examples, problems = read_examples(cfg, seed, need_answer=need_answer, verifiers=verifiers)
     if problems:
         raise DatasetError(cfg.path, problems)
     return examples
@@ -286,7 +302,14 @@ def build_prompts(
 
 
 def load_prompts(
-    cfg: DataConfig, tokenizer: TextTokenizer, seed: int, *, need_answer: bool = True
+    cfg: DataConfig,
+    tokenizer: TextTokenizer,
+    seed: int,
+    *,
+    need_answer: bool = True,
+    verifiers: str | None = None,
 ) -> list[Prompt]:
-    """The tokenized prompt dataset ``data.*`` describes (``need_answer``: read_examples)."""
-    return build_prompts(cfg, tokenizer, load_examples(cfg, seed, need_answer=need_answer))
+    """The tokenized prompt dataset ``data.*`` describes (``need_answer``, ``verifiers``:
+    read_examples)."""
+    examples = load_examples(cfg, seed, need_answer=need_answer, verifiers=verifiers)
+    return build_prompts(cfg, tokenizer, examples)

@@ -50,12 +50,17 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     errors += tokenizer_errors(cfg.model)
     errors += teacher_errors(cfg)
     errors += served_teacher_errors(cfg)
-    fields = _check_dataset(cfg, errors)
+    fields = _check_dataset(cfg, errors) if _check_verifiers(cfg, errors) else None
     warnings: list[str] = []
     if not pure_distillation(cfg):  # pure distillation loads and calls no reward function
         _check_rewards(cfg.data, fields, errors)
         check_brought_rewards(
-            cfg.data, cfg.trainer.seed, errors, infer=cfg.batching.infer, warnings=warnings
+            cfg.data,
+            cfg.trainer.seed,
+            errors,
+            infer=cfg.batching.infer,
+            warnings=warnings,
+            verifiers=cfg.env.agent.verifiers,  # a taskset that cannot load: rows=None
         )
     _check_environment(cfg, errors)
     if eval_enabled(cfg):
@@ -192,6 +197,25 @@ def _check_openenv(cfg: RunConfig, errors: list[ConfigError]) -> None:
         errors.append(ConfigError("env.agent.openenv_action", None, problem))
 
 
+def _check_verifiers(cfg: RunConfig, errors: list[ConfigError]) -> bool:
+    """env.agent.verifiers: verifiers and openai installed, the environment loadable as this
+    run plays it (one seat, a chat-loop harness, a finite taskset with tasks), this interpreter
+    able to run verifiers' chat program (rlbatch.rollout.agent.verifiers_env.check); a local
+    path is made absolute for the workers. False when it cannot run (its dataset is not read
+    then)."""
+    if not cfg.env.agent.verifiers:
+        return True
+    spec = str(cfg.env.agent.verifiers)
+    from rlbatch.rollout.agent import verifiers_env
+
+    path = Path(spec).expanduser()
+    if path.exists() and (spec.endswith(".py") or "/" in spec or spec.startswith(".")):
+        cfg.env.agent.verifiers = spec = str(path.resolve())
+    problems = verifiers_env.check(spec)
+    errors += [ConfigError("env.agent.verifiers", spec, p) for p in problems]
+    return not problems
+
+
 def _check_environment(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """env.path: importable, reset / step present, constructible with env.kwargs (the same
     loader as reward functions); a relative file path is made absolute for the workers."""
@@ -306,16 +330,20 @@ def _check_dataset(
         row_position,
     )
 
+    verifiers = cfg.env.agent.verifiers if data is None else None  # its tasks are the rows
     data = cfg.data if data is None else data
-    if data.source == DataSource.builtin and data.num_prompts <= 0:
+    if verifiers:
+        pass
+    elif data.source == DataSource.builtin and data.num_prompts <= 0:
         return None  # the data.num_prompts rule reports it
-    if data.source != DataSource.builtin and not _path_exists(data):
+    elif data.source != DataSource.builtin and not _path_exists(data):
         return None  # the data.path rule of rlbatch.config.validate reports it
     try:
         examples, problems = read_examples(
             data,
             cfg.trainer.seed if seed is None else seed,
             need_answer=key != "data.path" or not pure_distillation(cfg),
+            verifiers=verifiers,
         )
     except ValueError as err:
         errors.append(ConfigError(key, data.path, str(err)))
@@ -325,9 +353,12 @@ def _check_dataset(
     if tokenizer is not None and chat_ok:
         problems += prompt_length_problems(data, tokenizer, examples)[1]
         problems.sort(key=lambda p: row_position(p.where))
-    if problems:
-        where = data.path if data.source != DataSource.builtin else f"data.task={data.task.name}"
-        errors.append(ConfigError(key, data.path, describe_problems(where, problems)))
+    if problems and verifiers:
+        where = f"the taskset of env.agent.verifiers={verifiers}"
+        errors.append(ConfigError("env.agent.verifiers", verifiers, describe_problems(where, problems)))  # fmt: skip
+    elif problems:
+        at = data.path if data.source != DataSource.builtin else f"data.task={data.task.name}"
+        errors.append(ConfigError(key, data.path, describe_problems(at, problems)))
     if not examples:
         return None
     common = set(examples[0].fields)
@@ -441,11 +472,13 @@ def check_brought_rewards(
     infer: BatchingPassConfig | None = None,
     rows: DatasetRows | None = None,
     warnings: list[str] | None = None,
+    verifiers: str | None = None,
 ) -> None:
     """The brought kinds among the rewards (code_exec, http, judge, reward_model): each one's
     check (rlbatch.rewards.kinds.CHECKS) over the rows of ``data``'s dataset, whose file is
     config key ``key`` (data.path, or eval.data.path for the held-out set), or over ``rows``
-    when given (rlbatch-score's input: the dataset is not read then); with ``infer``
+    when given (rlbatch-score's input: the dataset is not read then), or over the tasks of
+    ``verifiers`` (env.agent.verifiers: its taskset is the dataset); with ``infer``
     (batching.infer), the reward model's longest text against that budget; with ``warnings``,
     code_exec's stub check over a sample of the rows (rlbatch.rewards.kinds.stub_warnings)."""
     from rlbatch.grpo.rewards import brought_kinds
@@ -458,11 +491,11 @@ def check_brought_rewards(
         from rlbatch.rewards.reward_model import budget_errors
 
         errors += budget_errors(data.reward_model_batching, infer)
-    if rows is None and (data.source == DataSource.builtin or _path_exists(data)):
+    if rows is None and (verifiers or data.source == DataSource.builtin or _path_exists(data)):
         from rlbatch.grpo.data import read_examples
 
         try:
-            examples, _ = read_examples(data, seed)
+            examples, _ = read_examples(data, seed, verifiers=verifiers)
             fields = [
                 {**ex.fields, data.prompt_key: ex.prompt, data.answer_key: ex.answer}
                 for ex in examples

@@ -420,7 +420,11 @@ def build_components(cfg: RunConfig) -> Components:
     optimizer, scheduler = build_optimizer(cfg, model)
     tokenizer = build_tokenizer(cfg.model)
     prompts = load_prompts(
-        cfg.data, tokenizer, cfg.trainer.seed, need_answer=not pure_distillation(cfg)
+        cfg.data,
+        tokenizer,
+        cfg.trainer.seed,
+        need_answer=not pure_distillation(cfg),
+        verifiers=cfg.env.agent.verifiers,
     )
     ref = build_reference(cfg, model)
     schedule = schedule_from_config(cfg.grpo, ps.dp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rlbatch.config.agent_rules import check_agent
 from rlbatch.config.errors import ConfigError
-from rlbatch.config.schema import ChatTemplate, RolloutBackend, RunConfig
+from rlbatch.config.schema import ChatTemplate, RewardKind, RolloutBackend, RunConfig
 
 
 def _errors(**changes) -> dict[str, ConfigError]:
@@ -74,3 +74,39 @@ def test_openenv_is_a_harness_of_its_own():
     errors = _openenv_errors(openenv_action="act.py:act")
     assert set(errors) == {"env.agent.openenv_action"}  # no harness at all: no layout rule
     assert "env.agent.openenv_url is not set" in errors["env.agent.openenv_action"].message
+
+
+def _verifiers_errors(**changes) -> dict[str, ConfigError]:
+    cfg = RunConfig()
+    cfg.data.chat_template = ChatTemplate.qwen
+    cfg.data.reward = RewardKind.none
+    cfg.env.max_total_tokens = cfg.data.max_prompt_len + 64
+    cfg.env.agent.verifiers = "sums.py"
+    for key, value in changes.items():
+        section, name = key.split("__")
+        target = {"env": cfg.env, "agent": cfg.env.agent}.get(section) or getattr(cfg, section)
+        setattr(target, name, value)
+    errors: list[ConfigError] = []
+    check_agent(cfg, errors)
+    return {e.key: e for e in errors}
+
+
+def test_verifiers_is_a_harness_whose_taskset_is_the_dataset():
+    """env.agent.verifiers runs episodes through the built-in verifiers harness: exclusive with
+    env.harness and env.agent.openenv_url, its taskset the dataset (data.path refused, the
+    built-in task's reward refused), no evaluation yet, under the harness's layout rules (their
+    fixes naming env.agent.verifiers)."""
+    assert _verifiers_errors() == {}
+    errors = _verifiers_errors(env__harness="h.py:run", agent__openenv_url="http://h:1")
+    assert set(errors) == {"env.agent.verifiers", "env.agent.openenv_url"}
+    assert "are two ways to run episodes" in errors["env.agent.verifiers"].message
+    errors = _verifiers_errors(data__path="rows.jsonl", data__reward=RewardKind.task)
+    assert set(errors) == {"data.path", "data.reward"}
+    assert "set data.path=null" in errors["data.path"].message
+    assert "set data.reward=none" in errors["data.reward"].message
+    assert _verifiers_errors(data__reward=RewardKind.math) == {}  # a reward of the rows adds
+    errors = _verifiers_errors(eval__every_steps=5, rollout__backend=RolloutBackend.vllm)
+    assert set(errors) == {"eval.every_steps", "rollout.backend"}
+    assert "env.agent.verifiers=null" in errors["rollout.backend"].message
+    errors = _verifiers_errors(env__path="env.py:Env")
+    assert "the verifiers environment" in errors["env.path"].message

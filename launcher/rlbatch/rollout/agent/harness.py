@@ -35,11 +35,17 @@ def load_harness(spec: str) -> Any:
 
 def build_harness(cfg: Any) -> tuple[Any, str, str]:
     """(the harness the run's episodes go through, how errors name it, the file the loop
-    watchdog looks in for the line that blocks): env.harness's function, or the built-in
-    OpenEnv harness for env.agent.openenv_url (rlbatch.rollout.agent.openenv)."""
+    watchdog looks in for the line that blocks): env.harness's function, the built-in
+    OpenEnv harness for env.agent.openenv_url (rlbatch.rollout.agent.openenv), or the built-in
+    verifiers harness for env.agent.verifiers (rlbatch.rollout.agent.verifiers_env)."""
     if cfg.env.harness:
         fn = load_harness(cfg.env.harness)
         return fn, cfg.env.harness, getattr(getattr(fn, "__code__", None), "co_filename", "")
+    if cfg.env.agent.verifiers:
+        from rlbatch.rollout.agent import verifiers_env
+
+        found = verifiers_env.VerifiersHarness(cfg)
+        return found, f"verifiers (env.agent.verifiers={found.spec})", verifiers_env.__file__
     from rlbatch.rollout.agent import openenv
 
     harness = openenv.OpenEnvHarness(cfg)

@@ -1,0 +1,418 @@
+"""verifiers environments (env.agent.verifiers): a built-in agent harness.
+
+A verifiers 0.4 environment is a taskset (its tasks, their rewards and tools) played by an
+``Env`` (``SingleAgentEnv`` for a plain taskset; a subclass drives its own turns) whose agent
+runs a harness program; verifiers' interception server stands between that program and the
+model and records the trace the rewards score. :class:`VerifiersHarness` is an ordinary
+harness, ``run(client, model, row)``, on the same endpoint as any other (exact tokens, splice,
+splits): each episode is one ``Env.run_episode`` of the row's task with the model context
+pointed at the episode's address, so every model call of verifiers' rollout reaches the run's
+endpoint through verifiers' own interception, and the reward is the trace's rewards' weighted
+sum (``Trace.reward``; each reward and metric logged).
+
+What runs here and why:
+
+- The taskset's tasks are the dataset (:func:`taskset_rows`): one row per task, in the
+  taskset's order, carrying the task's index and key (the workers load the taskset again and
+  check that they got the same tasks).
+- Every agent seat runs in verifiers' ``subprocess`` runtime (this machine; its default,
+  Prime's sandboxes, is remote and paid), one seat per environment (a second seat's calls would
+  reach the policy's endpoint and be trained).
+- verifiers runs the model side of an episode as a PEP 723 chat program that it installs with
+  ``uv`` at run time (downloading its dependencies) and starts as a process per harness
+  segment. Its dependencies are verifiers' own (openai, mcp, httpx, httpx2, tenacity,
+  certifi), installed with the verifiers extra, so :func:`prepare_chat_program` hands
+  verifiers' runtime this interpreter for that program (the entry of its cache of prepared
+  scripts): nothing is installed or downloaded while training. :func:`run_chat_in_process`
+  then has the runtime run the program's own code, with verifiers' arguments, on this process's
+  event loop instead of starting a process for each segment (1.3 s of CPU for its imports,
+  most of a CPU run's time); a program with tools that run on this machine (``bash``) still
+  runs as a process. Harnesses whose program is another one (an agent CLI, a container) are
+  refused before launch.
+- A taskset without a harness of its own plays verifiers' tool-less chat loop (``null``), not
+  ``bash`` as ``vf eval`` would: the program runs on this machine, and ``bash`` would run the
+  policy's shell commands here. Tools come from the taskset's tool servers (MCP), which the
+  chat loop offers to the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+TASK_FIELD = "verifiers_task"
+"""The row field holding the task's index in the taskset."""
+KEY_FIELD = "verifiers_key"
+"""The row field holding the task's key (verifiers' content hash unless the task names one)."""
+TOKEN_VAR = "RLBATCH_ENDPOINT_API_KEY"
+"""The variable verifiers' client reads the endpoint's token from (named ``*API_KEY*``, so
+verifiers' subprocess runtime keeps it from the programs it starts)."""
+CHAT_HARNESSES = ("null", "bash")
+"""verifiers' harnesses whose program is its chat loop (what :func:`prepare_chat_program`
+serves with this interpreter)."""
+
+
+class VerifiersError(RuntimeError):
+    """A verifiers environment that cannot run here, or an episode it failed."""
+
+
+# ------------------------------------------------------------------------------ loading
+def module_id(spec: str) -> str:
+    """The taskset id verifiers imports for ``spec``: the id itself (an installed module, or
+    ``owner/name@version`` as verifiers reads it), or for a local ``.py`` file or package
+    directory its name, its folder put on ``sys.path`` (and on PYTHONPATH, for the tool servers
+    verifiers starts as ``python -m``)."""
+    path = Path(spec).expanduser()
+    explicit = spec.endswith(".py") or spec.startswith((".", "/", "~"))
+    if not explicit and not ("/" in spec and path.exists()):
+        return spec  # an id (a hub id's owner/name@version too)
+    if not path.exists():
+        raise VerifiersError(f"{spec} does not exist: give an installed environment's id or a local .py file or package directory")  # fmt: skip
+    path = path.resolve()
+    if path.is_dir() and not (path / "__init__.py").is_file():
+        raise VerifiersError(f"{spec} is a directory without __init__.py: give the environment's package or .py file")  # fmt: skip
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *filter(None, paths)])
+    return path.stem if path.is_file() else path.name
+
+
+def _seats(config_type: Any) -> dict[str, Any]:
+    """The agent seats an environment's config declares (name -> declared AgentConfig)."""
+    import verifiers.v1 as vf
+
+    return {
+        name: f.default
+        for name, f in config_type.model_fields.items()
+        if isinstance(f.default, vf.AgentConfig)
+    }
+
+
+def load_environment(spec: str) -> Any:
+    """The verifiers ``Env`` of ``spec`` as this run plays it: every seat in the subprocess
+    runtime, a seat without a harness playing the taskset's own, else ``null``; one
+    interception server. VerifiersError saying what cannot run."""
+    import verifiers.v1 as vf
+    from verifiers.v1.utils import loaders
+
+    ident = module_id(spec)
+    try:
+        config_type = vf.env_config_type(ident)
+        bundled = loaders.default_harness_id(ident) != "bash"  # the taskset exports one
+        seats = _seats(config_type)
+        data: dict[str, Any] = {"taskset": {"id": ident}, "interception": {"type": "server"}}
+        for name, seat in seats.items():
+            data[name] = {"runtime": {"type": "subprocess"}}
+            if seat.harness is None and not bundled:
+                data[name]["harness"] = {"id": "null"}
+        env = vf.load_environment(vf.resolve_env_config(data))
+    except VerifiersError:
+        raise
+    except Exception as err:  # noqa: BLE001 - verifiers' loaders raise many kinds
+        raise VerifiersError(f"verifiers cannot load it: {type(err).__name__}: {err}") from err
+    if len(seats) != 1:
+        raise VerifiersError(
+            f"its environment {type(env).__name__} has {len(seats)} agent seats"
+            f" ({', '.join(seats)}): rlbatch trains one agent per episode (another seat's calls"
+            " would reach the policy's endpoint and be trained); give it one seat"
+        )
+    for name, harness in env.config.agent_harnesses().items():
+        kind = _chat_kind(loaders.harness_class(harness.id))
+        if kind is None:
+            raise VerifiersError(
+                f"its seat {name!r} plays the harness {harness.id!r}, whose program verifiers"
+                " installs at run time (uv, a container): rlbatch runs verifiers' chat-loop"
+                f" harnesses ({', '.join(CHAT_HARNESSES)}) with this interpreter; export"
+                " none (the seat plays null) or NullHarness from the taskset's module"
+            )
+    return env
+
+
+def _chat_kind(harness_class: type) -> Optional[str]:
+    """``null`` / ``bash`` when the harness runs verifiers' chat program, else None."""
+    from verifiers.v1.harnesses.bash import BashHarness
+    from verifiers.v1.harnesses.null import NullHarness
+
+    if issubclass(harness_class, NullHarness):
+        return "null"
+    return "bash" if issubclass(harness_class, BashHarness) else None
+
+
+def load_tasks(env: Any) -> list[Any]:
+    """The taskset's tasks, in its order; VerifiersError for an infinite or empty one."""
+    taskset = env.taskset
+    if not taskset.bounded:
+        raise VerifiersError(f"its taskset {type(taskset).__name__} is infinite: rlbatch trains on a finite taskset (its tasks are the dataset)")  # fmt: skip
+    tasks = list(taskset)
+    if not tasks:
+        raise VerifiersError(f"its taskset {type(taskset).__name__} holds no tasks")
+    return tasks
+
+
+def program_problem() -> Optional[str]:
+    """Why this interpreter cannot run verifiers' chat program in place of the environment
+    ``uv`` would build for it (a dependency missing, or another version of a pinned one); None
+    when it can."""
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM
+
+    deps = re.search(r"dependencies = \[(.*)\]", CHAT_PROGRAM)
+    for dep in re.findall(r'"([^"]+)"', deps.group(1) if deps else ""):
+        name, _, pinned = dep.partition("==")
+        if importlib.util.find_spec(name) is None:
+            return f"verifiers' chat program needs the {name} package: pip install 'rlbatch[verifiers]'"  # fmt: skip
+        if pinned and importlib.metadata.version(name) != pinned:
+            return (
+                f"verifiers' chat program pins {dep}, and {name}"
+                f" {importlib.metadata.version(name)} is installed: pip install '{dep}'"
+            )
+    return None
+
+
+def prepare_chat_program() -> Path:
+    """Hand verifiers' subprocess runtime this interpreter for its chat program: write the
+    program where the runtime keeps prepared scripts (``<scripts_dir>/<sha256>.py``, the path
+    it derives from the program's text) and enter this interpreter in its cache of prepared
+    ones, so ``Runtime.prepare_uv_script`` finds it prepared and runs no ``uv``."""
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    data = CHAT_PROGRAM_SOURCE.encode()
+    path = Path(SubprocessRuntime.scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file() or path.read_bytes() != data:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    SubprocessRuntime._interpreters[str(path)] = sys.executable
+    return path
+
+
+LOCAL_TOOLS = ("--bash", "--edit", "--search")
+"""The chat program's flags that run tools on this machine (the ``bash`` harness): such a
+program runs as verifiers runs it, a process in the runtime's folder."""
+_ARGV: contextvars.ContextVar[list[str]] = contextvars.ContextVar("rlbatch_vf_argv")
+_PROGRAM: dict[str, Any] = {}
+
+
+def _program() -> dict[str, Any]:
+    """The chat program's namespace, executed once in this process (its ``__main__`` guard not
+    run), its ``argparse`` reading each run's arguments (:data:`_ARGV`) rather than sys.argv."""
+    if not _PROGRAM:
+        import argparse
+        import types
+
+        from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+
+        class Parser(argparse.ArgumentParser):
+            def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+                return super().parse_args(_ARGV.get() if args is None else args, namespace)
+
+        namespace: dict[str, Any] = {"__name__": "verifiers_chat_program"}
+        exec(compile(CHAT_PROGRAM_SOURCE, "verifiers_chat_program", "exec"), namespace)  # noqa: S102
+        shim = types.ModuleType("argparse")
+        shim.__dict__.update(vars(argparse))
+        shim.ArgumentParser = Parser  # type: ignore[attr-defined]
+        namespace["argparse"] = shim
+        _PROGRAM.update(namespace)
+    return _PROGRAM
+
+
+async def run_in_process(args: list[str], folder: Optional[Path]) -> Any:
+    """verifiers' chat program run with ``args`` on this event loop: its ``main()``, its
+    relative file arguments read from the runtime's ``folder``; its ProgramResult (0; its own
+    exit code; 1 and the traceback when it raises)."""
+    import traceback
+
+    from verifiers.v1.runtimes import ProgramResult
+
+    flag = "--initial-messages-file="
+    if folder is not None:
+        args = [
+            f"{flag}{folder / a[len(flag) :]}"
+            if a.startswith(flag) and not Path(a[len(flag) :]).is_absolute()
+            else a  # fmt: skip
+            for a in args
+        ]
+    main = _program()["main"]
+    token = _ARGV.set(args)
+    try:
+        await main()
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+        return ProgramResult(code, "", traceback.format_exc() if code else "")
+    except Exception:  # noqa: BLE001 - the program's failure is its result, as a process's is
+        return ProgramResult(1, "", traceback.format_exc())
+    finally:
+        _ARGV.reset(token)
+    return ProgramResult(0, "", "")
+
+
+def run_chat_in_process(path: Path) -> None:
+    """Make verifiers' subprocess runtime run the chat program at ``path`` in this process
+    (:func:`run_in_process`) instead of starting it as a process, unless its arguments ask for
+    tools that run on this machine (:data:`LOCAL_TOOLS`) or its harness sets program variables:
+    those run as a process, as verifiers runs them."""
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    original = SubprocessRuntime.run_program
+    if getattr(original, "rlbatch_in_process", None) == str(path):
+        return
+    program = str(path)
+
+    async def run_program(self: Any, argv: list[str], env: dict[str, str]) -> Any:
+        if program in argv and not env:
+            args = argv[argv.index(program) + 1 :]
+            if not any(a.split("=", 1)[0] in LOCAL_TOOLS for a in args):
+                return await run_in_process(args, self.workdir)
+        return await original(self, argv, env)
+
+    run_program.rlbatch_in_process = program  # type: ignore[attr-defined]
+    SubprocessRuntime.run_program = run_program  # type: ignore[method-assign]
+
+
+def check(spec: str) -> list[str]:
+    """Every reason ``spec`` cannot train here (before launch), or []: verifiers installed, the
+    environment loadable with one seat playing a chat-loop harness, a finite taskset with tasks,
+    this interpreter able to run the chat program."""
+    if importlib.util.find_spec("verifiers") is None:
+        return ["needs the verifiers package: pip install 'rlbatch[verifiers]'"]
+    problems = []
+    if importlib.util.find_spec("openai") is None:
+        problems.append("needs the openai package (the harness's client): pip install 'rlbatch[verifiers]'")  # fmt: skip
+    problem = program_problem()
+    if problem:
+        problems.append(problem)
+    try:
+        load_tasks(load_environment(spec))
+    except VerifiersError as err:
+        problems.append(str(err))
+    return problems
+
+
+def _prompt(data: Any) -> Any:
+    """A task's prompt as a dataset row holds it: text, or {role, content} messages (the
+    system prompt first)."""
+    prompt = data.prompt
+    if prompt is None:
+        prompt = ""
+    if isinstance(prompt, str) and data.system_prompt is None:
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
+        {"role": m.role, "content": m.content if isinstance(m.content, str) else _text(m.content)}
+        for m in prompt
+    ]  # fmt: skip
+    if data.system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": data.system_prompt})
+    return messages
+
+
+def _text(content: Any) -> str:
+    return "".join(getattr(part, "text", "") or "" for part in content or [])
+
+
+def taskset_rows(spec: str) -> list[tuple[Any, str, dict[str, Any]]]:
+    """(prompt, answer, fields) of every task of ``spec``'s taskset, in its order: the prompt
+    as text or messages, the answer its ``answer`` field when it has one ("" otherwise), the
+    fields the task's index and key (and its id and name when set)."""
+    rows = []
+    for i, task in enumerate(load_tasks(load_environment(spec))):
+        data = task.data
+        answer = getattr(data, "answer", "")
+        answer = answer if isinstance(answer, str) else "" if answer is None else str(answer)
+        fields: dict[str, Any] = {TASK_FIELD: i, KEY_FIELD: task.key}
+        fields.update({k: v for k, v in (("id", data.id), ("name", data.name)) if v is not None})
+        rows.append((_prompt(data), answer, fields))
+    return rows
+
+
+# ------------------------------------------------------------------------------ the harness
+class VerifiersHarness:
+    """``run(client, model, row)`` for env.agent.verifiers (see the module docstring)."""
+
+    def __init__(self, cfg: Any) -> None:
+        import logging
+
+        import verifiers.v1  # noqa: F401 - here, not on the harness loop: seconds of imports
+
+        self.spec = str(cfg.env.agent.verifiers)
+        self.tasks = load_tasks(load_environment(self.spec))
+        problem = program_problem()
+        if problem:  # the pre-launch check says so first
+            raise VerifiersError(problem)
+        run_chat_in_process(prepare_chat_program())
+        for name in ("verifiers", "aiohttp.access"):  # per-rollout lines
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self._loops: dict[Any, tuple[asyncio.Lock, list[Any]]] = {}
+        self._users: dict[str, int] = {}
+        """Episodes running per endpoint (each rlbatch episode has its own address; a client
+        shared by several is closed after the last)."""
+
+    async def _env(self) -> Any:
+        """This event loop's environment, serving (its interception server, the taskset's shared
+        tool servers) from its first episode on; a loop the watchdog abandoned keeps its own."""
+        loop = asyncio.get_running_loop()
+        lock, served = self._loops.setdefault(loop, (asyncio.Lock(), []))
+        async with lock:
+            if not served:
+                env = load_environment(self.spec)
+                serving = env.serving()
+                await serving.__aenter__()
+                served += [env, serving]  # held: a context dropped is collected, and closed
+        return served[0]
+
+    async def __call__(self, client: Any, model: str, row: dict[str, Any]) -> dict[str, float]:
+        import verifiers.v1 as vf
+
+        index, key = row.get(TASK_FIELD), row.get(KEY_FIELD)
+        if not isinstance(index, int) or not 0 <= index < len(self.tasks):
+            raise VerifiersError(f"the row has no task of the taskset ({TASK_FIELD}={index!r})")
+        task = self.tasks[index]
+        if task.key != key:
+            raise VerifiersError(
+                f"task {index} of the taskset is not the one the run was planned with (key"
+                f" {task.key} != {key}): the taskset must load the same tasks in every process"
+            )
+        env = await self._env()
+        os.environ[TOKEN_VAR] = client.api_key
+        endpoint = vf.EvalClientConfig(base_url=str(client.base_url), api_key_var=TOKEN_VAR)
+        key = endpoint.model_dump_json()
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            episode = await env.run_episode(task, vf.ModelContext(model=model, client=endpoint))
+        finally:  # the interception server keeps a client per endpoint: close it after its last
+            self._users[key] -= 1
+            if not self._users[key]:
+                del self._users[key]
+                server = getattr(env, "_interception", None)
+                kept = getattr(server, "clients", {}).pop(key, None)
+                if kept is not None:
+                    await kept.close()
+        return episode_result(episode)
+
+
+def episode_result(episode: Any) -> dict[str, float]:
+    """The reward of a finished verifiers episode (its trace's rewards' weighted sum) with each
+    reward's score and each numeric metric; VerifiersError naming what failed."""
+    failed = [f"{e.type}: {e.message}" for e in episode.errors]
+    for trace in episode.traces:
+        failed += [f"{e.type}: {e.message}" for e in trace.errors]
+    if failed or not episode.ok or len(episode.traces) != 1:
+        why = "; ".join(dict.fromkeys(failed)) or f"{len(episode.traces)} traces"
+        raise VerifiersError(f"the verifiers episode failed: {why}"[:2000])
+    (trace,) = episode.traces
+    parts = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
+    for name, value in trace.metrics.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts[f"metric.{name}"] = float(value)
+    return {"reward": float(trace.reward), **parts, "turns": float(trace.num_turns)}

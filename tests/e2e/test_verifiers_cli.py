@@ -1,0 +1,231 @@
+"""verifiers environments through the real rlbatch-train (env.agent.verifiers): two small
+verifiers 0.4 environments written here, loaded from local files. A single-turn one (four sums,
+two weighted rewards) trains two steps; a multi-turn one (its Env answers the first reply with
+"another" and takes a second) trains one. Every trained token is one the policy sampled (the
+endpoint's records), the reward is the environment's own scoring recomputed here from the
+replies the policy sampled, each reward is logged, the taskset's tasks are the rows, the second
+turn is spliced onto the first. verifiers' chat program runs with this interpreter: a `uv` first
+on PATH that marks its use is never called. Before launch: what does not combine with
+env.agent.verifiers, every error at once with an environment's own (two agent seats)."""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib.util import find_spec
+
+import pytest
+
+from agent_runs import train as _run
+from rlbatch.engine.tokenizer import ByteTokenizer
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.optional_extra,
+    # found, not imported: importing verifiers.v1 takes seconds at every worker's collection
+    pytest.mark.skipif(find_spec("verifiers") is None, reason="the verifiers extra"),
+]
+
+SUMS = """
+import re
+
+import verifiers.v1 as vf
+
+
+class Sum(vf.TaskData):
+    answer: str
+
+
+class SumTask(vf.Task[Sum, vf.State]):
+    @vf.reward(weight=0.5)
+    async def opens_with_digit(self, task, trace) -> float:
+        return float(trace.last_reply[:1].isdigit())
+
+    @vf.reward
+    async def exact(self, task, trace) -> float:
+        numbers = re.findall(r"[0-9]+", trace.last_reply)
+        return float(bool(numbers) and numbers[-1] == task.answer)
+
+
+class Sums(vf.Taskset[SumTask]):
+    def load(self):
+        for a, b in [(2, 2), (3, 4), (10, 5), (7, 1)]:
+            yield SumTask(Sum(prompt=f"{a}+{b}=", answer=str(a + b)))
+
+
+__all__ = ["Sums"]
+"""
+
+TURNS = """
+import verifiers.v1 as vf
+
+
+class AskTask(vf.Task[vf.TaskData, vf.State]):
+    @vf.reward
+    async def digits(self, task, trace) -> float:
+        replies = [(m.content or "").strip() for m in trace.assistant_messages]
+        return 0.5 * sum(r[:1].isdigit() for r in replies)
+
+
+class Asks(vf.Taskset[AskTask]):
+    def load(self):
+        for word in ("Play:", "Go:", "Count:", "Start:"):
+            yield AskTask(vf.TaskData(prompt=word))
+
+
+class TwoTurnsConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig()
+
+
+class TwoTurns(vf.Env[TwoTurnsConfig]):
+    async def run(self, task, agents):
+        async with agents.agent.interaction(task) as chat:
+            first = await chat.turn()
+            if not first.terminated:
+                await chat.turn("another")
+
+
+__all__ = ["Asks", "TwoTurns"]
+"""
+
+SEATS = """
+import verifiers.v1 as vf
+
+
+class Tasks(vf.Taskset[vf.Task]):
+    def load(self):
+        yield vf.Task(vf.TaskData(prompt="hi"))
+
+
+class PairConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig()
+    judge: vf.AgentConfig = vf.AgentConfig()
+
+
+class Pair(vf.Env[PairConfig]):
+    async def run(self, task, agents):
+        await agents.agent.run(task)
+
+
+__all__ = ["Tasks", "Pair"]
+"""
+
+RUN = ("data.path=null", "data.reward=none", "rollout.max_new_tokens=8", "grpo.num_generations=2",
+       "grpo.global_batch_size=8", "logging.samples=true")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory, subprocess_env):
+    """The environments' files, and the runs' environment: a `uv` first on PATH that writes
+    uv_called when run (verifiers would run it to install its chat program)."""
+    tmp = tmp_path_factory.mktemp("verifiers")
+    for name, text in (("sums", SUMS), ("turns", TURNS), ("seats", SEATS)):
+        (tmp / f"{name}.py").write_text(text)
+    (tmp / "bin").mkdir()
+    (tmp / "bin" / "uv").write_text(f"#!/bin/sh\ntouch {tmp / 'uv_called'}\nexit 1\n")
+    (tmp / "bin" / "uv").chmod(0o755)
+    env = {**subprocess_env, "PATH": f"{tmp / 'bin'}:{subprocess_env['PATH']}"}
+    return tmp, env
+
+
+def _train(bin_dir, tmp, name, *overrides):
+    """(the process, metrics records, samples per step) of a run on the environment ``name``."""
+    tmp, env = tmp
+    proc = _run(bin_dir, env, tmp, f"hydra.run.dir={tmp / name}", *RUN,
+                f"env.agent.verifiers={name}.py", *overrides)  # fmt: skip
+    assert (tmp / name / "metrics.jsonl").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    samples = {
+        r["step"]: [
+            json.loads(x)
+            for x in (tmp / name / f"samples/step_{r['step']:05d}.jsonl").read_text().splitlines()
+        ]  # fmt: skip
+        for r in records
+    }
+    return proc, records, samples
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp, bin_dir):
+    return _train(bin_dir, tmp, "sums", "trainer.max_steps=2")
+
+
+@pytest.fixture(scope="module")
+def multi_run(tmp, bin_dir):
+    return _train(bin_dir, tmp, "turns", "trainer.max_steps=1")
+
+
+def _text(ids):
+    return ByteTokenizer().decode(list(ids))
+
+
+def _every_trained_token_sampled(samples):
+    for s in (s for step in samples.values() for s in step):
+        calls = s["turns"]
+        assert calls and s["calls"] == list(range(len(calls))) and s["segments"] == 1
+        trained = [t for t, m in zip(s["response_ids"], s["loss_mask"], strict=True) if m]
+        assert trained == [t for c in calls for t in c["completion_ids"]]
+        logps = [lp for lp, m in zip(s["behaviour_logps"], s["loss_mask"], strict=True) if m]
+        assert logps == [lp for c in calls for lp in c["logps"]]
+
+
+def test_a_single_turn_environment_trains_on_its_tasks_and_rewards(single_run, tmp):
+    """Two steps; each step's 8 episodes are the 4 tasks twice (the taskset is the dataset);
+    the reward is 0.5 x (the reply opens with a digit) + 1 x (its last number is the sum),
+    computed here from the reply the policy sampled, and each reward is logged."""
+    proc, records, samples = single_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["env_errors"] == 0 for r in records)
+    _every_trained_token_sampled(samples)
+    sums = {"2+2=": "4", "3+4=": "7", "10+5=": "15", "7+1=": "8"}
+    for step in samples.values():
+        asked = []
+        for s in step:
+            (call,) = s["turns"]
+            task = next(q for q in sums if q in _text(call["prompt_ids"]))
+            asked.append(task)
+            assert s["answer"] == sums[task]
+            reply = _text(call["completion_ids"]).strip()
+            numbers = re.findall(r"[0-9]+", reply)
+            digit, exact = float(reply[:1].isdigit()), float(bool(numbers) and numbers[-1] == sums[task])  # fmt: skip
+            assert s["reward"] == pytest.approx(0.5 * digit + exact)
+            parts = s["reward_parts"]
+            assert parts["harness.opens_with_digit"] == digit and parts["harness.exact"] == exact
+            assert parts["harness.turns"] == 1.0
+        assert sorted(asked) == sorted(list(sums) * 2)
+    assert not (tmp[0] / "uv_called").exists()  # verifiers' chat program ran without uv
+
+
+def test_a_multi_turn_environment_splices_its_turns(multi_run):
+    """The environment's Env takes two replies, "another" between them: one sample per
+    episode, the second call extending the first token for token, "another" once between the
+    replies; the reward is 0.5 per reply that opens with a digit."""
+    proc, records, samples = multi_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in records] == [1] and records[0]["env_errors"] == 0
+    _every_trained_token_sampled(samples)
+    for s in samples[1]:
+        first, second = s["turns"]
+        head = first["prompt_ids"] + first["completion_ids"]
+        assert second["prompt_ids"][: len(head)] == head
+        assert _text(second["prompt_ids"][len(head) :]).count("another") == 1
+        replies = [_text(c["completion_ids"]).strip() for c in (first, second)]
+        assert s["reward"] == pytest.approx(0.5 * sum(r[:1].isdigit() for r in replies))
+        assert s["reward_parts"]["harness.digits"] == s["reward"]
+        assert s["reward_parts"]["harness.turns"] == 2.0
+
+
+def test_configuration_errors_before_launch(tmp, bin_dir):
+    """What does not combine with env.agent.verifiers, all at once with the environment's own
+    problem (two agent seats); nothing runs. The other environments refused before launch:
+    tests/unit/rollout/test_verifiers_env.py."""
+    tmp, env = tmp
+    proc = _run(bin_dir, env, tmp, "env.agent.verifiers=seats.py", "env.harness=h.py:run",
+                "eval.every_steps=1", "data.reward=task")  # fmt: skip
+    assert proc.returncode != 0
+    out = " ".join((proc.stdout + proc.stderr).split())
+    for needle in ("are two ways to run episodes", "set data.path=null", "set eval.every_steps=0",
+                   "set data.reward=none", "has 2 agent seats (agent, judge)"):  # fmt: skip
+        assert needle in out, (needle, out[-3000:])
+    assert "Nothing was run" in out

@@ -1,0 +1,152 @@
+"""The verifiers harness's parts that need no training run (rlbatch.rollout.agent.verifiers_env):
+verifiers' chat program runs with this interpreter and no uv; the environments this run cannot
+play are refused with what to change; a failed episode names verifiers' own message. The runs
+through rlbatch-train are tests/e2e/test_verifiers_cli.py."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from importlib.util import find_spec
+
+import pytest
+
+pytestmark = [
+    pytest.mark.optional_extra,
+    pytest.mark.skipif(find_spec("verifiers") is None, reason="the verifiers extra"),
+]
+
+TASKS = """
+import verifiers.v1 as vf
+
+
+class Tasks(vf.Taskset[vf.Task]):
+    INFINITE = {infinite}
+
+    def load(self):
+        yield from [vf.Task(vf.TaskData(prompt="hi"))] * {count}
+"""
+SEATS = """
+
+class PairConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig()
+    judge: vf.AgentConfig = vf.AgentConfig()
+
+
+class Pair(vf.Env[PairConfig]):
+    async def run(self, task, agents):
+        await agents.agent.run(task)
+
+
+__all__ = ["Tasks", "Pair"]
+"""
+OWN_HARNESS = """
+
+class Cli(vf.Harness):
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
+        raise NotImplementedError
+
+
+__all__ = ["Tasks", "Cli"]
+"""
+BASH = """
+from verifiers.v1.harnesses.bash import BashHarness
+
+__all__ = ["Tasks", "BashHarness"]
+"""
+
+
+def test_the_chat_program_runs_with_this_interpreter_and_no_uv(tmp_path, monkeypatch):
+    """Once prepared, verifiers' own runtime hands out this interpreter for its chat program
+    (no `uv` run: a `uv` first on PATH marks its use), and the program starts with it (its
+    imports are this interpreter's packages)."""
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+    from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+
+    from rlbatch.rollout.agent import verifiers_env
+
+    (tmp_path / "uv").write_text(f"#!/bin/sh\ntouch {tmp_path / 'uv_called'}\nexit 1\n")
+    (tmp_path / "uv").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert verifiers_env.program_problem() is None
+    path = verifiers_env.prepare_chat_program()
+    argv = asyncio.run(make_runtime(SubprocessConfig()).prepare_uv_script(CHAT_PROGRAM_SOURCE))
+    assert sys.executable in argv and str(path) in argv
+    proc = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--base-url" in proc.stdout, proc.stderr[-2000:]
+    assert not (tmp_path / "uv_called").exists()
+
+
+def _module(tmp_path, name, text):
+    (tmp_path / f"{name}.py").write_text(text)
+    return str(tmp_path / f"{name}.py")
+
+
+def test_environments_this_run_cannot_play_are_refused_with_the_fix(tmp_path):
+    from rlbatch.rollout.agent import verifiers_env
+
+    one = TASKS.format(infinite=False, count=1)
+    cases = {
+        "vf_pair": (one + SEATS, "has 2 agent seats (agent, judge)"),
+        "vf_cli": (
+            one + OWN_HARNESS,
+            "plays the harness 'vf_cli', whose program verifiers installs at run time",
+        ),  # fmt: skip
+        "vf_endless": (
+            TASKS.format(infinite=True, count=1) + "\n__all__ = ['Tasks']\n",
+            "is infinite",
+        ),  # fmt: skip
+        "vf_empty": (
+            TASKS.format(infinite=False, count=0) + "\n__all__ = ['Tasks']\n",
+            "holds no tasks",
+        ),  # fmt: skip
+        "vf_broken": ("import verifiers.v1 as vf\n__all__ = []\n", "verifiers cannot load it"),
+    }
+    for name, (text, needle) in cases.items():
+        problems = verifiers_env.check(_module(tmp_path, name, text))
+        assert len(problems) == 1 and needle in problems[0], (name, problems)
+    assert "does not exist" in verifiers_env.check(str(tmp_path / "missing.py"))[0]
+    # a taskset with no harness plays verifiers' tool-less chat loop, one that exports bash plays it
+    plain = verifiers_env.load_environment(_module(tmp_path, "vf_plain", one + "\n__all__ = ['Tasks']\n"))  # fmt: skip
+    assert [h.id for h in plain.config.agent_harnesses().values()] == ["null"]
+    bash = verifiers_env.load_environment(_module(tmp_path, "vf_bash", one + BASH))
+    assert verifiers_env.check(str(tmp_path / "vf_bash.py")) == []
+    assert [type(h).__name__ for h in bash.config.agent_harnesses().values()] == ["BashHarnessConfig"]  # fmt: skip
+
+
+def test_the_rows_are_the_taskset_s_tasks_in_order(tmp_path):
+    from rlbatch.rollout.agent import verifiers_env
+
+    text = """
+import verifiers.v1 as vf
+
+
+class Q(vf.TaskData):
+    answer: int
+
+
+class Tasks(vf.Taskset[vf.Task[Q, vf.State]]):
+    def load(self):
+        yield vf.Task(Q(prompt="1+1=", answer=2, name="first"))
+        yield vf.Task(Q(prompt="2+2=", answer=4, system_prompt="Add."))
+
+
+__all__ = ["Tasks"]
+"""
+    (first, second) = verifiers_env.taskset_rows(_module(tmp_path, "vf_rows", text))
+    assert first[0] == "1+1=" and first[1] == "2"
+    assert first[2]["verifiers_task"] == 0 and first[2]["name"] == "first"
+    assert second[0] == [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+2="}]  # fmt: skip
+    assert second[2]["verifiers_task"] == 1 and second[2]["verifiers_key"] != first[2]["verifiers_key"]  # fmt: skip
+
+
+def test_a_failed_episode_names_verifiers_message():
+    import verifiers.v1 as vf
+
+    from rlbatch.rollout.agent.verifiers_env import VerifiersError, episode_result
+
+    task = vf.TraceTask(type="Task", data=vf.TaskData(prompt="hi"), key="k", hash="h")
+    failed = vf.Episode(task=task, errors=[vf.Error(type="HarnessError", message="exited 3: boom")])  # fmt: skip
+    with pytest.raises(VerifiersError, match="HarnessError: exited 3: boom"):
+        episode_result(failed)
