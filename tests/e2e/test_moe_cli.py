@@ -341,7 +341,8 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
     expert one, the checkpoint's common state is one) continues the run: the same samples
     (decoded in step across the stages: one replica's rows end first and it idles), losses and
     gradients at fp32 rounding; step 3 trains with the Adam moments it loaded. Its export
-    holds every expert of both stages."""
+    holds every expert of both stages. Both runs train the load-balancing loss, each stage
+    adding its own routers' share (model.moe_aux_loss_coeff)."""
     hf, _, _ = checkpoint
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
     args = [*PIPELINED, f"model.hf_path={hf}", "model.tokenizer=bytes", "data=jsonl",
@@ -349,12 +350,15 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
             "data.reward=exact_match", "grpo.global_batch_size=32", "grpo.num_generations=4",
             "parallel.use_distributed_optimizer=true", "trainer.max_steps=3",
             "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3",
-            "logging.plot=false", "logging.samples=true"]  # fmt: skip
+            "logging.plot=false", "logging.samples=true", "model.moe_aux_loss_coeff=0.05"]  # fmt: skip
     _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
            f"hydra.run.dir={run_dir}")  # fmt: skip
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in records)  # trainer == rollout
+    # the balance loss over every stage's MoE layers (its pp 1 equality: tests/dist/
+    # test_moe_balance_pipeline.py): between 1 (balanced) and E / k = 2
+    assert all(1.0 <= r["moe/aux_loss"] <= 2.0 for r in records)
     samples = _samples(run_dir, 1)
     rows = [s["prompt_ids"] + s["response_ids"] for s in samples]
     routing = torch.tensor([x for s in samples for x in s["routing"][:-1]])  # [tokens, 3, 2]

@@ -403,30 +403,15 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """rlbatch's load-balancing loss is computed from the routers' logits on the stage that
-    computes the policy loss, over whole samples."""
+    """rlbatch's load-balancing loss is computed from the routers' logits over whole samples,
+    on each pipeline stage for its own routers (rlbatch.grpo.balance)."""
     m, p = cfg.model, cfg.parallel
     coeff = m.moe_aux_loss_coeff
     if coeff < 0:
         errors.append(ConfigError("model.moe_aux_loss_coeff", coeff, "must be >= 0"))
     if coeff <= 0:
         return
-    why = (
-        "the load-balancing loss is computed on the stage of the policy loss from every "
-        "router's logits over whole samples"
-    )
-    if p.pp > 1:
-        errors.append(
-            ConfigError(
-                "model.moe_aux_loss_coeff",
-                coeff,
-                f"with parallel.pp > 1 is not supported yet ({why}; the routers of the earlier "
-                "pipeline stages are not on that stage, and a term of their own would have to "
-                "weight each sample as the policy loss's normalization does, which only the "
-                "last stage computes; megatron's own per-stage aux loss is a per-micro-batch "
-                "statistic that counts padding): set parallel.pp=1 or the coefficient to 0",
-            )
-        )
+    why = "the load-balancing loss is computed from every router's logits over whole samples"
     if p.tp > 1:
         errors.append(
             ConfigError("model.moe_aux_loss_coeff", coeff, f"at parallel.tp={p.tp} is not "

@@ -32,6 +32,19 @@ def _errors_for(overrides: list[str]) -> dict[str, str]:
     return messages
 
 
+def _validates(overrides: list[str]) -> None:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=["+recipe=grpo_qwen", *overrides])
+    check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))  # no error
+
+
 def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     errors = _errors_for(
         [
@@ -349,13 +362,18 @@ def test_r2_with_an_old_pass_validates():
     check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))
 
 
-def test_the_balance_loss_is_refused_where_its_routers_are_not_on_the_loss_stage():
+def test_the_balance_loss_is_refused_where_routers_see_a_slice_of_the_sequence():
+    """Pipeline stages take the loss (each adds its own routers' share: exact, tests/dist/
+    test_moe_balance_pipeline.py); sequence parallelism does not."""
     errors = _errors_for(
         ["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
          "parallel.tp=2", "parallel.sequence_parallel=true"]
     )  # fmt: skip
-    assert "with parallel.pp > 1" in errors["model.moe_aux_loss_coeff"]
+    assert "parallel.pp" not in errors["model.moe_aux_loss_coeff"]
     assert "with sequence parallelism" in errors["model.moe_aux_loss_coeff"]
+    assert errors["model.moe_aux_loss_coeff"].count("model.moe_aux_loss_coeff") == 1
+    _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
+                "parallel.dp=2", "parallel.ep=2"])  # fmt: skip
 
 
 def test_expert_keys_on_a_dense_preset(bin_dir, subprocess_env, tmp_path):
