@@ -127,10 +127,16 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
         ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
          "parallel.dp=2", "parallel.ep=2", "grpo.routing_replay=r3"]
     )  # fmt: skip
-    assert "agent harnesses (env.harness)" in harness["parallel.ep"]
-    assert "set parallel.ep=1" in harness["parallel.ep"]
+    assert "parallel.ep" not in harness  # the built-in engine keeps the expert group in step
     assert "agent harnesses (env.harness)" in harness["grpo.routing_replay"]
     assert "splices the calls' sampled tokens" in harness["grpo.routing_replay"]
+    served = _errors_for(
+        ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
+         "model.head_dim=32", "parallel.dp=2", "parallel.ep=2", "rollout.backend=vllm_server",
+         "rollout.servers.urls=[http://127.0.0.1:9]"]
+    )  # fmt: skip
+    assert "rollout.backend=vllm_server run at parallel.ep=1 only" in served["parallel.ep"]
+    assert "rollout.backend=megatron" in served["parallel.ep"]
     partial = _errors_for(
         ["model=tiny_moe", "grpo.partial_rollouts=true", "grpo.num_steps_async=1",
          "grpo.max_staleness=3"]
@@ -160,13 +166,16 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
         ["env=guess_number", "parallel.dp=2", "parallel.ep=2", "rollout.backend=vllm",
          "model.head_dim=32"],
         ["+env.harness=agent.py:run", "data.chat_template=qwen", "parallel.dp=2"],
+        ["+env.harness=agent.py:run", "data.chat_template=qwen", "parallel.dp=2",
+         "parallel.ep=2", "grpo.routing_replay=r2", "grpo.num_iterations=2"],
     ],
-    ids=["env_dp2_ep2", "env_r2", "env_r3", "env_vllm", "harness_dp2_ep1"],
+    ids=["env_dp2_ep2", "env_r2", "env_r3", "env_vllm", "harness_dp2_ep1", "harness_dp2_ep2"],
 )  # fmt: skip
 def test_an_moe_policy_validates_with_multi_turn_environments_and_harnesses(overrides, tmp_path):
     """The per-row decoder computes MoE blocks: multi-turn environments at any expert
     parallelism (the expert group kept in step), r2 and r3 (the decoder records the rollout's
-    routing), agent harnesses at ep 1."""
+    routing), agent harnesses at any expert parallelism (the built-in engine decodes an
+    expert group's calls together)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
