@@ -139,9 +139,11 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
     assert "rollout.backend=megatron" in served["parallel.ep"]
     partial = _errors_for(
         ["model=tiny_moe", "grpo.partial_rollouts=true", "grpo.num_steps_async=1",
-         "grpo.max_staleness=3"]
+         "grpo.max_staleness=3", "grpo.routing_replay=r3"]
     )  # fmt: skip
-    assert "partial rollouts" in partial["model.num_moe_experts"]
+    assert "partial rollouts (grpo.partial_rollouts)" in partial["grpo.routing_replay"]
+    assert "re-prefilled" in partial["grpo.routing_replay"]
+    assert "model.num_moe_experts" not in partial
     # tensor parallelism (with the sequence parallelism MoE needs there): routers see a slice
     sliced = _errors_for(
         ["model=tiny_moe", "parallel.tp=2", "parallel.sequence_parallel=true",
@@ -168,14 +170,17 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
         ["+env.harness=agent.py:run", "data.chat_template=qwen", "parallel.dp=2"],
         ["+env.harness=agent.py:run", "data.chat_template=qwen", "parallel.dp=2",
          "parallel.ep=2", "grpo.routing_replay=r2", "grpo.num_iterations=2"],
+        ["grpo.partial_rollouts=true", "grpo.num_steps_async=1", "grpo.max_staleness=3",
+         "grpo.overlap_generation=false", "parallel.dp=2", "parallel.ep=2"],
     ],
-    ids=["env_dp2_ep2", "env_r2", "env_r3", "env_vllm", "harness_dp2_ep1", "harness_dp2_ep2"],
+    ids=["env_dp2_ep2", "env_r2", "env_r3", "env_vllm", "harness_dp2_ep1", "harness_dp2_ep2",
+         "partial_dp2_ep2"],
 )  # fmt: skip
-def test_an_moe_policy_validates_with_multi_turn_environments_and_harnesses(overrides, tmp_path):
+def test_an_moe_policy_validates_with_per_row_decoding(overrides, tmp_path):
     """The per-row decoder computes MoE blocks: multi-turn environments at any expert
     parallelism (the expert group kept in step), r2 and r3 (the decoder records the rollout's
-    routing), agent harnesses at any expert parallelism (the built-in engine decodes an
-    expert group's calls together)."""
+    routing), agent harnesses and partial rollouts at any expert parallelism (the built-in
+    engine decodes an expert group's calls, and its rounds, together)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
@@ -345,10 +350,7 @@ def test_routing_replay_refusals_name_their_keys_all_at_once():
     assert "has no such pass" in errors["grpo.routing_replay"]
     assert "set model.recompute=selective or none" in errors["model.recompute"]
     assert "set parallel.cp=1" in errors["parallel.cp"]
-    assert (
-        "partial rollouts (grpo.partial_rollouts) with an MoE policy"
-        in errors["model.num_moe_experts"]
-    )
+    assert "model.num_moe_experts" not in errors  # partial rollouts run r2 (and none)
 
 
 def test_r3_is_refused_on_a_backend_that_returns_no_routing():

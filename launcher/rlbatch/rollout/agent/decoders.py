@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from rlbatch.rollout.expert_step import Ticking, drain
 from rlbatch.rollout.protocol import DecodedRow
 
 
@@ -90,7 +91,7 @@ class BuiltinDecoder:
         engine, rollout = self.engine, self.rollout
         if not prompt_ids:  # lockstep: only peers have calls
             with generation.inference_mode(engine.chunks), torch.inference_mode():
-                _drain(generation.LeanDecoder(engine.chunks[0], 1, 1))
+                drain(generation.LeanDecoder(engine.chunks[0], 1, 1))
             return []
         eos = engine.params.eos_ids
         params = SamplingParams(
@@ -108,10 +109,10 @@ class BuiltinDecoder:
             decoder = generation.LeanDecoder(engine.chunks[0], len(prompt_ids), longest)
             if decoder.expert_parallel != self.lockstep:  # internal invariant
                 raise AssertionError("an expert-parallel decoder outside the lockstep")
-            stepped = _Ticking(decoder) if self.lockstep else decoder
+            stepped = Ticking(decoder) if self.lockstep else decoder
             out = decode_continuous(stepped, prompt_ids, params, keys, len(prompt_ids), [])
             if self.lockstep:
-                _drain(decoder)
+                drain(decoder)
         rows = []
         for ids, logps, limit in zip(out.response_ids, out.logps, max_tokens, strict=True):
             ids, logps = ids[:limit], logps[:limit]
@@ -124,44 +125,6 @@ class BuiltinDecoder:
 
     def take_figures(self) -> dict[str, float]:
         return {}
-
-
-class _Ticking:
-    """A LeanDecoder whose every forward is announced to the expert-parallel group first (one
-    all-reduce: "this rank forwards at this tick"), so that peers without a forward of their
-    own run an idle one at the same tick (:func:`_drain`)."""
-
-    def __init__(self, decoder: Any) -> None:
-        self.decoder = decoder
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.decoder, name)
-
-    def _tick(self) -> None:
-        from rlbatch import distributed
-
-        distributed.any_in_expert_group(True)
-
-    def prefill(self, *args: Any, **kwargs: Any) -> Any:
-        self._tick()
-        return self.decoder.prefill(*args, **kwargs)
-
-    def decode(self, *args: Any, **kwargs: Any) -> Any:
-        self._tick()
-        return self.decoder.decode(*args, **kwargs)
-
-    def extend(self, *args: Any, **kwargs: Any) -> Any:
-        self._tick()
-        return self.decoder.extend(*args, **kwargs)
-
-
-def _drain(decoder: Any) -> None:
-    """This rank has no forward left: an idle forward at every tick a peer of the expert-
-    parallel group still forwards at, until none does (every rank then leaves together)."""
-    from rlbatch import distributed
-
-    while distributed.any_in_expert_group(False):
-        decoder.idle()
 
 
 class SyncedDecoder:
