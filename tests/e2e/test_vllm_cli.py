@@ -144,6 +144,31 @@ def test_a_killed_dp2_ep2_moe_vllm_run_resumes_with_identical_metrics(
 
 @pytest.mark.slow
 @pytest.mark.optional_extra
+def test_an_moe_policy_with_expert_and_pipeline_parallelism_samples_on_policy_on_vllm(
+    bin_dir, subprocess_env, tmp_path
+):
+    """tiny Qwen3-MoE at dp 2 x ep 2 x pp 2 (4 ranks; each pipeline stage holds one MoE layer,
+    whose experts its two data-parallel ranks split): the weight stream goes stage by stage,
+    each stage gathering its experts over its own expert-parallel group, and every rank's
+    engine gets the whole model. On-policy at both steps (after an update too): vLLM's logprobs
+    are the trainer's (an expert of either stage left out, or stale, puts them ~1e-2 apart)."""
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "run"
+    proc = _train(bin_dir, subprocess_env, run_dir, "model=tiny_moe", "model.head_dim=32",
+                  "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "trainer.max_steps=2",
+                  "rollout.vllm.kv_cache_space_gb=0.25")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["rollout/weight_sync_s"] > 0
+        assert abs(r["mismatch_kl_k1"]) < 1e-6
+        assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert records[-1]["kl"] > 0  # step 2 sampled the updated experts
+
+
+@pytest.mark.slow
+@pytest.mark.optional_extra
 def test_the_default_recipe_learns_on_vllm(bin_dir, subprocess_env, tmp_path):
     """The default recipe's task, every rollout sampled by vLLM with the weights of the step
     before: the mean reward of the last 10% of the 60 steps is well above the first 10%'s (the

@@ -62,9 +62,10 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     assert "rollout.backend=megatron, vllm or vllm_server" in errors["rollout.backend"]
 
 
-def test_expert_parallelism_with_pipeline_stages_validates_on_the_builtin_engine_only():
-    """dp 2 x ep 2 x pp 2 x vpp 2 (4 processes) trains on the built-in rollout; with a vLLM
-    backend it is refused naming parallel.ep (its weight sync there is not tested)."""
+def test_expert_parallelism_with_pipeline_stages_validates_but_on_vllm_servers():
+    """dp 2 x ep 2 x pp 2 x vpp 2 (4 processes) trains on the built-in rollout and on colocated
+    vLLM (its stage-by-stage weight sync: tests/e2e/test_vllm_cli.py); with vLLM servers it is
+    refused naming parallel.ep (their weight sync there is not tested)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
@@ -77,10 +78,11 @@ def test_expert_parallelism_with_pipeline_stages_validates_on_the_builtin_engine
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=["+recipe=grpo_qwen", *layout])
     check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))  # no error
-    errors = _errors_for([*layout, "rollout.backend=vllm", "model.head_dim=32"])
-    assert set(errors) == {"parallel.ep"}
-    assert "with parallel.pp=2 and rollout.backend=vllm" in errors["parallel.ep"]
-    assert "rollout.backend=megatron" in errors["parallel.ep"]
+    _validates([*layout, "rollout.backend=vllm", "model.head_dim=32"])  # colocated: tested
+    errors = _errors_for([*layout, "rollout.backend=vllm_server", "model.head_dim=32",
+                          "rollout.servers.urls=[http://127.0.0.1:9]"])  # fmt: skip
+    assert "with parallel.pp=2 and rollout.backend=vllm_server" in errors["parallel.ep"]
+    assert "rollout.backend=vllm or megatron" in errors["parallel.ep"]
 
 
 @pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
