@@ -390,7 +390,7 @@ PARTIAL = ["+recipe=grpo_qwen", "model=tiny_moe", "model.tokenizer=bytes", "para
            "grpo.partial_rollouts=true", "grpo.consumption_granularity=group",
            "grpo.overlap_generation=false", "debug.response_length_median=5",
            "logging.samples=true", "logging.plot=false", "logging.tensorboard=false",
-           "trainer.checkpoint.export_hf=false"]  # fmt: skip
+           "trainer.checkpoint.export_hf=false", "grpo.routing_replay=r3"]  # fmt: skip
 
 
 def test_partial_rollouts_of_an_moe_policy_at_ep2_are_those_of_ep1(
@@ -401,7 +401,10 @@ def test_partial_rollouts_of_an_moe_policy_at_ep2_are_those_of_ep1(
     version; each rank's round decodes for as many steps as its own rows ask, its expert
     group kept in step by idle forwards (10 over its 4 rounds in a hand run). The samples,
     their token versions and behaviour log-probs are those of the same run at ep 1, and the
-    tokens sampled by version 0 (the checkpoint) have transformers' float64 log-probs."""
+    tokens sampled by version 0 (the checkpoint) have transformers' float64 log-probs. Each
+    row carries the routing of the forwards that last fed it (r3 replays it), the same at
+    ep 1 and ep 2; at step 1, trained with the weights that sampled it, the training routers
+    choose exactly that routing (moe/routing_mismatch 0)."""
     hf, _, _ = checkpoint
     runs = {}
     for ep in (1, 2):
@@ -421,6 +424,13 @@ def test_partial_rollouts_of_an_moe_policy_at_ep2_are_those_of_ep1(
             assert a["response_ids"] == b["response_ids"]
             assert a["token_versions"] == b["token_versions"]
             assert a["behaviour_logps"] == pytest.approx(b["behaviour_logps"], abs=1e-5)
+            assert a["routing"] == b["routing"]  # global expert ids, whatever the ep
+            routing = torch.tensor(a["routing"])  # [length, 3 MoE layers, k]
+            assert routing.shape == (len(a["prompt_ids"]) + len(a["response_ids"]), 3, 2)
+            assert (routing[-1] == -1).all() and (routing[:-1] >= 0).all()
+    records = _metrics(tmp_path / "ep2")
+    assert records[0]["moe/routing_mismatch"] == 0.0
+    assert all("moe/routing_mismatch" in r for r in records)
     samples = [s for step in runs[2] for s in step]
     want, _ = moe_reference(hf, [s["prompt_ids"] + s["response_ids"] for s in samples])
     first = [

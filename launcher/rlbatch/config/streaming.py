@@ -29,26 +29,13 @@ def per_row_decoder_errors(
     cannot compute or record, named for ``feature``, refused before launch rather than at the
     first rollout: yarn RoPE; the routing grpo.routing_replay=r3 replays where ``feature``
     keeps none (the decoder computes an MoE layer with megatron's own MoE layer and records
-    each fed token's routing; multi-turn episodes carry it, ``records_routing``; an agent
-    harness's spliced calls and the partial-rollout stream's re-prefilled rows do not)."""
+    each fed token's routing; multi-turn episodes carry it, ``records_routing``, and so do the
+    partial-rollout stream's rows; an agent harness's spliced calls do not)."""
     from rlbatch.config.enums import RoutingReplay
 
     m, errors = cfg.model, []
-    partial = feature.startswith("partial")
+    partial = feature.startswith("partial")  # its rows carry their routing (StreamRow.routing)
     r3 = RoutingReplay(cfg.grpo.routing_replay) == RoutingReplay.r3
-    if m.num_moe_experts is not None and partial and r3:
-        errors.append(
-            ConfigError(
-                "grpo.routing_replay",
-                "r3",
-                f"with {feature} on the built-in engine is not supported yet: a row that "
-                "outlives a round is re-prefilled under the next round's weights, so its "
-                "earlier tokens were routed twice (when sampled, and again in the re-prefill "
-                "that later tokens were sampled from), no one rollout routing belongs to each "
-                "trained token, and the stream records none: set grpo.routing_replay=r2 (the "
-                "old-logprob pass's routing) or none",
-            )
-        )
     if m.num_moe_experts is not None and not partial and not records_routing:
         if r3:
             errors.append(

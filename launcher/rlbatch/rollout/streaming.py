@@ -164,6 +164,7 @@ class StreamingGeneration:
                 truncated=row.truncated,
                 policy_version=snapshot.version,
                 token_versions=list(row.versions),
+                routing=row.routing,
             )
             for g in result.groups
             for row in g.rows
@@ -194,7 +195,12 @@ class StreamingGeneration:
         made: list[Any] = []
 
         def new_decoder(slots: int, length: int) -> Any:
-            made.append(generation.LeanDecoder(chunk, slots, length))
+            # an MoE policy records every fed position's experts (StreamRow.routing: r3)
+            made.append(
+                generation.LeanDecoder(
+                    chunk, slots, length, record_routing=generation.is_moe(chunk)
+                )
+            )
             return Ticking(made[-1]) if made[-1].expert_parallel else made[-1]
 
         result = self.stream.run_round(version, new_decoder)
