@@ -266,7 +266,8 @@ class AgentRolloutEngine:
             running[new] = self._start(new, r.slot, fresh)
 
     def _decode(self, session: AgentSession, running: dict[str, _Running], going: bool) -> bool:
-        """Decode the waiting calls once every live episode has one (AgentSession.take).
+        """Decode the waiting calls once every live episode has one (AgentSession.take; after
+        the round's last episode ended too, as before: a call still queued is answered).
         Returns whether the round goes on: this rank's episodes (``going``), or, with a decoder
         whose forwards its expert-parallel group runs together (``decode.lockstep``: an MoE
         policy at parallel.ep > 1 on the built-in engine), any peer's. Then every rank of the
@@ -274,7 +275,7 @@ class AgentRolloutEngine:
         decodes together: a rank with no call of its own keeps the peers' all-to-alls fed
         (BuiltinDecoder)."""
         live = [r.episode for r in running.values() if not r.future.done()]
-        jobs = session.take(live, timeout=0.05) if going else []
+        jobs = session.take(live, timeout=0.05)
         if self.decode.lockstep:
             going, decoding = self.decode.agree([going, bool(jobs)])
             if decoding and not jobs:
