@@ -213,7 +213,9 @@ def save_turn_ending_qwen2(path: Path, eos_id: int, push: float = 5.0) -> Any:
     return model
 
 
-def save_tiny_qwen3_moe(path: Path, seed: int = 0, num_layers: int = 4) -> Any:
+def save_tiny_qwen3_moe(
+    path: Path, seed: int = 0, num_layers: int = 4, max_positions: int = 256
+) -> Any:
     """A random Qwen3MoeForCausalLM over the byte tokenizer's vocabulary (4 experts, top-2,
     renormalised; layer 1 dense, the others sparse), router and norms perturbed so that the
     routing is decisive and varied, saved by transformers (per-expert tensor names)."""
@@ -224,7 +226,8 @@ def save_tiny_qwen3_moe(path: Path, seed: int = 0, num_layers: int = 4) -> Any:
         vocab_size=264, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
         tie_word_embeddings=False, attn_implementation="eager",
     )  # fmt: skip
     torch.manual_seed(seed)

@@ -5,7 +5,8 @@ pure code can call them unconditionally. Groups come from Megatron's parallel st
 initialized (rlbatch.engine.parallel.initialize), else the world.
 
 - ``all_reduce_sum``: many tensors/scalars summed in ONE flattened float64 collective.
-- ``reduce_dp`` / ``reduce_step``: the GRPO step's ReduceFn's (1-D float64 vectors).
+- ``reduce_dp`` / ``reduce_step``: the GRPO step's ReduceFn's (1-D float64 vectors; the
+  step's bundle summed over the pipeline stages too).
 - ``all_gather_object``, ``barrier``, ``check_same_across_ranks`` (plan-hash agreement).
 - ``meet``: every rank reaches a point, waiting longer than a collective's timeout allows.
 - ``broadcast_from_last_stage``: values computed on the last pipeline stage to every stage.
@@ -311,14 +312,15 @@ def reduce_dp(x: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_step(x: torch.Tensor) -> torch.Tensor:
-    """Sum over DP x CP of the last pipeline stage's vector, returned on every stage (the
-    end-of-step bundle: losses and counts are computed on the last stage)."""
+    """Sum over DP x CP and over the pipeline stages, returned on every stage (the end-of-step
+    bundle: losses and counts are computed on the last stage, and an earlier stage passes
+    zeros there; it adds only the terms it computes itself, an MoE policy's load-balancing
+    loss of its own routers)."""
     summed = all_reduce_sum([x])[0]
-    if pp_size() == 1:
+    _, size, group = pipeline_stage()
+    if size == 1:
         return summed
-    return broadcast_from_last_stage(
-        summed if is_last_stage() else None, summed.shape, summed.dtype
-    )
+    return all_reduce_sum([summed], group)[0]
 
 
 def reduce_max(value: float) -> float:

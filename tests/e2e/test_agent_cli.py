@@ -274,6 +274,50 @@ def test_a_rewritten_history_stops_the_run_under_on_divergence_error(
     assert "Traceback" not in out
 
 
+def test_an_moe_policy_runs_harnesses_at_dp2_ep2(bin_dir, subprocess_env, tmp_path):
+    """A transformers-made Qwen3-MoE (decisive routing) at dp 2 x ep 2 on the built-in engine:
+    each rank's harnesses call when they like (odd answers make a third call), so a rank
+    decodes while its expert-parallel peer has no call, or has ended its calls first; the peer
+    runs idle forwards in step (rlbatch.rollout.agent.decoders; 312 in these 2 steps, counted
+    by hand). Both steps complete and train on-policy: the behaviour log-probs the decoder
+    sampled with at ep 2 are the trainer's, and at step 1 transformers' float64 forward of
+    the checkpoint. Evaluation's harness episodes run in step too. (By hand: the same run at
+    ep 1 samples the same 22 and 24 segments, and its losses agree to 1e-6.)"""
+    from hf_reference import moe_reference, save_tiny_qwen3_moe
+
+    tmp = tmp_path
+    (tmp / "harness.py").write_text(HARNESS)
+    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in (1, 2, 3, 4)]
+    (tmp / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = tmp / "moe_hf"
+    save_tiny_qwen3_moe(hf, max_positions=512)
+    run_dir = tmp / "moe_ep2"
+    proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", "env.harness=harness.py:run",
+                "trainer.max_steps=2", "env.max_concurrency=3", f"model.hf_path={hf}",
+                "model.tokenizer=bytes", "parallel.dp=2", "parallel.ep=2",
+                "grpo.num_generations=2", "logging.samples=true", "eval.every_steps=2",
+                "eval.data.path=held_out.jsonl", "eval.num_samples=1", "eval.at_start=false")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics] == [1, 2]
+    assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in metrics)
+    assert all(r["episode_splits"] > 0 and r["samples"] == 16 for r in metrics)
+    assert metrics[-1]["eval/num_prompts"] == 4.0  # evaluation's episodes, in step too
+    lines = (run_dir / "samples" / "step_00001.jsonl").read_text().splitlines()
+    samples = [json.loads(line) for line in lines]
+    rows = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    want, _ = moe_reference(hf, rows)
+    error = max(  # the sampled tokens (the others: the harness's messages, spliced in)
+        abs(a - b)
+        for s, ref in zip(samples, want, strict=True)
+        for a, b, m in zip(
+            s["behaviour_logps"], ref[len(s["prompt_ids"]) - 1 :], s["loss_mask"], strict=True
+        )
+        if m
+    )
+    assert error <= 1e-5  # 2.8e-7 measured
+
+
 def test_rlbatch_eval_runs_the_harness_on_a_checkpoint(agent_run, bin_dir, subprocess_env):
     _, _, _, tmp = agent_run
     proc = subprocess.run(

@@ -1,8 +1,9 @@
 """MoE policies through the real commands, on tiny Qwen3-MoE models: rlbatch-logprobs on a
 transformers-made checkpoint equals transformers' float64 forward at ep 1, tp 2 and dp 2 x ep 2
 x pp 2 x vpp 2; rlbatch-train at dp 2 x pp 2 x vpp 2 rolls out the checkpoint's samples and
-trains on-policy, and resumed at ep 2 (the distributed optimizer) continues the run and
-exports every expert; a dp 2 x ep 2 checkpoint resumes at ep 1 (the plain optimizer); a
+trains on-policy (with the load-balancing loss on both stages), and resumed at ep 2 (the
+distributed optimizer) continues the run and exports every expert; partial rollouts at dp 2 x
+ep 2 sample what they sample at ep 1; a dp 2 x ep 2 checkpoint resumes at ep 1 (the plain optimizer); a
 Qwen2-MoE (shared expert) checkpoint's log-probs equal transformers' at dp 2 x ep 2;
 rlbatch-train at dp 2 x ep 2 learns the default task and exports every expert (transformers
 loads the export, rlbatch-logprobs at ep 2 on it equals transformers on it); training from the
@@ -341,7 +342,8 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
     expert one, the checkpoint's common state is one) continues the run: the same samples
     (decoded in step across the stages: one replica's rows end first and it idles), losses and
     gradients at fp32 rounding; step 3 trains with the Adam moments it loaded. Its export
-    holds every expert of both stages."""
+    holds every expert of both stages. Both runs train the load-balancing loss, each stage
+    adding its own routers' share (model.moe_aux_loss_coeff)."""
     hf, _, _ = checkpoint
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
     args = [*PIPELINED, f"model.hf_path={hf}", "model.tokenizer=bytes", "data=jsonl",
@@ -349,12 +351,15 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
             "data.reward=exact_match", "grpo.global_batch_size=32", "grpo.num_generations=4",
             "parallel.use_distributed_optimizer=true", "trainer.max_steps=3",
             "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3",
-            "logging.plot=false", "logging.samples=true"]  # fmt: skip
+            "logging.plot=false", "logging.samples=true", "model.moe_aux_loss_coeff=0.05"]  # fmt: skip
     _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
            f"hydra.run.dir={run_dir}")  # fmt: skip
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in records)  # trainer == rollout
+    # the balance loss over every stage's MoE layers (its pp 1 equality: tests/dist/
+    # test_moe_balance_pipeline.py): between 1 (balanced) and E / k = 2
+    assert all(1.0 <= r["moe/aux_loss"] <= 2.0 for r in records)
     samples = _samples(run_dir, 1)
     rows = [s["prompt_ids"] + s["response_ids"] for s in samples]
     routing = torch.tensor([x for s in samples for x in s["routing"][:-1]])  # [tokens, 3, 2]
@@ -378,6 +383,65 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
 
     exported = transformers.AutoModelForCausalLM.from_pretrained(resumed / "hf")
     assert after[0]["trainable_params"] == sum(p.numel() for p in exported.parameters())
+
+
+PARTIAL = ["+recipe=grpo_qwen", "model=tiny_moe", "model.tokenizer=bytes", "parallel.dp=2",
+           "trainer.max_steps=3", "grpo.num_steps_async=1", "grpo.max_staleness=3",
+           "grpo.partial_rollouts=true", "grpo.consumption_granularity=group",
+           "grpo.overlap_generation=false", "debug.response_length_median=5",
+           "logging.samples=true", "logging.plot=false", "logging.tensorboard=false",
+           "trainer.checkpoint.export_hf=false", "grpo.routing_replay=r3"]  # fmt: skip
+
+
+def test_partial_rollouts_of_an_moe_policy_at_ep2_are_those_of_ep1(
+    bin_dir, subprocess_env, tmp_path, checkpoint
+):
+    """grpo.partial_rollouts with the transformers-made checkpoint at dp 2 x ep 2 (the stream
+    decoded inline on the per-row decoder): rows outlive a round and go on under the next
+    version; each rank's round decodes for as many steps as its own rows ask, its expert
+    group kept in step by idle forwards (10 over its 4 rounds in a hand run). The samples,
+    their token versions and behaviour log-probs are those of the same run at ep 1, and the
+    tokens sampled by version 0 (the checkpoint) have transformers' float64 log-probs. Each
+    row carries the routing of the forwards that last fed it (r3 replays it), the same at
+    ep 1 and ep 2; at step 1, trained with the weights that sampled it, the training routers
+    choose exactly that routing (moe/routing_mismatch 0)."""
+    hf, _, _ = checkpoint
+    runs = {}
+    for ep in (1, 2):
+        run_dir = tmp_path / f"ep{ep}"
+        proc = subprocess.run(
+            [str(bin_dir / "rlbatch-train"), *PARTIAL, f"model.hf_path={hf}", f"parallel.ep={ep}",
+             f"hydra.run.dir={run_dir}"],
+            capture_output=True, text=True, env=subprocess_env, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[ep] = [_samples(run_dir, step) for step in (1, 2, 3)]
+    assert [r["step"] for r in _metrics(tmp_path / "ep2")] == [1, 2, 3]
+    continued = [s for step in runs[2] for s in step if len(set(s["token_versions"])) > 1]
+    assert continued, "no row outlived a round"
+    for ours, theirs in zip(runs[2], runs[1], strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert a["response_ids"] == b["response_ids"]
+            assert a["token_versions"] == b["token_versions"]
+            assert a["behaviour_logps"] == pytest.approx(b["behaviour_logps"], abs=1e-5)
+            assert a["routing"] == b["routing"]  # global expert ids, whatever the ep
+            routing = torch.tensor(a["routing"])  # [length, 3 MoE layers, k]
+            assert routing.shape == (len(a["prompt_ids"]) + len(a["response_ids"]), 3, 2)
+            assert (routing[-1] == -1).all() and (routing[:-1] >= 0).all()
+    records = _metrics(tmp_path / "ep2")
+    assert records[0]["moe/routing_mismatch"] == 0.0
+    assert all("moe/routing_mismatch" in r for r in records)
+    samples = [s for step in runs[2] for s in step]
+    want, _ = moe_reference(hf, [s["prompt_ids"] + s["response_ids"] for s in samples])
+    first = [
+        abs(a - b)
+        for s, ref in zip(samples, want, strict=True)
+        for a, b, v in zip(
+            s["behaviour_logps"], ref[len(s["prompt_ids"]) - 1 :], s["token_versions"], strict=True
+        )
+        if v == 0
+    ]
+    assert first and max(first) <= TOL
 
 
 def _router_choices(path: Path, rows: list[list[int]]) -> list[list]:

@@ -119,10 +119,12 @@ def test_batch_granularity_trains_each_round_its_own_prompts(bin_dir, subprocess
 
 
 VLLM = (
-    "rollout.backend=vllm", "model.num_attention_heads=2", "model.num_query_groups=2",
+    "rollout.backend=vllm", "model=tiny_moe", "model.head_dim=32",
     "rollout.vllm.kv_cache_space_gb=0.25", "rollout.vllm.segment_tokens=3", "trainer.max_steps=3",
 )  # fmt: skip
-"""The stream on vLLM (heads of width 32, the CPU build's smallest), in segments of 3 tokens."""
+"""The stream on vLLM in segments of 3 tokens, of an MoE policy (tiny_moe with heads of width
+32, the CPU build's smallest): the same stream as a dense model's, whose every weight swap also
+carries the experts (and the built-in engine's stream runs dense above)."""
 
 
 @pytest.mark.slow

@@ -142,6 +142,59 @@ def test_a_killed_dp2_ep2_moe_vllm_run_resumes_with_identical_metrics(
     assert _untimed(_records(run_dir)) == _untimed(expected)
 
 
+TWO_TURNS_ENV = '''
+class TwoTurns:
+    """An observation after turn 1, done after turn 2."""
+
+    def reset(self, row):
+        return {"turn": 0}
+
+    def step(self, state, text):
+        state["turn"] += 1
+        if state["turn"] >= 2:
+            return {"observation": None, "done": True, "reward": 1.0}
+        return {"observation": "again", "done": False, "reward": 0.0}
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.optional_extra
+def test_an_moe_policy_with_expert_and_pipeline_parallelism_samples_on_policy_on_vllm(
+    bin_dir, subprocess_env, tmp_path
+):
+    """tiny Qwen3-MoE at dp 2 x ep 2 x pp 2 (4 ranks; each pipeline stage holds one MoE layer,
+    whose experts its two data-parallel ranks split) in a two-turn environment (each turn a new
+    request of the row's exact ids; an episode whose first turn ends with EOS gets an
+    observation and a second turn): the weight stream goes stage
+    by stage, each stage gathering its experts over its own expert-parallel group, and every
+    rank's engine gets the whole model. On-policy at both steps (after an update too): vLLM's
+    logprobs of the assistant tokens are the trainer's (an expert of either stage left out, or
+    stale, puts them ~1e-2 apart)."""
+    pytest.importorskip("vllm")
+    (tmp_path / "two_turns.py").write_text(TWO_TURNS_ENV)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", "rollout.backend=vllm",
+         f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
+         "trainer.checkpoint.export_hf=false", "model=tiny_moe", "model.head_dim=32",
+         "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "trainer.max_steps=2",
+         "grpo.global_batch_size=32", "grpo.num_generations=4", "grpo.beta=0.02",
+         "env=default", "env.path=two_turns.py:TwoTurns", "env.max_turns=2",
+         "rollout.max_new_tokens=48", "rollout.vllm.kv_cache_space_gb=0.25",
+         "rollout.vllm.block_size=32"],
+        capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["rollout/weight_sync_s"] > 0
+        assert abs(r["mismatch_kl_k1"]) < 1e-6
+        assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+        assert r["turns_max"] == 2 and r["env_errors"] == 0  # episodes went on after turn 1
+    assert records[-1]["kl"] > 0  # step 2 sampled the updated experts
+
+
 @pytest.mark.slow
 @pytest.mark.optional_extra
 def test_the_default_recipe_learns_on_vllm(bin_dir, subprocess_env, tmp_path):

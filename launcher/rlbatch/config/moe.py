@@ -37,7 +37,8 @@ class MoeFields:
     moe/aux_loss is logged either way). Per sample, over its own tokens (padding excluded) and
     averaged over the MoE layers, then averaged like the policy loss (grpo.loss_agg_mode), so
     the step's loss and gradient do not depend on how the planner cuts micro-batches
-    (docs/engine.md, "Load-balancing loss"); needs pp = 1 and no sequence parallelism."""
+    (docs/engine.md, "Load-balancing loss"); at any pp / vpp (each stage adds its own
+    routers' share), not with sequence parallelism (tp > 1) or cp > 1."""
     moe_expert_capacity_factor: Optional[float] = None
     """Tokens an expert takes at most in one forward, as a multiple of its fair share of that
     forward's token-to-expert assignments (megatron's capacity, per micro-batch and rank,

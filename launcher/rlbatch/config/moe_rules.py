@@ -227,15 +227,16 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "names for it are not verified here): set model.lora.rank=0",
             )
         )
-    if p.ep > 1 and p.pp > 1 and backend in VLLM_BACKENDS:
+    if p.ep > 1 and p.pp > 1 and backend == RolloutBackend.vllm_server:
         errors.append(
             ConfigError(
                 "parallel.ep",
                 p.ep,
                 f"with parallel.pp={p.pp} and rollout.backend={backend.value} is not supported "
-                "yet (the weight sync would gather the experts over the expert-parallel group "
-                "of each pipeline stage, which no test runs here): set rollout.backend=megatron "
-                "(its rollout runs at every ep x pp layout), parallel.pp=1 or parallel.ep=1",
+                "yet (the servers' weight sync would gather the experts over the "
+                "expert-parallel group of each pipeline stage, which no test runs here; the "
+                "colocated engine's does, tests/e2e/test_vllm_cli.py): set "
+                "rollout.backend=vllm or megatron, parallel.pp=1 or parallel.ep=1",
             )
         )
     if p.ep > 1 and overlaps_generation(cfg):
@@ -403,30 +404,15 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 
 def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
-    """rlbatch's load-balancing loss is computed from the routers' logits on the stage that
-    computes the policy loss, over whole samples."""
+    """rlbatch's load-balancing loss is computed from the routers' logits over whole samples,
+    on each pipeline stage for its own routers (rlbatch.grpo.balance)."""
     m, p = cfg.model, cfg.parallel
     coeff = m.moe_aux_loss_coeff
     if coeff < 0:
         errors.append(ConfigError("model.moe_aux_loss_coeff", coeff, "must be >= 0"))
     if coeff <= 0:
         return
-    why = (
-        "the load-balancing loss is computed on the stage of the policy loss from every "
-        "router's logits over whole samples"
-    )
-    if p.pp > 1:
-        errors.append(
-            ConfigError(
-                "model.moe_aux_loss_coeff",
-                coeff,
-                f"with parallel.pp > 1 is not supported yet ({why}; the routers of the earlier "
-                "pipeline stages are not on that stage, and a term of their own would have to "
-                "weight each sample as the policy loss's normalization does, which only the "
-                "last stage computes; megatron's own per-stage aux loss is a per-micro-batch "
-                "statistic that counts padding): set parallel.pp=1 or the coefficient to 0",
-            )
-        )
+    why = "the load-balancing loss is computed from every router's logits over whole samples"
     if p.tp > 1:
         errors.append(
             ConfigError("model.moe_aux_loss_coeff", coeff, f"at parallel.tp={p.tp} is not "

@@ -27,27 +27,17 @@ def per_row_decoder_errors(
     """What the built-in engine's per-row KV-cache decoder (rlbatch.engine.generation.
     LeanDecoder: multi-turn environments, agent harnesses and partial rollouts decode on it)
     cannot compute or record, named for ``feature``, refused before launch rather than at the
-    first rollout: yarn RoPE; MoE in the partial-rollout stream; the routing
-    grpo.routing_replay=r3 replays where ``feature`` keeps none (the decoder computes an MoE
-    layer with megatron's own MoE layer and records each fed token's routing; multi-turn
-    episodes carry it, ``records_routing``, an agent harness's spliced calls do not)."""
-    m, errors = cfg.model, []
-    partial = feature.startswith("partial")
-    if m.num_moe_experts is not None and partial:
-        errors.append(
-            ConfigError(
-                "model.num_moe_experts",
-                m.num_moe_experts,
-                f"{feature} with an MoE policy are not supported yet (the stream's rows "
-                "continue across weight updates, and which routing a re-prefilled segment "
-                "replays is not decided; its expert-parallel peers are not kept in step): use "
-                "a dense model, or grpo.partial_rollouts=false",
-            )
-        )
-    if m.num_moe_experts is not None and not partial and not records_routing:
-        from rlbatch.config.enums import RoutingReplay
+    first rollout: yarn RoPE; the routing grpo.routing_replay=r3 replays where ``feature``
+    keeps none (the decoder computes an MoE layer with megatron's own MoE layer and records
+    each fed token's routing; multi-turn episodes carry it, ``records_routing``, and so do the
+    partial-rollout stream's rows; an agent harness's spliced calls do not)."""
+    from rlbatch.config.enums import RoutingReplay
 
-        if RoutingReplay(cfg.grpo.routing_replay) == RoutingReplay.r3:
+    m, errors = cfg.model, []
+    partial = feature.startswith("partial")  # its rows carry their routing (StreamRow.routing)
+    r3 = RoutingReplay(cfg.grpo.routing_replay) == RoutingReplay.r3
+    if m.num_moe_experts is not None and not partial and not records_routing:
+        if r3:
             errors.append(
                 ConfigError(
                     "grpo.routing_replay",

@@ -101,7 +101,7 @@ def moe_kwargs(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
     ``moe_norm_topk_prob``) or softmax over every expert then top-k (not renormalised), expert
     parallelism ``parallel.ep`` with the experts' tensor parallelism equal to ``parallel.tp``.
     megatron's load-balancing losses stay off: ``model.moe_aux_loss_coeff`` weights rlbatch's
-    (rlbatch.grpo.step.make_balance)."""
+    (rlbatch.grpo.balance)."""
     if not model.num_moe_experts:
         return {}
     kwargs: dict[str, Any] = dict(

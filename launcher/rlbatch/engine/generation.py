@@ -188,7 +188,8 @@ class LeanDecoder:
         self.expert_parallel = is_moe(chunk) and distributed.expert_group()[0] > 1
         """MoE at parallel.ep > 1: every forward (prefill, decode, extend, :meth:`idle`) is an
         all-to-all over the expert-parallel group, so the group's ranks call as many of them in
-        the same order (rlbatch.rollout.multiturn keeps them in step)."""
+        the same order (rlbatch.rollout.multiturn and rlbatch.rollout.expert_step keep them in
+        step)."""
         self.chunk = chunk
         self.routing: Optional[torch.Tensor] = None
         """MoE with ``record_routing``: ``[num_slots, max_len, num_moe_layers, k]`` the experts

@@ -182,6 +182,7 @@ def load_balance(
     rows: int,
     width: int,
     topk: int,
+    num_layers: Optional[int] = None,
 ) -> torch.Tensor:
     """``[num samples]`` with autograd: each sample's load-balancing loss, the mean over MoE
     layers of E * sum_e f_e * P_e over the sample's own tokens (padding excluded), f_e = the
@@ -192,7 +193,11 @@ def load_balance(
     sequence, as DeepSeek-V3's sequence-wise one). f_e counts the top-k of the router's logits,
     as megatron-core's own balance loss does: before a capacity factor drops any assignment
     (dropping would hide exactly the overflowing experts' load) and whatever routing replay
-    dispatches (the loss is about the router's preference, which replay does not change)."""
+    dispatches (the loss is about the router's preference, which replay does not change).
+
+    ``num_layers``: the model's MoE layers, when ``captured_layers`` are one pipeline chunk's
+    share of them: its terms are then divided by the whole count, so the chunks' shares add up
+    to the model's mean (default: the captured layers are all of them)."""
     out = None
     for logits, _ in captured_layers.values():
         experts = logits.shape[-1]
@@ -206,8 +211,9 @@ def load_balance(
             per_sample.append(experts * (f * p.mean(0)).sum())
         layer = torch.stack(per_sample) if per_sample else probs.new_zeros(0)
         out = layer if out is None else out + layer
-    assert out is not None, "no MoE layer captured"
-    return out / len(captured_layers)
+    if out is None:  # a pipeline chunk of dense layers only
+        return torch.zeros(len(segments))
+    return out / (num_layers or len(captured_layers))
 
 
 def set_routing(chunk: Any, routing: Optional[torch.Tensor]) -> None:

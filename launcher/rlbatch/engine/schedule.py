@@ -308,6 +308,31 @@ def lazy_iterators(
 
 # ---------------------------------------------------------------------------------- passes
 LossFn = Callable[[lm_head.LMOutput, MicroBatchInputs], tuple]
+StageLossFn = Callable[[Any, MicroBatchInputs], Optional[torch.Tensor]]
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on a chunk's output; in backward, the gradient of ``loss`` (a scalar) is 1, so
+    the loss's own graph back-propagates with the output's (megatron's MoEAuxLossAutoScaler
+    does this for its aux loss, with a scale of its own)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(loss)
+
+
+def attach_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """``output`` unchanged; backward through it also back-propagates ``loss`` (a scalar with
+    autograd, the term a chunk that computes no loss adds to the objective)."""
+    if not loss.requires_grad:
+        return output
+    return _AttachLoss.apply(output, loss)
 
 
 def _config(model: Sequence[Any]) -> Any:
@@ -339,10 +364,17 @@ def run_pass(
     *,
     zero_grad: bool = True,
     routing_sink: Optional[Callable[[Any, dict, MicroBatchInputs], None]] = None,
+    stage_loss: Optional[StageLossFn] = None,
 ) -> list[Any]:
     """Run this rank's micro-batches (``rank_plan``) through megatron's forward/backward
     schedule. Returns the loss_fn metrics of every micro-batch on the last pipeline stage (an
     empty list on other stages).
+
+    ``stage_loss(chunk, inputs)``: a scalar with autograd that a chunk which does not compute
+    the loss (a pipeline stage before the last, or an earlier virtual chunk) adds to the
+    objective, already scaled as back-propagated (or None): its gradient reaches that chunk's
+    parameters in the chunk's own backward (:func:`attach_loss`). The loss chunk's terms are
+    ``loss_fn``'s.
 
     Training (``forward_only=False``): grad buffers are zeroed first when ``zero_grad``; after
     the last backward megatron runs ``finalize_model_grads`` (DP reduction, tied embeddings).
@@ -381,6 +413,10 @@ def run_pass(
         if routed and routing_sink is not None:
             routing_sink(chunk, routing.taken(chunk), inputs)
         gpt = _unwrap(chunk)
+        if stage_loss is not None and not forward_only and not gpt.post_process:
+            extra = stage_loss(chunk, inputs)
+            if extra is not None:
+                output = attach_loss(output, extra)
 
         def loss_func(output_tensor: torch.Tensor, **_: Any):
             if chunk_tokens > 0:
@@ -441,12 +477,14 @@ def run_grpo_pass(
     *,
     round_to: Optional[int] = None,
     routing_sink: Optional[Callable[[Any, dict, MicroBatchInputs], None]] = None,
+    stage_loss: Optional[Callable[[Any, Any], Optional[torch.Tensor]]] = None,
 ) -> list[Any]:
     """Training pass over caller-built batches (the GRPO step): ``batches`` yields, lazily
     and in plan order, objects with ``.tokens`` ([R, S] long) and ``.micro_batch``;
     ``loss_fn(output, batch)`` follows megatron's contract (``output``: an LMOutput). ``round_to``: the pass's
     sequence_length_round (needed for packed micro-batches whose layout is ambiguous). A batch's
-    ``replay_routing`` (if any) is the MoE routing its forward and backward replay."""
+    ``replay_routing`` (if any) is the MoE routing its forward and backward replay.
+    ``stage_loss(chunk, batch)``: :func:`run_pass`'s, on the caller's batch."""
     stream = iter(batches)
     if round_to is None:  # the planner may record it; else inferred per packed micro-batch
         round_to = plan.extra.get("sequence_length_round")
@@ -465,4 +503,7 @@ def run_grpo_pass(
         batch_fn,
         lambda out, inputs: loss_fn(out, inputs.payload),
         routing_sink=routing_sink,
+        stage_loss=None
+        if stage_loss is None
+        else lambda chunk, inputs: stage_loss(chunk, inputs.payload),
     )

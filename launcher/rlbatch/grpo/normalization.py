@@ -18,8 +18,8 @@ neither happens (and the count this module hands Megatron is 0, so ``finalize_mo
 never rescales). :class:`MegatronScaling` is that factor; each loss is divided by it.
 
 Nothing here talks to torch.distributed: the two reductions are passed in (``reduce_dp``:
-sum over DP x CP of a float64 vector; ``reduce_step``: the same, with the result on every
-pipeline stage), built by :mod:`rlbatch.grpo.step` from :mod:`rlbatch.distributed`.
+sum over DP x CP of a float64 vector; ``reduce_step``: the same summed over the pipeline
+stages too, with the result on every stage), built by :mod:`rlbatch.grpo.step` from :mod:`rlbatch.distributed`.
 """
 
 from __future__ import annotations
@@ -65,6 +65,13 @@ class MegatronScaling:
         if self.calculate_per_token_loss:
             return 1.0  # 3-tuple loss: no 1/M in the schedule; DDP sums
         return 1.0 / (self.num_micro_batches * self.dp_cp_size)
+
+    @property
+    def stage_factor(self) -> float:
+        """The factor for a term back-propagated from a chunk that computes no loss (a pipeline
+        stage before the last): DDP's averaging applies to it, the schedule's division by
+        num_microbatches (which acts on the loss only) does not."""
+        return 1.0 if self.calculate_per_token_loss else 1.0 / self.dp_cp_size
 
     def count_for_megatron(self) -> torch.Tensor:
         """The middle element of the 3-tuple loss_func return (int tensor).
@@ -193,6 +200,25 @@ class Normalizer:
         self._sums = row if self._sums is None else self._sums + row.to(self._sums.device)
         loss_scale = scale.to(terms.numerator.dtype) / self.scaling.factor
         return terms.numerator * loss_scale
+
+    def stage_loss_for_backward(
+        self, numerator: torch.Tensor, batch: GRPOBatch, stats: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """A term of the loss computed on a chunk that computes no loss (an MoE policy's
+        load-balancing loss of an earlier pipeline stage's routers), aggregated like the loss's
+        numerator: scaled as :meth:`loss_for_backward` scales the loss (so its gradient is the
+        one the same term gets on the loss's stage), for :func:`rlbatch.engine.schedule.
+        attach_loss`. The numerator and ``stats`` (its metric sums, ``STAT_KEYS`` names) join
+        this stage's share of the step's bundle, which :meth:`finish` sums over the pipeline
+        stages: the step's loss is the whole objective's (its count is the loss stage's)."""
+        value = numerator.detach().to(torch.float64).to(self.device)
+        scale = torch.as_tensor(batch.loss_scale, dtype=torch.float64, device=self.device)
+        row = torch.zeros(3 + len(STAT_KEYS), dtype=torch.float64, device=self.device)
+        row[0], row[2] = value, value * scale
+        for key, stat in stats.items():
+            row[3 + STAT_KEYS.index(key)] = stat.detach().to(torch.float64).to(self.device)
+        self._sums = row if self._sums is None else self._sums + row.to(self._sums.device)
+        return numerator * scale.to(numerator.dtype) / self.scaling.stage_factor
 
     # ---- end of step ----------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import torch
 
 from rlbatch.batching.plan import MicroBatch, PassPlan, RankPlan
 from rlbatch.config.schema import RunConfig
+from rlbatch.grpo.balance import LoadBalance
 from rlbatch.grpo.lcm import behaviour_weighted, old_from_forward
 from rlbatch.grpo.loss import GRPOBatch, LossSettings, build_grpo_batch, grpo_loss
 from rlbatch.grpo.normalization import (
@@ -41,7 +42,8 @@ class Reducers:
     """The step's reductions, from rlbatch.distributed (identity on one process).
 
     reduce_dp: sum of a float64 vector over DP x CP (per_micro_batch counts, eager divisor).
-    reduce_step: the same with the result on every pipeline stage (the end-of-step bundle).
+    reduce_step: the same, and over the pipeline stages, the result on every stage (the
+        end-of-step bundle; a stage before the last adds only what it computes itself).
     gather_samples: every DP replica's samples, in DP-rank order.
     reduce_max: the largest of a float over every rank (all stages and replicas).
     """
@@ -200,32 +202,6 @@ def attach_routing(
         )
 
 
-def make_balance(
-    cfg: RunConfig, model: list[Any], layout: ParallelLayout
-) -> Optional[Callable[[GRPOBatch], torch.Tensor]]:
-    """An MoE policy's load-balancing loss per sample (rlbatch.engine.routing.load_balance) of
-    the micro-batch the (single) chunk just ran, from its routers' captured logits; None for a
-    dense model or where the routers are not on the loss's stage (pp > 1) or see part of the
-    sequence (sequence parallelism: refused with a coefficient, docs/engine.md)."""
-    if cfg.model.num_moe_experts is None or layout.pp > 1 or len(model) > 1:
-        return None
-    if cfg.parallel.sequence_parallel and layout.tp > 1:
-        return None
-    from rlbatch.engine import routing, schedule
-
-    round_to = cfg.batching.train.sequence_length_round
-    topk = cfg.model.moe_router_topk
-
-    def balance(batch: GRPOBatch) -> torch.Tensor:
-        mb = batch.micro_batch
-        assert mb is not None
-        segs = schedule.segments(mb, round_to)
-        taken = routing.captured(model[0])
-        return routing.load_balance(taken, segs, max(1, mb.num_rows), mb.padded_len, topk)
-
-    return balance
-
-
 class RoutingMismatch:
     """What the training forward's routers did, counted per step: ``moe/routing_mismatch``
     (per MoE layer, the tokens with rollout routing and those whose expert set the routers
@@ -284,7 +260,7 @@ def make_loss_fn(
     """Megatron's loss_func contract: (loss to back-propagate, count for Megatron, metrics).
     The first argument is the last stage's output (rlbatch.engine.lm_head.LMOutput).
     ``balance(batch)``: an MoE policy's per-sample load-balancing loss of the micro-batch the
-    model just ran (:func:`make_balance`)."""
+    loss chunk just ran (rlbatch.grpo.balance.LoadBalance.for_loss)."""
 
     def loss_fn(output: Any, batch: GRPOBatch):
         aux = balance(batch) if balance is not None else None
@@ -311,6 +287,7 @@ def run_train_pass(
     loss_fn: Callable,
     round_to: int,
     routing_sink: Optional[Callable] = None,
+    stage_loss: Optional[Callable] = None,
 ) -> None:
     """Forward/backward over this rank's micro-batches through the engine's schedule (which
     zeroes the grad buffers first and runs finalize_model_grads after the last backward); the
@@ -320,7 +297,14 @@ def run_train_pass(
     rank_plan = plan.for_rank(layout.dp_rank)
     batches = normalizer.iterate(prepare, plan.num_micro_batches)
     schedule.run_grpo_pass(
-        model, rank_plan, plan, batches, loss_fn, round_to=round_to, routing_sink=routing_sink
+        model,
+        rank_plan,
+        plan,
+        batches,
+        loss_fn,
+        round_to=round_to,
+        routing_sink=routing_sink,
+        stage_loss=stage_loss,
     )
 
 
@@ -479,13 +463,14 @@ def _accumulate_gradients(
         device=_device(),
     )
     state = StepState()
+    balance = LoadBalance.build(cfg, model, layout)  # an MoE policy's, on every stage
     loss_fn = make_loss_fn(
         settings,
         normalizer,
         state,
         detect_nan=cfg.debug.detect_nan,
         inject_nan=inject_nan,
-        balance=make_balance(cfg, model, layout),
+        balance=None if balance is None else balance.for_loss,
     )
     if cfg.model.num_moe_experts is not None:  # the routers' logits and routing maps
         from rlbatch.engine import routing
@@ -501,6 +486,7 @@ def _accumulate_gradients(
         loss_fn,
         cfg.batching.train.sequence_length_round,
         routing_sink=None if routing_mismatch is None else routing_mismatch.sink,
+        stage_loss=None if balance is None else balance.for_stage(settings, normalizer),
     )
     result, nonfinite = finish_gradients(model, normalizer, state, layout)
     return result, nonfinite, state

@@ -76,6 +76,13 @@ class StreamRow:
     truncated: bool = False
     segments: int = 0
     """Decode calls it took part in (a segment-decoding engine seeds each from its index)."""
+    routing: Optional[np.ndarray] = None
+    """An MoE policy on the built-in engine: the experts each position (prompt and tokens) was
+    routed to by the forward that last fed it, taken when the row ends: its round's re-prefill
+    for the positions before that round (a row continued across a weight update is recomputed
+    under the new weights, and its later tokens were sampled from that context), then its
+    decode steps; ``[length, MoE layers, k]``, the last position -1 (never fed). What
+    grpo.routing_replay=r3 replays; None for a dense policy or a segment engine (vLLM)."""
 
 
 @dataclass
@@ -264,6 +271,7 @@ class PartialRolloutStream:
                 row.versions.append(version)
                 if self._row_ends(row, t):
                     slots[slot] = None
+                    self._keep_routing(decoder, slot, row)
                     self._finish(row, step)
                 else:
                     going[slot] = t
@@ -340,6 +348,14 @@ class PartialRolloutStream:
             row.ended = True
             row.truncated = row.cap >= self.params.max_new_tokens
         return row.ended
+
+    def _keep_routing(self, decoder: Any, slot: int, row: StreamRow) -> None:
+        """An ended row's routing record (StreamRow.routing), from a decoder that records one,
+        before its slot takes another row."""
+        if getattr(decoder, "routing", None) is None:
+            return
+        prompt = self.prompt_ids(self.groups[row.group].prompt_index)
+        row.routing = decoder.routing_of(slot, len(prompt) + len(row.ids))
 
     def _finish(self, row: StreamRow, step: int) -> None:
         group = self.groups[row.group]

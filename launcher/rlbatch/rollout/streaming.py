@@ -145,10 +145,7 @@ class StreamingGeneration:
             figures = self.synced.engine.take_figures()
         else:
             with generation.inference_mode(self.model):
-                result = self.stream.run_round(
-                    snapshot.version,
-                    lambda slots, length: generation.LeanDecoder(chunk, slots, length),
-                )
+                result = self._run_round(snapshot.version, chunk)
         if result.stream_start != request.stream_start:
             raise RuntimeError("partial rollouts: the stream's draws left the prompt sampler's")
         served = GenerationRequest(
@@ -167,6 +164,7 @@ class StreamingGeneration:
                 truncated=row.truncated,
                 policy_version=snapshot.version,
                 token_versions=list(row.versions),
+                routing=row.routing,
             )
             for g in result.groups
             for row in g.rows
@@ -184,6 +182,33 @@ class StreamingGeneration:
             }
         )
         return RoundOutput(served, samples, metrics | figures)
+
+    def _run_round(self, version: int, chunk: Any) -> Any:
+        """The stream's round on the built-in engine's per-row decoder. An MoE policy at
+        parallel.ep > 1: each rank's round decodes its own rows for as many steps as its data
+        asks, and every forward is an all-to-all over the expert group, so the decoder announces
+        each forward to the group and a rank whose round ended first (or that had nothing to
+        decode) runs idle forwards until its peers' rounds end (rlbatch.rollout.expert_step)."""
+        from rlbatch.engine import generation
+        from rlbatch.rollout.expert_step import Ticking, drain
+
+        made: list[Any] = []
+
+        def new_decoder(slots: int, length: int) -> Any:
+            # an MoE policy records every fed position's experts (StreamRow.routing: r3)
+            made.append(
+                generation.LeanDecoder(
+                    chunk, slots, length, record_routing=generation.is_moe(chunk)
+                )
+            )
+            return Ticking(made[-1]) if made[-1].expert_parallel else made[-1]
+
+        result = self.stream.run_round(version, new_decoder)
+        if generation.is_moe(chunk):
+            decoder = made[0] if made else generation.LeanDecoder(chunk, 1, 1)
+            if decoder.expert_parallel:
+                drain(decoder)
+        return result
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -49,8 +49,8 @@ def distributed_checks(mode: str) -> dict:
         last = distributed.is_last_stage()
         x = torch.arange(4.0) + 10 if last else None
         out["broadcast"] = distributed.broadcast_from_last_stage(x, (4,), torch.float32).tolist()
-        out["reduce_step"] = distributed.reduce_step(
-            torch.full((2,), 5.0 if last else -1.0, dtype=torch.float64)
+        out["reduce_step"] = distributed.reduce_step(  # summed over the stages
+            torch.full((2,), 5.0 if last else 0.5, dtype=torch.float64)
         ).tolist()
     return out
 

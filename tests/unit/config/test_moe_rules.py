@@ -32,6 +32,19 @@ def _errors_for(overrides: list[str]) -> dict[str, str]:
     return messages
 
 
+def _validates(overrides: list[str]) -> None:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlbatch.config.store import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=["+recipe=grpo_qwen", *overrides])
+    check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))  # no error
+
+
 def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     errors = _errors_for(
         [
@@ -49,9 +62,10 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     assert "rollout.backend=megatron, vllm or vllm_server" in errors["rollout.backend"]
 
 
-def test_expert_parallelism_with_pipeline_stages_validates_on_the_builtin_engine_only():
-    """dp 2 x ep 2 x pp 2 x vpp 2 (4 processes) trains on the built-in rollout; with a vLLM
-    backend it is refused naming parallel.ep (its weight sync there is not tested)."""
+def test_expert_parallelism_with_pipeline_stages_validates_but_on_vllm_servers():
+    """dp 2 x ep 2 x pp 2 x vpp 2 (4 processes) trains on the built-in rollout and on colocated
+    vLLM (its stage-by-stage weight sync: tests/e2e/test_vllm_cli.py); with vLLM servers it is
+    refused naming parallel.ep (their weight sync there is not tested)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
@@ -64,10 +78,11 @@ def test_expert_parallelism_with_pipeline_stages_validates_on_the_builtin_engine
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=["+recipe=grpo_qwen", *layout])
     check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))  # no error
-    errors = _errors_for([*layout, "rollout.backend=vllm", "model.head_dim=32"])
-    assert set(errors) == {"parallel.ep"}
-    assert "with parallel.pp=2 and rollout.backend=vllm" in errors["parallel.ep"]
-    assert "rollout.backend=megatron" in errors["parallel.ep"]
+    _validates([*layout, "rollout.backend=vllm", "model.head_dim=32"])  # colocated: tested
+    errors = _errors_for([*layout, "rollout.backend=vllm_server", "model.head_dim=32",
+                          "rollout.servers.urls=[http://127.0.0.1:9]"])  # fmt: skip
+    assert "with parallel.pp=2 and rollout.backend=vllm_server" in errors["parallel.ep"]
+    assert "rollout.backend=vllm or megatron" in errors["parallel.ep"]
 
 
 @pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
@@ -114,15 +129,23 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
         ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
          "parallel.dp=2", "parallel.ep=2", "grpo.routing_replay=r3"]
     )  # fmt: skip
-    assert "agent harnesses (env.harness)" in harness["parallel.ep"]
-    assert "set parallel.ep=1" in harness["parallel.ep"]
+    assert "parallel.ep" not in harness  # the built-in engine keeps the expert group in step
     assert "agent harnesses (env.harness)" in harness["grpo.routing_replay"]
     assert "splices the calls' sampled tokens" in harness["grpo.routing_replay"]
-    partial = _errors_for(
-        ["model=tiny_moe", "grpo.partial_rollouts=true", "grpo.num_steps_async=1",
-         "grpo.max_staleness=3"]
+    served = _errors_for(
+        ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
+         "model.head_dim=32", "parallel.dp=2", "parallel.ep=2", "rollout.backend=vllm_server",
+         "rollout.servers.urls=[http://127.0.0.1:9]"]
     )  # fmt: skip
-    assert "partial rollouts" in partial["model.num_moe_experts"]
+    assert "rollout.backend=vllm_server run at parallel.ep=1 only" in served["parallel.ep"]
+    assert "rollout.backend=megatron" in served["parallel.ep"]
+    partial = _errors_for(  # on vLLM, which returns no routing here
+        ["model=tiny_moe", "model.head_dim=32", "grpo.partial_rollouts=true",
+         "grpo.num_steps_async=1", "grpo.max_staleness=3", "grpo.routing_replay=r3",
+         "rollout.backend=vllm"]
+    )  # fmt: skip
+    assert "AuxOutput Connector" in partial["grpo.routing_replay"]
+    assert "model.num_moe_experts" not in partial
     # tensor parallelism (with the sequence parallelism MoE needs there): routers see a slice
     sliced = _errors_for(
         ["model=tiny_moe", "parallel.tp=2", "parallel.sequence_parallel=true",
@@ -147,13 +170,20 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
         ["env=guess_number", "parallel.dp=2", "parallel.ep=2", "rollout.backend=vllm",
          "model.head_dim=32"],
         ["+env.harness=agent.py:run", "data.chat_template=qwen", "parallel.dp=2"],
+        ["+env.harness=agent.py:run", "data.chat_template=qwen", "parallel.dp=2",
+         "parallel.ep=2", "grpo.routing_replay=r2", "grpo.num_iterations=2"],
+        ["grpo.partial_rollouts=true", "grpo.num_steps_async=1", "grpo.max_staleness=3",
+         "grpo.overlap_generation=false", "parallel.dp=2", "parallel.ep=2",
+         "grpo.routing_replay=r3"],
     ],
-    ids=["env_dp2_ep2", "env_r2", "env_r3", "env_vllm", "harness_dp2_ep1"],
+    ids=["env_dp2_ep2", "env_r2", "env_r3", "env_vllm", "harness_dp2_ep1", "harness_dp2_ep2",
+         "partial_dp2_ep2"],
 )  # fmt: skip
-def test_an_moe_policy_validates_with_multi_turn_environments_and_harnesses(overrides, tmp_path):
+def test_an_moe_policy_validates_with_per_row_decoding(overrides, tmp_path):
     """The per-row decoder computes MoE blocks: multi-turn environments at any expert
     parallelism (the expert group kept in step), r2 and r3 (the decoder records the rollout's
-    routing), agent harnesses at ep 1."""
+    routing), agent harnesses and partial rollouts at any expert parallelism (the built-in
+    engine decodes an expert group's calls, and its rounds, together)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
@@ -323,10 +353,7 @@ def test_routing_replay_refusals_name_their_keys_all_at_once():
     assert "has no such pass" in errors["grpo.routing_replay"]
     assert "set model.recompute=selective or none" in errors["model.recompute"]
     assert "set parallel.cp=1" in errors["parallel.cp"]
-    assert (
-        "partial rollouts (grpo.partial_rollouts) with an MoE policy"
-        in errors["model.num_moe_experts"]
-    )
+    assert "model.num_moe_experts" not in errors  # partial rollouts run r2 (and none)
 
 
 def test_r3_is_refused_on_a_backend_that_returns_no_routing():
@@ -349,13 +376,18 @@ def test_r2_with_an_old_pass_validates():
     check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))
 
 
-def test_the_balance_loss_is_refused_where_its_routers_are_not_on_the_loss_stage():
+def test_the_balance_loss_is_refused_where_routers_see_a_slice_of_the_sequence():
+    """Pipeline stages take the loss (each adds its own routers' share: exact, tests/dist/
+    test_moe_balance_pipeline.py); sequence parallelism does not."""
     errors = _errors_for(
         ["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
          "parallel.tp=2", "parallel.sequence_parallel=true"]
     )  # fmt: skip
-    assert "with parallel.pp > 1" in errors["model.moe_aux_loss_coeff"]
+    assert "parallel.pp" not in errors["model.moe_aux_loss_coeff"]
     assert "with sequence parallelism" in errors["model.moe_aux_loss_coeff"]
+    assert errors["model.moe_aux_loss_coeff"].count("model.moe_aux_loss_coeff") == 1
+    _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
+                "parallel.dp=2", "parallel.ep=2"])  # fmt: skip
 
 
 def test_expert_keys_on_a_dense_preset(bin_dir, subprocess_env, tmp_path):

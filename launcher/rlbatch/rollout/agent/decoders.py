@@ -9,12 +9,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from rlbatch.rollout.expert_step import Ticking, drain
 from rlbatch.rollout.protocol import DecodedRow
 
 
 class AgentDecoder(Protocol):
     """What the agent engine decodes its calls on: the built-in engine
     (:class:`BuiltinDecoder`) or a backend with its own weights (:class:`SyncedDecoder`)."""
+
+    lockstep: bool
+    """The ranks of an expert-parallel group decode together: the agent engine agrees with
+    them once an iteration (:meth:`agree`) and calls with no row when only peers decode."""
+
+    def agree(self, flags: Sequence[bool]) -> list[bool]:
+        """Per flag, whether it holds on some rank of the group (``lockstep`` only)."""
+        ...
 
     def __call__(
         self,
@@ -42,10 +51,28 @@ class BuiltinDecoder:
     """Calls decoded on the built-in engine's continuous batch (its live weights are the
     policy's current version): each call sampled from its own key, so its tokens are those of
     the same call decoded alone; a call asking fewer tokens than the longest keeps its first
-    ``max_tokens``. An MoE policy decodes here at parallel.ep=1 (every expert on the rank)."""
+    ``max_tokens``.
+
+    An MoE policy at parallel.ep > 1 (``lockstep``): every forward exchanges tokens with the
+    rank's expert-parallel group, whose harnesses make their calls on their own schedules. The
+    agent engine then agrees with the group once an iteration whether any rank decodes
+    (:meth:`agree`), and they all decode together: before each forward of its own a rank says
+    so to the group (one all-reduce), and a rank with no forward at that tick (no call this
+    time, or its calls ended first) runs the decoder's idle forward (each MoE layer on one
+    zero token) until no rank of the group has one. The samples do not change."""
 
     def __init__(self, engine: Any, rollout: Any, pad_id: int) -> None:
+        from rlbatch import distributed
+        from rlbatch.engine import generation
+
         self.engine, self.rollout, self.pad_id = engine, rollout, pad_id
+        self.lockstep = generation.is_moe(engine.chunks[0]) and distributed.expert_group()[0] > 1
+
+    def agree(self, flags: Sequence[bool]) -> list[bool]:
+        """Per flag, whether it holds on some rank of the expert-parallel group."""
+        from rlbatch import distributed
+
+        return distributed.any_in_expert_group_each(flags)
 
     def __call__(
         self,
@@ -62,6 +89,10 @@ class BuiltinDecoder:
         from rlbatch.rollout.sampling import SamplingParams, row_keys
 
         engine, rollout = self.engine, self.rollout
+        if not prompt_ids:  # lockstep: only peers have calls
+            with generation.inference_mode(engine.chunks), torch.inference_mode():
+                drain(generation.LeanDecoder(engine.chunks[0], 1, 1))
+            return []
         eos = engine.params.eos_ids
         params = SamplingParams(
             max(max_tokens),
@@ -76,12 +107,12 @@ class BuiltinDecoder:
         longest = max(len(p) for p in prompt_ids) + params.max_new_tokens
         with generation.inference_mode(engine.chunks), torch.inference_mode():
             decoder = generation.LeanDecoder(engine.chunks[0], len(prompt_ids), longest)
-            if decoder.expert_parallel:  # refused before launch (config/agent_rules.py)
-                raise ValueError(
-                    "agent harnesses with an MoE policy decode on the built-in engine at "
-                    "parallel.ep=1 only: its calls are not kept in step with the expert group"
-                )
-            out = decode_continuous(decoder, prompt_ids, params, keys, len(prompt_ids), [])
+            if decoder.expert_parallel != self.lockstep:  # internal invariant
+                raise AssertionError("an expert-parallel decoder outside the lockstep")
+            stepped = Ticking(decoder) if self.lockstep else decoder
+            out = decode_continuous(stepped, prompt_ids, params, keys, len(prompt_ids), [])
+            if self.lockstep:
+                drain(decoder)
         rows = []
         for ids, logps, limit in zip(out.response_ids, out.logps, max_tokens, strict=True):
             ids, logps = ids[:limit], logps[:limit]
@@ -103,9 +134,14 @@ class SyncedDecoder:
     server (its prefix cache holds the conversation), a new episode on the server with the
     fewest (rlbatch.rollout.servers.backend)."""
 
+    lockstep = False
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         """The run's SyncedRolloutEngine (its backend, sampling and sync figures)."""
+
+    def agree(self, flags: Sequence[bool]) -> list[bool]:
+        return list(flags)
 
     def __call__(
         self,

@@ -187,7 +187,7 @@ class AgentRolloutEngine:
         queue = list(episodes)
         running: dict[str, _Running] = {}
         outcomes: dict[str, tuple[Episode, Any]] = {}
-        while queue or running:
+        while True:
             while queue and len(running) < env.max_concurrency:
                 key, ep = queue.pop(0)
                 running[key] = self._start(key, key, ep)
@@ -195,7 +195,8 @@ class AgentRolloutEngine:
             holder = self._holder(running, env.agent.block_timeout_s) if running else None
             if holder is not None:
                 self._unblock(session, running, outcomes, *holder)
-            self._decode(session, running)
+            if not self._decode(session, running, bool(queue or running)):
+                break
         return [outcomes[key] for key, _ in episodes]
 
     def _start(self, key: str, slot: str, ep: Episode) -> _Running:
@@ -264,12 +265,23 @@ class AgentRolloutEngine:
             del running[old]
             running[new] = self._start(new, r.slot, fresh)
 
-    def _decode(self, session: AgentSession, running: dict[str, _Running]) -> None:
-        """Decode the waiting calls once every live episode has one (AgentSession.take)."""
+    def _decode(self, session: AgentSession, running: dict[str, _Running], going: bool) -> bool:
+        """Decode the waiting calls once every live episode has one (AgentSession.take; after
+        the round's last episode ended too, as before: a call still queued is answered).
+        Returns whether the round goes on: this rank's episodes (``going``), or, with a decoder
+        whose forwards its expert-parallel group runs together (``decode.lockstep``: an MoE
+        policy at parallel.ep > 1 on the built-in engine), any peer's. Then every rank of the
+        group agrees once an iteration whether any of them goes on and whether any decodes, and
+        decodes together: a rank with no call of its own keeps the peers' all-to-alls fed
+        (BuiltinDecoder)."""
         live = [r.episode for r in running.values() if not r.future.done()]
         jobs = session.take(live, timeout=0.05)
+        if self.decode.lockstep:
+            going, decoding = self.decode.agree([going, bool(jobs)])
+            if decoding and not jobs:
+                self.decode([], [], [], self.version, [])
         if not jobs:
-            return
+            return going
         try:
             decoded = self.decode(
                 [j.prompt_ids for j in jobs],
@@ -285,6 +297,7 @@ class AgentRolloutEngine:
         for job, row in zip(jobs, decoded, strict=True):
             job.episode.idle_since = time.monotonic()
             job.future.set_result((row, self.version))
+        return going
 
     async def _episode(self, key: str, ep: Episode) -> Any:
         import openai
