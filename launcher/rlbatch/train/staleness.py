@@ -46,8 +46,12 @@ ROLLOUT_COUNTERS = (
     "rollout/server_resubmits",
     "rollout/server_restarts",
     "rollout/kv_cache_age",
+    "rollout/round_busy_slot_steps",
+    "rollout/round_slot_steps",
 )
-"""A round's rank-local counters (GeneratedRound.filter_metrics), summed over ranks."""
+"""A round's rank-local counters (GeneratedRound.filter_metrics), summed over ranks; the two
+``round_*`` ones are the round's own slot counts, which every step of the round reports for its
+occupancy (:func:`step_figures`)."""
 
 ROUND_EVENTS = (
     "rollout/busy_slot_steps",
@@ -67,6 +71,9 @@ def step_figures(batch: Any, ahead: dict[str, float] | None = None) -> dict[str,
     the events of rounds generated for steps past trainer.max_steps, which the run's last step
     reports (RunAheadProducer.take_ahead_events)."""
     figures = dict(batch.filter_metrics)
+    if "rollout/slot_steps" in figures:  # the round's occupancy, on every step of it
+        figures["rollout/round_busy_slot_steps"] = figures["rollout/busy_slot_steps"]
+        figures["rollout/round_slot_steps"] = figures["rollout/slot_steps"]
     if not batch.new_round:
         figures.update({k: 0.0 for k in ROUND_EVENTS if k in figures})
     for key, value in (ahead or {}).items():
@@ -114,7 +121,11 @@ def rollout_metrics(sums: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     if "rollout/slot_steps" in sums:
         busy, slots = sums["rollout/busy_slot_steps"], sums["rollout/slot_steps"]
-        out["rollout/slot_occupancy"] = busy / slots if slots else 1.0
+        # the step's round's own counts (every step of a round reports its occupancy, not the
+        # 1.0 of a step whose counts went to the round's first step)
+        r_busy = sums.get("rollout/round_busy_slot_steps", busy)
+        r_slots = sums.get("rollout/round_slot_steps", slots)
+        out["rollout/slot_occupancy"] = r_busy / r_slots if r_slots else 1.0
         out["rollout/slot_steps"] = slots
         out["rollout/busy_slot_steps"] = busy
     if sums.get("rollout/weight_syncs"):  # engines with their own weights (vLLM)

@@ -379,3 +379,24 @@ def test_a_round_counts_its_server_events_once_and_the_last_step_counts_the_roun
     train(cfg, _with_server_figures(_components(cfg), RESTARTS, RESUBMITS))
     more = read_jsonl(tmp_path / "ref" / "metrics.jsonl")
     assert _servers(more) == expected | {9: (0.0, 0.0, 1.0), 10: (0.0, 0.0, 1.0)}
+
+
+def test_every_step_of_a_round_reports_the_rounds_slot_occupancy():
+    """A round trained over two steps counts its decode slot-steps once (its first step) but
+    reports its occupancy on both, from its own counts; a round generated ahead for steps past
+    trainer.max_steps adds its slot-steps to the last step, not its occupancy."""
+    from types import SimpleNamespace
+
+    from rlbatch.train.staleness import ROLLOUT_COUNTERS, rollout_metrics, step_figures
+
+    counts = {"rollout/busy_slot_steps": 35.0, "rollout/slot_steps": 100.0}
+
+    def metrics(new_round, ahead=None):
+        figures = step_figures(SimpleNamespace(filter_metrics=dict(counts), new_round=new_round), ahead)  # fmt: skip
+        return rollout_metrics({k: figures[k] for k in ROLLOUT_COUNTERS if k in figures})
+
+    first, later = metrics(True), metrics(False)
+    assert first["rollout/slot_occupancy"] == later["rollout/slot_occupancy"] == 0.35
+    assert (first["rollout/slot_steps"], later["rollout/slot_steps"]) == (100.0, 0.0)
+    last = metrics(False, {"rollout/busy_slot_steps": 10.0, "rollout/slot_steps": 10.0})
+    assert last["rollout/slot_occupancy"] == 0.35 and last["rollout/slot_steps"] == 10.0
