@@ -99,10 +99,17 @@ def _seats(config_type: Any) -> dict[str, Any]:
     }
 
 
-def load_environment(spec: str) -> Any:
+def load_environment(
+    spec: str, *, on_host: bool = False, max_turns: Optional[int] = None,
+    max_total_tokens: Optional[int] = None,
+) -> Any:  # fmt: skip
     """The verifiers ``Env`` of ``spec`` as this run plays it: every seat in the subprocess
     runtime, a seat without a harness playing the taskset's own, else ``null``; one
-    interception server. VerifiersError saying what cannot run."""
+    interception server; each seat's ``max_turns`` / ``max_total_tokens`` the least of its own
+    and the run's (so verifiers ends the exchange itself, and scores it, at the run's limits).
+    VerifiersError saying what cannot run: a seat that declares another runtime (a container, a
+    remote sandbox) or plays a harness with tools that run on this machine (``bash``) is refused
+    unless ``on_host`` (env.agent.verifiers_on_host)."""
     import verifiers.v1 as vf
     from verifiers.v1.utils import loaders
 
@@ -114,6 +121,10 @@ def load_environment(spec: str) -> Any:
         data: dict[str, Any] = {"taskset": {"id": ident}, "interception": {"type": "server"}}
         for name, seat in seats.items():
             data[name] = {"runtime": {"type": "subprocess"}}
+            for key, limit in (("max_turns", max_turns), ("max_total_tokens", max_total_tokens)):
+                own = getattr(seat, key)
+                if limit is not None:
+                    data[name][key] = limit if own is None else min(own, limit)
             if seat.harness is None and not bundled:
                 data[name]["harness"] = {"id": "null"}
         env = vf.load_environment(vf.resolve_env_config(data))
@@ -121,22 +132,51 @@ def load_environment(spec: str) -> Any:
         raise
     except Exception as err:  # noqa: BLE001 - verifiers' loaders raise many kinds
         raise VerifiersError(f"verifiers cannot load it: {type(err).__name__}: {err}") from err
+    problems = [] if on_host else _sandbox_problems(seats)
     if len(seats) != 1:
-        raise VerifiersError(
+        problems.insert(0,
             f"its environment {type(env).__name__} has {len(seats)} agent seats"
             f" ({', '.join(seats)}): rlbatch trains one agent per episode (another seat's calls"
             " would reach the policy's endpoint and be trained); give it one seat"
-        )
+        )  # fmt: skip
     for name, harness in env.config.agent_harnesses().items():
         kind = _chat_kind(loaders.harness_class(harness.id))
         if kind is None:
-            raise VerifiersError(
+            problems.append(
                 f"its seat {name!r} plays the harness {harness.id!r}, whose program verifiers"
                 " installs at run time (uv, a container): rlbatch runs verifiers' chat-loop"
                 f" harnesses ({', '.join(CHAT_HARNESSES)}) with this interpreter; export"
                 " none (the seat plays null) or NullHarness from the taskset's module"
             )
+        elif kind == "bash" and not on_host:
+            problems.append(
+                f"its seat {name!r} plays the harness {harness.id!r}, whose tools (a shell,"
+                " file edits) would run the policy's commands on this machine as the"
+                f" trainer's user, where it can read and change the grader's files: {HOST_FIX}"
+            )
+    if problems:
+        raise VerifiersError("; ".join(problems))
     return env
+
+
+HOST_FIX = (
+    "give the taskset a tool-less or MCP-tool harness (export none, or NullHarness), or opt in"
+    " with env.agent.verifiers_on_host=true (docs/agents.md says what the policy can then read"
+    " and write)"
+)
+"""The fix named when an environment would run sandboxed work on this machine."""
+
+
+def _sandbox_problems(seats: dict[str, Any]) -> list[str]:
+    """The seats that declare a runtime other than verifiers' subprocess one (a container, a
+    remote sandbox): this run plays every seat in the subprocess runtime, on this machine."""
+    return [
+        f"its seat {name!r} declares the {seat.runtime.type} runtime (a sandbox the environment"
+        " keeps its agent in), and rlbatch runs every seat in the subprocess runtime on this"
+        f" machine, outside it: {HOST_FIX}"
+        for name, seat in seats.items()
+        if "runtime" in seat.model_fields_set and seat.runtime.type != "subprocess"
+    ]
 
 
 def _chat_kind(harness_class: type) -> Optional[str]:
@@ -281,10 +321,11 @@ def run_chat_in_process(path: Path) -> None:
     SubprocessRuntime.run_program = run_program  # type: ignore[method-assign]
 
 
-def check(spec: str) -> list[str]:
+def check(spec: str, *, on_host: bool = False) -> list[str]:
     """Every reason ``spec`` cannot train here (before launch), or []: verifiers installed, the
-    environment loadable with one seat playing a chat-loop harness, a finite taskset with tasks,
-    this interpreter able to run the chat program."""
+    environment loadable with one seat playing a chat-loop harness (no sandbox or ``bash``
+    unless ``on_host``), a finite taskset with tasks, this interpreter able to run the chat
+    program."""
     if importlib.util.find_spec("verifiers") is None:
         return ["needs the verifiers package: pip install 'rlbatch[verifiers]'"]
     problems = []
@@ -294,7 +335,7 @@ def check(spec: str) -> list[str]:
     if problem:
         problems.append(problem)
     try:
-        load_tasks(load_environment(spec))
+        load_tasks(load_environment(spec, on_host=on_host))
     except VerifiersError as err:
         problems.append(str(err))
     return problems
@@ -326,7 +367,7 @@ def taskset_rows(spec: str) -> list[tuple[Any, str, dict[str, Any]]]:
     as text or messages, the answer its ``answer`` field when it has one ("" otherwise), the
     fields the task's index and key (and its id and name when set)."""
     rows = []
-    for i, task in enumerate(load_tasks(load_environment(spec))):
+    for i, task in enumerate(load_tasks(load_environment(spec, on_host=True))):  # rows only
         data = task.data
         answer = getattr(data, "answer", "")
         answer = answer if isinstance(answer, str) else "" if answer is None else str(answer)
@@ -346,7 +387,12 @@ class VerifiersHarness:
         import verifiers.v1  # noqa: F401 - here, not on the harness loop: seconds of imports
 
         self.spec = str(cfg.env.agent.verifiers)
-        self.tasks = load_tasks(load_environment(self.spec))
+        self.settings: dict[str, Any] = {
+            "on_host": bool(cfg.env.agent.verifiers_on_host),
+            "max_turns": int(cfg.env.max_turns),
+            "max_total_tokens": int(cfg.env.max_total_tokens),
+        }
+        self.tasks = load_tasks(load_environment(self.spec, **self.settings))
         problem = program_problem()
         if problem:  # the pre-launch check says so first
             raise VerifiersError(problem)
@@ -365,7 +411,7 @@ class VerifiersHarness:
         lock, served = self._loops.setdefault(loop, (asyncio.Lock(), []))
         async with lock:
             if not served:
-                env = load_environment(self.spec)
+                env = load_environment(self.spec, **self.settings)
                 serving = env.serving()
                 await serving.__aenter__()
                 served += [env, serving]  # held: a context dropped is collected, and closed
@@ -398,12 +444,14 @@ class VerifiersHarness:
                 kept = getattr(server, "clients", {}).pop(key, None)
                 if kept is not None:
                     await kept.close()
-        return episode_result(episode)
+        return episode_result(episode, self.settings["max_total_tokens"])
 
 
-def episode_result(episode: Any) -> dict[str, float]:
+def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict[str, float]:
     """The reward of a finished verifiers episode (its trace's rewards' weighted sum) with each
-    reward's score and each numeric metric; VerifiersError naming what failed."""
+    reward's score and each numeric metric; VerifiersError naming what failed, or naming the
+    call the endpoint answered with no tokens (its prompt left nothing of env.max_total_tokens):
+    the rubric scored an empty reply the policy never sampled."""
     failed = [f"{e.type}: {e.message}" for e in episode.errors]
     for trace in episode.traces:
         failed += [f"{e.type}: {e.message}" for e in trace.errors]
@@ -411,6 +459,15 @@ def episode_result(episode: Any) -> dict[str, float]:
         why = "; ".join(dict.fromkeys(failed)) or f"{len(episode.traces)} traces"
         raise VerifiersError(f"the verifiers episode failed: {why}"[:2000])
     (trace,) = episode.traces
+    for i, call in enumerate(trace.calls):
+        if call.usage is not None and call.usage.completion_tokens == 0 and call.finish_reason == "length":  # fmt: skip
+            raise VerifiersError(
+                f"verifiers' call {i} has a prompt of {call.usage.input_tokens} tokens, which"
+                f" leaves no room under env.max_total_tokens={max_total_tokens}: the endpoint"
+                " answered it with no tokens, and the environment's rubric would score that"
+                " empty reply as the policy's; raise env.max_total_tokens (or shorten what"
+                " the environment sends: its system prompt, tool schemas, observations)"
+            )
     parts = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
     for name, value in trace.metrics.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
