@@ -213,3 +213,19 @@ def test_a_reply_the_endpoint_answered_empty_is_not_scored():
     trace = vf.Trace(task=task, agent=AgentInfo(config=vf.AgentConfig()), calls=[call], ok=True)
     with pytest.raises(VerifiersError, match="call 0 has a prompt of 796 tokens.*env.max_total_tokens=320"):  # fmt: skip
         episode_result(vf.Episode(task=task, traces=[trace], ok=True), 320)
+
+
+def test_a_reward_that_reads_the_answer_is_refused_on_tasks_without_one(tmp_path):
+    """A taskset whose tasks have no answer field: data.reward=exact_match (which would pay an
+    empty reply for the empty answer) is a problem for every task, naming the reward; with
+    data.reward=none the rows are read, their answer empty."""
+    from rlbatch.config.schema import DataConfig
+    from rlbatch.grpo.data import read_examples
+
+    path = _module(tmp_path, "vf_noanswer", TASKS.format(infinite=False, count=2) + "\n__all__ = ['Tasks']\n")  # fmt: skip
+    examples, problems = read_examples(DataConfig(reward="exact_match"), 0, verifiers=path)
+    assert [p.where for p in problems] == ["task 0", "task 1"]
+    assert "has no answer field, and data.reward exact_match" in problems[0].message
+    assert "set data.reward=none" in problems[0].message
+    examples, problems = read_examples(DataConfig(reward="none"), 0, verifiers=path)
+    assert problems == [] and [e.answer for e in examples] == ["", ""]

@@ -362,15 +362,15 @@ def _text(content: Any) -> str:
     return "".join(getattr(part, "text", "") or "" for part in content or [])
 
 
-def taskset_rows(spec: str) -> list[tuple[Any, str, dict[str, Any]]]:
+def taskset_rows(spec: str) -> list[tuple[Any, Optional[str], dict[str, Any]]]:
     """(prompt, answer, fields) of every task of ``spec``'s taskset, in its order: the prompt
-    as text or messages, the answer its ``answer`` field when it has one ("" otherwise), the
+    as text or messages, the answer its ``answer`` field when it has one (None otherwise), the
     fields the task's index and key (and its id and name when set)."""
-    rows = []
+    rows: list[tuple[Any, Optional[str], dict[str, Any]]] = []
     for i, task in enumerate(load_tasks(load_environment(spec, on_host=True))):  # rows only
         data = task.data
-        answer = getattr(data, "answer", "")
-        answer = answer if isinstance(answer, str) else "" if answer is None else str(answer)
+        answer = getattr(data, "answer", None)
+        answer = answer if answer is None or isinstance(answer, str) else str(answer)
         fields: dict[str, Any] = {TASK_FIELD: i, KEY_FIELD: task.key}
         fields.update({k: v for k, v in (("id", data.id), ("name", data.name)) if v is not None})
         rows.append((_prompt(data), answer, fields))
