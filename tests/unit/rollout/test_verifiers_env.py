@@ -115,6 +115,14 @@ def test_environments_this_run_cannot_play_are_refused_with_the_fix(tmp_path):
             "holds no tasks",
         ),  # fmt: skip
         "vf_broken": ("import verifiers.v1 as vf\n__all__ = []\n", "verifiers cannot load it"),
+        "vf_retry": (
+            one
+            + BOXED.replace(
+                'runtime={"type": "docker", "image": "python:3.11-slim"}',
+                "retries=vf.RetryConfig(max_retries=1)",
+            ),
+            "its seat 'agent' retries a failed rollout (retries.max_retries=1)",
+        ),  # fmt: skip
     }
     for name, (text, needle) in cases.items():
         problems = verifiers_env.check(_module(tmp_path, name, text))

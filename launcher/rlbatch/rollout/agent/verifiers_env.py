@@ -133,6 +133,15 @@ def load_environment(
     except Exception as err:  # noqa: BLE001 - verifiers' loaders raise many kinds
         raise VerifiersError(f"verifiers cannot load it: {type(err).__name__}: {err}") from err
     problems = [] if on_host else _sandbox_problems(seats)
+    problems += [
+        f"its seat {name!r} retries a failed rollout (retries.max_retries="
+        f"{seat.retries.max_retries}): the calls of an attempt verifiers discards reach the"
+        " policy's endpoint and would be trained, and the kept attempt's trace carries the"
+        " discarded one's errors; set max_retries=0 (env.on_error decides what a failed"
+        " episode does)"
+        for name, seat in seats.items()
+        if seat.retries.max_retries > 0
+    ]
     if len(seats) != 1:
         problems.insert(0,
             f"its environment {type(env).__name__} has {len(seats)} agent seats"
