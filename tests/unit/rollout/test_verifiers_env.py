@@ -237,3 +237,32 @@ def test_a_reward_that_reads_the_answer_is_refused_on_tasks_without_one(tmp_path
     assert "set data.reward=none" in problems[0].message
     examples, problems = read_examples(DataConfig(reward="none"), 0, verifiers=path)
     assert problems == [] and [e.answer for e in examples] == ["", ""]
+
+
+def test_the_environment_s_serving_context_is_closed_at_exit(tmp_path):
+    """The harness enters the environment's serving context (interception server, shared tool
+    servers) on its rank's loop and registers its exit: closing it on the running loop stops
+    verifiers' interception server."""
+    import atexit
+    import threading
+
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.rollout.agent import verifiers_env
+
+    cfg = RunConfig()
+    path = _module(tmp_path, "vf_served", TASKS.format(infinite=False, count=1) + "\n__all__ = ['Tasks']\n")  # fmt: skip
+    cfg.env.agent.verifiers = path
+    harness = verifiers_env.VerifiersHarness(cfg)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        env = asyncio.run_coroutine_threadsafe(harness._env(), loop).result(60)
+        assert env._interception is not None  # serving
+        _, (_, serving) = harness._loops[loop]
+        atexit.unregister(verifiers_env.close_serving)  # this test closes it itself
+        verifiers_env.close_serving(loop, serving)
+        assert env._interception is None
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

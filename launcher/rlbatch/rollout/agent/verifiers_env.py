@@ -38,6 +38,7 @@ What runs here and why:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextvars
 import hashlib
 import importlib.metadata
@@ -424,6 +425,7 @@ class VerifiersHarness:
                 serving = env.serving()
                 await serving.__aenter__()
                 served += [env, serving]  # held: a context dropped is collected, and closed
+                atexit.register(close_serving, loop, serving)
         return served[0]
 
     async def __call__(self, client: Any, model: str, row: dict[str, Any]) -> dict[str, float]:
@@ -454,6 +456,27 @@ class VerifiersHarness:
                 if kept is not None:
                     await kept.close()
         return episode_result(episode, self.settings["max_total_tokens"])
+
+
+def close_serving(loop: asyncio.AbstractEventLoop, serving: Any, timeout_s: float = 10.0) -> None:
+    """Exit an environment's serving context on its event loop (at the process's exit, while
+    the loop's thread still runs): verifiers stops its interception server and the taskset's
+    shared tool servers and removes their folders, rather than leaving them to interpreter
+    shutdown (which fails in verifiers' teardown). A loop that is gone or does not answer
+    within ``timeout_s`` (one the watchdog abandoned) is left as it is."""
+    if loop.is_closed() or not loop.is_running():
+        return
+    future = asyncio.run_coroutine_threadsafe(serving.__aexit__(None, None, None), loop)
+    try:
+        future.result(timeout=timeout_s)
+    except Exception as err:  # noqa: BLE001 - at exit: say so, do not mask the run's outcome
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "the verifiers environment's serving context did not close: %s: %s",
+            type(err).__name__,
+            err,
+        )
 
 
 def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict[str, float]:
