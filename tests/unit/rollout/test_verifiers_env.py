@@ -260,9 +260,10 @@ def test_the_environment_s_serving_context_is_closed_at_exit(tmp_path):
         env = asyncio.run_coroutine_threadsafe(harness._env(), loop).result(60)
         assert env._interception is not None  # serving
         _, (_, serving) = harness._loops[loop]
+        assert verifiers_env._SERVING == [(loop, serving)]  # closed at exit
         atexit.unregister(verifiers_env.close_serving)  # this test closes it itself
-        verifiers_env.close_serving(loop, serving)
-        assert env._interception is None
+        verifiers_env.close_serving(verifiers_env._SERVING)
+        assert env._interception is None and verifiers_env._SERVING == []
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)

@@ -46,6 +46,7 @@ import importlib.util
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -425,7 +426,9 @@ class VerifiersHarness:
                 serving = env.serving()
                 await serving.__aenter__()
                 served += [env, serving]  # held: a context dropped is collected, and closed
-                atexit.register(close_serving, loop, serving)
+                if not _SERVING:
+                    atexit.register(close_serving, _SERVING)
+                _SERVING.append((loop, serving))
         return served[0]
 
     async def __call__(self, client: Any, model: str, row: dict[str, Any]) -> dict[str, float]:
@@ -458,25 +461,34 @@ class VerifiersHarness:
         return episode_result(episode, self.settings["max_total_tokens"])
 
 
-def close_serving(loop: asyncio.AbstractEventLoop, serving: Any, timeout_s: float = 10.0) -> None:
-    """Exit an environment's serving context on its event loop (at the process's exit, while
-    the loop's thread still runs): verifiers stops its interception server and the taskset's
-    shared tool servers and removes their folders, rather than leaving them to interpreter
-    shutdown (which fails in verifiers' teardown). A loop that is gone or does not answer
-    within ``timeout_s`` (one the watchdog abandoned) is left as it is."""
-    if loop.is_closed() or not loop.is_running():
-        return
-    future = asyncio.run_coroutine_threadsafe(serving.__aexit__(None, None, None), loop)
-    try:
-        future.result(timeout=timeout_s)
-    except Exception as err:  # noqa: BLE001 - at exit: say so, do not mask the run's outcome
-        import logging
+_SERVING: list[tuple[asyncio.AbstractEventLoop, Any]] = []
+"""Every (loop, serving context) this process entered, closed at its exit."""
 
-        logging.getLogger(__name__).warning(
-            "the verifiers environment's serving context did not close: %s: %s",
-            type(err).__name__,
-            err,
-        )
+
+def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s: float = 10.0) -> None:  # fmt: skip
+    """Exit each environment's serving context on its event loop (at the process's exit, while
+    the loops' threads still run): verifiers stops its interception server and the taskset's
+    shared tool servers and removes their folders, rather than leaving them to interpreter
+    shutdown (which fails in verifiers' teardown). All at once, within ``timeout_s`` together:
+    a loop that is gone or does not answer (one the watchdog abandoned) is left as it is."""
+    import logging
+
+    futures = [
+        asyncio.run_coroutine_threadsafe(serving.__aexit__(None, None, None), loop)
+        for loop, serving in served
+        if not loop.is_closed() and loop.is_running()
+    ]
+    deadline = time.monotonic() + timeout_s
+    for future in futures:
+        try:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as err:  # noqa: BLE001 - at exit: say so, do not mask the run's outcome
+            logging.getLogger(__name__).warning(
+                "a verifiers environment's serving context did not close: %s: %s",
+                type(err).__name__,
+                err,
+            )
+    served.clear()
 
 
 def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict[str, float]:
