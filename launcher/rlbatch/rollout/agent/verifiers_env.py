@@ -479,15 +479,21 @@ def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s
         if not loop.is_closed() and loop.is_running()
     ]
     deadline = time.monotonic() + timeout_s
+    failed = []
     for future in futures:
         try:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as err:  # noqa: BLE001 - at exit: say so, do not mask the run's outcome
-            logging.getLogger(__name__).warning(
-                "a verifiers environment's serving context did not close: %s: %s",
-                type(err).__name__,
-                err,
-            )
+            failed.append(type(err).__name__)
+    if failed:
+        logging.getLogger(__name__).warning(
+            "%d of the verifiers environment's %d serving contexts did not close within %.0f s"
+            " (%s; an event loop held by blocking code does not answer)",
+            len(failed),
+            len(futures),
+            timeout_s,
+            ", ".join(sorted(set(failed))),
+        )
     served.clear()
 
 
