@@ -363,7 +363,8 @@ class AgentRolloutEngine:
         }
         metrics = {f"reward/harness.{k}": v for k, v in parts.items()}  # the logged parts
         if not segments:  # a failed episode with nothing sampled: one masked token, no loss
-            return Sample(ep.prompt, group, [eos], [0.0], False, version, loss_mask=[0], episode=record, metrics=metrics)  # fmt: skip
+            # (truncated as its record: its calls the run's limits answered with no tokens)
+            return Sample(ep.prompt, group, [eos], [0.0], truncated, version, loss_mask=[0], episode=record, metrics=metrics)  # fmt: skip
         samples = [self._segment_sample(ep, group, seg, version, truncated) for seg in segments]
         *earlier, last = samples
         last.episode, last.metrics = record, metrics
