@@ -1,6 +1,6 @@
 """Agent harness faults through the real rlbatch-train: a harness that raises, returns a
-non-number, asks n > 1, makes no call, hangs or holds the event loop, next to one whose calls
-run past env.max_turns and one that sends token ids to /v1/completions (streamed), in one run
+non-number, asks n > 1, makes no call, sends a prompt past env.max_total_tokens, hangs or holds
+the event loop, next to one whose calls run past env.max_turns and one that sends token ids to /v1/completions (streamed), in one run
 under env.on_error=zero_reward; the harness holding the loop stopping the run under
 raise_error, naming its episode and line without a traceback; a harness that raises on some of
 the policy's replies under env.on_error=skip, whose errored episodes carry no loss and leave
@@ -69,6 +69,9 @@ async def run(client, model, row):
         await client.chat.completions.create(model=model, n=2, messages=[{"role": "user", "content": "x"}])
     if kind == 3:
         return 1.0
+    if kind == 9:  # a prompt longer than env.max_total_tokens: answered with no tokens
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x" * 4000}])
+        return 1.0
     if kind == 4:
         await asyncio.sleep(120)
     if kind == 5:  # past env.max_turns=3 a call is answered with no tokens
@@ -103,7 +106,7 @@ async def run(client, model, row):
 def fault_run(bin_dir, subprocess_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     (tmp / "faults.py").write_text(FAULTS)
-    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(9)]
+    rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in range(10)]
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp / "blocking.jsonl").write_text("".join(json.dumps(rows[k]) + "\n" for k in (6, 7, 6, 6)))
     return tmp
@@ -119,7 +122,7 @@ def zero_run(fault_run, bin_dir, subprocess_env):
     run_dir = fault_run / "zero"
     proc = _run(bin_dir, subprocess_env, fault_run, f"hydra.run.dir={run_dir}",
                 "env.harness=faults.py:run", "env.on_error=zero_reward", "data.path=rows.jsonl",
-                "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=36",
+                "logging.samples=true", "trainer.max_steps=1", "grpo.global_batch_size=40",
                 "env.agent.episode_timeout_s=30", "env.timeout_s=1", "env.max_error_fraction=1.0",
                 "env.max_turns=3", "env.agent.block_timeout_s=4",
                 "grpo.mask_truncated_completions=true",
@@ -140,8 +143,10 @@ def test_harness_faults_score_zero_under_zero_reward(zero_run):
         2: "asked for n=2",
         3: "made no call to the endpoint",
         4: "took longer than env.agent.episode_timeout_s",
+        # named as the budget, not as a harness that made no call
+        9: "sampled no token: its first call's prompt is 4",
     }
-    assert len(samples) == 36 + 4  # each best-of-2 episode (answer 8) trains 2 samples
+    assert len(samples) == 40 + 4  # each best-of-2 episode (answer 8) trains 2 samples
     # one episode held the loop: it alone is the error, named with the line it blocked at; the
     # episodes beside it restarted on a fresh loop and ended as they would have
     blocked = [s for s in samples if s["answer"] == "7" and s["end"] == "error"]

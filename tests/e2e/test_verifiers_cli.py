@@ -1,7 +1,7 @@
 """verifiers environments through the real rlbatch-train (env.agent.verifiers): two small
 verifiers 0.4 environments written here, loaded from local files. A single-turn one (four sums,
-two weighted rewards) trains two steps; a multi-turn one (its Env answers the first reply with
-"another" and takes a second) trains one. Every trained token is one the policy sampled (the
+two weighted rewards) trains two steps; a multi-turn one (its Env answers every reply with
+"another" until the exchange ends, which verifiers does at the run's env.max_turns=2) trains one. Every trained token is one the policy sampled (the
 endpoint's records), the reward is the environment's own scoring recomputed here from the
 replies the policy sampled, each reward is logged, the taskset's tasks are the rows, the second
 turn is spliced onto the first. verifiers' chat program runs with this interpreter: a `uv` first
@@ -78,11 +78,12 @@ class TwoTurnsConfig(vf.EnvConfig):
 
 
 class TwoTurns(vf.Env[TwoTurnsConfig]):
+    # asks again until the exchange ends: verifiers ends it at the run's env.max_turns
     async def run(self, task, agents):
         async with agents.agent.interaction(task) as chat:
-            first = await chat.turn()
-            if not first.terminated:
-                await chat.turn("another")
+            turn = await chat.turn()
+            while not turn.terminated:
+                turn = await chat.turn("another")
 
 
 __all__ = ["Asks", "TwoTurns"]
@@ -98,7 +99,7 @@ class Tasks(vf.Taskset[vf.Task]):
 
 
 class PairConfig(vf.EnvConfig):
-    agent: vf.AgentConfig = vf.AgentConfig()
+    agent: vf.AgentConfig = vf.AgentConfig(runtime={"type": "docker", "image": "python:3.11-slim"})
     judge: vf.AgentConfig = vf.AgentConfig()
 
 
@@ -152,7 +153,8 @@ def single_run(tmp, bin_dir):
 
 @pytest.fixture(scope="module")
 def multi_run(tmp, bin_dir):
-    return _train(bin_dir, tmp, "turns", "trainer.max_steps=1")
+    return _train(bin_dir, tmp, "turns", "trainer.max_steps=1", "env.max_turns=2",
+                  "env.agent.episode_timeout_s=120")  # fmt: skip
 
 
 def _text(ids):
@@ -198,7 +200,8 @@ def test_a_single_turn_environment_trains_on_its_tasks_and_rewards(single_run, t
 
 
 def test_a_multi_turn_environment_splices_its_turns(multi_run):
-    """The environment's Env takes two replies, "another" between them: one sample per
+    """The environment's Env asks until the exchange ends; verifiers ends it at env.max_turns=2
+    (not the endpoint answering empty past it, forever): two replies, "another" between them, one sample per
     episode, the second call extending the first token for token, "another" once between the
     replies; the reward is 0.5 per reply that opens with a digit."""
     proc, records, samples = multi_run
@@ -226,6 +229,8 @@ def test_configuration_errors_before_launch(tmp, bin_dir):
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
     for needle in ("are two ways to run episodes", "set data.path=null", "set eval.every_steps=0",
-                   "set data.reward=none", "has 2 agent seats (agent, judge)"):  # fmt: skip
+                   "set data.reward=none", "has 2 agent seats (agent, judge)",
+                   "its seat 'agent' declares the docker runtime",
+                   "env.agent.verifiers_on_host=true"):  # fmt: skip
         assert needle in out, (needle, out[-3000:])
     assert "Nothing was run" in out

@@ -325,8 +325,8 @@ def test_multi_turn_episodes_run_on_the_servers(servers, bin_dir, subprocess_env
     tp 2 x pp 2 (one model-parallel group of four ranks: its first rank sends the requests and
     steps the environment, the weights are gathered from the four shards): a turn per request
     continuing the row's exact ids, the environment stepped by one process only, observations
-    without loss, and the servers' behaviour log-probs of the assistant tokens the trainer's at
-    both steps."""
+    without loss, every turn of an episode on one server (new episodes on both), and the
+    servers' behaviour log-probs of the assistant tokens the trainer's at both steps."""
     from rlbatch.engine.tokenizer import ByteTokenizer
 
     (tmp_path / "counted.py").write_text(COUNTED_ENV)
@@ -348,7 +348,7 @@ def test_multi_turn_episodes_run_on_the_servers(servers, bin_dir, subprocess_env
         assert abs(r["mismatch_kl_k1"]) < 1e-6
         assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
     assert len(list(tmp_path.glob("steps.*"))) == 1
-    tok, observed = ByteTokenizer(), 0
+    tok, observed, used = ByteTokenizer(), 0, set()
     for step in (1, 2):
         lines = (run_dir / "samples" / f"step_{step:05d}.jsonl").read_text().splitlines()
         for s in map(json.loads, lines):
@@ -363,7 +363,12 @@ def test_multi_turn_episodes_run_on_the_servers(servers, bin_dir, subprocess_env
                     assert mask == [1] * len(ids)
                 pos += turn["tokens"]
             assert pos == len(s["response_ids"])
+            # every turn of an episode on one server (its prefix cache holds the conversation)
+            said = {t.get("server") for t in s["turns"] if t["role"] == "assistant"}
+            assert len(said) == 1 and said <= set(servers), said
+            used |= said
     assert observed > 0
+    assert used == set(servers)  # new episodes spread over both
 
 
 AGENT_HARNESS = """

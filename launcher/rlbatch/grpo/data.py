@@ -70,6 +70,10 @@ def describe_problems(path: str | None, problems: list[RowProblem]) -> str:
     return "\n".join(lines)
 
 
+ANSWER_READERS = ("exact_match", "math", "math_verify")
+"""Built-in rewards that compare the reply with the row's answer."""
+
+
 def read_examples(
     cfg: DataConfig, seed: int, *, need_answer: bool = True, verifiers: str | None = None
 ) -> tuple[list[RawExample], list[RowProblem]]:
@@ -84,10 +88,20 @@ def read_examples(
             tasks = taskset_rows(verifiers)
         except VerifiersError as err:
             raise ValueError(f"env.agent.verifiers={verifiers}: {err}") from err
+        readers = [s for s in cfg.reward_fn or [cfg.reward] if s in ANSWER_READERS] if need_answer else []  # fmt: skip
         return [
-            RawExample(prompt, answer, fields, where=f"task {fields['verifiers_task']}")
+            RawExample(prompt, answer or "", fields, where=f"task {fields['verifiers_task']}")
             for prompt, answer, fields in tasks
-        ], []
+        ], [
+            RowProblem(
+                f"task {fields['verifiers_task']}",
+                f"has no answer field, and data.reward {readers[0]} compares the reply with the"
+                " row's answer (an empty answer would pay an empty reply): set data.reward=none"
+                " (the environment's rewards alone) or give the tasks an answer",
+            )
+            for _, answer, fields in tasks
+            if answer is None and readers
+        ]
     source = DataSource(cfg.source)
     if source == DataSource.builtin:
         return [

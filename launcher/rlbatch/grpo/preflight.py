@@ -211,7 +211,7 @@ def _check_verifiers(cfg: RunConfig, errors: list[ConfigError]) -> bool:
     path = Path(spec).expanduser()
     if path.exists() and (spec.endswith(".py") or "/" in spec or spec.startswith(".")):
         cfg.env.agent.verifiers = spec = str(path.resolve())
-    problems = verifiers_env.check(spec)
+    problems = verifiers_env.check(spec, on_host=cfg.env.agent.verifiers_on_host)
     errors += [ConfigError("env.agent.verifiers", spec, p) for p in problems]
     return not problems
 

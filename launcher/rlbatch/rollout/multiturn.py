@@ -64,6 +64,8 @@ class Trajectory:
     truncated: bool = False
     turn_start: int = 0
     """Index in ids where the current assistant turn starts."""
+    servers: list[Optional[str]] = field(default_factory=list)
+    """The rollout server of each decoded turn (rollout.backend=vllm_server; None elsewhere)."""
     routing: Any = None
     """MoE, recorded by the decoder: ``[prompt + len(ids), num_moe_layers, k]`` the experts
     each token of the episode was routed to as it was fed (rlbatch.engine.routing)."""

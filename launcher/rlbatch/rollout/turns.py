@@ -26,6 +26,7 @@ rank can see another turn than its peers, whatever the engine or the environment
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -49,21 +50,50 @@ def decode_turns_on(
     driver: TurnDriver,
     max_response: Sequence[int],
 ) -> list[Trajectory]:
-    """Every row's trajectory (see the module docstring); the driver's episodes have begun."""
+    """Every row's trajectory (see the module docstring); the driver's episodes have begun.
+    On rollout servers (a backend that pins episodes: ``release``) every turn of a row's
+    episode goes to the server of its first turn, whose prefix cache holds the conversation;
+    each turn's server is in ``servers`` (one per decoded turn)."""
     trajs = [Trajectory() for _ in prompt_ids]
+    pinned = hasattr(backend, "release")
+    keys = [f"turns-{next(_EPISODES)}" for _ in prompt_ids] if pinned else []
+    try:
+        return _decode_turns(backend, prompt_ids, seeds, sampling, driver, max_response, trajs, keys)  # fmt: skip
+    finally:
+        if keys:
+            backend.release(keys)  # type: ignore[attr-defined]
+
+
+_EPISODES = itertools.count()
+"""The keys the servers pin an env.path episode's turns by (unique in this process)."""
+
+
+def _decode_turns(
+    backend: TokenBackend,
+    prompt_ids: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    sampling: TokenSampling,
+    driver: TurnDriver,
+    max_response: Sequence[int],
+    trajs: list[Trajectory],
+    keys: list[str],
+) -> list[Trajectory]:
     live = list(range(len(prompt_ids)))
     turn = 0
     while live:
         limits = [min(sampling.max_new_tokens, max_response[r] - len(trajs[r].ids)) for r in live]
+        pinned = {"episodes": [keys[r] for r in live]} if keys else {}
         decoded = backend.decode(
             [[*prompt_ids[r], *trajs[r].ids] for r in live],
             [segment_seed(seeds[r], turn) for r in live],
             sampling,
             limits,
+            **pinned,
         )
         waiting = []
         for r, d in zip(live, decoded, strict=True):
             traj = trajs[r]
+            traj.servers.append(d.server)
             for token, logp in zip(d.tokens, d.logps, strict=True):
                 traj.add_sampled(token, logp)
             eos = bool(d.tokens) and d.tokens[-1] in sampling.eos_ids
@@ -151,7 +181,13 @@ class TurnSamples:
         budget = [self.max_total_tokens - len(p) for p in prompt_ids]
         self.driver.begin([p for _, p in rows])
         trajs = decode_turns_on(backend, prompt_ids, seeds, sampling, self.driver, budget)
-        return episode_samples(rows, trajs, self.driver.records(), version)
+        records = self.driver.records()
+        for traj, record in zip(trajs, records, strict=True):
+            if any(traj.servers):  # each assistant turn's server, as an agent call names its own
+                said = [t for t in record.get("turns", []) if t.get("role") == "assistant"]
+                for t, server in zip(said, traj.servers, strict=False):
+                    t["server"] = server
+        return episode_samples(rows, trajs, records, version)
 
 
 def build_turn_driver(cfg: Any, tokenizer: Any) -> Any:

@@ -44,12 +44,17 @@ def reward_means(samples: Sequence[Sample], names: Sequence[str], dist: Any) -> 
     return {f"reward/{n}_mean": v / count for n, v in zip(names, total[1:], strict=True)}
 
 
-def failure_counts(samples: Sequence[Sample], dist: Any) -> dict[str, float]:
+def failure_counts(samples: Sequence[Sample], dist: Any, iteration: int = 0) -> dict[str, float]:
     """``reward_fail/<reason>``: failures of the step's samples by reason (every reason of
-    rlbatch.rewards.base.FAILURE_REASONS, all ranks), for runs with a brought reward."""
+    rlbatch.rewards.base.FAILURE_REASONS, all ranks), for runs with a brought reward; 0 at
+    ``iteration`` > 0 (grpo.num_iterations: the round's samples, scored once, trained again),
+    so summed over steps each failure counts once (data.served.max_error_fraction reads its
+    own per-sample flag, rlbatch.train.build.served_failures)."""
     from rlbatch.rewards.base import FAILURE_REASONS
 
     keys = [f"reward_fail/{r}" for r in FAILURE_REASONS]
+    if iteration > 0:  # every rank is at the same iteration: no collective on any
+        return dict.fromkeys(keys, 0.0)
     local = [sum(s.metrics.get(k, 0.0) for s in samples) for k in keys]
     return dict(zip(keys, dist.all_reduce_sum(local), strict=True))
 
@@ -225,7 +230,7 @@ def make_batch_figures(
 ) -> Callable[[list[Sample], int, int], dict[str, Any]]:
     """figures(samples, step, iteration): the batch's own figures, summed over the ranks'
     samples: the reward's mean per component, failure counts (rewards brought in,
-    environments), episode figures (multi-turn; their warnings printed once; their event
+    environments; at a round's first iteration only), episode figures (multi-turn; their warnings printed once; their event
     counters counted at a round's first iteration only: grpo.num_iterations > 1 trains the same
     episodes again, rlbatch.train.episodes.episode_metrics) and the teacher's (distillation)."""
     from rlbatch.grpo.distill import distill_metrics, sample_sums
@@ -244,7 +249,7 @@ def make_batch_figures(
         if distill_on(cfg):  # in-process or served teacher
             sums = world.all_reduce_sum(sample_sums(trained_samples(samples)))
             distill = distill_metrics(sums, cfg.parallel.dp)
-        failures = failure_counts(samples, world) if count_failures else {}
+        failures = failure_counts(samples, world, iteration) if count_failures else {}
         if episodes and iteration == 0:  # a later iteration trains the episodes checked then
             _warn_env(check_env_errors(episodes, samples, cfg.env, step), rank, warned)
         return {**reward_means(samples, names, world), **failures, **episodes, **distill}

@@ -58,9 +58,14 @@ ROUND_EVENTS = (
     "rollout/slot_steps",
     "rollout/server_resubmits",
     "rollout/server_restarts",
+    "generation_rounds",
+    "prompts_drawn",
+    "groups_filtered",
+    "groups_unused",
 )
-"""The counters of things that happened once while a round was generated: a step reports them
-on its round's first step only (:func:`step_figures`); the round's ratios and gauges
+"""The counters of things that happened once while a round was generated (the rollout's, and
+dynamic sampling's draws): a step reports them on its round's first step only
+(:func:`step_figures`), so summed over steps each counts once; the round's ratios and gauges
 (slot occupancy, weight_sync_s, servers_alive, kv_cache_age, ...) on every step of it."""
 
 

@@ -279,6 +279,33 @@ def test_the_loop_watchdog_names_the_episode_and_line_that_hold_the_loop(tmp_pat
     assert loop.lag() < 0.3  # the heartbeat runs again once the harness lets go
 
 
+def test_the_watchdog_names_the_episode_whose_own_task_holds_the_loop(tmp_path):
+    """Code that blocks in a task the episode started (verifiers scores a trace in tasks of
+    its own, asyncio.gather) is that episode's: the holder is its key and the blocking line,
+    not nobody (which left every episode of the rank to time out)."""
+    import asyncio
+    import importlib.util
+    import time
+
+    from rlbatch.rollout.agent.loop import HarnessLoop, run_harness
+
+    path = tmp_path / "scorer.py"
+    path.write_text(
+        "import asyncio\nimport time\n\nasync def score():\n    time.sleep(2)\n\n"
+        "async def run(client, model, row):\n    await asyncio.gather(score(), asyncio.sleep(0))\n"
+    )
+    spec = importlib.util.spec_from_file_location("scorer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loop = HarnessLoop()
+    future = loop.submit(asyncio.wait_for(run_harness("ep-5", module.run, None, "p", {}), 30))
+    deadline = time.monotonic() + 10
+    while loop.lag() < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loop.holder(str(tmp_path / "harness.py")) == ("ep-5", f"{path}:5 in score")
+    future.result(timeout=10)
+
+
 def test_a_step_whose_every_harness_episode_failed_names_the_harness_fix():
     """The stop after a step where every episode failed points at the harness, not at
     env.timeout_s / env.max_concurrency (which an environment's calls use, a harness's not)."""

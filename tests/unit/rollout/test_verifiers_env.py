@@ -55,6 +55,19 @@ from verifiers.v1.harnesses.bash import BashHarness
 
 __all__ = ["Tasks", "BashHarness"]
 """
+BOXED = """
+
+class BoxConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig(runtime={"type": "docker", "image": "python:3.11-slim"})
+
+
+class Box(vf.Env[BoxConfig]):
+    async def run(self, task, agents):
+        await agents.agent.run(task)
+
+
+__all__ = ["Tasks", "Box"]
+"""
 
 
 def test_the_chat_program_runs_with_this_interpreter_and_no_uv(tmp_path, monkeypatch):
@@ -102,17 +115,59 @@ def test_environments_this_run_cannot_play_are_refused_with_the_fix(tmp_path):
             "holds no tasks",
         ),  # fmt: skip
         "vf_broken": ("import verifiers.v1 as vf\n__all__ = []\n", "verifiers cannot load it"),
+        "vf_retry": (
+            one
+            + BOXED.replace(
+                'runtime={"type": "docker", "image": "python:3.11-slim"}',
+                "retries=vf.RetryConfig(max_retries=1)",
+            ),
+            "its seat 'agent' retries a failed rollout (retries.max_retries=1)",
+        ),  # fmt: skip
     }
     for name, (text, needle) in cases.items():
         problems = verifiers_env.check(_module(tmp_path, name, text))
         assert len(problems) == 1 and needle in problems[0], (name, problems)
     assert "does not exist" in verifiers_env.check(str(tmp_path / "missing.py"))[0]
-    # a taskset with no harness plays verifiers' tool-less chat loop, one that exports bash plays it
+    # a taskset with no harness plays verifiers' tool-less chat loop
     plain = verifiers_env.load_environment(_module(tmp_path, "vf_plain", one + "\n__all__ = ['Tasks']\n"))  # fmt: skip
     assert [h.id for h in plain.config.agent_harnesses().values()] == ["null"]
-    bash = verifiers_env.load_environment(_module(tmp_path, "vf_bash", one + BASH))
-    assert verifiers_env.check(str(tmp_path / "vf_bash.py")) == []
-    assert [type(h).__name__ for h in bash.config.agent_harnesses().values()] == ["BashHarnessConfig"]  # fmt: skip
+
+
+def test_sandboxed_work_is_refused_on_this_machine_unless_opted_in(tmp_path):
+    """A seat that declares a container runtime, or plays bash (a shell run by the policy), is
+    refused naming the seat and the opt-in; with env.agent.verifiers_on_host the seat runs in
+    the subprocess runtime here and bash is played."""
+    from rlbatch.rollout.agent import verifiers_env
+
+    one = TASKS.format(infinite=False, count=1)
+    boxed, bash = _module(tmp_path, "vf_boxed", one + BOXED), _module(tmp_path, "vf_bash", one + BASH)  # fmt: skip
+    (problem,) = verifiers_env.check(boxed)
+    assert "seat 'agent' declares the docker runtime" in problem
+    assert "env.agent.verifiers_on_host=true" in problem
+    (problem,) = verifiers_env.check(bash)
+    assert "seat 'agent' plays the harness 'vf_bash'" in problem and "a shell" in problem
+    assert "env.agent.verifiers_on_host=true" in problem
+    assert verifiers_env.check(boxed, on_host=True) == verifiers_env.check(bash, on_host=True) == []  # fmt: skip
+    env = verifiers_env.load_environment(boxed, on_host=True)
+    assert env.config.agent.runtime.type == "subprocess"
+    env = verifiers_env.load_environment(bash, on_host=True)
+    assert [type(h).__name__ for h in env.config.agent_harnesses().values()] == ["BashHarnessConfig"]  # fmt: skip
+    assert verifiers_env.taskset_rows(bash)[0][0] == "hi"  # the rows do not depend on it
+
+
+def test_each_seat_ends_at_the_run_s_turn_and_token_limits(tmp_path):
+    """The run's env.max_turns / env.max_total_tokens reach every seat (the least of the
+    seat's own and the run's), so verifiers ends the exchange itself and scores it."""
+    from rlbatch.rollout.agent import verifiers_env
+
+    own = TASKS.format(infinite=False, count=1) + BOXED.replace(
+        'runtime={"type": "docker", "image": "python:3.11-slim"}', "max_turns=2"
+    )  # fmt: skip
+    path = _module(tmp_path, "vf_own", own)
+    env = verifiers_env.load_environment(path, max_turns=5, max_total_tokens=320)
+    assert (env.config.agent.max_turns, env.config.agent.max_total_tokens) == (2, 320)
+    env = verifiers_env.load_environment(path, max_turns=1, max_total_tokens=None)
+    assert (env.config.agent.max_turns, env.config.agent.max_total_tokens) == (1, None)
 
 
 def test_the_rows_are_the_taskset_s_tasks_in_order(tmp_path):
@@ -150,3 +205,65 @@ def test_a_failed_episode_names_verifiers_message():
     failed = vf.Episode(task=task, errors=[vf.Error(type="HarnessError", message="exited 3: boom")])  # fmt: skip
     with pytest.raises(VerifiersError, match="HarnessError: exited 3: boom"):
         episode_result(failed)
+
+
+def test_a_reply_the_endpoint_answered_empty_is_not_scored():
+    """A call the endpoint answered with no tokens (its prompt left nothing of
+    env.max_total_tokens) makes the episode an error naming the budget, not a scored reply."""
+    import verifiers.v1 as vf
+
+    from rlbatch.rollout.agent.verifiers_env import VerifiersError, episode_result
+
+    task = vf.TraceTask(type="Task", data=vf.TaskData(prompt="hi"), key="k", hash="h")
+    call = vf.ModelCall(finish_reason="length", usage=vf.Usage(prompt_tokens=796, completion_tokens=0))  # fmt: skip
+    from verifiers.v1.trace import AgentInfo
+
+    trace = vf.Trace(task=task, agent=AgentInfo(config=vf.AgentConfig()), calls=[call], ok=True)
+    with pytest.raises(VerifiersError, match="call 0 has a prompt of 796 tokens.*env.max_total_tokens=320"):  # fmt: skip
+        episode_result(vf.Episode(task=task, traces=[trace], ok=True), 320)
+
+
+def test_a_reward_that_reads_the_answer_is_refused_on_tasks_without_one(tmp_path):
+    """A taskset whose tasks have no answer field: data.reward=exact_match (which would pay an
+    empty reply for the empty answer) is a problem for every task, naming the reward; with
+    data.reward=none the rows are read, their answer empty."""
+    from rlbatch.config.schema import DataConfig
+    from rlbatch.grpo.data import read_examples
+
+    path = _module(tmp_path, "vf_noanswer", TASKS.format(infinite=False, count=2) + "\n__all__ = ['Tasks']\n")  # fmt: skip
+    examples, problems = read_examples(DataConfig(reward="exact_match"), 0, verifiers=path)
+    assert [p.where for p in problems] == ["task 0", "task 1"]
+    assert "has no answer field, and data.reward exact_match" in problems[0].message
+    assert "set data.reward=none" in problems[0].message
+    examples, problems = read_examples(DataConfig(reward="none"), 0, verifiers=path)
+    assert problems == [] and [e.answer for e in examples] == ["", ""]
+
+
+def test_the_environment_s_serving_context_is_closed_at_exit(tmp_path):
+    """The harness enters the environment's serving context (interception server, shared tool
+    servers) on its rank's loop and registers its exit: closing it on the running loop stops
+    verifiers' interception server."""
+    import atexit
+    import threading
+
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.rollout.agent import verifiers_env
+
+    cfg = RunConfig()
+    path = _module(tmp_path, "vf_served", TASKS.format(infinite=False, count=1) + "\n__all__ = ['Tasks']\n")  # fmt: skip
+    cfg.env.agent.verifiers = path
+    harness = verifiers_env.VerifiersHarness(cfg)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        env = asyncio.run_coroutine_threadsafe(harness._env(), loop).result(60)
+        assert env._interception is not None  # serving
+        _, (_, serving) = harness._loops[loop]
+        assert verifiers_env._SERVING == [(loop, serving)]  # closed at exit
+        atexit.unregister(verifiers_env.close_serving)  # this test closes it itself
+        verifiers_env.close_serving(verifiers_env._SERVING)
+        assert env._interception is None and verifiers_env._SERVING == []
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

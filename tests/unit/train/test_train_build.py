@@ -170,3 +170,20 @@ def test_the_served_error_stop_names_an_example_on_every_dp_rank():
     for rank in (0, 1):
         assert "step 3: 2 of the 8 samples had a served reward failure" in errors[rank]
         assert "e.g. judge: no_score: 'Score: 5%'" in errors[rank], rank
+
+
+def test_reward_failures_count_once_when_a_round_trains_again():
+    """grpo.num_iterations=2 trains the round's samples twice: their reward failures are
+    counted on the first iteration's step and 0 on the second (summed over steps, once)."""
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.train.build import make_batch_figures
+    from rlbatch.train.components import LocalDist
+
+    cfg = RunConfig()
+    cfg.data.reward = "judge"
+    samples = [Sample(Prompt(0, (1,), "a"), 0, [7], [-1.0], False, 0) for _ in range(4)]
+    for s in samples[:3]:
+        s.metrics["reward_fail/timeout"] = 1.0
+    figures = make_batch_figures(cfg, LocalDist(), 0)
+    assert figures(samples, 1, 0)["reward_fail/timeout"] == 3.0
+    assert figures(samples, 2, 1)["reward_fail/timeout"] == 0.0

@@ -334,6 +334,9 @@ def _with_server_figures(comps, restarts, resubmits):
             "rollout/kv_cache_age": 0.0,
             "rollout/server_restarts": float(restarts.get(request.round_index, 0)),
             "rollout/server_resubmits": float(resubmits.get(request.round_index, 0)),
+            # dynamic sampling's draws of the round: two draws of 4 prompts, 3 groups dropped
+            "generation_rounds": 2.0, "prompts_drawn": 8.0, "groups_filtered": 3.0,
+            "groups_unused": 1.0,
         }  # fmt: skip
         return RoundOutput(request, out, figures)
 
@@ -353,7 +356,7 @@ def test_a_round_counts_its_server_events_once_and_the_last_step_counts_the_roun
     tmp_path,
 ):
     """8 steps in rounds of 2 steps, generated one step ahead: a round's server restarts and
-    resubmits are counted on its first step only (not once per step of the round), and a
+    resubmits (and dynamic sampling's draws) are counted on its first step only (not once per step of the round), and a
     restart seen while generating round 4 (at step 8, for steps 9-10, which the run never
     trains) is counted by the last step; a run resumed from its step-4 checkpoint reports the
     same, and the finished run resumed with 2 more steps (training round 4) does not count that
@@ -365,6 +368,9 @@ def test_a_round_counts_its_server_events_once_and_the_last_step_counts_the_roun
     expected.update({3: (1.0, 0.0, 1.0), 5: (0.0, 3.0, 1.0), 8: (1.0, 0.0, 1.0)})
     assert _servers(recs) == expected
     assert sum(r["rollout/server_restarts"] for r in recs) == 2  # rounds 1 and 4
+    # dynamic sampling's draws likewise: once per round (round 4's at step 8), not per step
+    assert [r["prompts_drawn"] for r in recs] == [8.0, 0.0] * 3 + [8.0, 8.0]
+    assert sum(r["generation_rounds"] for r in recs) == 2 * 5  # rounds 0-4, two draws each
 
     run_cfg = _cfg(tmp_path / "run", fail_at_step=6, fail_kind=FailKind.raise_error)
     with pytest.raises(InjectedFailure):

@@ -318,6 +318,23 @@ class AgentRolloutEngine:
     def _where(self, ep: Episode) -> str:
         return f"harness {self.harness_spec} on sample {ep.row} (prompt index {ep.prompt.index})"
 
+    def _unsampled(self, ep: Episode) -> str:
+        """Why an episode sampled no token: it made no call, or every call it made was answered
+        empty by the run's limits (its prompt left nothing of env.max_total_tokens)."""
+        if not ep.calls:
+            return (
+                f"{self._where(ep)} made no call to the endpoint: an episode must sample at"
+                " least one completion through the client it is given"
+            )
+        return (
+            f"{self._where(ep)} sampled no token: its first call's prompt is"
+            f" {len(ep.calls[0].prompt_ids)} tokens (what the harness sent: its messages, system"
+            " prompt and tool schemas through the chat template), which leaves no room under"
+            f" env.max_total_tokens={self.cfg.env.max_total_tokens}, and the endpoint answered"
+            f" each of its {len(ep.calls)} call(s) with no tokens: raise env.max_total_tokens or"
+            " send a shorter prompt"
+        )
+
     def _sample(self, group: int, ep: Episode, outcome: Any, version: int) -> Sample:
         value, error, seconds = outcome
         reward, problem = 0.0, None
@@ -330,10 +347,7 @@ class AgentRolloutEngine:
             if error is not None:
                 raise EnvCallError(f"{self._where(ep)} {error}")
             if not any(c.completion_ids for c in ep.calls):
-                raise EnvCallError(
-                    f"{self._where(ep)} made no call to the endpoint: an episode must sample at"
-                    " least one completion through the client it is given"
-                )
+                raise EnvCallError(self._unsampled(ep))
             reward, parts = episode_reward(value, self._where(ep))
         except EnvCallError as err:
             if EnvOnError(self.cfg.env.on_error) == EnvOnError.raise_error:
@@ -362,7 +376,8 @@ class AgentRolloutEngine:
         }
         metrics = {f"reward/harness.{k}": v for k, v in parts.items()}  # the logged parts
         if not segments:  # a failed episode with nothing sampled: one masked token, no loss
-            return Sample(ep.prompt, group, [eos], [0.0], False, version, loss_mask=[0], episode=record, metrics=metrics)  # fmt: skip
+            # (truncated as its record: its calls the run's limits answered with no tokens)
+            return Sample(ep.prompt, group, [eos], [0.0], truncated, version, loss_mask=[0], episode=record, metrics=metrics)  # fmt: skip
         samples = [self._segment_sample(ep, group, seg, version, truncated) for seg in segments]
         *earlier, last = samples
         last.episode, last.metrics = record, metrics

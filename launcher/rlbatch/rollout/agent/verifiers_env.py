@@ -38,6 +38,7 @@ What runs here and why:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextvars
 import hashlib
 import importlib.metadata
@@ -45,6 +46,7 @@ import importlib.util
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -99,10 +101,17 @@ def _seats(config_type: Any) -> dict[str, Any]:
     }
 
 
-def load_environment(spec: str) -> Any:
+def load_environment(
+    spec: str, *, on_host: bool = False, max_turns: Optional[int] = None,
+    max_total_tokens: Optional[int] = None,
+) -> Any:  # fmt: skip
     """The verifiers ``Env`` of ``spec`` as this run plays it: every seat in the subprocess
     runtime, a seat without a harness playing the taskset's own, else ``null``; one
-    interception server. VerifiersError saying what cannot run."""
+    interception server; each seat's ``max_turns`` / ``max_total_tokens`` the least of its own
+    and the run's (so verifiers ends the exchange itself, and scores it, at the run's limits).
+    VerifiersError saying what cannot run: a seat that declares another runtime (a container, a
+    remote sandbox) or plays a harness with tools that run on this machine (``bash``) is refused
+    unless ``on_host`` (env.agent.verifiers_on_host)."""
     import verifiers.v1 as vf
     from verifiers.v1.utils import loaders
 
@@ -114,6 +123,10 @@ def load_environment(spec: str) -> Any:
         data: dict[str, Any] = {"taskset": {"id": ident}, "interception": {"type": "server"}}
         for name, seat in seats.items():
             data[name] = {"runtime": {"type": "subprocess"}}
+            for key, limit in (("max_turns", max_turns), ("max_total_tokens", max_total_tokens)):
+                own = getattr(seat, key)
+                if limit is not None:
+                    data[name][key] = limit if own is None else min(own, limit)
             if seat.harness is None and not bundled:
                 data[name]["harness"] = {"id": "null"}
         env = vf.load_environment(vf.resolve_env_config(data))
@@ -121,22 +134,60 @@ def load_environment(spec: str) -> Any:
         raise
     except Exception as err:  # noqa: BLE001 - verifiers' loaders raise many kinds
         raise VerifiersError(f"verifiers cannot load it: {type(err).__name__}: {err}") from err
+    problems = [] if on_host else _sandbox_problems(seats)
+    problems += [
+        f"its seat {name!r} retries a failed rollout (retries.max_retries="
+        f"{seat.retries.max_retries}): the calls of an attempt verifiers discards reach the"
+        " policy's endpoint and would be trained, and the kept attempt's trace carries the"
+        " discarded one's errors; set max_retries=0 (env.on_error decides what a failed"
+        " episode does)"
+        for name, seat in seats.items()
+        if seat.retries.max_retries > 0
+    ]
     if len(seats) != 1:
-        raise VerifiersError(
+        problems.insert(0,
             f"its environment {type(env).__name__} has {len(seats)} agent seats"
             f" ({', '.join(seats)}): rlbatch trains one agent per episode (another seat's calls"
             " would reach the policy's endpoint and be trained); give it one seat"
-        )
+        )  # fmt: skip
     for name, harness in env.config.agent_harnesses().items():
         kind = _chat_kind(loaders.harness_class(harness.id))
         if kind is None:
-            raise VerifiersError(
+            problems.append(
                 f"its seat {name!r} plays the harness {harness.id!r}, whose program verifiers"
                 " installs at run time (uv, a container): rlbatch runs verifiers' chat-loop"
                 f" harnesses ({', '.join(CHAT_HARNESSES)}) with this interpreter; export"
                 " none (the seat plays null) or NullHarness from the taskset's module"
             )
+        elif kind == "bash" and not on_host:
+            problems.append(
+                f"its seat {name!r} plays the harness {harness.id!r}, whose tools (a shell,"
+                " file edits) would run the policy's commands on this machine as the"
+                f" trainer's user, where it can read and change the grader's files: {HOST_FIX}"
+            )
+    if problems:
+        raise VerifiersError("; ".join(problems))
     return env
+
+
+HOST_FIX = (
+    "give the taskset a tool-less or MCP-tool harness (export none, or NullHarness), or opt in"
+    " with env.agent.verifiers_on_host=true (docs/agents.md says what the policy can then read"
+    " and write)"
+)
+"""The fix named when an environment would run sandboxed work on this machine."""
+
+
+def _sandbox_problems(seats: dict[str, Any]) -> list[str]:
+    """The seats that declare a runtime other than verifiers' subprocess one (a container, a
+    remote sandbox): this run plays every seat in the subprocess runtime, on this machine."""
+    return [
+        f"its seat {name!r} declares the {seat.runtime.type} runtime (a sandbox the environment"
+        " keeps its agent in), and rlbatch runs every seat in the subprocess runtime on this"
+        f" machine, outside it: {HOST_FIX}"
+        for name, seat in seats.items()
+        if "runtime" in seat.model_fields_set and seat.runtime.type != "subprocess"
+    ]
 
 
 def _chat_kind(harness_class: type) -> Optional[str]:
@@ -281,10 +332,11 @@ def run_chat_in_process(path: Path) -> None:
     SubprocessRuntime.run_program = run_program  # type: ignore[method-assign]
 
 
-def check(spec: str) -> list[str]:
+def check(spec: str, *, on_host: bool = False) -> list[str]:
     """Every reason ``spec`` cannot train here (before launch), or []: verifiers installed, the
-    environment loadable with one seat playing a chat-loop harness, a finite taskset with tasks,
-    this interpreter able to run the chat program."""
+    environment loadable with one seat playing a chat-loop harness (no sandbox or ``bash``
+    unless ``on_host``), a finite taskset with tasks, this interpreter able to run the chat
+    program."""
     if importlib.util.find_spec("verifiers") is None:
         return ["needs the verifiers package: pip install 'rlbatch[verifiers]'"]
     problems = []
@@ -294,7 +346,7 @@ def check(spec: str) -> list[str]:
     if problem:
         problems.append(problem)
     try:
-        load_tasks(load_environment(spec))
+        load_tasks(load_environment(spec, on_host=on_host))
     except VerifiersError as err:
         problems.append(str(err))
     return problems
@@ -321,15 +373,15 @@ def _text(content: Any) -> str:
     return "".join(getattr(part, "text", "") or "" for part in content or [])
 
 
-def taskset_rows(spec: str) -> list[tuple[Any, str, dict[str, Any]]]:
+def taskset_rows(spec: str) -> list[tuple[Any, Optional[str], dict[str, Any]]]:
     """(prompt, answer, fields) of every task of ``spec``'s taskset, in its order: the prompt
-    as text or messages, the answer its ``answer`` field when it has one ("" otherwise), the
+    as text or messages, the answer its ``answer`` field when it has one (None otherwise), the
     fields the task's index and key (and its id and name when set)."""
-    rows = []
-    for i, task in enumerate(load_tasks(load_environment(spec))):
+    rows: list[tuple[Any, Optional[str], dict[str, Any]]] = []
+    for i, task in enumerate(load_tasks(load_environment(spec, on_host=True))):  # rows only
         data = task.data
-        answer = getattr(data, "answer", "")
-        answer = answer if isinstance(answer, str) else "" if answer is None else str(answer)
+        answer = getattr(data, "answer", None)
+        answer = answer if answer is None or isinstance(answer, str) else str(answer)
         fields: dict[str, Any] = {TASK_FIELD: i, KEY_FIELD: task.key}
         fields.update({k: v for k, v in (("id", data.id), ("name", data.name)) if v is not None})
         rows.append((_prompt(data), answer, fields))
@@ -346,7 +398,12 @@ class VerifiersHarness:
         import verifiers.v1  # noqa: F401 - here, not on the harness loop: seconds of imports
 
         self.spec = str(cfg.env.agent.verifiers)
-        self.tasks = load_tasks(load_environment(self.spec))
+        self.settings: dict[str, Any] = {
+            "on_host": bool(cfg.env.agent.verifiers_on_host),
+            "max_turns": int(cfg.env.max_turns),
+            "max_total_tokens": int(cfg.env.max_total_tokens),
+        }
+        self.tasks = load_tasks(load_environment(self.spec, **self.settings))
         problem = program_problem()
         if problem:  # the pre-launch check says so first
             raise VerifiersError(problem)
@@ -365,10 +422,13 @@ class VerifiersHarness:
         lock, served = self._loops.setdefault(loop, (asyncio.Lock(), []))
         async with lock:
             if not served:
-                env = load_environment(self.spec)
+                env = load_environment(self.spec, **self.settings)
                 serving = env.serving()
                 await serving.__aenter__()
                 served += [env, serving]  # held: a context dropped is collected, and closed
+                if not _SERVING:
+                    atexit.register(close_serving, _SERVING)
+                _SERVING.append((loop, serving))
         return served[0]
 
     async def __call__(self, client: Any, model: str, row: dict[str, Any]) -> dict[str, float]:
@@ -398,12 +458,50 @@ class VerifiersHarness:
                 kept = getattr(server, "clients", {}).pop(key, None)
                 if kept is not None:
                     await kept.close()
-        return episode_result(episode)
+        return episode_result(episode, self.settings["max_total_tokens"])
 
 
-def episode_result(episode: Any) -> dict[str, float]:
+_SERVING: list[tuple[asyncio.AbstractEventLoop, Any]] = []
+"""Every (loop, serving context) this process entered, closed at its exit."""
+
+
+def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s: float = 10.0) -> None:  # fmt: skip
+    """Exit each environment's serving context on its event loop (at the process's exit, while
+    the loops' threads still run): verifiers stops its interception server and the taskset's
+    shared tool servers and removes their folders, rather than leaving them to interpreter
+    shutdown (which fails in verifiers' teardown). All at once, within ``timeout_s`` together:
+    a loop that is gone or does not answer (one the watchdog abandoned) is left as it is."""
+    import logging
+
+    futures = [
+        asyncio.run_coroutine_threadsafe(serving.__aexit__(None, None, None), loop)
+        for loop, serving in served
+        if not loop.is_closed() and loop.is_running()
+    ]
+    deadline = time.monotonic() + timeout_s
+    failed = []
+    for future in futures:
+        try:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as err:  # noqa: BLE001 - at exit: say so, do not mask the run's outcome
+            failed.append(type(err).__name__)
+    if failed:
+        logging.getLogger(__name__).warning(
+            "%d of the verifiers environment's %d serving contexts did not close within %.0f s"
+            " (%s; an event loop held by blocking code does not answer)",
+            len(failed),
+            len(futures),
+            timeout_s,
+            ", ".join(sorted(set(failed))),
+        )
+    served.clear()
+
+
+def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict[str, float]:
     """The reward of a finished verifiers episode (its trace's rewards' weighted sum) with each
-    reward's score and each numeric metric; VerifiersError naming what failed."""
+    reward's score and each numeric metric; VerifiersError naming what failed, or naming the
+    call the endpoint answered with no tokens (its prompt left nothing of env.max_total_tokens):
+    the rubric scored an empty reply the policy never sampled."""
     failed = [f"{e.type}: {e.message}" for e in episode.errors]
     for trace in episode.traces:
         failed += [f"{e.type}: {e.message}" for e in trace.errors]
@@ -411,6 +509,15 @@ def episode_result(episode: Any) -> dict[str, float]:
         why = "; ".join(dict.fromkeys(failed)) or f"{len(episode.traces)} traces"
         raise VerifiersError(f"the verifiers episode failed: {why}"[:2000])
     (trace,) = episode.traces
+    for i, call in enumerate(trace.calls):
+        if call.usage is not None and call.usage.completion_tokens == 0 and call.finish_reason == "length":  # fmt: skip
+            raise VerifiersError(
+                f"verifiers' call {i} has a prompt of {call.usage.input_tokens} tokens, which"
+                f" leaves no room under env.max_total_tokens={max_total_tokens}: the endpoint"
+                " answered it with no tokens, and the environment's rubric would score that"
+                " empty reply as the policy's; raise env.max_total_tokens (or shorten what"
+                " the environment sends: its system prompt, tool schemas, observations)"
+            )
     parts = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
     for name, value in trace.metrics.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
