@@ -52,11 +52,25 @@ def test_default_recipe_learns(bin_dir, subprocess_env, tmp_path):
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallel.dp=2"], ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"]],
+    [["parallel.dp=2"],
+     ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "grpo.num_steps_async=1"]],
     ids=["dp2", "pp2_vpp2"],
-)
+)  # fmt: skip
 def test_parallel_layouts_run(bin_dir, subprocess_env, tmp_path, layout):
     run_dir = tmp_path / "run"
+    extra = []
+    if "parallel.pp=2" in layout:
+        # a reward that is not a pure function of the completion (a sampled reward, a served
+        # judge), stood for by one that differs between the processes: the last stage scoring
+        # 0 itself would train on zero advantages (a zero gradient) while the first stage logs
+        # the spread; the replica's first rank scores for all of its stages instead
+        reward = tmp_path / "rank_reward.py"
+        reward.write_text(
+            "import os\n\n\ndef score(completion):\n"
+            "    if os.environ.get('RANK', '0') != '0':\n        return 0.0\n"
+            "    return float(len(completion) % 3)\n"
+        )
+        extra = [f"data.reward_fn={reward}:score"]
     proc = _train(
         bin_dir,
         subprocess_env,
@@ -64,9 +78,20 @@ def test_parallel_layouts_run(bin_dir, subprocess_env, tmp_path, layout):
         "trainer.max_steps=2",
         f"hydra.run.dir={run_dir}",
         *layout,
+        *extra,
     )
     records = _metrics(run_dir)
     assert len(records) == 2 and all(r["loss"] == r["loss"] for r in records)
+    if extra:
+        for r in records:
+            assert r["reward_std"] > 0 and r["grad_norm"] > 1e-3, r
+    if "grpo.num_steps_async=1" in layout:
+        # step 2 trains round 1, sampled by version 0: pi_old / pi_behaviour moved from 1.
+        # is_weight_max is the largest over every rank; the logging rank (the first pipeline
+        # stage) computes no loss, so its own value would read exactly 1.0
+        assert records[0]["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+        assert records[1]["staleness_mean"] == 1.0
+        assert records[1]["is_weight_max"] > 1.0 + 1e-4, records[1]
     # rank 0 alone talks; the CPU fallback warnings every rank would print are not shown
     output = proc.stdout + proc.stderr
     assert "Warning" not in output and "[rank 1]" not in output, output[-3000:]

@@ -183,6 +183,7 @@ def load_balance(
     width: int,
     topk: int,
     num_layers: Optional[int] = None,
+    device: Optional[torch.device] = None,
 ) -> torch.Tensor:
     """``[num samples]`` with autograd: each sample's load-balancing loss, the mean over MoE
     layers of E * sum_e f_e * P_e over the sample's own tokens (padding excluded), f_e = the
@@ -197,7 +198,9 @@ def load_balance(
 
     ``num_layers``: the model's MoE layers, when ``captured_layers`` are one pipeline chunk's
     share of them: its terms are then divided by the whole count, so the chunks' shares add up
-    to the model's mean (default: the captured layers are all of them)."""
+    to the model's mean (default: the captured layers are all of them). ``device``: where the
+    zeros of a chunk without MoE layers live (the logits' device, where the loss indexes them;
+    default the CPU)."""
     out = None
     for logits, _ in captured_layers.values():
         experts = logits.shape[-1]
@@ -212,7 +215,7 @@ def load_balance(
         layer = torch.stack(per_sample) if per_sample else probs.new_zeros(0)
         out = layer if out is None else out + layer
     if out is None:  # a pipeline chunk of dense layers only
-        return torch.zeros(len(segments))
+        return torch.zeros(len(segments), device=device)
     return out / (num_layers or len(captured_layers))
 
 

@@ -329,9 +329,19 @@ class _AttachLoss(torch.autograd.Function):
 
 def attach_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """``output`` unchanged; backward through it also back-propagates ``loss`` (a scalar with
-    autograd, the term a chunk that computes no loss adds to the objective)."""
-    if not loss.requires_grad:
+    autograd, the term a chunk that computes no loss adds to the objective).
+
+    Raises when ``loss`` has no autograd while gradients are on: the term would be dropped
+    silently (e.g. computed from activations of a forward run without autograd, as full
+    activation recompute runs it). Outside autograd (``torch.no_grad``) nothing is attached."""
+    if not torch.is_grad_enabled():
         return output
+    if not loss.requires_grad:
+        raise RuntimeError(
+            "a loss term attached to a pipeline chunk's output has no gradient (it was computed "
+            "from tensors without autograd, e.g. router logits of a forward that "
+            "model.recompute=full runs without autograd): it would train nothing"
+        )
     return _AttachLoss.apply(output, loss)
 
 

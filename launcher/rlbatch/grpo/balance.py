@@ -57,7 +57,8 @@ class LoadBalance:
         return cls(cfg, model)
 
     def per_sample(self, chunk: Any, batch: GRPOBatch) -> torch.Tensor:
-        """``[num samples]`` with autograd: the chunk's share of each sample's b_i."""
+        """``[num samples]`` with autograd: the chunk's share of each sample's b_i (zeros on
+        the batch's device for a chunk without MoE layers)."""
         from rlbatch.engine import routing, schedule
 
         mb = batch.micro_batch
@@ -70,10 +71,17 @@ class LoadBalance:
             mb.padded_len,
             self.topk,
             num_layers=self.num_layers,
+            device=batch.seq_index.device,
         )
 
-    def for_loss(self, batch: GRPOBatch) -> torch.Tensor:
-        """The loss chunk's share (rlbatch.grpo.loss.grpo_loss's ``aux``)."""
+    def for_loss(self, batch: GRPOBatch) -> Optional[torch.Tensor]:
+        """The loss chunk's share (rlbatch.grpo.loss.grpo_loss's ``aux``); None when the loss
+        chunk holds no MoE layer (a last pipeline chunk of dense layers: the earlier chunks
+        carry the whole term)."""
+        from rlbatch.engine import routing
+
+        if not routing.captured(self.model[-1]):
+            return None
         return self.per_sample(self.model[-1], batch)
 
     def for_stage(

@@ -396,7 +396,12 @@ def loss_from_logps(
 
     aux_sum = None
     if aux is not None:
-        aux_token = aux.to(per_token.dtype)[seq]  # [N]
+        aux_token = aux.to(device=per_token.device, dtype=per_token.dtype)[seq]  # [N]
+        if settings.aux_coeff != 0.0 and per_token.requires_grad and not aux.requires_grad:
+            raise RuntimeError(
+                "the load-balancing loss has no gradient (its router logits were computed "
+                "without autograd, e.g. by model.recompute=full): it would train nothing"
+            )
         if settings.aux_coeff != 0.0:
             per_token = per_token + settings.aux_coeff * aux_token
         with torch.no_grad():

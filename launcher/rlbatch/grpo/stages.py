@@ -27,7 +27,11 @@ SERVED_FAILED = "reward_served_failed"
 
 
 def make_reward_batch_fn(
-    fn: RewardFn | RewardSet, tokenizer: Any, abs_max: float = math.inf, skip_errors: bool = False
+    fn: RewardFn | RewardSet,
+    tokenizer: Any,
+    abs_max: float = math.inf,
+    skip_errors: bool = False,
+    once_per_replica: bool = False,
 ) -> Callable[[list[Sample]], list[float]]:
     """The aggregator's reward_fn: decode responses (EOS excluded) and score them; each
     component's value goes to the sample's metrics as ``reward/<name>``. A multi-turn sample
@@ -37,13 +41,29 @@ def make_reward_batch_fn(
     with ``skip_errors`` (env.on_error=skip) such an episode is also left out of training
     (:func:`skip_episode`).
     A sample with a failure of a served part (http, judge) gets ``SERVED_FAILED`` = 1 in its
-    metrics (what data.served.max_error_fraction counts)."""
+    metrics (what data.served.max_error_fraction counts).
+
+    ``once_per_replica``: the ranks of one model replica (its tensor- and pipeline-parallel
+    ranks, which hold the same samples) call this together; the first of them calls the reward
+    functions and the others get its scores. A reward that is not a pure function of the
+    completion (a sampled reward, a served judge) then gives every stage of the replica the
+    same rewards, advantages and dynamic-sampling decisions, and a served judge is asked once."""
     rewards = fn if isinstance(fn, RewardSet) else RewardSet((single_component(fn),))
     served = {c.name for c in rewards.components if c.served}
 
+    def score(inputs: list[Any]) -> Any:
+        if not once_per_replica:
+            return rewards.score_detailed(inputs)
+        from rlbatch.distributed import from_first_in_model_parallel_group, model_parallel_group
+
+        first = model_parallel_group()[0] == 0
+        return from_first_in_model_parallel_group(
+            (lambda: rewards.score_detailed(inputs)) if first else None
+        )
+
     def reward_batch(samples: list[Sample]) -> list[float]:
         inputs = [reward_input(s, tokenizer) for s in samples]
-        totals, parts, failures = rewards.score_detailed(inputs)
+        totals, parts, failures = score(inputs)
         for name, values in parts.items():
             for s, v in zip(samples, values, strict=True):
                 s.metrics[f"reward/{name}"] = v
@@ -303,7 +323,11 @@ def build_aggregator(
         reward_fn=make_no_rewards(skip_errors)
         if pure
         else make_reward_batch_fn(
-            build_run_rewards(cfg), tokenizer, cfg.data.reward_abs_max, skip_errors=skip_errors
+            build_run_rewards(cfg),
+            tokenizer,
+            cfg.data.reward_abs_max,
+            skip_errors=skip_errors,
+            once_per_replica=True,
         ),
         old_logps_fn=None,  # the old pass runs at the round's first step (make_round_start)
         ref_logps_fn=reference_logps_fn(cfg, ref, policy),

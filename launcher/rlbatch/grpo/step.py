@@ -255,7 +255,7 @@ def make_loss_fn(
     *,
     detect_nan: bool,
     inject_nan: bool = False,
-    balance: Optional[Callable[[GRPOBatch], torch.Tensor]] = None,
+    balance: Optional[Callable[[GRPOBatch], Optional[torch.Tensor]]] = None,
 ) -> Callable[[Any, GRPOBatch], tuple[torch.Tensor, torch.Tensor, dict]]:
     """Megatron's loss_func contract: (loss to back-propagate, count for Megatron, metrics).
     The first argument is the last stage's output (rlbatch.engine.lm_head.LMOutput).

@@ -182,6 +182,7 @@ def make_train_step(
         reduce_dp=distributed.reduce_dp,
         reduce_step=distributed.reduce_step,
         gather_samples=distributed.dp_gather_object,
+        reduce_max=distributed.reduce_max,
     )
     round_start = make_round_start(cfg, model)
     batch_figures = make_batch_figures(cfg, world, ps.rank)

@@ -84,3 +84,12 @@ def test_stages_merge_and_mismatch_counts():
     counts = routing.mismatch_counts(natural, replayed, 1)
     assert counts.tolist() == [[2.0], [1.0]]
     assert routing.mismatch_metrics(counts)["moe/routing_mismatch"] == 0.5
+
+
+def test_a_chunk_without_moe_layers_gives_zeros_on_the_losss_device():
+    """A last pipeline chunk of dense layers only: its (zero) share is created where the loss
+    indexes it with its sample index (on a GPU, CPU zeros indexed by CUDA indices would
+    raise); "meta" stands in for a device here."""
+    segs = schedule.segments(_padded([3, 5]), 1)
+    zeros = routing.load_balance({}, segs, 2, 7, K, num_layers=2, device=torch.device("meta"))
+    assert zeros.device.type == "meta" and tuple(zeros.shape) == (2,)

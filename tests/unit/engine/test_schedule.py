@@ -114,3 +114,17 @@ def test_activation_recompute_matches_none(tiny_cfg, recompute):
         schedule.run_pass(chunks, plan.ranks[0], plan, batch_fn, schedule.next_token_loss)
         grads.append(_grads(chunks))
     assert ((grads[1] - grads[0]).norm() / grads[0].norm()).item() < 1e-6
+
+
+def test_a_loss_term_without_gradient_is_not_attached_silently():
+    """A pipeline chunk's extra loss term (an MoE load-balancing share) computed from tensors
+    without autograd (full recompute's first forward) would train nothing: refused loudly."""
+    output = torch.ones(3, requires_grad=True)
+    term = torch.tensor(2.0, requires_grad=True)
+    attached = schedule.attach_loss(output * 1.0, term * 1.0)
+    attached.sum().backward()
+    assert term.grad == pytest.approx(1.0)  # the term is back-propagated with gradient 1
+    with pytest.raises(RuntimeError, match="no gradient"):
+        schedule.attach_loss(output * 1.0, torch.tensor(2.0))
+    with torch.no_grad():  # a forward-only pass attaches nothing
+        assert schedule.attach_loss(output, torch.tensor(2.0)) is output
