@@ -41,7 +41,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
-from rlbatch.bench.train_runs import train_run
+from rlbatch.bench.train_runs import cell, train_run
 
 POLICIES = ("affine", "least_loaded")
 """rollout.servers.routing values, in the order they run."""
@@ -256,10 +256,6 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict[str, dict[str, A
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _cell(value: Any) -> str:
-    return "n/a" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
 def render(table: dict[str, dict[str, Any]]) -> str:
     keys = ("prefix_cache_hit_rate", "prompt_tokens", "step_time_s", "one_server_episodes")
     lines = [f"{'routing':<14} " + " ".join(f"{k:>22}" for k in keys)]
@@ -267,7 +263,7 @@ def render(table: dict[str, dict[str, Any]]) -> str:
         if row["refused"]:
             lines.append(f"{row['policy']:<14} refused: {row['refused']}")
             continue
-        lines.append(f"{row['policy']:<14} " + " ".join(f"{_cell(row[k]):>22}" for k in keys))
+        lines.append(f"{row['policy']:<14} " + " ".join(f"{cell(row[k]):>22}" for k in keys))
     return "\n".join(lines)
 
 

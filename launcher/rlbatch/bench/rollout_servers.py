@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from rlbatch.bench.train_runs import train_run
+from rlbatch.bench.train_runs import cell, train_run
 
 MODELS = {
     "tiny": ["model.num_attention_heads=2", "model.num_query_groups=2"],
@@ -153,10 +153,6 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict[str, dict[str, A
     return table
 
 
-def _cell(value: Any) -> str:
-    return "n/a" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
 def render(table: dict[str, dict[str, Any]]) -> str:
     keys = ("step_time_s", "weight_sync_s", "wait_s", "hidden_share")
     lines = [f"{'model':<9} {'variant':<24} " + " ".join(f"{k:>14}" for k in keys)]
@@ -164,7 +160,7 @@ def render(table: dict[str, dict[str, Any]]) -> str:
         if row["refused"]:
             lines.append(f"{row['model']:<9} {row['variant']:<24} refused: {row['refused']}")
             continue
-        cells = " ".join(f"{_cell(row.get(k)):>14}" for k in keys)
+        cells = " ".join(f"{cell(row.get(k)):>14}" for k in keys)
         lines.append(f"{row['model']:<9} {row['variant']:<24} {cells}")
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 
 def train_run(args: list[str], run_dir: Path) -> tuple[Optional[list[dict]], str]:
@@ -21,3 +21,8 @@ def train_run(args: list[str], run_dir: Path) -> tuple[Optional[list[dict]], str
         errors = [ln.strip() for ln in lines if ln.strip().startswith("- ")]
         return None, " ".join(errors or lines[-2:])[:300]
     return [json.loads(line) for line in metrics.read_text().splitlines()], ""
+
+
+def cell(value: Any) -> str:
+    """A benchmark table's cell: n/a for a figure not measured, floats to three places."""
+    return "n/a" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
