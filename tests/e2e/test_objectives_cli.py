@@ -59,9 +59,12 @@ def test_dynamic_sampling_exact_batches_and_exact_resume(bin_dir, subprocess_env
     ]  # fmt: skip
     ref = _train(bin_dir, subprocess_env, tmp_path, tmp_path / "ref", *common)
     assert [r["samples"] for r in ref] == [8] * 4  # exactly grpo.global_batch_size every step
-    for r in ref:
+    for i, r in enumerate(ref):
         assert r["prompts_drawn"] == 4 * r["generation_rounds"]  # every draw counted
-        assert r["prompts_drawn"] - r["groups_filtered"] - r["groups_unused"] == 4
+        # each round trains exactly 4 groups; the last step also reports the round generated
+        # ahead for step 5 (num_steps_async=1), which this run never trains
+        rounds = 2 if i == len(ref) - 1 else 1
+        assert r["prompts_drawn"] - r["groups_filtered"] - r["groups_unused"] == 4 * rounds
     assert sum(r["groups_filtered"] for r in ref) > 0  # the filter acted
     assert any(r["generation_rounds"] > 1 for r in ref)  # and the batch was refilled
     assert [r["staleness_mean"] for r in ref] == [0.0, 1.0, 1.0, 1.0]  # run-ahead kept working
