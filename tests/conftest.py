@@ -159,3 +159,24 @@ def pytest_xdist_make_scheduler(config, log):
             return path if shares_fixtures(path) else nodeid
 
     return Units(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """The suite's time per test file (setup + call + teardown, summed over the workers), the
+    costliest first: what to look at when the suite's wall time grows (CI shows the end of the
+    output, so this comes after the slowest tests)."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            duration = getattr(report, "duration", None)
+            if duration is None or not hasattr(report, "nodeid"):
+                continue
+            path = str(report.nodeid).split("::", 1)[0]
+            per_file[path] = per_file.get(path, 0.0) + duration
+    if not per_file:
+        return
+    total = sum(per_file.values())
+    terminalreporter.write_sep("=", f"test time per file: {total:.0f} s over the workers")
+    for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:30]:
+        terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}% {path}")
