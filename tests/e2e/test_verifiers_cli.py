@@ -1,12 +1,15 @@
 """verifiers environments through the real rlbatch-train (env.agent.verifiers): two small
 verifiers 0.4 environments written here, loaded from local files. A single-turn one (four sums,
-two weighted rewards) trains two steps; a multi-turn one (its Env answers every reply with
-"another" until the exchange ends, which verifiers does at the run's env.max_turns=2) trains one. Every trained token is one the policy sampled (the
-endpoint's records), the reward is the environment's own scoring recomputed here from the
-replies the policy sampled, each reward is logged, the taskset's tasks are the rows, the second
-turn is spliced onto the first. verifiers' chat program runs with this interpreter: a `uv` first
-on PATH that marks its use is never called. Before launch: what does not combine with
-env.agent.verifiers, every error at once with an environment's own (two agent seats)."""
+two weighted rewards) trains two steps on the tiny random policy; a multi-turn tool environment
+(an MCP tool `add` that verifiers serves, an Env that answers every turn with "another" until
+verifiers ends the exchange at env.max_turns=3) trains one step on a tiny policy made to call
+the tool. Every trained token is one the policy sampled (the endpoint's records), the tool's
+result enters the next call as environment tokens (not trained), the reward is the
+environment's own scoring recomputed here from what the policy sampled, each reward is logged,
+the taskset's tasks are the rows, later turns are spliced onto earlier ones. verifiers' chat
+program runs with this interpreter: a `uv` first on PATH that marks its use is never called.
+Before launch: what does not combine with env.agent.verifiers, every error at once with an
+environment's own (two agent seats)."""
 
 from __future__ import annotations
 
@@ -60,17 +63,36 @@ TURNS = """
 import verifiers.v1 as vf
 
 
-class AskTask(vf.Task[vf.TaskData, vf.State]):
+class Add(vf.Toolset[vf.SharedToolsetConfig, vf.State]):
+    TOOL_PREFIX = None  # offered as `add`, not `add_add`
+
+    @vf.tool
+    async def add(self, a: int, b: int) -> str:
+        return str(a + b)
+
+
+class Sum(vf.TaskData):
+    answer: str
+
+
+class AddTask(vf.Task[Sum, vf.State]):
     @vf.reward
-    async def digits(self, task, trace) -> float:
-        replies = [(m.content or "").strip() for m in trace.assistant_messages]
-        return 0.5 * sum(r[:1].isdigit() for r in replies)
+    async def used_add(self, task, trace) -> float:
+        return float(any(m.content == task.answer for m in trace.tool_messages))
+
+    @vf.reward(weight=0.5)
+    async def says_it(self, task, trace) -> float:
+        return float(task.answer in [(m.content or "").strip() for m in trace.assistant_messages])
 
 
-class Asks(vf.Taskset[AskTask]):
+class Adds(vf.Taskset[AddTask]):
     def load(self):
-        for word in ("Play:", "Go:", "Count:", "Start:"):
-            yield AskTask(vf.TaskData(prompt=word))
+        for name in ("a", "b", "c", "d"):
+            yield AddTask(Sum(prompt="2+2=", system_prompt="Add.", answer="4", name=name))
+
+    @classmethod
+    def toolsets(cls, config):
+        return [Add(vf.SharedToolsetConfig())]
 
 
 class TwoTurnsConfig(vf.EnvConfig):
@@ -86,8 +108,21 @@ class TwoTurns(vf.Env[TwoTurnsConfig]):
                 turn = await chat.turn("another")
 
 
-__all__ = ["Asks", "TwoTurns"]
+__all__ = ["Adds", "TwoTurns"]
+
+if __name__ == "__main__":  # verifiers starts the tool server as `python -m turns`
+    Add.run()
 """
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "", "parameters": {
+    "type": "object", "properties": {"a": {"title": "A", "type": "integer"},
+    "b": {"title": "B", "type": "integer"}}, "required": ["a", "b"], "title": "addArguments"}}}]  # fmt: skip
+"""The tool as verifiers' chat program offers it (the MCP server's schema of `add`)."""
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>'
+RESULT = (
+    "\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+)
+"""What follows the call (after its EOS): the tool's result in the qwen template, then the
+generation prompt."""
 
 SEATS = """
 import verifiers.v1 as vf
@@ -152,9 +187,32 @@ def single_run(tmp, bin_dir):
 
 
 @pytest.fixture(scope="module")
-def multi_run(tmp, bin_dir):
-    return _train(bin_dir, tmp, "turns", "trainer.max_steps=1", "env.max_turns=2",
-                  "env.agent.episode_timeout_s=120")  # fmt: skip
+def tool_policy(tmp):
+    """A tiny policy that calls the tool: its output layer fitted so that it samples CALL after
+    the environment's first prompt and "4" after the tool's result (a random policy never
+    writes a tool call); its context 1536 positions (the qwen template's tool section alone is
+    about 500 tokens of the byte tokenizer)."""
+    from hf_reference import save_scripted_qwen2
+    from rlbatch.config.enums import ChatTemplate
+    from rlbatch.rollout.agent.chat import render
+
+    tok = ByteTokenizer()
+    prompt = [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+2="}]
+    first = tok.encode(render(ChatTemplate.qwen, prompt, tok, TOOLS))
+    call, answer = tok.encode(CALL) + [tok.EOS], tok.encode("4") + [tok.EOS]
+    ids = first + call + tok.encode(RESULT) + answer
+    a, b = len(first), len(first) + len(call)
+    save_scripted_qwen2(tmp[0] / "tool_policy", ids, [(a, b), (len(ids) - len(answer), len(ids))])
+    return tmp[0] / "tool_policy"
+
+
+@pytest.fixture(scope="module")
+def multi_run(tmp, bin_dir, tool_policy):
+    return _train(bin_dir, tmp, "turns", "trainer.max_steps=1", "env.max_turns=3",
+                  "env.agent.episode_timeout_s=120", f"model.hf_path={tool_policy}",
+                  "model.tokenizer=bytes", "env.max_total_tokens=1024",
+                  "rollout.max_new_tokens=80", "batching.train.max_tokens=2048",
+                  "batching.infer.max_tokens=4096")  # fmt: skip
 
 
 def _text(ids):
@@ -199,24 +257,41 @@ def test_a_single_turn_environment_trains_on_its_tasks_and_rewards(single_run, t
     assert not (tmp[0] / "uv_called").exists()  # verifiers' chat program ran without uv
 
 
-def test_a_multi_turn_environment_splices_its_turns(multi_run):
-    """The environment's Env asks until the exchange ends; verifiers ends it at env.max_turns=2
-    (not the endpoint answering empty past it, forever): two replies, "another" between them, one sample per
-    episode, the second call extending the first token for token, "another" once between the
-    replies; the reward is 0.5 per reply that opens with a digit."""
+def test_a_tool_environment_trains_the_policy_s_tool_calls(multi_run, tmp):
+    """A multi-turn tool environment: the taskset's MCP tool `add` (a server verifiers starts),
+    the environment saying "another" after each of the chat loop's turns until verifiers ends
+    the exchange at env.max_turns=3. Each episode is one sample of three calls: the policy's
+    tool call (sampled, parsed by the endpoint: finish_reason tool_calls), the tool's result
+    "4" and the next generation prompt as environment tokens (loss mask 0), the policy's reply,
+    "another", a third reply. Every trained token is one the policy sampled; the reward is the
+    environment's (the tool returned the answer: 1; a reply says it: 0.5) recomputed from what
+    was sampled; the serving context (the tool server) is closed at exit."""
     proc, records, samples = multi_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in records] == [1] and records[0]["env_errors"] == 0
     _every_trained_token_sampled(samples)
+    tok = ByteTokenizer()
     for s in samples[1]:
-        first, second = s["turns"]
-        head = first["prompt_ids"] + first["completion_ids"]
-        assert second["prompt_ids"][: len(head)] == head
-        assert _text(second["prompt_ids"][len(head) :]).count("another") == 1
-        replies = [_text(c["completion_ids"]).strip() for c in (first, second)]
-        assert s["reward"] == pytest.approx(0.5 * sum(r[:1].isdigit() for r in replies))
-        assert s["reward_parts"]["harness.digits"] == s["reward"]
-        assert s["reward_parts"]["harness.turns"] == 2.0
+        first, second, third = s["turns"]
+        assert first["completion_ids"] == tok.encode(CALL) + [tok.EOS]  # sampled, not scripted
+        assert first["finish_reason"] == "tool_calls"
+        called = len(first["prompt_ids"]) + len(first["completion_ids"])
+        assert second["prompt_ids"] == first["prompt_ids"] + first["completion_ids"] + tok.encode(RESULT)  # fmt: skip
+        ids = s["prompt_ids"] + s["response_ids"]
+        mask = [0] * len(s["prompt_ids"]) + s["loss_mask"]
+        assert ids[: len(second["prompt_ids"])] == second["prompt_ids"]
+        assert mask[len(first["prompt_ids"]) : called] == [1] * len(first["completion_ids"])
+        assert mask[called : len(second["prompt_ids"])] == [0] * len(tok.encode(RESULT))
+        head = second["prompt_ids"] + second["completion_ids"]
+        assert third["prompt_ids"][: len(head)] == head
+        assert _text(third["prompt_ids"][len(head) :]).count("another") == 1
+        replies = [_text(c["completion_ids"]).strip() for c in (second, third)]
+        says = float("4" in replies)
+        assert s["reward"] == pytest.approx(1.0 + 0.5 * says)
+        parts = s["reward_parts"]
+        assert parts["harness.used_add"] == 1.0 and parts["harness.says_it"] == says
+        assert parts["harness.turns"] == 3.0
+    assert "did not close" not in proc.stdout + proc.stderr
 
 
 def test_configuration_errors_before_launch(tmp, bin_dir):

@@ -46,6 +46,7 @@ import importlib.util
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -427,7 +428,7 @@ class VerifiersHarness:
                 await serving.__aenter__()
                 served += [env, serving]  # held: a context dropped is collected, and closed
                 if not _SERVING:
-                    atexit.register(close_serving, _SERVING)
+                    at_exit(close_serving, _SERVING)
                 _SERVING.append((loop, serving))
         return served[0]
 
@@ -465,6 +466,27 @@ _SERVING: list[tuple[asyncio.AbstractEventLoop, Any]] = []
 """Every (loop, serving context) this process entered, closed at its exit."""
 
 
+def at_exit(fn: Any, *args: Any) -> None:
+    """Call ``fn(*args)`` when this process exits, while thread pools still take work: in
+    threading's exit hooks, which run before concurrent.futures shuts its pools down (an
+    ``atexit`` function runs after, and verifiers' subprocess runtime removes its folder in
+    ``asyncio.to_thread`` when it stops a tool server: 'cannot schedule new futures after
+    shutdown', the folder left behind). Not in a child forked from it (a multiprocessing child
+    runs threading's exit hooks too, and holds copies of the loops without their threads).
+    ``atexit`` where threading has no such hook."""
+    pid = os.getpid()
+
+    def call() -> None:
+        if os.getpid() == pid:
+            fn(*args)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(call)
+    else:
+        register(call)
+
+
 def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s: float = 10.0) -> None:  # fmt: skip
     """Exit each environment's serving context on its event loop (at the process's exit, while
     the loops' threads still run): verifiers stops its interception server and the taskset's
@@ -484,7 +506,7 @@ def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s
         try:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as err:  # noqa: BLE001 - at exit: say so, do not mask the run's outcome
-            failed.append(type(err).__name__)
+            failed.append(f"{type(err).__name__}: {err}"[:200])
     if failed:
         logging.getLogger(__name__).warning(
             "%d of the verifiers environment's %d serving contexts did not close within %.0f s"
@@ -492,7 +514,7 @@ def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s
             len(failed),
             len(futures),
             timeout_s,
-            ", ".join(sorted(set(failed))),
+            "; ".join(sorted(set(failed))),
         )
     served.clear()
 
