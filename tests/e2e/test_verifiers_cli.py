@@ -1,6 +1,7 @@
 """verifiers environments through the real rlbatch-train (env.agent.verifiers): two small
 verifiers 0.4 environments written here, loaded from local files. A single-turn one (four sums,
-two weighted rewards) trains two steps on the tiny random policy; a multi-turn tool environment
+two weighted rewards) trains two steps on the tiny random policy and is evaluated after the
+last on a held-out environment of two other sums (eval.verifiers); a multi-turn tool environment
 (an MCP tool `add` that verifiers serves, an Env that answers every turn with "another" until
 verifiers ends the exchange at env.max_turns=3) trains one step on a tiny policy made to call
 the tool. Every trained token is one the policy sampled (the endpoint's records), the tool's
@@ -52,8 +53,8 @@ class SumTask(vf.Task[Sum, vf.State]):
 
 class Sums(vf.Taskset[SumTask]):
     def load(self):
-        for a, b in [(2, 2), (3, 4), (10, 5), (7, 1)]:
-            yield SumTask(Sum(prompt=f"{a}+{b}=", answer=str(a + b)))
+        for a, b in {pairs}:
+            yield SumTask(Sum(prompt=f"{{a}}+{{b}}=", answer=str(a + b)))
 
 
 __all__ = ["Sums"]
@@ -146,6 +147,9 @@ class Pair(vf.Env[PairConfig]):
 __all__ = ["Tasks", "Pair"]
 """
 
+TRAIN = [(2, 2), (3, 4), (10, 5), (7, 1)]
+HELD = [(5, 5), (6, 1)]
+"""The sums of the training taskset and of the held-out one (eval.verifiers)."""
 RUN = ("data.path=null", "data.reward=none", "rollout.max_new_tokens=8", "grpo.num_generations=2",
        "grpo.global_batch_size=8", "logging.samples=true")  # fmt: skip
 
@@ -155,7 +159,9 @@ def tmp(tmp_path_factory, subprocess_env):
     """The environments' files, and the runs' environment: a `uv` first on PATH that writes
     uv_called when run (verifiers would run it to install its chat program)."""
     tmp = tmp_path_factory.mktemp("verifiers")
-    for name, text in (("sums", SUMS), ("turns", TURNS), ("seats", SEATS)):
+    files = {"sums": SUMS.format(pairs=TRAIN), "held": SUMS.format(pairs=HELD), "turns": TURNS,
+             "seats": SEATS}  # fmt: skip
+    for name, text in files.items():
         (tmp / f"{name}.py").write_text(text)
     (tmp / "bin").mkdir()
     (tmp / "bin" / "uv").write_text(f"#!/bin/sh\ntouch {tmp / 'uv_called'}\nexit 1\n")
@@ -183,7 +189,9 @@ def _train(bin_dir, tmp, name, *overrides):
 
 @pytest.fixture(scope="module")
 def single_run(tmp, bin_dir):
-    return _train(bin_dir, tmp, "sums", "trainer.max_steps=2")
+    return _train(bin_dir, tmp, "sums", "trainer.max_steps=2", "eval.every_steps=2",
+                  f"eval.verifiers={tmp[0] / 'held.py'}", "eval.at_start=false",
+                  "eval.num_samples=2", "eval.temperature=1.0")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +246,7 @@ def test_a_single_turn_environment_trains_on_its_tasks_and_rewards(single_run, t
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["env_errors"] == 0 for r in records)
     _every_trained_token_sampled(samples)
-    sums = {"2+2=": "4", "3+4=": "7", "10+5=": "15", "7+1=": "8"}
+    sums = {f"{a}+{b}=": str(a + b) for a, b in TRAIN}
     for step in samples.values():
         asked = []
         for s in step:
@@ -255,6 +263,34 @@ def test_a_single_turn_environment_trains_on_its_tasks_and_rewards(single_run, t
             assert parts["harness.turns"] == 1.0
         assert sorted(asked) == sorted(list(sums) * 2)
     assert not (tmp[0] / "uv_called").exists()  # verifiers' chat program ran without uv
+
+
+def _scored_as_the_environment_scores(results, pairs):
+    """Each prompt of an evaluation's samples file is a task of the held-out taskset, in its
+    order, and each sample's reward is the environment's scoring of its sampled reply."""
+    assert [r["reference"] for r in results] == [str(a + b) for a, b in pairs]
+    for r, (a, b) in zip(
+        results, pairs, strict=True
+    ):  # the task's prompt, as the template renders it
+        assert r["prompt"].endswith(f"user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n")
+    for r in results:
+        assert len(r["samples"]) == 2
+        for sample in r["samples"]:
+            reply = sample["text"].strip()
+            numbers = re.findall(r"[0-9]+", reply)
+            exact = float(bool(numbers) and numbers[-1] == r["reference"])
+            assert sample["reward"] == pytest.approx(0.5 * float(reply[:1].isdigit()) + exact)
+            assert sample["error"] is None
+
+
+def test_evaluation_plays_the_held_out_environment(single_run, tmp):
+    """eval.every_steps with eval.verifiers: after the last step, the held-out taskset's tasks
+    (not the training taskset's) are the evaluation's prompts, played by that environment and
+    scored by its rubric."""
+    _, records, _ = single_run
+    assert "eval/reward_mean" not in records[0] and records[1]["eval/num_prompts"] == 2.0
+    lines = (tmp[0] / "sums" / "eval" / "step_00002.jsonl").read_text().splitlines()
+    _scored_as_the_environment_scores([json.loads(x) for x in lines], HELD)
 
 
 def test_a_tool_environment_trains_the_policy_s_tool_calls(multi_run, tmp):
@@ -303,7 +339,8 @@ def test_configuration_errors_before_launch(tmp, bin_dir):
                 "eval.every_steps=1", "data.reward=task")  # fmt: skip
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
-    for needle in ("are two ways to run episodes", "set data.path=null", "set eval.every_steps=0",
+    for needle in ("are two ways to run episodes", "set data.path=null",
+                   "set eval.verifiers to an environment whose taskset holds them",
                    "set data.reward=none", "has 2 agent seats (agent, judge)",
                    "its seat 'agent' declares the docker runtime",
                    "env.agent.verifiers_on_host=true"):  # fmt: skip
