@@ -9,8 +9,8 @@ result enters the next call as environment tokens (not trained), the reward is t
 environment's own scoring recomputed here from what the policy sampled, each reward is logged,
 the taskset's tasks are the rows, later turns are spliced onto earlier ones. verifiers' chat
 program runs with this interpreter: a `uv` first on PATH that marks its use is never called.
-Before launch: what does not combine with env.agent.verifiers, every error at once with an
-environment's own (two agent seats)."""
+Before launch: what does not combine with env.agent.verifiers, every error at once with the
+environments' own (two agent seats; a tool server that exits on start, with its log)."""
 
 from __future__ import annotations
 
@@ -147,6 +147,31 @@ class Pair(vf.Env[PairConfig]):
 __all__ = ["Tasks", "Pair"]
 """
 
+BROKEN = """
+import verifiers.v1 as vf
+
+
+class Tools(vf.Toolset[vf.SharedToolsetConfig, vf.State]):
+    @vf.tool
+    async def noop(self) -> str:
+        return ""
+
+
+class Tasks(vf.Taskset[vf.Task]):
+    def load(self):
+        yield vf.Task(vf.TaskData(prompt="hi"))
+
+    @classmethod
+    def toolsets(cls, config):
+        return [Tools(vf.SharedToolsetConfig())]
+
+
+__all__ = ["Tasks"]
+
+if __name__ == "__main__":  # the tool server
+    raise SystemExit("the tool server cannot start: no database")
+"""
+
 TRAIN = [(2, 2), (3, 4), (10, 5), (7, 1)]
 HELD = [(5, 5), (6, 1)]
 """The sums of the training taskset and of the held-out one (eval.verifiers)."""
@@ -160,7 +185,7 @@ def tmp(tmp_path_factory, subprocess_env):
     uv_called when run (verifiers would run it to install its chat program)."""
     tmp = tmp_path_factory.mktemp("verifiers")
     files = {"sums": SUMS.format(pairs=TRAIN), "held": SUMS.format(pairs=HELD), "turns": TURNS,
-             "seats": SEATS}  # fmt: skip
+             "seats": SEATS, "broken": BROKEN}  # fmt: skip
     for name, text in files.items():
         (tmp / f"{name}.py").write_text(text)
     (tmp / "bin").mkdir()
@@ -331,18 +356,22 @@ def test_a_tool_environment_trains_the_policy_s_tool_calls(multi_run, tmp):
 
 
 def test_configuration_errors_before_launch(tmp, bin_dir):
-    """What does not combine with env.agent.verifiers, all at once with the environment's own
-    problem (two agent seats); nothing runs. The other environments refused before launch:
-    tests/unit/rollout/test_verifiers_env.py."""
+    """What does not combine with env.agent.verifiers, all at once with the environments' own
+    problems: two agent seats, one of them in a Docker sandbox; the held-out environment's
+    tool server, started before launch as the run starts it, exits: its log is shown (it is not
+    an episode timing out at the first step). Nothing runs. The other environments refused
+    before launch: tests/unit/rollout/test_verifiers_env.py."""
     tmp, env = tmp
     proc = _run(bin_dir, env, tmp, "env.agent.verifiers=seats.py", "env.harness=h.py:run",
-                "eval.every_steps=1", "data.reward=task")  # fmt: skip
+                "eval.every_steps=1", "eval.verifiers=broken.py", "data.reward=task")  # fmt: skip
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
-    for needle in ("are two ways to run episodes", "set data.path=null",
-                   "set eval.verifiers to an environment whose taskset holds them",
-                   "set data.reward=none", "has 2 agent seats (agent, judge)",
+    for needle in ("are two ways to run episodes", "set data.path=null", "set data.reward=none",
+                   "has 2 agent seats (agent, judge)",
                    "its seat 'agent' declares the docker runtime",
-                   "env.agent.verifiers_on_host=true"):  # fmt: skip
+                   "env.agent.verifiers_on_host=true",
+                   f"eval.verifiers={tmp / 'broken.py'}: its taskset's tool servers did not start",
+                   "the server exited with code 1 before reporting its port",
+                   "the tool server cannot start: no database"):  # fmt: skip
         assert needle in out, (needle, out[-3000:])
     assert "Nothing was run" in out

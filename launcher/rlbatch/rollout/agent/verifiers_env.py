@@ -347,10 +347,66 @@ def check(spec: str, *, on_host: bool = False) -> list[str]:
     if problem:
         problems.append(problem)
     try:
-        load_tasks(load_environment(spec, on_host=on_host))
+        env = load_environment(spec, on_host=on_host)
+        load_tasks(env)
     except VerifiersError as err:
-        problems.append(str(err))
-    return problems
+        return [*problems, str(err)]
+    problem = tool_servers_problem(env)
+    return problems + ([problem] if problem else [])
+
+
+TOOLS_START_S = 120.0
+"""How long the pre-launch check waits for the taskset's shared tool servers to start."""
+
+
+def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional[str]:
+    """Why the taskset's shared tool servers do not start, started as the run starts them
+    (verifiers' ``Env.shared_tools``: a ``python -m`` process of the taskset's module each,
+    probed, then stopped), with the failing server's log; None when they start or there are
+    none. A task's own tool servers start with its episode, not here."""
+    if not env.taskset.toolsets(env.taskset.config):
+        return None
+    fail_fast_tool_servers()
+
+    async def start() -> None:
+        async with env.shared_tools():
+            pass
+
+    try:
+        asyncio.run(asyncio.wait_for(start(), timeout_s))
+    except TimeoutError:
+        return f"its taskset's tool servers did not start within {timeout_s:.0f} s"
+    except Exception as err:  # noqa: BLE001 - verifiers' own message, with the server's log
+        return f"its taskset's tool servers did not start: {type(err).__name__}: {err}"[:3000]
+    return None
+
+
+def fail_fast_tool_servers() -> None:
+    """Make verifiers report at once a tool server that exits before it reports its port:
+    verifiers polls the port file for 180 s and only then raises with the server's log, so a
+    server that crashed on start stalled the first episode past its deadline (a timeout naming
+    nothing). The server's exit now raises verifiers' own ToolsetError, which verifiers
+    completes with the log's tail."""
+    from verifiers.v1.mcp import launch
+
+    original = launch._read_back_port
+    if getattr(original, "rlbatch_fail_fast", False):
+        return
+
+    async def read_back_port(runtime: Any, path: str) -> int:
+        polling = asyncio.ensure_future(original(runtime, path))
+        try:
+            while not (await asyncio.wait({polling}, timeout=0.2))[0]:
+                codes = [p.returncode for p in getattr(runtime, "_background", [])]
+                if any(code is not None for code in codes):
+                    code = next(c for c in codes if c is not None)
+                    raise launch.ToolsetError(f"the server exited with code {code} before reporting its port")  # fmt: skip
+            return polling.result()
+        finally:
+            polling.cancel()
+
+    read_back_port.rlbatch_fail_fast = True  # type: ignore[attr-defined]
+    launch._read_back_port = read_back_port
 
 
 def _prompt(data: Any) -> Any:
@@ -409,6 +465,7 @@ class VerifiersHarness:
         if problem:  # the pre-launch check says so first
             raise VerifiersError(problem)
         run_chat_in_process(prepare_chat_program())
+        fail_fast_tool_servers()
         for name in ("verifiers", "aiohttp.access"):  # per-rollout lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self._loops: dict[Any, tuple[asyncio.Lock, list[Any]]] = {}
