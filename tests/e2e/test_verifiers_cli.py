@@ -148,6 +148,9 @@ __all__ = ["Tasks", "Pair"]
 """
 
 BROKEN = """
+if __name__ == "__main__":  # the tool server, which fails on start (before its imports)
+    raise SystemExit("the tool server cannot start: no database")
+
 import verifiers.v1 as vf
 
 
@@ -167,9 +170,6 @@ class Tasks(vf.Taskset[vf.Task]):
 
 
 __all__ = ["Tasks"]
-
-if __name__ == "__main__":  # the tool server
-    raise SystemExit("the tool server cannot start: no database")
 """
 
 TRAIN = [(2, 2), (3, 4), (10, 5), (7, 1)]
