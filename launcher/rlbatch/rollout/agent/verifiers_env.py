@@ -394,12 +394,13 @@ def fail_fast_tool_servers() -> None:
         return
 
     async def read_back_port(runtime: Any, path: str) -> int:
+        # the server: the runtime's newest background process (started just before the poll)
+        server = (getattr(runtime, "_background", None) or [None])[-1]
         polling = asyncio.ensure_future(original(runtime, path))
         try:
             while not (await asyncio.wait({polling}, timeout=0.2))[0]:
-                codes = [p.returncode for p in getattr(runtime, "_background", [])]
-                if any(code is not None for code in codes):
-                    code = next(c for c in codes if c is not None)
+                code = getattr(server, "returncode", None)
+                if code is not None:
                     raise launch.ToolsetError(f"the server exited with code {code} before reporting its port")  # fmt: skip
             return polling.result()
         finally:
