@@ -213,6 +213,43 @@ def save_turn_ending_qwen2(path: Path, eos_id: int, push: float = 5.0) -> Any:
     return model
 
 
+def save_scripted_qwen2(
+    path: Path, conversation: list[int], replies: list[tuple[int, int]], max_positions: int = 1536
+) -> Any:
+    """A tiny Qwen2 (vocabulary 264, untied output layer) that samples given replies: its body
+    is random (init std 0.3, so that its hidden states tell positions apart), and its output
+    layer is fitted by cross-entropy on the body's final hidden states of ``conversation``
+    (the ids of a whole conversation) so that each reply ``conversation[start:end]`` follows
+    the ids before it with a probability near 1 (the fitted layer doubled: every target the top
+    token by more than 16 logits, measured). Used to make a policy emit a tool call it would never sample at random;
+    saved to ``path``."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=264, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, attn_implementation="eager", initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).float().eval()
+    at = [i for start, end in replies for i in range(start - 1, end - 1)]
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([conversation])).last_hidden_state[0, at]
+    targets = torch.tensor([conversation[i + 1] for i in at])
+    head = torch.zeros(264, hidden.shape[-1], requires_grad=True)
+    optimizer = torch.optim.Adam([head], lr=0.1)
+    for _ in range(600):
+        loss = torch.nn.functional.cross_entropy(hidden @ head.T, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(2.0 * head)
+    model.save_pretrained(path)
+    return model
+
+
 def save_tiny_qwen3_moe(
     path: Path, seed: int = 0, num_layers: int = 4, max_positions: int = 256
 ) -> Any:

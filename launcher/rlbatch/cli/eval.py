@@ -49,6 +49,7 @@ def _checks(source: Optional[Path], args: argparse.Namespace, picked: dict[str, 
 
     def check(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
         from rlbatch.cli.export import select_checkpoint
+        from rlbatch.config.agent_rules import eval_needs_tasks
         from rlbatch.engine.tokenizer import tokenizer_errors
         from rlbatch.grpo.preflight import check_eval_inputs, check_rollout_servers
 
@@ -67,13 +68,16 @@ def _checks(source: Optional[Path], args: argparse.Namespace, picked: dict[str, 
             )
         elif args.step is not None or args.best:
             errors.append(ConfigError("--step/--best", True, "need a run directory"))
-        if cfg.env.agent.verifiers:  # its tasks are the training rows: none are held out
+        if cfg.env.agent.verifiers and not cfg.eval.verifiers:  # its tasks are the training rows
+            errors.append(eval_needs_tasks(cfg.env.agent.verifiers, "rlbatch-eval"))
+        elif cfg.eval.verifiers and not cfg.env.agent.verifiers:
             errors.append(
                 ConfigError(
-                    "env.agent.verifiers",
-                    cfg.env.agent.verifiers,
-                    "rlbatch-eval does not run verifiers environments yet: set"
-                    " env.agent.verifiers=null to evaluate on eval.data",
+                    "eval.verifiers",
+                    cfg.eval.verifiers,
+                    "evaluates with the built-in verifiers harness, which env.agent.verifiers"
+                    " selects: set env.agent.verifiers (the run's training environment), or"
+                    " eval.verifiers=null to evaluate on eval.data",
                 )
             )
         check_eval_inputs(cfg, errors)

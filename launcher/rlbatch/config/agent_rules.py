@@ -25,6 +25,7 @@ def check_agent(cfg: RunConfig, errors: list[ConfigError]) -> None:
     env = cfg.env
     _check_openenv_keys(cfg, errors)
     _check_verifiers_keys(cfg, errors)
+    _check_eval_verifiers(cfg, errors)
     if not harness_spec(env):
         return
     key = harness_key(env)
@@ -109,8 +110,8 @@ def _check_openenv_keys(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 def _check_verifiers_keys(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """env.agent.verifiers is a harness of its own (exclusive with env.harness and
-    env.agent.openenv_url), its taskset is the dataset (data.path is not read), and its tasks
-    are not split into held-out rows (evaluation during training is refused)."""
+    env.agent.openenv_url), its taskset is the dataset (data.path is not read), and evaluation
+    reads the held-out tasks of eval.verifiers (required with eval.every_steps > 0)."""
     name = cfg.env.agent.verifiers
     if not name:
         return
@@ -143,13 +144,44 @@ def _check_verifiers_keys(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 " reads the rows",
             )
         )
-    if cfg.eval.every_steps > 0:
+    if cfg.eval.every_steps > 0 and not cfg.eval.verifiers:
+        errors.append(eval_needs_tasks(name, f"eval.every_steps={cfg.eval.every_steps}"))
+    if cfg.eval.verifiers and cfg.eval.data.path is not None:
         errors.append(
             ConfigError(
-                "eval.every_steps",
-                cfg.eval.every_steps,
-                f"evaluation does not run verifiers environments yet (env.agent.verifiers={name}):"
-                " set eval.every_steps=0",
+                "eval.data.path",
+                cfg.eval.data.path,
+                f"is not read with eval.verifiers={cfg.eval.verifiers}: that environment's"
+                " taskset is the held-out set; set eval.data.path=null",
+            )
+        )
+
+
+def eval_needs_tasks(name: str, why: str) -> ConfigError:
+    """The refusal of evaluating env.agent.verifiers=``name`` without eval.verifiers (``why``:
+    what asked for the evaluation)."""
+    return ConfigError(
+        "eval.verifiers",
+        None,
+        f"{why} evaluates env.agent.verifiers={name} on held-out tasks, and a verifiers 0.4"
+        " taskset has none of its own (verifiers evaluates the tasks a taskset loads): set"
+        " eval.verifiers to an environment whose taskset holds them (e.g. the same environment"
+        " file loading other tasks; the training taskset's tasks are not held out)"
+        + (", or eval.every_steps=0" if why.startswith("eval.every_steps") else ""),
+    )
+
+
+def _check_eval_verifiers(cfg: RunConfig, errors: list[ConfigError]) -> None:
+    """eval.verifiers evaluates a verifiers run: it needs env.agent.verifiers (the episodes run
+    through the built-in verifiers harness that key selects)."""
+    if cfg.eval.verifiers and not cfg.env.agent.verifiers:
+        errors.append(
+            ConfigError(
+                "eval.verifiers",
+                cfg.eval.verifiers,
+                "evaluates a run that trains on a verifiers environment, and env.agent.verifiers"
+                " is not set: set env.agent.verifiers (the training environment), or"
+                " eval.verifiers=null to evaluate on eval.data",
             )
         )
 

@@ -47,6 +47,12 @@ class EvalConfig:
     """With every_steps > 0: also evaluate the initial policy (a step-0 baseline)."""
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
     """The held-out prompts (null keys: as data.*)."""
+    verifiers: Optional[str] = None
+    """With env.agent.verifiers: the verifiers environment whose taskset holds the held-out
+    tasks (an installed environment's id, or a local .py file or package directory, as
+    env.agent.verifiers), its tasks the evaluation's rows, its episodes and rewards the
+    evaluation's (a verifiers 0.4 taskset has no held-out split of its own); eval.data is not
+    read. null = no evaluation of a verifiers run (refused with eval.every_steps > 0)."""
     max_prompts: Optional[int] = 256
     """Evaluate the first this many prompts of the set; null = all of them."""
     num_samples: int = 4

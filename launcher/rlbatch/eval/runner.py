@@ -57,13 +57,19 @@ def load_eval_prompts(cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
 
 
 def eval_examples(cfg: RunConfig) -> list[Any]:
-    """The evaluation's rows, before tokenization (what :func:`load_eval_prompts` builds)."""
+    """The evaluation's rows, before tokenization (what :func:`load_eval_prompts` builds): for
+    a verifiers run, the tasks of eval.verifiers's taskset."""
     from rlbatch.grpo.data import load_examples
     from rlbatch.grpo.tasks import generate_examples
 
     data = eval_data(cfg)
-    examples = load_examples(data, eval_data_seed(cfg.trainer.seed))
-    if data.source == DataSource.builtin and cfg.data.source == DataSource.builtin:
+    verifiers = cfg.eval.verifiers if cfg.env.agent.verifiers else None  # its tasks are the rows
+    examples = load_examples(data, eval_data_seed(cfg.trainer.seed), verifiers=verifiers)
+    if (
+        not verifiers
+        and data.source == DataSource.builtin
+        and cfg.data.source == DataSource.builtin
+    ):
         seen = {
             e.prompt
             for e in generate_examples(cfg.data.task, cfg.data.num_prompts, cfg.trainer.seed)
@@ -223,7 +229,8 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]
     driver or None), in rollout.micro_batch_size prompt chunks (sequence parallelism off while
     decoding, as for training's rollouts); multi-turn through the run's environment (env.path)
     on every backend, the driver built for the evaluation's data (or through the agent harness
-    env.harness names, on the evaluation's rows and sampling). Evaluation measures the
+    env.harness names, on the evaluation's rows and sampling; for env.agent.verifiers, the
+    environment eval.verifiers names). Evaluation measures the
     policy: the long-tailed length workload of training's rollouts
     (debug.response_length_median) stays off here.
 
@@ -234,7 +241,13 @@ def _engine(cfg: RunConfig, model: list[Any], tokenizer: Any) -> tuple[Any, Any]
     from rlbatch.rollout.protocol import SYNCED_BACKENDS, SyncedRolloutEngine, token_sampling
 
     debug = dataclasses.replace(cfg.debug, response_length_median=0)
-    sampling = dataclasses.replace(cfg, rollout=eval_rollout(cfg), data=eval_data(cfg), debug=debug)
+    env = cfg.env
+    if env.agent.verifiers:  # the held-out environment's episodes (eval.verifiers)
+        agent = dataclasses.replace(env.agent, verifiers=cfg.eval.verifiers)
+        env = dataclasses.replace(env, agent=agent)
+    sampling = dataclasses.replace(
+        cfg, rollout=eval_rollout(cfg), data=eval_data(cfg), debug=debug, env=env
+    )
     if harness_spec(cfg.env):  # the harness's episodes, sampled with the evaluation's settings
         from rlbatch.rollout.agent.engine import build_agent_engine
 

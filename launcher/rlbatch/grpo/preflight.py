@@ -50,7 +50,8 @@ def check_before_launch(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
     errors += tokenizer_errors(cfg.model)
     errors += teacher_errors(cfg)
     errors += served_teacher_errors(cfg)
-    fields = _check_dataset(cfg, errors) if _check_verifiers(cfg, errors) else None
+    runs = not cfg.env.agent.verifiers or _check_verifiers(cfg, errors) is not None
+    fields = _check_dataset(cfg, errors) if runs else None
     warnings: list[str] = []
     if not pure_distillation(cfg):  # pure distillation loads and calls no reward function
         _check_rewards(cfg.data, fields, errors)
@@ -79,20 +80,29 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     from rlbatch.eval.settings import eval_data, eval_data_seed
 
     data = eval_data(cfg)
-    if data.source != DataSource.builtin and cfg.eval.data.path is None:
+    verifiers = None
+    if cfg.env.agent.verifiers:  # the held-out tasks are eval.verifiers's
+        if not cfg.eval.verifiers:
+            return  # refused as it is (the training taskset is not held out)
+        verifiers = _check_verifiers(cfg, errors, "eval.verifiers")
+        if verifiers is None:
+            return
+    elif data.source != DataSource.builtin and cfg.eval.data.path is None:
         return  # refused as it is (eval.data.path: the training file is not held out)
     if cfg.eval.reward_fn:
         data = dataclasses.replace(data, reward_fn=cfg.eval.reward_fn)  # rewritten in place
-    fields = _check_dataset(cfg, errors, data, eval_data_seed(cfg.trainer.seed), "eval.data.path")
+    seed = eval_data_seed(cfg.trainer.seed)
+    fields = _check_dataset(cfg, errors, data, seed, "eval.data.path", verifiers=verifiers)
     own = cfg.eval.reward_fn or cfg.eval.reward is not None
     found: list[ConfigError] = []
     _check_rewards(data, fields, found, prefix="eval" if own else "data")
     # the brought kinds' checks over the held-out rows (code_exec: every row's tests); what
     # repeats the training data's checks (the sandbox, the endpoints) is reported once
-    seed = eval_data_seed(cfg.trainer.seed)
-    check_brought_rewards(data, seed, found, "eval.data.path", cfg.batching.infer)
+    check_brought_rewards(
+        data, seed, found, "eval.data.path", cfg.batching.infer, verifiers=verifiers
+    )
     errors += [e for e in found if str(e) not in {str(x) for x in errors}]
-    if not any(e.key.startswith("eval.data") for e in errors):
+    if not any(e.key.startswith(("eval.data", "eval.verifiers")) for e in errors):
         _check_eval_in_step(cfg, errors)
 
 
@@ -197,23 +207,27 @@ def _check_openenv(cfg: RunConfig, errors: list[ConfigError]) -> None:
         errors.append(ConfigError("env.agent.openenv_action", None, problem))
 
 
-def _check_verifiers(cfg: RunConfig, errors: list[ConfigError]) -> bool:
-    """env.agent.verifiers: verifiers and openai installed, the environment loadable as this
-    run plays it (one seat, a chat-loop harness, a finite taskset with tasks), this interpreter
-    able to run verifiers' chat program (rlbatch.rollout.agent.verifiers_env.check); a local
-    path is made absolute for the workers. False when it cannot run (its dataset is not read
-    then)."""
-    if not cfg.env.agent.verifiers:
-        return True
-    spec = str(cfg.env.agent.verifiers)
+def _check_verifiers(
+    cfg: RunConfig, errors: list[ConfigError], key: str = "env.agent.verifiers"
+) -> str | None:
+    """The verifiers environment of ``key`` (env.agent.verifiers, or eval.verifiers: the
+    held-out one): verifiers and openai installed, the environment loadable as this run plays
+    it (one seat, a chat-loop harness, a finite taskset with tasks), this interpreter able to
+    run verifiers' chat program (rlbatch.rollout.agent.verifiers_env.check); a local path is
+    made absolute for the workers (in ``cfg``). Its spec, or None when it cannot run (its
+    tasks are not read then)."""
+    section, _, name = key.rpartition(".")
+    owner = cfg.env.agent if section == "env.agent" else cfg.eval
+    spec = str(getattr(owner, name))
     from rlbatch.rollout.agent import verifiers_env
 
     path = Path(spec).expanduser()
     if path.exists() and (spec.endswith(".py") or "/" in spec or spec.startswith(".")):
-        cfg.env.agent.verifiers = spec = str(path.resolve())
+        spec = str(path.resolve())
+        setattr(owner, name, spec)
     problems = verifiers_env.check(spec, on_host=cfg.env.agent.verifiers_on_host)
-    errors += [ConfigError("env.agent.verifiers", spec, p) for p in problems]
-    return not problems
+    errors += [ConfigError(key, spec, p) for p in problems]
+    return None if problems else spec
 
 
 def _check_environment(cfg: RunConfig, errors: list[ConfigError]) -> None:
@@ -320,9 +334,13 @@ def _check_dataset(
     data: DataConfig | None = None,
     seed: int | None = None,
     key: str = "data.path",
+    verifiers: str | None = None,
 ) -> set[str] | None:
     """Every bad row of ``data`` (default: cfg.data) as one ``key`` error; returns the fields
-    every good row has (None when the file could not be read: then field checks are skipped)."""
+    every good row has (None when the file could not be read: then field checks are skipped).
+    The rows of a verifiers environment are its taskset's tasks (env.agent.verifiers for the
+    training data; ``verifiers``, eval.verifiers, for the held-out set), reported under its
+    key."""
     from rlbatch.grpo.data import (
         describe_problems,
         prompt_length_problems,
@@ -330,7 +348,8 @@ def _check_dataset(
         row_position,
     )
 
-    verifiers = cfg.env.agent.verifiers if data is None else None  # its tasks are the rows
+    vkey = "env.agent.verifiers" if data is None else "eval.verifiers"
+    verifiers = cfg.env.agent.verifiers if data is None else verifiers  # its tasks are the rows
     data = cfg.data if data is None else data
     if verifiers:
         pass
@@ -346,7 +365,7 @@ def _check_dataset(
             verifiers=verifiers,
         )
     except ValueError as err:
-        errors.append(ConfigError(key, data.path, str(err)))
+        errors.append(ConfigError(vkey, verifiers, str(err)) if verifiers else ConfigError(key, data.path, str(err)))  # fmt: skip
         return None
     chat_ok = _check_prompts(cfg.data, examples, errors)
     tokenizer = _tokenizer(cfg)
@@ -354,8 +373,8 @@ def _check_dataset(
         problems += prompt_length_problems(data, tokenizer, examples)[1]
         problems.sort(key=lambda p: row_position(p.where))
     if problems and verifiers:
-        where = f"the taskset of env.agent.verifiers={verifiers}"
-        errors.append(ConfigError("env.agent.verifiers", verifiers, describe_problems(where, problems)))  # fmt: skip
+        where = f"the taskset of {vkey}={verifiers}"
+        errors.append(ConfigError(vkey, verifiers, describe_problems(where, problems)))
     elif problems:
         at = data.path if data.source != DataSource.builtin else f"data.task={data.task.name}"
         errors.append(ConfigError(key, data.path, describe_problems(at, problems)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rlbatch.config.agent_rules import check_agent
 from rlbatch.config.errors import ConfigError
+from rlbatch.config.evaluation import EvalDataConfig
 from rlbatch.config.schema import ChatTemplate, RewardKind, RolloutBackend, RunConfig
 
 
@@ -94,8 +95,9 @@ def _verifiers_errors(**changes) -> dict[str, ConfigError]:
 def test_verifiers_is_a_harness_whose_taskset_is_the_dataset():
     """env.agent.verifiers runs episodes through the built-in verifiers harness: exclusive with
     env.harness and env.agent.openenv_url, its taskset the dataset (data.path refused, the
-    built-in task's reward refused), no evaluation yet, under the harness's layout rules (their
-    fixes naming env.agent.verifiers)."""
+    built-in task's reward refused), evaluated on the held-out environment eval.verifiers
+    (required with eval.every_steps > 0; it needs env.agent.verifiers, and eval.data.path is not
+    read), under the harness's layout rules (their fixes naming env.agent.verifiers)."""
     assert _verifiers_errors() == {}
     errors = _verifiers_errors(env__harness="h.py:run", agent__openenv_url="http://h:1")
     assert set(errors) == {"env.agent.verifiers", "env.agent.openenv_url"}
@@ -106,7 +108,17 @@ def test_verifiers_is_a_harness_whose_taskset_is_the_dataset():
     assert "set data.reward=none" in errors["data.reward"].message
     assert _verifiers_errors(data__reward=RewardKind.math) == {}  # a reward of the rows adds
     errors = _verifiers_errors(eval__every_steps=5, rollout__backend=RolloutBackend.vllm)
-    assert set(errors) == {"eval.every_steps", "rollout.backend"}
+    assert set(errors) == {"eval.verifiers", "rollout.backend"}
     assert "env.agent.verifiers=null" in errors["rollout.backend"].message
+    held_out = errors["eval.verifiers"].message
+    assert "eval.every_steps=5 evaluates env.agent.verifiers=sums.py" in held_out
+    assert "set eval.verifiers to an environment" in held_out and "eval.every_steps=0" in held_out
+    assert _verifiers_errors(eval__every_steps=5, eval__verifiers="held.py") == {}
+    errors = _verifiers_errors(eval__verifiers="held.py", agent__verifiers=None)
+    assert set(errors) == {"eval.verifiers"}
+    assert "env.agent.verifiers is not set" in errors["eval.verifiers"].message
+    cfg_errors = _verifiers_errors(eval__verifiers="held.py", eval__data=EvalDataConfig(path="x.jsonl"))  # fmt: skip
+    assert set(cfg_errors) == {"eval.data.path"}
+    assert "set eval.data.path=null" in cfg_errors["eval.data.path"].message
     errors = _verifiers_errors(env__path="env.py:Env")
     assert "the verifiers environment" in errors["env.path"].message

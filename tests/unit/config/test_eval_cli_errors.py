@@ -76,3 +76,17 @@ def test_rlbatch_eval_refuses_a_model_without_a_loadable_tokenizer(tmp_path, cap
     err = _errors(capsys, [f"model.hf_path={model}", "eval.num_samples=2"])
     assert f"model.hf_path={model}" in err and "tokenizer.model" in err
     assert "model.tokenizer=bytes" in err  # the deliberate choice, named as a fix
+
+
+def test_rlbatch_eval_of_a_verifiers_run_needs_its_held_out_environment(tmp_path, capsys):
+    """A run on a verifiers environment has no held-out rows of its own: rlbatch-eval names
+    eval.verifiers (the environment whose taskset holds them); eval.verifiers on a run without
+    env.agent.verifiers names the key it needs."""
+    cfg = _run_dir(tmp_path, [2], [])
+    cfg.env.agent.verifiers = "sums.py"
+    dump_run_config(cfg, tmp_path / "resolved.yaml")
+    err = _errors(capsys, [str(tmp_path)])
+    assert "eval.verifiers=null: rlbatch-eval evaluates env.agent.verifiers=sums.py" in err
+    assert "set eval.verifiers to an environment whose taskset holds them" in err
+    err = _errors(capsys, [str(tmp_path), "env.agent.verifiers=null", "eval.verifiers=held.py"])
+    assert "eval.verifiers=held.py: evaluates with the built-in verifiers harness" in err

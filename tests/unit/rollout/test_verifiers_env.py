@@ -243,7 +243,6 @@ def test_the_environment_s_serving_context_is_closed_at_exit(tmp_path):
     """The harness enters the environment's serving context (interception server, shared tool
     servers) on its rank's loop and registers its exit: closing it on the running loop stops
     verifiers' interception server."""
-    import atexit
     import threading
 
     from rlbatch.config.schema import RunConfig
@@ -261,8 +260,7 @@ def test_the_environment_s_serving_context_is_closed_at_exit(tmp_path):
         assert env._interception is not None  # serving
         _, (_, serving) = harness._loops[loop]
         assert verifiers_env._SERVING == [(loop, serving)]  # closed at exit
-        atexit.unregister(verifiers_env.close_serving)  # this test closes it itself
-        verifiers_env.close_serving(verifiers_env._SERVING)
+        verifiers_env.close_serving(verifiers_env._SERVING)  # as at exit (then a no-op)
         assert env._interception is None and verifiers_env._SERVING == []
     finally:
         loop.call_soon_threadsafe(loop.stop)

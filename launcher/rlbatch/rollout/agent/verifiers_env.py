@@ -46,6 +46,7 @@ import importlib.util
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -346,10 +347,67 @@ def check(spec: str, *, on_host: bool = False) -> list[str]:
     if problem:
         problems.append(problem)
     try:
-        load_tasks(load_environment(spec, on_host=on_host))
+        env = load_environment(spec, on_host=on_host)
+        load_tasks(env)
     except VerifiersError as err:
-        problems.append(str(err))
-    return problems
+        return [*problems, str(err)]
+    problem = tool_servers_problem(env)
+    return problems + ([problem] if problem else [])
+
+
+TOOLS_START_S = 120.0
+"""How long the pre-launch check waits for the taskset's shared tool servers to start."""
+
+
+def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional[str]:
+    """Why the taskset's shared tool servers do not start, started as the run starts them
+    (verifiers' ``Env.shared_tools``: a ``python -m`` process of the taskset's module each,
+    probed, then stopped), with the failing server's log; None when they start or there are
+    none. A task's own tool servers start with its episode, not here."""
+    if not env.taskset.toolsets(env.taskset.config):
+        return None
+    fail_fast_tool_servers()
+
+    async def start() -> None:
+        async with env.shared_tools():
+            pass
+
+    try:
+        asyncio.run(asyncio.wait_for(start(), timeout_s))
+    except TimeoutError:
+        return f"its taskset's tool servers did not start within {timeout_s:.0f} s"
+    except Exception as err:  # noqa: BLE001 - verifiers' own message, with the server's log
+        return f"its taskset's tool servers did not start: {type(err).__name__}: {err}"[:3000]
+    return None
+
+
+def fail_fast_tool_servers() -> None:
+    """Make verifiers report at once a tool server that exits before it reports its port:
+    verifiers polls the port file for 180 s and only then raises with the server's log, so a
+    server that crashed on start stalled the first episode past its deadline (a timeout naming
+    nothing). The server's exit now raises verifiers' own ToolsetError, which verifiers
+    completes with the log's tail."""
+    from verifiers.v1.mcp import launch
+
+    original = launch._read_back_port
+    if getattr(original, "rlbatch_fail_fast", False):
+        return
+
+    async def read_back_port(runtime: Any, path: str) -> int:
+        # the server: the runtime's newest background process (started just before the poll)
+        server = (getattr(runtime, "_background", None) or [None])[-1]
+        polling = asyncio.ensure_future(original(runtime, path))
+        try:
+            while not (await asyncio.wait({polling}, timeout=0.2))[0]:
+                code = getattr(server, "returncode", None)
+                if code is not None:
+                    raise launch.ToolsetError(f"the server exited with code {code} before reporting its port")  # fmt: skip
+            return polling.result()
+        finally:
+            polling.cancel()
+
+    read_back_port.rlbatch_fail_fast = True  # type: ignore[attr-defined]
+    launch._read_back_port = read_back_port
 
 
 def _prompt(data: Any) -> Any:
@@ -408,6 +466,7 @@ class VerifiersHarness:
         if problem:  # the pre-launch check says so first
             raise VerifiersError(problem)
         run_chat_in_process(prepare_chat_program())
+        fail_fast_tool_servers()
         for name in ("verifiers", "aiohttp.access"):  # per-rollout lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self._loops: dict[Any, tuple[asyncio.Lock, list[Any]]] = {}
@@ -427,7 +486,7 @@ class VerifiersHarness:
                 await serving.__aenter__()
                 served += [env, serving]  # held: a context dropped is collected, and closed
                 if not _SERVING:
-                    atexit.register(close_serving, _SERVING)
+                    at_exit(close_serving, _SERVING)
                 _SERVING.append((loop, serving))
         return served[0]
 
@@ -465,6 +524,27 @@ _SERVING: list[tuple[asyncio.AbstractEventLoop, Any]] = []
 """Every (loop, serving context) this process entered, closed at its exit."""
 
 
+def at_exit(fn: Any, *args: Any) -> None:
+    """Call ``fn(*args)`` when this process exits, while thread pools still take work: in
+    threading's exit hooks, which run before concurrent.futures shuts its pools down (an
+    ``atexit`` function runs after, and verifiers' subprocess runtime removes its folder in
+    ``asyncio.to_thread`` when it stops a tool server: 'cannot schedule new futures after
+    shutdown', the folder left behind). Not in a child forked from it (a multiprocessing child
+    runs threading's exit hooks too, and holds copies of the loops without their threads).
+    ``atexit`` where threading has no such hook."""
+    pid = os.getpid()
+
+    def call() -> None:
+        if os.getpid() == pid:
+            fn(*args)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(call)
+    else:
+        register(call)
+
+
 def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s: float = 10.0) -> None:  # fmt: skip
     """Exit each environment's serving context on its event loop (at the process's exit, while
     the loops' threads still run): verifiers stops its interception server and the taskset's
@@ -484,7 +564,7 @@ def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s
         try:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as err:  # noqa: BLE001 - at exit: say so, do not mask the run's outcome
-            failed.append(type(err).__name__)
+            failed.append(f"{type(err).__name__}: {err}"[:200])
     if failed:
         logging.getLogger(__name__).warning(
             "%d of the verifiers environment's %d serving contexts did not close within %.0f s"
@@ -492,7 +572,7 @@ def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s
             len(failed),
             len(futures),
             timeout_s,
-            ", ".join(sorted(set(failed))),
+            "; ".join(sorted(set(failed))),
         )
     served.clear()
 
