@@ -38,11 +38,19 @@ def _stable(record):
     return {k: v for k, v in record.items() if not _is_timing(k)}
 
 
+LEARNING_STEPS = 40
+"""The learning tests' steps: the default recipe's 60 made shorter for CI; the mean reward of the
+last 6 steps is already well above the first 6's by step 40 (0.13 -> 0.32 here)."""
+
+
 def test_default_recipe_learns(bin_dir, subprocess_env, tmp_path):
     run_dir = tmp_path / "run"
-    _train(bin_dir, subprocess_env, tmp_path, f"hydra.run.dir={run_dir}")
+    _train(
+        bin_dir, subprocess_env, tmp_path, f"hydra.run.dir={run_dir}",
+        f"trainer.max_steps={LEARNING_STEPS}",
+    )  # fmt: skip
     records = _metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(1, 61))
+    assert [r["step"] for r in records] == list(range(1, LEARNING_STEPS + 1))
     rewards = [r["reward_mean"] for r in records]
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
     assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
