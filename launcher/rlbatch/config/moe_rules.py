@@ -405,9 +405,9 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """rlbatch's load-balancing loss is computed from the routers' logits over whole samples,
-    on each pipeline stage for its own routers (rlbatch.grpo.balance)."""
-    from rlbatch.config.enums import Recompute
-
+    on each pipeline stage for its own routers (rlbatch.grpo.balance); under full activation
+    recompute its gradient reaches the routers through their recomputed forward
+    (rlbatch.engine.routing.recompute_handoff)."""
     m, p = cfg.model, cfg.parallel
     coeff = m.moe_aux_loss_coeff
     if coeff < 0:
@@ -427,15 +427,3 @@ def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
             ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.cp > 1 is not "
                         f"supported yet ({why}): set parallel.cp=1 or the coefficient to 0")
         )  # fmt: skip
-    if Recompute(m.recompute) == Recompute.full:
-        errors.append(
-            ConfigError(
-                "model.recompute",
-                "full",
-                f"with model.moe_aux_loss_coeff={coeff} is not supported yet: full recompute "
-                "runs each layer's forward without autograd and again in backward, so the "
-                "routers' logits the load-balancing loss is computed from have no gradient and "
-                "the term would train nothing: set model.recompute=selective or none, or the "
-                "coefficient to 0",
-            )
-        )
