@@ -227,18 +227,6 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "names for it are not verified here): set model.lora.rank=0",
             )
         )
-    if p.ep > 1 and p.pp > 1 and backend == RolloutBackend.vllm_server:
-        errors.append(
-            ConfigError(
-                "parallel.ep",
-                p.ep,
-                f"with parallel.pp={p.pp} and rollout.backend={backend.value} is not supported "
-                "yet (the servers' weight sync would gather the experts over the "
-                "expert-parallel group of each pipeline stage, which no test runs here; the "
-                "colocated engine's does, tests/e2e/test_vllm_cli.py): set "
-                "rollout.backend=vllm or megatron, parallel.pp=1 or parallel.ep=1",
-            )
-        )
     if p.ep > 1 and overlaps_generation(cfg):
         errors.append(
             ConfigError(

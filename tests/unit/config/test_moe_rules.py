@@ -62,10 +62,10 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     assert "rollout.backend=megatron, vllm or vllm_server" in errors["rollout.backend"]
 
 
-def test_expert_parallelism_with_pipeline_stages_validates_but_on_vllm_servers():
-    """dp 2 x ep 2 x pp 2 x vpp 2 (4 processes) trains on the built-in rollout and on colocated
-    vLLM (its stage-by-stage weight sync: tests/e2e/test_vllm_cli.py); with vLLM servers it is
-    refused naming parallel.ep (their weight sync there is not tested)."""
+def test_expert_parallelism_with_pipeline_stages_validates_on_every_backend():
+    """dp 2 x ep 2 x pp 2 x vpp 2 (4 processes) trains on the built-in rollout, on colocated
+    vLLM and on vLLM servers (their weight syncs go stage by stage, each stage gathering its
+    experts over its own expert group: tests/e2e/test_vllm_cli.py, test_vllm_servers.py)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
@@ -78,11 +78,9 @@ def test_expert_parallelism_with_pipeline_stages_validates_but_on_vllm_servers()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=["+recipe=grpo_qwen", *layout])
     check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))  # no error
-    _validates([*layout, "rollout.backend=vllm", "model.head_dim=32"])  # colocated: tested
-    errors = _errors_for([*layout, "rollout.backend=vllm_server", "model.head_dim=32",
-                          "rollout.servers.urls=[http://127.0.0.1:9]"])  # fmt: skip
-    assert "with parallel.pp=2 and rollout.backend=vllm_server" in errors["parallel.ep"]
-    assert "rollout.backend=vllm or megatron" in errors["parallel.ep"]
+    _validates([*layout, "rollout.backend=vllm", "model.head_dim=32"])
+    _validates([*layout, "rollout.backend=vllm_server", "model.head_dim=32",
+                "rollout.servers.count=1"])  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
@@ -132,13 +130,10 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
     assert "parallel.ep" not in harness  # the built-in engine keeps the expert group in step
     assert "agent harnesses (env.harness)" in harness["grpo.routing_replay"]
     assert "splices the calls' sampled tokens" in harness["grpo.routing_replay"]
-    served = _errors_for(
-        ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
-         "model.head_dim=32", "parallel.dp=2", "parallel.ep=2", "rollout.backend=vllm_server",
-         "rollout.servers.urls=[http://127.0.0.1:9]"]
-    )  # fmt: skip
-    assert "rollout.backend=vllm_server run at parallel.ep=1 only" in served["parallel.ep"]
-    assert "rollout.backend=megatron" in served["parallel.ep"]
+    # on vLLM servers too: they sync at every round's start, on every rank
+    _validates(["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
+                "model.head_dim=32", "parallel.dp=2", "parallel.ep=2",
+                "rollout.backend=vllm_server", "rollout.servers.count=1"])  # fmt: skip
     partial = _errors_for(  # on vLLM, which returns no routing here
         ["model=tiny_moe", "model.head_dim=32", "grpo.partial_rollouts=true",
          "grpo.num_steps_async=1", "grpo.max_staleness=3", "grpo.routing_replay=r3",
