@@ -794,11 +794,11 @@ def test_servers_started_by_the_run_stop_with_it(bin_dir, subprocess_env, tmp_pa
     process of the run is left once rlbatch-train returns. The policy is MoE (tiny Qwen3-MoE)
     with its experts split over dp 2 x ep 2, rolled out by an agent harness (three calls an
     episode): the first replica's stream gathers the other replica's experts, the transfer
-    plugin's check finds every layer whole, and the probe passes after each of three syncs.
+    plugin's check finds every layer whole, and the probe passes after each sync.
     Each sync is collective over the expert group, so every rank syncs at its round's start,
     not at its first call: in round 1 rank 1's episodes make no call at all (they fail, scored
-    0 under env.on_error=zero_reward), and the run goes on; at every step, the later ones with
-    updated experts, vLLM's logprobs of the sampled tokens are the trainer's."""
+    0 under env.on_error=zero_reward), and the run goes on; at both steps (the second with
+    updated experts) vLLM's logprobs of the sampled tokens are the trainer's."""
     pytest.importorskip("vllm")
     (tmp_path / "harness.py").write_text(MOE_HARNESS)
     chat = [{"role": "system", "content": "count"}, {"role": "user", "content": "go"}]
@@ -806,7 +806,7 @@ def test_servers_started_by_the_run_stop_with_it(bin_dir, subprocess_env, tmp_pa
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
     proc = _train(
-        bin_dir, subprocess_env, run_dir, "rollout.servers.count=1", "trainer.max_steps=3",
+        bin_dir, subprocess_env, run_dir, "rollout.servers.count=1", "trainer.max_steps=2",
         "model=tiny_moe", "model.head_dim=32", "parallel.dp=2", "parallel.ep=2",
         "env.harness=harness.py:run", "env.on_error=zero_reward", "data.source=jsonl",
         "data.path=rows.jsonl", "data.reward=none", "data.chat_template=qwen",
@@ -815,8 +815,8 @@ def test_servers_started_by_the_run_stop_with_it(bin_dir, subprocess_env, tmp_pa
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = _records(run_dir)
-    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["kl"] > 0
-    assert [r["env_errors"] for r in records] == [8, 0, 0]  # rank 1's first round
+    assert [r["step"] for r in records] == [1, 2] and records[-1]["kl"] > 0
+    assert [r["env_errors"] for r in records] == [8, 0]  # rank 1's first round
     for record in records:
         assert abs(record["mismatch_kl_k1"]) < 1e-6 and record["rollout/weight_sync_s"] > 0
         assert record["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
