@@ -208,16 +208,6 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
     backend = RolloutBackend(cfg.rollout.backend)
     if m.lora.rank > 0:
         _check_lora(cfg, backend, errors)
-    if m.moe_shared_expert_intermediate_size and backend in VLLM_BACKENDS:
-        errors.append(
-            ConfigError(
-                "model.moe_shared_expert_intermediate_size",
-                m.moe_shared_expert_intermediate_size,
-                f"a shared expert (Qwen2-MoE) with rollout.backend={backend.value} is not "
-                "supported yet (vLLM's Qwen2-MoE loading rlbatch's weight sync is not verified "
-                "here): set rollout.backend=megatron",
-            )
-        )
     if m.moe_shared_expert_intermediate_size and m.lora.rank > 0:
         errors.append(
             ConfigError(

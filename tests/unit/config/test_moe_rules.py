@@ -262,7 +262,7 @@ def test_fields_of_other_moe_families_are_refused_by_name(tmp_path):
 def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
     """Qwen2-MoE: a shared expert (model.moe_shared_expert_intermediate_size), q/k/v biases, no
     QK-norm, top-k not renormalised by default; the export writes it back as Qwen2-MoE. The
-    shared expert with LoRA or a vLLM rollout, or on a Qwen3-MoE model, is refused."""
+    shared expert with LoRA, or on a Qwen3-MoE model, is refused; vLLM rollouts validate."""
     from dataclasses import replace
 
     from rlbatch.config.schema import ModelConfig
@@ -286,19 +286,20 @@ def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
     )
     assert "Qwen3-MoE has no shared expert" in errors["model.moe_shared_expert_intermediate_size"]
     assert "shared expert (Qwen2-MoE)" in errors["model.lora.rank"]
-    errors = _errors_for(
-        [
-            "model=tiny_moe",
-            "model.architecture=qwen2_moe",
-            "model.head_dim=null",  # vLLM's Qwen2-MoE takes hidden_size / heads = 32
-            "model.num_attention_heads=2",
-            "model.num_query_groups=2",
-            "model.moe_shared_expert_intermediate_size=32",
-            "rollout.backend=vllm",
-        ]  # fmt: skip
-    )
-    assert set(errors) == {"model.moe_shared_expert_intermediate_size"}
-    assert "rollout.backend=vllm" in errors["model.moe_shared_expert_intermediate_size"]
+    for backend in ("vllm", "vllm_server"):  # vLLM's Qwen2MoeForCausalLM takes the sync
+        _validates(
+            [
+                "model=tiny_moe",
+                "model.architecture=qwen2_moe",
+                "model.qk_layernorm=false",
+                "model.head_dim=null",  # vLLM's Qwen2-MoE takes hidden_size / heads = 32
+                "model.num_attention_heads=2",
+                "model.num_query_groups=2",
+                "model.moe_shared_expert_intermediate_size=40",
+                f"rollout.backend={backend}",
+                *(["rollout.servers.count=1"] if backend == "vllm_server" else []),
+            ]  # fmt: skip
+        )
 
 
 def test_export_config_round_trips(tmp_path):
