@@ -211,17 +211,26 @@ def captured(chunk: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     Under full activation recompute (``model.recompute=full``) that forward ran without
     autograd: while gradients are on, such logits are handed out as a leaf that requires grad
     (the same one on every call until the next forward), and :func:`recompute_handoff` gives
-    what the loss back-propagates into it to the router's recomputed forward."""
+    what the loss back-propagates into it to the router's recomputed forward. Without recompute
+    logits without autograd stay as they are (a router nothing trainable feeds): there is no
+    second forward to take a gradient."""
     out = {}
+    recomputes = _recomputes(chunk)
     for r in chunk_replays(chunk):
         if r.captured is None:
             continue
         logits, routing_map = r.captured
-        if torch.is_grad_enabled() and not logits.requires_grad:
+        if recomputes and torch.is_grad_enabled() and not logits.requires_grad:
             r.leaf = logits.detach().requires_grad_()
             r.captured = (r.leaf, routing_map)
         out[r.slot] = r.captured
     return out
+
+
+def _recomputes(chunk: Any) -> bool:
+    """Whether megatron recomputes the chunk's layers in backward (full activation recompute):
+    only then does a router run a second forward that can take a deferred gradient."""
+    return getattr(_unwrap(chunk).config, "recompute_granularity", None) == "full"
 
 
 def recompute_handoff(chunk: Any, term: torch.Tensor) -> Optional[Callable[[torch.Tensor], None]]:
