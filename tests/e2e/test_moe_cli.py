@@ -343,7 +343,11 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
     (decoded in step across the stages: one replica's rows end first and it idles), losses and
     gradients at fp32 rounding; step 3 trains with the Adam moments it loaded. Its export
     holds every expert of both stages. Both runs train the load-balancing loss, each stage
-    adding its own routers' share (model.moe_aux_loss_coeff)."""
+    adding its own routers' share (model.moe_aux_loss_coeff); the resumed run recomputes every
+    layer in backward (model.recompute=full), whose first forward gives the routers' logits no
+    gradient: the equal losses and gradient norms say the balance loss's gradient reached each
+    stage's routers through their recomputed forward (without it: tests/dist/
+    test_moe_balance_pipeline.py's control)."""
     hf, _, _ = checkpoint
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
     args = [*PIPELINED, f"model.hf_path={hf}", "model.tokenizer=bytes", "data=jsonl",
@@ -370,7 +374,7 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
     flips = int((routing.sort(-1).values != free.sort(-1).values).any(-1).sum())
     assert flips <= 0.001 * free.shape[0] * free.shape[1], f"{flips} expert sets flipped"
 
-    _train(bin_dir, subprocess_env, *args, f"hydra.run.dir={resumed}",
+    _train(bin_dir, subprocess_env, *args, f"hydra.run.dir={resumed}", "model.recompute=full",
            f"trainer.resume={run_dir / 'checkpoints' / 'step_00000001'}")  # fmt: skip
     after = _metrics(resumed)
     _continues(after, records, [2, 3])

@@ -142,6 +142,13 @@ def test_a_killed_dp2_ep2_moe_vllm_run_resumes_with_identical_metrics(
     assert _untimed(_records(run_dir)) == _untimed(expected)
 
 
+QWEN2_MOE = (
+    "model.architecture=qwen2_moe", "model.qk_layernorm=false", "model.add_qkv_bias=true",
+    "model.moe_shared_expert_intermediate_size=40", "model.head_dim=null", *HEADS_OF_32,
+)  # fmt: skip
+"""tiny_moe as a Qwen2-MoE with a shared expert; heads of width 32 (hidden 64 / 2 heads: vLLM's
+Qwen2-MoE takes hidden_size / heads)."""
+
 TWO_TURNS_ENV = '''
 class TwoTurns:
     """An observation after turn 1, done after turn 2."""
@@ -162,21 +169,24 @@ class TwoTurns:
 def test_an_moe_policy_with_expert_and_pipeline_parallelism_samples_on_policy_on_vllm(
     bin_dir, subprocess_env, tmp_path
 ):
-    """tiny Qwen3-MoE at dp 2 x ep 2 x pp 2 (4 ranks; each pipeline stage holds one MoE layer,
-    whose experts its two data-parallel ranks split) in a two-turn environment (each turn a new
-    request of the row's exact ids; an episode whose first turn ends with EOS gets an
-    observation and a second turn): the weight stream goes stage
-    by stage, each stage gathering its experts over its own expert-parallel group, and every
-    rank's engine gets the whole model. On-policy at both steps (after an update too): vLLM's
-    logprobs of the assistant tokens are the trainer's (an expert of either stage left out, or
-    stale, puts them ~1e-2 apart)."""
+    """A tiny Qwen2-MoE (tiny_moe's shape with Qwen2-MoE's attention, q/k/v biases and no
+    QK-norm, and a shared expert of width 40 behind its sigmoid gate in every MoE layer) at
+    dp 2 x ep 2 x pp 2 (4 ranks; each pipeline stage holds one MoE layer, whose routed experts
+    its two data-parallel ranks split and whose shared expert both hold) in a two-turn
+    environment (each turn a new request of the row's exact ids; an episode whose first turn
+    ends with EOS gets an observation and a second turn): the weight stream goes stage by
+    stage, each stage gathering its experts over its own expert-parallel group, and every
+    rank's engine (vLLM's Qwen2MoeForCausalLM) gets the whole model under Hugging Face's
+    names, the shared expert and its gate included. On-policy at both steps (after an update
+    too): vLLM's logprobs of the assistant tokens are the trainer's (an expert of either stage
+    left out, or stale, puts them ~1e-2 apart)."""
     pytest.importorskip("vllm")
     (tmp_path / "two_turns.py").write_text(TWO_TURNS_ENV)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [str(bin_dir / "rlbatch-train"), "+recipe=grpo_guess_number", "rollout.backend=vllm",
          f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
-         "trainer.checkpoint.export_hf=false", "model=tiny_moe", "model.head_dim=32",
+         "trainer.checkpoint.export_hf=false", "model=tiny_moe", *QWEN2_MOE,
          "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "trainer.max_steps=2",
          "grpo.global_batch_size=32", "grpo.num_generations=4", "grpo.beta=0.02",
          "env=default", "env.path=two_turns.py:TwoTurns", "env.max_turns=2",

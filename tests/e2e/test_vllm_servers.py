@@ -4,7 +4,8 @@
 through vLLM's RL lifecycle by rlbatch's transfer plugin before every step, vLLM's behaviour
 log-probs the trainer's own at every step, evaluation on the same servers; an unreachable URL,
 one that is no vLLM server and one without a scheme are configuration errors before launch; rollout.servers.count=1 starts its server beside
-training and leaves no process behind, also when the launcher is SIGKILLed; with
+training (an MoE policy at dp 2 x ep 2 rolled out by an agent harness, every rank syncing at
+its round's start) and leaves no process behind, also when the launcher is SIGKILLed; with
 rollout.servers.on_failure=restart, that server SIGKILLed while it samples is started again,
 synced and probed, and the run finishes on the current weights; a server shorter
 than the run is refused before launch; multi-turn episodes and a dp 2 trainer (killed and
@@ -768,22 +769,54 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
     assert compared(records) == compared(expected)
 
 
+MOE_HARNESS = """
+import os
+
+_episodes = 0
+
+
+async def run(client, model, row):
+    global _episodes
+    _episodes += 1
+    if os.environ["RANK"] == "1" and _episodes <= 8:  # rank 1's first round: no call at all
+        raise RuntimeError("the tool failed before the first call")
+    prompt, score = f"count {row['answer']}:", 0.0
+    for turn in range(3):
+        out = await client.completions.create(model=model, prompt=prompt, max_tokens=6)
+        score += float(any(c.isdigit() for c in out.choices[0].text)) / 3
+        prompt += out.choices[0].text + f" {turn}:"
+    return score
+"""
+
+
 def test_servers_started_by_the_run_stop_with_it(bin_dir, subprocess_env, tmp_path):
     """rollout.servers.count=1: the launcher starts a server, trains on it, and stops it: no
     process of the run is left once rlbatch-train returns. The policy is MoE (tiny Qwen3-MoE)
-    with its experts split over dp 2 x ep 2: the first replica's stream gathers the other
-    replica's experts, the transfer plugin's check finds every layer whole, the probe passes
-    after each sync, and at both steps (the second with updated experts) vLLM's logprobs are
-    the trainer's."""
+    with its experts split over dp 2 x ep 2, rolled out by an agent harness (three calls an
+    episode): the first replica's stream gathers the other replica's experts, the transfer
+    plugin's check finds every layer whole, and the probe passes after each sync.
+    Each sync is collective over the expert group, so every rank syncs at its round's start,
+    not at its first call: in round 1 rank 1's episodes make no call at all (they fail, scored
+    0 under env.on_error=zero_reward), and the run goes on; at both steps (the second with
+    updated experts) vLLM's logprobs of the sampled tokens are the trainer's."""
     pytest.importorskip("vllm")
+    (tmp_path / "harness.py").write_text(MOE_HARNESS)
+    chat = [{"role": "system", "content": "count"}, {"role": "user", "content": "go"}]
+    rows = [{"prompt": chat, "answer": str(k)} for k in range(8)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
     proc = _train(
         bin_dir, subprocess_env, run_dir, "rollout.servers.count=1", "trainer.max_steps=2",
         "model=tiny_moe", "model.head_dim=32", "parallel.dp=2", "parallel.ep=2",
+        "env.harness=harness.py:run", "env.on_error=zero_reward", "data.source=jsonl",
+        "data.path=rows.jsonl", "data.reward=none", "data.chat_template=qwen",
+        "data.max_prompt_len=96", "env.max_total_tokens=150", "rollout.max_new_tokens=8",
+        "grpo.global_batch_size=16", "grpo.num_generations=2",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = _records(run_dir)
     assert [r["step"] for r in records] == [1, 2] and records[-1]["kl"] > 0
+    assert [r["env_errors"] for r in records] == [8, 0]  # rank 1's first round
     for record in records:
         assert abs(record["mismatch_kl_k1"]) < 1e-6 and record["rollout/weight_sync_s"] > 0
         assert record["is_weight_max"] == pytest.approx(1.0, abs=1e-4)

@@ -225,18 +225,3 @@ def _check_layout(cfg: RunConfig, errors: list[ConfigError]) -> None:
             )
     if backend == RolloutBackend.megatron:
         errors += per_row_decoder_errors(cfg, f"agent harnesses ({harness})")
-    if cfg.model.num_moe_experts is not None and p.ep > 1 and backend != RolloutBackend.megatron:
-        # the built-in engine decodes the calls of an expert-parallel group together
-        # (rlbatch.rollout.agent.decoders.BuiltinDecoder)
-        errors.append(
-            ConfigError(
-                "parallel.ep",
-                p.ep,
-                f"agent harnesses ({harness}) with an MoE policy on "
-                f"rollout.backend={backend.value} run at parallel.ep=1 only today: the servers' "
-                "weight syncs gather the experts over the expert-parallel group at each rank's "
-                "first call of a round, which harnesses time on their own (not verified here): "
-                "set parallel.ep=1 (each rank holds every expert), or rollout.backend=megatron "
-                "(its decoder keeps the expert group in step)",
-            )
-        )

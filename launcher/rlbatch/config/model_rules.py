@@ -38,6 +38,19 @@ def check_model_shape(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "drop the trained biases: set model.add_qkv_bias=false",
             )
         )
+    qk_norm = arch in (Architecture.qwen3, Architecture.qwen3_moe)
+    if m.qk_layernorm != qk_norm:
+        errors.append(
+            ConfigError(
+                "model.qk_layernorm",
+                m.qk_layernorm,
+                f"model.architecture={arch.value} "
+                + ("always has" if qk_norm else "has no")
+                + " query/key RMSNorm in its Hugging Face form, so an export (and vLLM's copy) "
+                "would compute another model than the one trained: set "
+                f"model.qk_layernorm={str(qk_norm).lower()}",
+            )
+        )
     if m.logits_chunk_tokens < 0:
         errors.append(
             ConfigError(

@@ -208,16 +208,6 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
     backend = RolloutBackend(cfg.rollout.backend)
     if m.lora.rank > 0:
         _check_lora(cfg, backend, errors)
-    if m.moe_shared_expert_intermediate_size and backend in VLLM_BACKENDS:
-        errors.append(
-            ConfigError(
-                "model.moe_shared_expert_intermediate_size",
-                m.moe_shared_expert_intermediate_size,
-                f"a shared expert (Qwen2-MoE) with rollout.backend={backend.value} is not "
-                "supported yet (vLLM's Qwen2-MoE loading rlbatch's weight sync is not verified "
-                "here): set rollout.backend=megatron",
-            )
-        )
     if m.moe_shared_expert_intermediate_size and m.lora.rank > 0:
         errors.append(
             ConfigError(
@@ -225,18 +215,6 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 m.lora.rank,
                 "LoRA on a model with a shared expert (Qwen2-MoE) is not supported yet (PEFT's "
                 "names for it are not verified here): set model.lora.rank=0",
-            )
-        )
-    if p.ep > 1 and p.pp > 1 and backend == RolloutBackend.vllm_server:
-        errors.append(
-            ConfigError(
-                "parallel.ep",
-                p.ep,
-                f"with parallel.pp={p.pp} and rollout.backend={backend.value} is not supported "
-                "yet (the servers' weight sync would gather the experts over the "
-                "expert-parallel group of each pipeline stage, which no test runs here; the "
-                "colocated engine's does, tests/e2e/test_vllm_cli.py): set "
-                "rollout.backend=vllm or megatron, parallel.pp=1 or parallel.ep=1",
             )
         )
     if p.ep > 1 and overlaps_generation(cfg):
@@ -405,9 +383,9 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
 
 def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """rlbatch's load-balancing loss is computed from the routers' logits over whole samples,
-    on each pipeline stage for its own routers (rlbatch.grpo.balance)."""
-    from rlbatch.config.enums import Recompute
-
+    on each pipeline stage for its own routers (rlbatch.grpo.balance); under full activation
+    recompute its gradient reaches the routers through their recomputed forward
+    (rlbatch.engine.routing.recompute_handoff)."""
     m, p = cfg.model, cfg.parallel
     coeff = m.moe_aux_loss_coeff
     if coeff < 0:
@@ -427,15 +405,3 @@ def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
             ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.cp > 1 is not "
                         f"supported yet ({why}): set parallel.cp=1 or the coefficient to 0")
         )  # fmt: skip
-    if Recompute(m.recompute) == Recompute.full:
-        errors.append(
-            ConfigError(
-                "model.recompute",
-                "full",
-                f"with model.moe_aux_loss_coeff={coeff} is not supported yet: full recompute "
-                "runs each layer's forward without autograd and again in backward, so the "
-                "routers' logits the load-balancing loss is computed from have no gradient and "
-                "the term would train nothing: set model.recompute=selective or none, or the "
-                "coefficient to 0",
-            )
-        )

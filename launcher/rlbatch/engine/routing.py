@@ -32,7 +32,7 @@ tensor-parallel rank's routers see its own slice of the sequence, and get that s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -74,6 +74,12 @@ def _replay_class() -> type:
             self.recorded_topk_idx: Optional[torch.Tensor] = None
             self.router_replay_action: Optional[RouterReplayAction] = None
             self.replay_backward_list: list[torch.Tensor] = []
+            self.leaf: Optional[torch.Tensor] = None
+            """The captured logits of a forward without autograd, as a leaf that requires grad
+            (:func:`captured`), until :func:`recompute_handoff` takes it."""
+            self.deferred: Optional[torch.Tensor] = None
+            """``[N, E]``: the loss's gradient with respect to this router's logits, added to
+            them by the router's next forward with autograd (its recomputed forward)."""
 
         def get_replay_topk(
             self,
@@ -152,15 +158,43 @@ def attach(chunks: Sequence[Any]) -> int:
 
 def _capturing(routing_fn: Any, replay: Any) -> Any:
     """The router's ``routing(logits, padding_mask)`` that also keeps its logits ``[N, E]``
-    (autograd intact) and routing map ``[N, E]`` bool while ``replay.capture`` is on."""
+    (autograd intact) and routing map ``[N, E]`` bool while ``replay.capture`` is on. A forward
+    with autograd while a gradient is deferred to it (the recomputed forward of full activation
+    recompute, :func:`recompute_handoff`) adds that gradient to its logits' instead, and keeps
+    nothing: the first forward's capture is the one the loss used."""
 
     def routing(logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> Any:
+        deferred = replay.deferred
+        if deferred is not None and torch.is_grad_enabled():
+            replay.deferred = None
+            if deferred.numel() != logits.numel():
+                raise RuntimeError(
+                    f"MoE layer slot {replay.slot}: the recomputed forward routes "
+                    f"{logits.numel() // logits.shape[-1]} tokens, the first forward "
+                    f"{deferred.shape[0]}"
+                )
+            return routing_fn(_AddGradient.apply(logits, deferred), padding_mask)
         probs, routing_map = routing_fn(logits, padding_mask)
         if replay.capture:
             replay.captured = (logits.view(-1, logits.shape[-1]), routing_map)
         return probs, routing_map
 
     return routing
+
+
+class _AddGradient(torch.autograd.Function):
+    """Identity on a router's logits; backward adds ``extra`` (``[N, E]``) to their gradient
+    (megatron's MoEAuxLossAutoScaler attaches its aux loss to the router's output the same
+    way, inside the recomputed forward)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        ctx.extra = extra
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad + ctx.extra.view_as(grad).to(grad.dtype), None
 
 
 def capturing(chunks: Sequence[Any], on: bool) -> None:
@@ -172,8 +206,60 @@ def capturing(chunks: Sequence[Any], on: bool) -> None:
 
 def captured(chunk: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """``{slot: (logits [N, E] with autograd, routing map [N, E] bool)}`` of the chunk's last
-    forward (while :func:`capturing` is on)."""
-    return {r.slot: r.captured for r in chunk_replays(chunk) if r.captured is not None}
+    forward (while :func:`capturing` is on).
+
+    Under full activation recompute (``model.recompute=full``) that forward ran without
+    autograd: while gradients are on, such logits are handed out as a leaf that requires grad
+    (the same one on every call until the next forward), and :func:`recompute_handoff` gives
+    what the loss back-propagates into it to the router's recomputed forward. Without recompute
+    logits without autograd stay as they are (a router nothing trainable feeds): there is no
+    second forward to take a gradient."""
+    out = {}
+    recomputes = _recomputes(chunk)
+    for r in chunk_replays(chunk):
+        if r.captured is None:
+            continue
+        logits, routing_map = r.captured
+        if recomputes and torch.is_grad_enabled() and not logits.requires_grad:
+            r.leaf = logits.detach().requires_grad_()
+            r.captured = (r.leaf, routing_map)
+        out[r.slot] = r.captured
+    return out
+
+
+def _recomputes(chunk: Any) -> bool:
+    """Whether megatron recomputes the chunk's layers in backward (full activation recompute):
+    only then does a router run a second forward that can take a deferred gradient."""
+    return getattr(_unwrap(chunk).config, "recompute_granularity", None) == "full"
+
+
+def recompute_handoff(chunk: Any, term: torch.Tensor) -> Optional[Callable[[torch.Tensor], None]]:
+    """For a scalar ``term`` (a chunk's loss, or a share of it) computed from :func:`captured`
+    leaves of ``chunk``'s routers: a function to call with the gradient of ``term`` at the very
+    start of the chunk's backward, before megatron recomputes its layers (None when no leaf is
+    pending or ``term`` has no autograd).
+
+    It computes the gradient of ``term`` with respect to each leaf (the same numbers autograd
+    gives the router's logits without recompute, the loss's weights and megatron's scaling
+    included, as the gradient of ``term`` carries them) and defers it to that router: its
+    recomputed forward adds it to its logits' gradient (:func:`_capturing`), from where it
+    reaches the router's weight and the layer's input as without recompute. The leaves are
+    taken: the next micro-batch's forward makes its own."""
+    pending = [(r, r.leaf) for r in chunk_replays(chunk) if r.leaf is not None]
+    for r, _ in pending:
+        r.leaf = None
+    if not pending or not term.requires_grad:
+        return None
+
+    def hand_off(grad: torch.Tensor) -> None:
+        leaves = [leaf for _, leaf in pending]
+        grads = torch.autograd.grad(
+            term, leaves, grad_outputs=grad, retain_graph=True, allow_unused=True
+        )
+        for (r, _), g in zip(pending, grads, strict=True):
+            r.deferred = g
+
+    return hand_off
 
 
 def load_balance(
@@ -246,6 +332,7 @@ def clear(chunks: Sequence[Any]) -> None:
             r.router_replay_action = None
             r.replay_backward_list = []
             r.capture, r.captured = False, None
+            r.leaf = r.deferred = None
 
 
 def taken(chunk: Any) -> dict[int, torch.Tensor]:

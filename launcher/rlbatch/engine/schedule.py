@@ -314,35 +314,79 @@ StageLossFn = Callable[[Any, MicroBatchInputs], Optional[torch.Tensor]]
 class _AttachLoss(torch.autograd.Function):
     """Identity on a chunk's output; in backward, the gradient of ``loss`` (a scalar) is 1, so
     the loss's own graph back-propagates with the output's (megatron's MoEAuxLossAutoScaler
-    does this for its aux loss, with a scale of its own)."""
+    does this for its aux loss, with a scale of its own). ``on_backward(1)`` first, if given."""
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        output: torch.Tensor,
+        loss: torch.Tensor,
+        on_backward: Optional[Callable[[torch.Tensor], None]],
+    ) -> torch.Tensor:
         ctx.save_for_backward(loss)
+        ctx.on_backward = on_backward
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         (loss,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(loss)
+        one = torch.ones_like(loss)
+        if ctx.on_backward is not None:
+            ctx.on_backward(one)
+        return grad_output, one, None
 
 
-def attach_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+class _BeforeBackward(torch.autograd.Function):
+    """Identity on a loss (a copy: megatron divides it in place); backward calls
+    ``on_backward(gradient)`` before anything of the loss's graph runs."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, loss: torch.Tensor, on_backward: Callable[[torch.Tensor], None]
+    ) -> torch.Tensor:
+        ctx.on_backward = on_backward
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.on_backward(grad)
+        return grad, None
+
+
+def attach_loss(
+    output: torch.Tensor,
+    loss: torch.Tensor,
+    on_backward: Optional[Callable[[torch.Tensor], None]] = None,
+) -> torch.Tensor:
     """``output`` unchanged; backward through it also back-propagates ``loss`` (a scalar with
-    autograd, the term a chunk that computes no loss adds to the objective).
+    autograd, the term a chunk that computes no loss adds to the objective). ``on_backward``:
+    called with the loss's gradient (1) when the chunk's backward starts, before megatron
+    recomputes any of its layers (rlbatch.engine.routing.recompute_handoff).
 
     Raises when ``loss`` has no autograd while gradients are on: the term would be dropped
-    silently (e.g. computed from activations of a forward run without autograd, as full
-    activation recompute runs it). Outside autograd (``torch.no_grad``) nothing is attached."""
+    silently (e.g. computed from activations of a forward run without autograd that nothing
+    hands to the recomputed forward). Outside autograd (``torch.no_grad``) nothing is
+    attached."""
     if not torch.is_grad_enabled():
         return output
     if not loss.requires_grad:
         raise RuntimeError(
             "a loss term attached to a pipeline chunk's output has no gradient (it was computed "
-            "from tensors without autograd, e.g. router logits of a forward that "
-            "model.recompute=full runs without autograd): it would train nothing"
+            "from tensors without autograd, e.g. activations of a forward that model.recompute="
+            "full runs without autograd): it would train nothing"
         )
-    return _AttachLoss.apply(output, loss)
+    return _AttachLoss.apply(output, loss, on_backward)
+
+
+def _with_handoff(chunk: Any, result: tuple) -> tuple:
+    """A loss chunk's loss_fn result whose loss, when back-propagated, first hands the
+    gradient of its routers' logits to their recomputed forward (full activation recompute:
+    rlbatch.engine.routing.recompute_handoff)."""
+    loss = result[0]
+    hand_off = routing.recompute_handoff(chunk, loss)
+    if hand_off is None:
+        return result
+    return (_BeforeBackward.apply(loss, hand_off), *result[1:])
 
 
 def _config(model: Sequence[Any]) -> Any:
@@ -426,15 +470,19 @@ def run_pass(
         if stage_loss is not None and not forward_only and not gpt.post_process:
             extra = stage_loss(chunk, inputs)
             if extra is not None:
-                output = attach_loss(output, extra)
+                hand_off = routing.recompute_handoff(chunk, extra) if routed else None
+                output = attach_loss(output, extra, hand_off)
 
         def loss_func(output_tensor: torch.Tensor, **_: Any):
             if chunk_tokens > 0:
                 weight = lm_head.output_weight(gpt)
-                return loss_fn(
-                    lm_head.LMOutput.from_hidden(output_tensor, weight, chunk_tokens), inputs
-                )
-            return loss_fn(lm_head.LMOutput(logits=output_tensor), inputs)
+                out = lm_head.LMOutput.from_hidden(output_tensor, weight, chunk_tokens)
+            else:
+                out = lm_head.LMOutput(logits=output_tensor)
+            result = loss_fn(out, inputs)
+            if routed and not forward_only:
+                result = _with_handoff(chunk, result)
+            return result
 
         return output, loss_func
 

@@ -26,13 +26,22 @@ CASES = {  # name -> (grpo.loss_agg_mode, normalization.mode, megatron's per-tok
 }
 
 
-def make_cfg(hf_dir: str, case: str, pp: int = 1, vpp: int = 1, coeff: float = COEFF) -> RunConfig:
+def make_cfg(
+    hf_dir: str,
+    case: str,
+    pp: int = 1,
+    vpp: int = 1,
+    coeff: float = COEFF,
+    recompute: str = "none",
+) -> RunConfig:
+    from rlbatch.config.enums import Recompute
     from rlbatch.engine.hf_config import resolve_model_config
 
     agg, mode, _ = CASES[case]
     cfg = RunConfig()
     cfg.model = resolve_model_config(replace(cfg.model, hf_path=hf_dir))[0]
     cfg.model.moe_aux_loss_coeff = coeff
+    cfg.model.recompute = Recompute(recompute)
     cfg.parallel.pp, cfg.parallel.vpp = pp, vpp
     cfg.grpo.num_generations = 4
     cfg.grpo.loss_agg_mode = agg

@@ -62,10 +62,10 @@ def test_moe_layout_and_unsupported_keys_are_all_refused_at_once():
     assert "rollout.backend=megatron, vllm or vllm_server" in errors["rollout.backend"]
 
 
-def test_expert_parallelism_with_pipeline_stages_validates_but_on_vllm_servers():
-    """dp 2 x ep 2 x pp 2 x vpp 2 (4 processes) trains on the built-in rollout and on colocated
-    vLLM (its stage-by-stage weight sync: tests/e2e/test_vllm_cli.py); with vLLM servers it is
-    refused naming parallel.ep (their weight sync there is not tested)."""
+def test_expert_parallelism_with_pipeline_stages_validates_on_every_backend():
+    """dp 2 x ep 2 x pp 2 x vpp 2 (4 processes) trains on the built-in rollout, on colocated
+    vLLM and on vLLM servers (their weight syncs go stage by stage, each stage gathering its
+    experts over its own expert group: tests/e2e/test_vllm_cli.py, test_vllm_servers.py)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
@@ -78,11 +78,9 @@ def test_expert_parallelism_with_pipeline_stages_validates_but_on_vllm_servers()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=["+recipe=grpo_qwen", *layout])
     check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))  # no error
-    _validates([*layout, "rollout.backend=vllm", "model.head_dim=32"])  # colocated: tested
-    errors = _errors_for([*layout, "rollout.backend=vllm_server", "model.head_dim=32",
-                          "rollout.servers.urls=[http://127.0.0.1:9]"])  # fmt: skip
-    assert "with parallel.pp=2 and rollout.backend=vllm_server" in errors["parallel.ep"]
-    assert "rollout.backend=vllm or megatron" in errors["parallel.ep"]
+    _validates([*layout, "rollout.backend=vllm", "model.head_dim=32"])
+    _validates([*layout, "rollout.backend=vllm_server", "model.head_dim=32",
+                "rollout.servers.count=1"])  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
@@ -132,13 +130,10 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
     assert "parallel.ep" not in harness  # the built-in engine keeps the expert group in step
     assert "agent harnesses (env.harness)" in harness["grpo.routing_replay"]
     assert "splices the calls' sampled tokens" in harness["grpo.routing_replay"]
-    served = _errors_for(
-        ["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
-         "model.head_dim=32", "parallel.dp=2", "parallel.ep=2", "rollout.backend=vllm_server",
-         "rollout.servers.urls=[http://127.0.0.1:9]"]
-    )  # fmt: skip
-    assert "rollout.backend=vllm_server run at parallel.ep=1 only" in served["parallel.ep"]
-    assert "rollout.backend=megatron" in served["parallel.ep"]
+    # on vLLM servers too: they sync at every round's start, on every rank
+    _validates(["+env.harness=agent.py:run", "data.chat_template=qwen", "model=tiny_moe",
+                "model.head_dim=32", "parallel.dp=2", "parallel.ep=2",
+                "rollout.backend=vllm_server", "rollout.servers.count=1"])  # fmt: skip
     partial = _errors_for(  # on vLLM, which returns no routing here
         ["model=tiny_moe", "model.head_dim=32", "grpo.partial_rollouts=true",
          "grpo.num_steps_async=1", "grpo.max_staleness=3", "grpo.routing_replay=r3",
@@ -267,7 +262,7 @@ def test_fields_of_other_moe_families_are_refused_by_name(tmp_path):
 def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
     """Qwen2-MoE: a shared expert (model.moe_shared_expert_intermediate_size), q/k/v biases, no
     QK-norm, top-k not renormalised by default; the export writes it back as Qwen2-MoE. The
-    shared expert with LoRA or a vLLM rollout, or on a Qwen3-MoE model, is refused."""
+    shared expert with LoRA, or on a Qwen3-MoE model, is refused; vLLM rollouts validate."""
     from dataclasses import replace
 
     from rlbatch.config.schema import ModelConfig
@@ -291,19 +286,20 @@ def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
     )
     assert "Qwen3-MoE has no shared expert" in errors["model.moe_shared_expert_intermediate_size"]
     assert "shared expert (Qwen2-MoE)" in errors["model.lora.rank"]
-    errors = _errors_for(
-        [
-            "model=tiny_moe",
-            "model.architecture=qwen2_moe",
-            "model.head_dim=null",  # vLLM's Qwen2-MoE takes hidden_size / heads = 32
-            "model.num_attention_heads=2",
-            "model.num_query_groups=2",
-            "model.moe_shared_expert_intermediate_size=32",
-            "rollout.backend=vllm",
-        ]  # fmt: skip
-    )
-    assert set(errors) == {"model.moe_shared_expert_intermediate_size"}
-    assert "rollout.backend=vllm" in errors["model.moe_shared_expert_intermediate_size"]
+    for backend in ("vllm", "vllm_server"):  # vLLM's Qwen2MoeForCausalLM takes the sync
+        _validates(
+            [
+                "model=tiny_moe",
+                "model.architecture=qwen2_moe",
+                "model.qk_layernorm=false",
+                "model.head_dim=null",  # vLLM's Qwen2-MoE takes hidden_size / heads = 32
+                "model.num_attention_heads=2",
+                "model.num_query_groups=2",
+                "model.moe_shared_expert_intermediate_size=40",
+                f"rollout.backend={backend}",
+                *(["rollout.servers.count=1"] if backend == "vllm_server" else []),
+            ]  # fmt: skip
+        )
 
 
 def test_export_config_round_trips(tmp_path):
@@ -391,20 +387,14 @@ def test_the_balance_loss_is_refused_where_routers_see_a_slice_of_the_sequence()
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_the_balance_loss_is_refused_with_full_recompute(pp):
-    """Full recompute runs each layer without autograd first: the routers' logits the loss is
-    computed from would carry no gradient, so the term would show in ``loss`` and train
-    nothing (measured: the step's grad norm equal to the coefficient-0 run's)."""
-    errors = _errors_for(
-        ["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "model.recompute=full",
-         f"parallel.pp={pp}"]
-    )  # fmt: skip
-    assert "train nothing" in errors["model.recompute"]
-    assert "set model.recompute=selective or none" in errors["model.recompute"]
-    _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "model.recompute=selective",
-                f"parallel.pp={pp}"])  # fmt: skip
-    _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0", "model.recompute=full",
-                f"parallel.pp={pp}"])  # fmt: skip
+def test_the_balance_loss_validates_with_every_recompute(pp):
+    """Full recompute runs each layer without autograd first; the loss's gradient reaches the
+    routers through their recomputed forward (equal to recompute=none's:
+    tests/dist/test_moe_balance_pipeline.py), so no recompute mode is refused with a
+    coefficient; routing replay with full recompute stays refused (its own reason)."""
+    for recompute in ("none", "selective", "full"):
+        _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01",
+                    f"model.recompute={recompute}", f"parallel.pp={pp}"])  # fmt: skip
 
 
 def test_expert_keys_on_a_dense_preset(bin_dir, subprocess_env, tmp_path):

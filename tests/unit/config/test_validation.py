@@ -303,3 +303,23 @@ def test_qkv_biases_are_refused_where_the_hugging_face_form_has_none():
         cfg = RunConfig()
         cfg.model.architecture = arch
         assert not [e for e in validate(cfg) if e.key == "model.add_qkv_bias"]
+
+
+def test_qk_norm_follows_the_hugging_face_architecture():
+    """Qwen3 (MoE too) always has query/key RMSNorm in Hugging Face's classes, Qwen2 (MoE
+    too) and Llama never: a model whose model.qk_layernorm says otherwise would export (and
+    sync to vLLM) as another model than the one trained (e.g. ``model=tiny_moe
+    model.architecture=qwen2_moe`` kept the preset's QK-norm), so it is refused before launch,
+    naming the value that fits."""
+    from rlbatch.config.schema import Architecture
+
+    for arch in Architecture:
+        fits = arch in (Architecture.qwen3, Architecture.qwen3_moe)
+        cfg = RunConfig()
+        cfg.model.architecture = arch
+        cfg.model.qk_layernorm = not fits
+        (error,) = [e for e in validate(cfg) if e.key == "model.qk_layernorm"]
+        assert f"model.architecture={arch.value}" in str(error)
+        assert f"set model.qk_layernorm={str(fits).lower()}" in str(error)
+        cfg.model.qk_layernorm = fits
+        assert not [e for e in validate(cfg) if e.key == "model.qk_layernorm"]

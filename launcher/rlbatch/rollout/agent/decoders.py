@@ -25,6 +25,11 @@ class AgentDecoder(Protocol):
         """Per flag, whether it holds on some rank of the group (``lockstep`` only)."""
         ...
 
+    def prepare(self, version: int) -> None:
+        """At the start of every round, on every rank, before any episode runs: make ready
+        to decode at policy ``version`` (a backend with its own weights syncs them here)."""
+        ...
+
     def __call__(
         self,
         prompt_ids: Sequence[Sequence[int]],
@@ -73,6 +78,9 @@ class BuiltinDecoder:
         from rlbatch import distributed
 
         return distributed.any_in_expert_group_each(flags)
+
+    def prepare(self, version: int) -> None:
+        return None  # the live weights are the policy's
 
     def __call__(
         self,
@@ -142,6 +150,14 @@ class SyncedDecoder:
 
     def agree(self, flags: Sequence[bool]) -> list[bool]:
         return list(flags)
+
+    def prepare(self, version: int) -> None:
+        """The sync to ``version``, at the round's start on every rank: with an MoE policy at
+        parallel.ep > 1 it is collective over the expert-parallel group (the first replica's
+        stream gathers every rank's experts, the probe's forward exchanges tokens over the
+        group), which a rank's first call would reach at a time of its harness's choosing, or
+        never when its episodes make none."""
+        self.engine.ensure_version(version)
 
     def __call__(
         self,

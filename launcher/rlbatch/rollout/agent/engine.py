@@ -135,6 +135,7 @@ class AgentRolloutEngine:
         self, prompts: Sequence[Prompt], num_generations: int, policy_version: int, seed: int
     ) -> list[Sample]:
         rows = group_rows(prompts, num_generations)
+        self.decode.prepare(policy_version)  # every rank, every round: a sync may be collective
         if not rows:
             return []
         self.version = policy_version
