@@ -132,6 +132,16 @@ def pytest_runtest_teardown(item, nextitem):
         stop_all()
 
 
+LONG_SINGLES = ("tests/unit/test_types.py",)
+"""Single tests that take a minute (mypy over the package): collected first, so the workers
+take them early among the single tests, not as the run's last test while the other worker
+idles."""
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not str(item.nodeid).startswith(LONG_SINGLES))
+
+
 def pytest_xdist_make_scheduler(config, log):
     """How the test command's workers (``-n 2``) share the suite: a file with module-scoped
     fixtures (servers, reference runs) goes whole to one worker, so they are made once; the
