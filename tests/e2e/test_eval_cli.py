@@ -1,5 +1,5 @@
 """Evaluation end to end through the real commands, sharing a few short runs of the default
-recipe (eval every 2 of 6 steps, a step-0 baseline, keep_best by the lowest eval reward so the
+recipe (eval every 2 of 4 steps, a step-0 baseline, keep_best by the lowest eval reward so the
 best checkpoint is an old one that pruning must spare):
 
 - the run with evaluation trains bit-identically to the same run without it, and a SIGKILLed
@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 6
+STEPS = 4
 EVAL = [
     "eval.every_steps=2",
     "eval.max_prompts=8",
@@ -79,7 +79,7 @@ def work(tmp_path_factory, bin_dir, subprocess_env):
     _train(bin_dir, env, root, on, *EVAL, *BEST)
     _train(bin_dir, env, root, off)
     killed = _train(
-        bin_dir, env, root, resumed, *EVAL, *BEST, "debug.fail_at_step=5",
+        bin_dir, env, root, resumed, *EVAL, *BEST, "debug.fail_at_step=3",
         "debug.fail_kind=kill", check=False,
     )  # fmt: skip
     assert killed.returncode != 0 and len(_metrics(resumed)) < STEPS + 1
@@ -90,10 +90,10 @@ def work(tmp_path_factory, bin_dir, subprocess_env):
 def test_eval_does_not_change_training_and_resumes_exactly(work):
     on = _metrics(work["on"])
     assert [r["step"] for r in on] == list(range(STEPS + 1))  # step 0: the baseline
-    assert [r["step"] for r in on if "eval/pass@1" in r] == [0, 2, 4, 6]
+    assert [r["step"] for r in on if "eval/pass@1" in r] == [0, 2, 4]
     assert _training(on) == _training(_metrics(work["off"]))
     assert _stable(_metrics(work["resumed"])) == _stable(on)
-    for step in (0, 2, 4, 6):
+    for step in (0, 2, 4):
         name = f"eval/step_{step:05d}.jsonl"
         assert (work["resumed"] / name).read_text() == (work["on"] / name).read_text()
 
@@ -104,7 +104,7 @@ def _pass_at_k(n, c, k):
 
 def test_metrics_match_the_samples_file(work):
     records = {r["step"]: r for r in _metrics(work["on"])}
-    for step in (0, 6):
+    for step in (0, STEPS):
         rows = [
             json.loads(line)
             for line in (work["on"] / f"eval/step_{step:05d}.jsonl").read_text().splitlines()
