@@ -208,6 +208,21 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
     backend = RolloutBackend(cfg.rollout.backend)
     if m.lora.rank > 0:
         _check_lora(cfg, backend, errors)
+    if (
+        Architecture(m.architecture) == Architecture.qwen2_moe
+        and not m.add_qkv_bias
+        and backend in (RolloutBackend.vllm, RolloutBackend.vllm_server)
+    ):
+        errors.append(
+            ConfigError(
+                "model.add_qkv_bias",
+                m.add_qkv_bias,
+                f"a Qwen2-MoE without q/k/v biases cannot roll out on rollout.backend="
+                f"{backend.value}: vLLM's Qwen2-MoE always has them (it would keep its own for "
+                "the ones the weight sync never sends, and sample another model): set "
+                "rollout.backend=megatron, or model.add_qkv_bias=true",
+            )
+        )
     if m.moe_shared_expert_intermediate_size and m.lora.rank > 0:
         errors.append(
             ConfigError(

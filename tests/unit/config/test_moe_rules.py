@@ -287,19 +287,24 @@ def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
     assert "Qwen3-MoE has no shared expert" in errors["model.moe_shared_expert_intermediate_size"]
     assert "shared expert (Qwen2-MoE)" in errors["model.lora.rank"]
     for backend in ("vllm", "vllm_server"):  # vLLM's Qwen2MoeForCausalLM takes the sync
-        _validates(
-            [
-                "model=tiny_moe",
-                "model.architecture=qwen2_moe",
-                "model.qk_layernorm=false",
-                "model.head_dim=null",  # vLLM's Qwen2-MoE takes hidden_size / heads = 32
-                "model.num_attention_heads=2",
-                "model.num_query_groups=2",
-                "model.moe_shared_expert_intermediate_size=40",
-                f"rollout.backend={backend}",
-                *(["rollout.servers.count=1"] if backend == "vllm_server" else []),
-            ]  # fmt: skip
-        )
+        qwen2_moe = [
+            "model=tiny_moe",
+            "model.architecture=qwen2_moe",
+            "model.qk_layernorm=false",
+            "model.head_dim=null",  # vLLM's Qwen2-MoE takes hidden_size / heads = 32
+            "model.num_attention_heads=2",
+            "model.num_query_groups=2",
+            "model.moe_shared_expert_intermediate_size=40",
+            f"rollout.backend={backend}",
+            *(["rollout.servers.count=1"] if backend == "vllm_server" else []),
+        ]  # fmt: skip
+        _validates([*qwen2_moe, "model.add_qkv_bias=true"])
+        # without q/k/v biases vLLM's Qwen2-MoE (which always has them) would sample another
+        # model: refused, as it is not on the built-in engine
+        errors = _errors_for([*qwen2_moe, "model.add_qkv_bias=false"])
+        assert "vLLM's Qwen2-MoE always has them" in errors["model.add_qkv_bias"]
+        built_in = [o for o in qwen2_moe if not o.startswith("rollout.")]
+        _validates([*built_in, "model.add_qkv_bias=false", "rollout.backend=megatron"])
 
 
 def test_export_config_round_trips(tmp_path):
