@@ -331,6 +331,8 @@ def attach_adapters(chunks: Sequence[Any], model: ModelConfig, seed: int) -> int
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
+        if chunk.config.recompute_granularity == "full" and getattr(chunk, "embedding", None):
+            chunk.embedding.register_forward_hook(_input_requires_grad)
         sp = bool(chunk.config.sequence_parallel)
         for layer in chunk.decoder.layers:
             for site in SITES:
@@ -340,6 +342,18 @@ def attach_adapters(chunks: Sequence[Any], model: ModelConfig, seed: int) -> int
                     linear = layer.get_submodule(site.path)
                     trainable += _attach(linear, site, projections, model, seed, layer, sp, dtype)
     return trainable
+
+
+def _input_requires_grad(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook on a frozen embedding under full activation recompute: its output (the
+    first layer's input) requires grad. megatron recomputes each layer through a checkpoint
+    function whose outputs carry a gradient only when an input does; with every base weight
+    frozen no input would, and the adapters inside the layers would get no gradient at all (a
+    LoRA run with model.recompute=full trained nothing, and at pp > 1 nothing on the first
+    stage). Under no_grad (the log-prob passes) nothing is changed."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.detach().requires_grad_(True)
+    return output
 
 
 def _attach(

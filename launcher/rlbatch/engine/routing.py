@@ -32,6 +32,7 @@ tensor-parallel rank's routers see its own slice of the sequence, and get that s
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -325,14 +326,23 @@ def set_routing(chunk: Any, routing: Optional[torch.Tensor]) -> None:
 
 
 def clear(chunks: Sequence[Any]) -> None:
-    """Routers back to megatron's plain top-k, nothing held."""
+    """Routers back to megatron's plain top-k, nothing held. A load-balancing gradient still
+    queued for a recomputed router forward that never ran (:func:`recompute_handoff`: the term
+    would have trained nothing) raises, unless the pass is already failing."""
+    unused = 0
     for chunk in chunks:
         for r in chunk_replays(chunk):
+            unused += r.deferred is not None
             r.target_topk_idx = r.recorded_topk_idx = None
             r.router_replay_action = None
             r.replay_backward_list = []
             r.capture, r.captured = False, None
             r.leaf = r.deferred = None
+    if unused and sys.exc_info()[0] is None:
+        raise RuntimeError(
+            f"{unused} router(s) kept the load-balancing gradient queued for their recomputed "
+            "forward, which never ran with autograd: the balance term trained nothing"
+        )
 
 
 def taken(chunk: Any) -> dict[int, torch.Tensor]:

@@ -202,6 +202,44 @@ def test_only_adapters_train(tiny_cfg):
         assert (not torch.equal(p.detach(), before[name])) == (id(p) in adapters), name
 
 
+def _adapter_grads(cfg) -> dict[str, torch.Tensor]:
+    """The adapters' gradients after one next-token pass (randomized adapters, fixed batch)."""
+    from rlbatch.engine import parallel
+
+    parallel.seed(cfg.trainer.seed)  # the same base weights for every build
+    chunks = engine_model.build_model(cfg)
+    _randomize_adapters(chunks)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, cfg.model.vocab_size, (n,), generator=g).tolist() for n in (9, 6)]
+    plan = make_plan([[padded_mb([0, 1], [9, 6])]])
+    schedule.run_pass(
+        chunks, plan.ranks[0], plan,
+        lambda mb: schedule.make_inputs([seqs[i] for i in mb.samples], mb, round_to=4),
+        schedule.next_token_loss,
+    )  # fmt: skip
+    model = unwrap(chunks[0])
+    return {
+        n: p.main_grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def test_adapters_train_under_full_recompute_as_without_it(tiny_cfg):
+    """model.recompute=full with LoRA: the frozen embedding's output is the first recomputed
+    layer's input, and megatron's checkpoint passes a gradient only when an input needs one:
+    the adapters got none at all (the run trained nothing). They get the same gradients as
+    without recompute."""
+    want = _adapter_grads(_lora_cfg(tiny_cfg))
+    full = _lora_cfg(tiny_cfg)
+    full.model = replace(full.model, recompute="full")
+    got = _adapter_grads(full)
+    assert got.keys() == want.keys() and want
+    assert all(want[n].abs().max() > 0 for n in want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
 def test_initial_adapters_start_at_base_and_do_not_depend_on_layout(tiny_cfg):
     """B = 0 (the adapted model is the base model at step 0); A drawn per (seed, layer,
     projection): kaiming bound 1 / sqrt(in), gaussian std 1 / rank."""
