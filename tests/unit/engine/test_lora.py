@@ -218,11 +218,7 @@ def _adapter_grads(cfg) -> dict[str, torch.Tensor]:
         schedule.next_token_loss,
     )  # fmt: skip
     model = unwrap(chunks[0])
-    return {
-        n: p.main_grad.detach().clone()
-        for n, p in model.named_parameters()
-        if p.requires_grad
-    }
+    return {n: p.main_grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def test_adapters_train_under_full_recompute_as_without_it(tiny_cfg):
