@@ -84,6 +84,12 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     if cfg.env.agent.verifiers:  # the held-out tasks are eval.verifiers's
         if not cfg.eval.verifiers:
             return  # refused as it is (the training taskset is not held out)
+        from rlbatch.rollout.agent.verifiers_env import clash_problem
+
+        clash = clash_problem(str(cfg.env.agent.verifiers), str(cfg.eval.verifiers))
+        if clash:  # loading it would give the training module: not checked further
+            errors.append(ConfigError("eval.verifiers", cfg.eval.verifiers, clash))
+            return
         verifiers = _check_verifiers(cfg, errors, "eval.verifiers")
         if verifiers is None:
             return

@@ -265,3 +265,37 @@ def test_the_environment_s_serving_context_is_closed_at_exit(tmp_path):
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def test_a_held_out_environment_that_is_or_shadows_the_training_one_is_refused(tmp_path):
+    """eval.verifiers naming the training environment (its file, or its id) holds no held-out
+    task; one in another folder under the training file's name would be imported as the
+    training module (evaluated on the training tasks, and its tool servers' `python -m NAME`
+    resolving to either file): both refused before launch naming eval.verifiers, the clash
+    and the fix, before either is loaded."""
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.grpo.preflight import check_eval_inputs
+
+    text = TASKS.format(infinite=False, count=1) + "\n__all__ = ['Tasks']\n"
+    (tmp_path / "train").mkdir()
+    (tmp_path / "test").mkdir()
+    train = _module(tmp_path / "train", "sums", text)
+    cases = {
+        _module(tmp_path / "test", "sums", text): "are both imported as the module 'sums'",
+        train: "names the training environment itself",
+        str(tmp_path / "train" / ".." / "train" / "sums.py"): "the training environment itself",
+    }
+    for held_out, needle in cases.items():
+        cfg = RunConfig()
+        cfg.env.agent.verifiers, cfg.eval.verifiers = train, held_out
+        cfg.eval.every_steps = 1
+        errors: list = []
+        check_eval_inputs(cfg, errors)
+        assert [e.key for e in errors] == ["eval.verifiers"], (held_out, errors)
+        message = str(errors[0])
+        assert held_out in message and needle in message, message
+        assert "rename the held-out file" in message or "under another name" in message
+    from rlbatch.rollout.agent.verifiers_env import clash_problem
+
+    assert clash_problem("vf-sums", "vf-sums") is not None  # the same installed id
+    assert clash_problem(train, _module(tmp_path / "test", "sums_test", text)) is None

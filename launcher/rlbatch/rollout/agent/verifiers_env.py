@@ -68,14 +68,61 @@ class VerifiersError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ loading
+def _local(spec: str) -> Optional[Path]:
+    """The local file or package directory ``spec`` names (not resolved), or None for an id."""
+    path = Path(spec).expanduser()
+    explicit = spec.endswith(".py") or spec.startswith((".", "/", "~"))
+    return path if explicit or ("/" in spec and path.exists()) else None
+
+
+def module_name(spec: str) -> str:
+    """The name verifiers imports ``spec`` under (:func:`module_id`, with no side effect): an
+    id itself, a local file's stem, a package directory's name."""
+    path = _local(spec)
+    if path is None:
+        return spec
+    return path.stem if path.suffix == ".py" else path.name
+
+
+def clash_problem(train: str, held_out: str) -> Optional[str]:
+    """Why eval.verifiers=``held_out`` cannot be played beside env.agent.verifiers=``train``,
+    or None. Both are imported by module name into one process (and their tool servers started
+    as ``python -m NAME`` with both folders on PYTHONPATH), so a held-out file with the training
+    one's name would be the training module in this process (the evaluation playing the
+    training tasks) and its tool servers could run the other file's tools (training scored on
+    the held-out file's tools); and the training environment itself holds no held-out task."""
+    paths = [_local(s) for s in (train, held_out)]
+    same = (
+        paths[0].resolve() == paths[1].resolve()
+        if paths[0] is not None and paths[1] is not None
+        else paths[0] is None and paths[1] is None and train == held_out
+    )
+    if same:
+        return (
+            f"names the training environment itself (env.agent.verifiers={train}): its tasks"
+            " are the ones the policy trains on, not held out; give a copy of the environment"
+            " file under another name (e.g. sums_test.py beside sums.py) whose taskset loads"
+            " other tasks"
+        )
+    name = module_name(train)
+    if module_name(held_out) == name:
+        return (
+            f"and env.agent.verifiers={train} are both imported as the module {name!r}: one"
+            " process holds one module of a name, so the evaluation would play the training"
+            " taskset, and verifiers starts tool servers as `python -m"
+            f" {name}`, which could run the other file's tools during training; rename the"
+            f" held-out file (e.g. {name}_test.py)"
+        )
+    return None
+
+
 def module_id(spec: str) -> str:
     """The taskset id verifiers imports for ``spec``: the id itself (an installed module, or
     ``owner/name@version`` as verifiers reads it), or for a local ``.py`` file or package
     directory its name, its folder put on ``sys.path`` (and on PYTHONPATH, for the tool servers
     verifiers starts as ``python -m``)."""
-    path = Path(spec).expanduser()
-    explicit = spec.endswith(".py") or spec.startswith((".", "/", "~"))
-    if not explicit and not ("/" in spec and path.exists()):
+    path = _local(spec)
+    if path is None:
         return spec  # an id (a hub id's owner/name@version too)
     if not path.exists():
         raise VerifiersError(f"{spec} does not exist: give an installed environment's id or a local .py file or package directory")  # fmt: skip
