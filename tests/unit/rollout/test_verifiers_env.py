@@ -299,3 +299,33 @@ def test_a_held_out_environment_that_is_or_shadows_the_training_one_is_refused(t
 
     assert clash_problem("vf-sums", "vf-sums") is not None  # the same installed id
     assert clash_problem(train, _module(tmp_path / "test", "sums_test", text)) is None
+
+
+def test_an_exchange_verifiers_cut_at_the_run_s_limits_is_a_truncated_episode():
+    """verifiers ends an exchange itself at the seat's max_turns (the run's env.max_turns) and
+    says so on its trace (stop_condition): the episode is truncated on its sample (counted in
+    episodes_truncated, masked under grpo.mask_truncated_completions) though its last call
+    ended with `stop`; one that ended by itself is not."""
+    import verifiers.v1 as vf
+    from verifiers.v1.trace import AgentInfo
+
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.engine.tokenizer import ByteTokenizer
+    from rlbatch.grpo.types import Prompt
+    from rlbatch.rollout.agent.engine import AgentRolloutEngine
+    from rlbatch.rollout.agent.episodes import Call
+    from rlbatch.rollout.agent.session import Episode
+    from rlbatch.rollout.agent.verifiers_env import episode_result
+
+    task = vf.TraceTask(type="Task", data=vf.TaskData(prompt="hi"), key="k", hash="h")
+    engine = object.__new__(AgentRolloutEngine)  # _sample reads only these
+    engine.cfg, engine.tokenizer, engine.harness_spec = RunConfig(), ByteTokenizer(), "verifiers"
+    for stop, cut in ((None, False), ("max_turns", True), ("max_total_tokens", True)):
+        call = vf.ModelCall(finish_reason="stop", usage=vf.Usage(prompt_tokens=2, completion_tokens=1))  # fmt: skip
+        trace = vf.Trace(task=task, agent=AgentInfo(config=vf.AgentConfig()), calls=[call], ok=True, stop_condition=stop)  # fmt: skip
+        value = episode_result(vf.Episode(task=task, traces=[trace], ok=True))
+        ep = Episode(0, Prompt(0, (1, 2), ""), 0)
+        ep.calls.append(Call(0, [1, 2], [7], [-0.5], 0, "stop", 0))
+        sample = engine._sample(0, ep, (value, None, 0.1), 0)
+        assert (sample.truncated, sample.episode["truncated"]) == (cut, cut), stop
+        assert "reward/harness.truncated" not in sample.metrics

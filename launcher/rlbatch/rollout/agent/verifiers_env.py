@@ -537,7 +537,7 @@ class VerifiersHarness:
                 _SERVING.append((loop, serving))
         return served[0]
 
-    async def __call__(self, client: Any, model: str, row: dict[str, Any]) -> dict[str, float]:
+    async def __call__(self, client: Any, model: str, row: dict[str, Any]) -> dict[str, Any]:
         import verifiers.v1 as vf
 
         index, key = row.get(TASK_FIELD), row.get(KEY_FIELD)
@@ -624,9 +624,13 @@ def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s
     served.clear()
 
 
-def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict[str, float]:
+def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict[str, Any]:
     """The reward of a finished verifiers episode (its trace's rewards' weighted sum) with each
-    reward's score and each numeric metric; VerifiersError naming what failed, or naming the
+    reward's score and each numeric metric, and ``truncated``: verifiers' own verdict
+    (``Trace.is_truncated``: the exchange ended at a seat's max_turns / token budgets, which
+    are the run's env.max_turns / env.max_total_tokens, or its last reply at ``length``), so
+    the episode is truncated as any harness's cut episode is (episodes_truncated,
+    grpo.mask_truncated_completions); VerifiersError naming what failed, or naming the
     call the endpoint answered with no tokens (its prompt left nothing of env.max_total_tokens):
     the rubric scored an empty reply the policy never sampled."""
     failed = [f"{e.type}: {e.message}" for e in episode.errors]
@@ -649,4 +653,9 @@ def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict
     for name, value in trace.metrics.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             parts[f"metric.{name}"] = float(value)
-    return {"reward": float(trace.reward), **parts, "turns": float(trace.num_turns)}
+    return {
+        "reward": float(trace.reward),
+        **parts,
+        "turns": float(trace.num_turns),
+        "truncated": bool(trace.is_truncated),
+    }
