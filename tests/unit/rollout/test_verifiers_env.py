@@ -329,3 +329,41 @@ def test_an_exchange_verifiers_cut_at_the_run_s_limits_is_a_truncated_episode():
         sample = engine._sample(0, ep, (value, None, 0.1), 0)
         assert (sample.truncated, sample.episode["truncated"]) == (cut, cut), stop
         assert "reward/harness.truncated" not in sample.metrics
+
+
+COLOCATED = """
+
+class Add(vf.Toolset[vf.ToolsetConfig, vf.State]):
+    @vf.tool
+    async def add(self, a: int, b: int) -> str:
+        return str(a + b)
+
+
+class AddTask(vf.Task[vf.TaskData, vf.State]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Add(vf.ToolsetConfig(colocated=True))]
+
+
+class Adds(vf.Taskset[AddTask]):
+    def load(self):
+        yield AddTask(vf.TaskData(prompt="2+2="))
+
+
+__all__ = ["Adds"]
+"""
+
+
+def test_a_toolset_placed_in_the_agent_s_sandbox_is_refused_unless_opted_in(tmp_path):
+    """A task's toolset with colocated=True runs in the agent's runtime (a sandbox under
+    verifiers' default); rlbatch plays the agent on this machine, so its tools would run the
+    policy's calls here: refused naming the toolset and the opt-in, played with it."""
+    from rlbatch.rollout.agent import verifiers_env
+
+    path = _module(tmp_path, "vf_colocated", "import verifiers.v1 as vf\n" + COLOCATED)
+    problems = verifiers_env.check(path)
+    assert len(problems) == 1, problems
+    assert "its task toolset Add is colocated" in problems[0]
+    assert "env.agent.verifiers_on_host=true" in problems[0]
+    env = verifiers_env.load_environment(path, on_host=True)
+    assert verifiers_env.load_tasks(env)[0].data.prompt == "2+2="

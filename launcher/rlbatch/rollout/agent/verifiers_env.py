@@ -178,11 +178,19 @@ def load_environment(
             if seat.harness is None and not bundled:
                 data[name]["harness"] = {"id": "null"}
         env = vf.load_environment(vf.resolve_env_config(data))
+        colocated = [] if on_host else _colocated_toolsets(env)
     except VerifiersError:
         raise
     except Exception as err:  # noqa: BLE001 - verifiers' loaders raise many kinds
         raise VerifiersError(f"verifiers cannot load it: {type(err).__name__}: {err}") from err
     problems = [] if on_host else _sandbox_problems(seats)
+    problems += [
+        f"its {where} toolset {name} is colocated (ToolsetConfig(colocated=True): its tool"
+        " server runs in the agent's runtime, a sandbox under verifiers' default), and rlbatch"
+        " runs the agent in the subprocess runtime on this machine, so the policy's calls of"
+        f" those tools would run here as the trainer's user: {HOST_FIX}"
+        for where, name in colocated
+    ]
     problems += [
         f"its seat {name!r} retries a failed rollout (retries.max_retries="
         f"{seat.retries.max_retries}): the calls of an attempt verifiers discards reach the"
@@ -235,6 +243,21 @@ def _sandbox_problems(seats: dict[str, Any]) -> list[str]:
         f" machine, outside it: {HOST_FIX}"
         for name, seat in seats.items()
         if "runtime" in seat.model_fields_set and seat.runtime.type != "subprocess"
+    ]
+
+
+def _colocated_toolsets(env: Any) -> list[tuple[str, str]]:
+    """(``task`` / ``taskset``, class name) of each toolset placed in the agent's runtime
+    (``colocated``): the task class's own toolsets (as verifiers builds them for an episode)
+    and the taskset's shared ones."""
+    taskset = env.taskset
+    task_cls = type(taskset).task_type()
+    found = [("task", t) for t in task_cls.toolsets(taskset.config.task)]
+    found += [("taskset", t) for t in taskset.toolsets(taskset.config)]
+    return [
+        (where, type(t).__name__)
+        for where, t in found
+        if getattr(getattr(t, "config", None), "colocated", False)
     ]
 
 
