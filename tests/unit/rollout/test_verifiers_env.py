@@ -367,3 +367,36 @@ def test_a_toolset_placed_in_the_agent_s_sandbox_is_refused_unless_opted_in(tmp_
     assert "env.agent.verifiers_on_host=true" in problems[0]
     env = verifiers_env.load_environment(path, on_host=True)
     assert verifiers_env.load_tasks(env)[0].data.prompt == "2+2="
+
+
+def test_a_tool_server_s_port_file_is_removed_once_its_port_is_read():
+    """verifiers' tool server reports its port in a /tmp/vf-port-* file, which verifiers
+    leaves behind (one per server start: per episode for a task's own toolsets); once the
+    port is read the file is gone."""
+    import os
+    import uuid
+
+    from verifiers.v1.mcp import launch
+    from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+
+    from rlbatch.rollout.agent import verifiers_env
+
+    verifiers_env.fail_fast_tool_servers()
+    path = f"/tmp/vf-port-{uuid.uuid4().hex}"
+
+    async def serve() -> int:
+        runtime = make_runtime(SubprocessConfig())
+        await runtime.start()
+        try:  # a server as verifiers starts one: it writes MCP_PORT_FILE, then serves
+            script = 'echo 4242 > "$MCP_PORT_FILE"; sleep 30'
+            await runtime.run_background(["sh", "-c", script], {"MCP_PORT_FILE": path}, "log")
+            return await launch._read_back_port(runtime, path)
+        finally:
+            await runtime.stop()
+
+    try:
+        assert asyncio.run(serve()) == 4242
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

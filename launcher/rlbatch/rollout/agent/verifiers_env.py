@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import contextvars
 import hashlib
 import importlib.metadata
@@ -456,7 +457,9 @@ def fail_fast_tool_servers() -> None:
     verifiers polls the port file for 180 s and only then raises with the server's log, so a
     server that crashed on start stalled the first episode past its deadline (a timeout naming
     nothing). The server's exit now raises verifiers' own ToolsetError, which verifiers
-    completes with the log's tail."""
+    completes with the log's tail. And remove the port file (``/tmp/vf-port-*``) once the port
+    is read: verifiers leaves it, one file per server start (per episode for a task's own
+    toolsets: tens of thousands over a run)."""
     from verifiers.v1.mcp import launch
 
     original = launch._read_back_port
@@ -472,9 +475,16 @@ def fail_fast_tool_servers() -> None:
                 code = getattr(server, "returncode", None)
                 if code is not None:
                     raise launch.ToolsetError(f"the server exited with code {code} before reporting its port")  # fmt: skip
-            return polling.result()
+            port = polling.result()
         finally:
             polling.cancel()
+            if getattr(runtime, "type", None) == "subprocess":  # a file of this machine
+                with contextlib.suppress(OSError):
+                    os.unlink(path if os.path.isabs(path) else os.path.join(runtime.workdir, path))  # fmt: skip
+        if getattr(runtime, "type", None) != "subprocess":  # in a sandbox: best effort
+            with contextlib.suppress(Exception):
+                await runtime.run(["rm", "-f", path], {})
+        return port
 
     read_back_port.rlbatch_fail_fast = True  # type: ignore[attr-defined]
     launch._read_back_port = read_back_port
