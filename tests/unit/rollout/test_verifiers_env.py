@@ -400,3 +400,64 @@ def test_a_tool_server_s_port_file_is_removed_once_its_port_is_read():
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+BINDS = """
+import asyncio, sys, time
+from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+from rlbatch.rollout.agent import verifiers_env
+
+verifiers_env.bind_tool_servers()
+
+
+async def main():
+    runtime = make_runtime(SubprocessConfig())
+    await runtime.start()
+    await runtime.run_background([sys.executable, "-m", "vf_server"], {}, "log")
+    print(runtime._background[-1].pid, flush=True)
+    await asyncio.sleep(600)
+
+
+asyncio.run(main())
+"""
+
+
+def test_a_tool_server_dies_with_the_process_that_started_it(tmp_path):
+    """verifiers starts a tool server (`python -m MODULE`) in a session of its own and stops
+    it only when its serving context exits, which `kill -9` of the run never reaches: the
+    server now dies with the process that started it, and still runs its module as
+    `__main__` (its `Toolset.run()` block)."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "vf_server.py").write_text(
+        "import time\nif __name__ == '__main__':\n"
+        f"    open({str(tmp_path / 'main')!r}, 'w').close()\n    time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+    env.pop("RLBATCH_PARENT_PID", None)
+    worker = subprocess.Popen([sys.executable, "-c", BINDS], stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    server = 0
+    try:
+        server = int(worker.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "main").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "main").exists()  # ran as __main__
+        worker.kill()
+        worker.wait(30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(server, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the tool server {server} outlived the process that started it")
+    finally:
+        worker.kill()
+        if server:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(server, signal.SIGKILL)

@@ -438,6 +438,7 @@ def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional
     if not env.taskset.toolsets(env.taskset.config):
         return None
     fail_fast_tool_servers()
+    bind_tool_servers()
 
     async def start() -> None:
         async with env.shared_tools():
@@ -450,6 +451,41 @@ def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional
     except Exception as err:  # noqa: BLE001 - verifiers' own message, with the server's log
         return f"its taskset's tool servers did not start: {type(err).__name__}: {err}"[:3000]
     return None
+
+
+BOUND_SERVER = (
+    "import runpy, signal, sys\n"
+    "from rlbatch.runtime.lifeline import die_with_parent\n"
+    "die_with_parent(signal.SIGKILL, kernel=False)\n"
+    "module = sys.argv[1]\n"
+    "del sys.argv[1]\n"
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
+)
+"""The program a tool server runs as: its module as ``python -m`` runs it, bound to the
+process that started it (rlbatch.runtime.lifeline's parent-pid watch)."""
+
+
+def bind_tool_servers() -> None:
+    """Make every ``python -m MODULE`` process verifiers' subprocess runtime starts in the
+    background (a tool server) die with the process that started it: verifiers starts it in a
+    session of its own and stops it only from its serving context's exit, which a ``kill -9``
+    of the run never reaches, so the server lived on, orphaned and listening. It runs the same
+    module as ``__main__`` after binding itself (:data:`BOUND_SERVER`; the parent-pid watch,
+    not the kernel's parent-death signal, which fires when the *thread* that started it ends:
+    an evaluation's loop thread may end before the run)."""
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    original = SubprocessRuntime.run_background
+    if getattr(original, "rlbatch_bound", False):
+        return
+
+    async def run_background(self: Any, argv: list[str], env: dict[str, str], log: str) -> None:
+        if len(argv) == 3 and argv[1] == "-m":
+            argv = [argv[0], "-c", BOUND_SERVER, argv[2]]
+        await original(self, argv, env, log)
+
+    run_background.rlbatch_bound = True  # type: ignore[attr-defined]
+    SubprocessRuntime.run_background = run_background  # type: ignore[method-assign]
 
 
 def fail_fast_tool_servers() -> None:
@@ -547,6 +583,7 @@ class VerifiersHarness:
             raise VerifiersError(problem)
         run_chat_in_process(prepare_chat_program())
         fail_fast_tool_servers()
+        bind_tool_servers()
         for name in ("verifiers", "aiohttp.access"):  # per-rollout lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self._loops: dict[Any, tuple[asyncio.Lock, list[Any]]] = {}
