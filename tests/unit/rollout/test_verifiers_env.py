@@ -461,3 +461,30 @@ def test_a_tool_server_dies_with_the_process_that_started_it(tmp_path):
         if server:
             with __import__("contextlib").suppress(ProcessLookupError):
                 os.kill(server, signal.SIGKILL)
+
+
+def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeypatch):
+    """A tool server that runs but never writes its port file (its `__main__` block does not
+    serve): an error within verifiers_env.PORT_WAIT_S saying what its module must do, not
+    verifiers' 180 s wait ending in no fix."""
+    import uuid
+
+    from verifiers.v1.mcp import launch
+    from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+
+    from rlbatch.rollout.agent import verifiers_env
+
+    verifiers_env.fail_fast_tool_servers()
+    monkeypatch.setattr(verifiers_env, "PORT_WAIT_S", 0.5)
+
+    async def serve() -> None:
+        runtime = make_runtime(SubprocessConfig())
+        await runtime.start()
+        try:
+            await runtime.run_background(["sleep", "30"], {}, "log")
+            await launch._read_back_port(runtime, f"/tmp/vf-port-{uuid.uuid4().hex}")
+        finally:
+            await runtime.stop()
+
+    with pytest.raises(launch.ToolsetError, match=r"did not report its port within 0.5 s: .*\.run\(\)"):  # fmt: skip
+        asyncio.run(serve())

@@ -428,6 +428,15 @@ def check(spec: str, *, on_host: bool = False) -> list[str]:
 
 TOOLS_START_S = 120.0
 """How long the pre-launch check waits for the taskset's shared tool servers to start."""
+PORT_WAIT_S = 90.0
+"""How long a tool server has to report its port (verifiers waits 180 s, then names no
+fix): past it, an error naming what the server's module must do, with its log's tail."""
+NO_PORT_FIX = (
+    "the module verifiers starts as `python -m MODULE` must serve its toolset from its"
+    " `if __name__ == '__main__':` block (`MyToolset.run()`, which writes the port to"
+    " MCP_PORT_FILE before its own setup); a server still importing or loading after that is"
+    " too slow to start: move its loading into the toolset's setup"
+)
 
 
 def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional[str]:
@@ -447,7 +456,7 @@ def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional
     try:
         asyncio.run(asyncio.wait_for(start(), timeout_s))
     except TimeoutError:
-        return f"its taskset's tool servers did not start within {timeout_s:.0f} s"
+        return f"its taskset's tool servers did not start within {timeout_s:.0f} s: {NO_PORT_FIX}"  # fmt: skip
     except Exception as err:  # noqa: BLE001 - verifiers' own message, with the server's log
         return f"its taskset's tool servers did not start: {type(err).__name__}: {err}"[:3000]
     return None
@@ -506,11 +515,14 @@ def fail_fast_tool_servers() -> None:
         # the server: the runtime's newest background process (started just before the poll)
         server = (getattr(runtime, "_background", None) or [None])[-1]
         polling = asyncio.ensure_future(original(runtime, path))
+        deadline = time.monotonic() + PORT_WAIT_S
         try:
             while not (await asyncio.wait({polling}, timeout=0.2))[0]:
                 code = getattr(server, "returncode", None)
                 if code is not None:
                     raise launch.ToolsetError(f"the server exited with code {code} before reporting its port")  # fmt: skip
+                if time.monotonic() > deadline:  # verifiers adds the log's tail
+                    raise launch.ToolsetError(f"the server did not report its port within {PORT_WAIT_S:g} s: {NO_PORT_FIX}")  # fmt: skip
             port = polling.result()
         finally:
             polling.cancel()
