@@ -488,3 +488,42 @@ def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeyp
 
     with pytest.raises(launch.ToolsetError, match=r"did not report its port within 0.5 s: .*\.run\(\)"):  # fmt: skip
         asyncio.run(serve())
+
+
+def test_a_tool_server_that_died_mid_run_is_named_with_its_exit_code_and_log(tmp_path, monkeypatch):  # fmt: skip
+    """A tool server that exits after it started (verifiers shows only the tool call's
+    connection error, a traceback cut at its head): the episode's error names the server, its
+    exit code and its log's tail, and a long verifiers message keeps its end."""
+    import verifiers.v1 as vf
+    from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+
+    from rlbatch.rollout.agent import verifiers_env
+
+    (tmp_path / "vf_dying.py").write_text(
+        "import sys\nif __name__ == '__main__':\n    print('no database')\n    sys.exit(3)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    verifiers_env.bind_tool_servers()
+
+    async def serve() -> list[str]:
+        runtime = make_runtime(SubprocessConfig())
+        await runtime.start()
+        try:
+            await runtime.run_background([sys.executable, "-m", "vf_dying"], {}, "vf_tool.log")
+            await runtime._background[-1].wait()
+            return verifiers_env.dead_tool_servers()
+        finally:
+            await runtime.stop()
+
+    (dead,) = asyncio.run(serve())
+    assert "`python -m vf_dying`" in dead and "exited with code 3" in dead
+    assert dead.endswith("ends: no database")
+    assert verifiers_env.dead_tool_servers() == []  # stopped with its runtime: not reported
+    task = vf.TraceTask(type="Task", data=vf.TaskData(prompt="hi"), key="k", hash="h")
+    message = (
+        "Traceback: " + "frame\n" * 1000 + "httpx.ConnectError: All connection attempts failed"
+    )
+    failed = vf.Episode(task=task, errors=[vf.Error(type="HarnessError", message=message)])
+    with pytest.raises(verifiers_env.VerifiersError, match="ConnectError: All connection attempts failed$"):  # fmt: skip
+        verifiers_env.episode_result(failed)

@@ -489,12 +489,38 @@ def bind_tool_servers() -> None:
         return
 
     async def run_background(self: Any, argv: list[str], env: dict[str, str], log: str) -> None:
-        if len(argv) == 3 and argv[1] == "-m":
-            argv = [argv[0], "-c", BOUND_SERVER, argv[2]]
+        module = argv[2] if len(argv) == 3 and argv[1] == "-m" else None
+        if module is not None:
+            argv = [argv[0], "-c", BOUND_SERVER, module]
         await original(self, argv, env, log)
+        if module is not None and self.workdir is not None:
+            _TOOL_SERVERS[:] = [t for t in _TOOL_SERVERS if t[2].parent.is_dir()]  # torn down
+            _TOOL_SERVERS.append((self._background[-1], module, Path(self.workdir) / log))
 
     run_background.rlbatch_bound = True  # type: ignore[attr-defined]
     SubprocessRuntime.run_background = run_background  # type: ignore[method-assign]
+
+
+_TOOL_SERVERS: list[tuple[Any, str, Path]] = []
+"""(process, module, log file) of each tool server started here whose runtime is not torn
+down (its folder, which holds the log, still there)."""
+
+
+def dead_tool_servers() -> list[str]:
+    """Each tool server that exited while its runtime was still up (a crash mid-run, which
+    verifiers reports only as the tool call's connection error): its module, pid, exit code
+    and the tail of its log."""
+    dead = []
+    for process, module, log in _TOOL_SERVERS:
+        code = getattr(process, "returncode", None)
+        if code is None or not log.is_file():
+            continue
+        tail = log.read_bytes()[-1500:].decode(errors="replace").strip()
+        dead.append(
+            f"the tool server `python -m {module}` (pid {process.pid}) exited with code {code};"
+            f" its log ({log}) ends: {tail or '(empty)'}"
+        )
+    return dead
 
 
 def fail_fast_tool_servers() -> None:
@@ -646,7 +672,13 @@ class VerifiersHarness:
                 kept = getattr(server, "clients", {}).pop(key, None)
                 if kept is not None:
                     await kept.close()
-        return episode_result(episode, self.settings["max_total_tokens"])
+        try:
+            return episode_result(episode, self.settings["max_total_tokens"])
+        except VerifiersError as err:  # a tool server that died shows as a connection error
+            dead = dead_tool_servers()
+            if not dead:
+                raise
+            raise VerifiersError(f"{'; '.join(dead)}; {err}") from err
 
 
 _SERVING: list[tuple[asyncio.AbstractEventLoop, Any]] = []
@@ -720,7 +752,9 @@ def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict
         failed += [f"{e.type}: {e.message}" for e in trace.errors]
     if failed or not episode.ok or len(episode.traces) != 1:
         why = "; ".join(dict.fromkeys(failed)) or f"{len(episode.traces)} traces"
-        raise VerifiersError(f"the verifiers episode failed: {why}"[:2000])
+        if len(why) > 2000:  # a traceback's useful part is its end
+            why = f"...{why[-2000:]}"
+        raise VerifiersError(f"the verifiers episode failed: {why}")
     (trace,) = episode.traces
     for i, call in enumerate(trace.calls):
         if call.usage is not None and call.usage.completion_tokens == 0 and call.finish_reason == "length":  # fmt: skip
