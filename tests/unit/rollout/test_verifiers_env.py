@@ -301,6 +301,44 @@ def test_a_held_out_environment_that_is_or_shadows_the_training_one_is_refused(t
     assert clash_problem(train, _module(tmp_path / "test", "sums_test", text)) is None
 
 
+def test_held_out_tasks_that_are_training_tasks_are_refused(tmp_path):
+    """A held-out environment under another name whose taskset holds some of the training
+    tasks (verifiers' task key): refused naming eval.verifiers, how many, one of them and the
+    fix; one with other tasks only passes."""
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.grpo.preflight import check_eval_inputs
+
+    tasks = """
+import verifiers.v1 as vf
+
+
+class Tasks(vf.Taskset[vf.Task]):
+    def load(self):
+        yield from [vf.Task(vf.TaskData(prompt=p)) for p in {prompts!r}]
+
+
+__all__ = ["Tasks"]
+"""
+    train = _module(tmp_path, "vf_train", tasks.format(prompts=["1+1=", "2+2="]))
+    for name, prompts, problem in (
+        ("vf_overlaps", ["3+3=", "2+2="], "1 of its 2 tasks are tasks of the training taskset"),
+        ("vf_other", ["3+3=", "4+4="], None),
+    ):
+        cfg = RunConfig()
+        cfg.data.reward = "none"
+        cfg.env.agent.verifiers = train
+        cfg.eval.verifiers = _module(tmp_path, name, tasks.format(prompts=prompts))
+        cfg.eval.every_steps = 1
+        errors: list = []
+        check_eval_inputs(cfg, errors)
+        found = [str(e) for e in errors if e.key == "eval.verifiers"]
+        if problem is None:
+            assert found == [], found
+        else:
+            assert len(found) == 1 and problem in found[0], found
+            assert "task 1 ('2+2=')" in found[0] and "load other tasks" in found[0]
+
+
 def test_an_exchange_verifiers_cut_at_the_run_s_limits_is_a_truncated_episode():
     """verifiers ends an exchange itself at the seat's max_turns (the run's env.max_turns) and
     says so on its trace (stop_condition): the episode is truncated on its sample (counted in
