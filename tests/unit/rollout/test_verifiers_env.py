@@ -402,6 +402,7 @@ def test_a_toolset_placed_in_the_agent_s_sandbox_is_refused_unless_opted_in(tmp_
     problems = verifiers_env.check(path)
     assert len(problems) == 1, problems
     assert "its task toolset Add is colocated" in problems[0]
+    assert "give it colocated=False" in problems[0]
     assert "env.agent.verifiers_on_host=true" in problems[0]
     env = verifiers_env.load_environment(path, on_host=True)
     assert verifiers_env.load_tasks(env)[0].data.prompt == "2+2="

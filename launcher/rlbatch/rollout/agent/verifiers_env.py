@@ -189,7 +189,10 @@ def load_environment(
         f"its {where} toolset {name} is colocated (ToolsetConfig(colocated=True): its tool"
         " server runs in the agent's runtime, a sandbox under verifiers' default), and rlbatch"
         " runs the agent in the subprocess runtime on this machine, so the policy's calls of"
-        f" those tools would run here as the trainer's user: {HOST_FIX}"
+        " those tools would run here as the trainer's user: give it colocated=False (its"
+        " server then runs beside the environment, on this machine under vf eval too), or opt"
+        " in with env.agent.verifiers_on_host=true (docs/agents.md says what the policy can"
+        " then read and write)"
         for where, name in colocated
     ]
     problems += [
