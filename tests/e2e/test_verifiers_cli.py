@@ -324,7 +324,8 @@ def test_a_tool_environment_trains_the_policy_s_tool_calls(multi_run, tmp):
     the exchange at env.max_turns=3. Each episode is one sample of three calls: the policy's
     tool call (sampled, parsed by the endpoint: finish_reason tool_calls), the tool's result
     "4" and the next generation prompt as environment tokens (loss mask 0), the policy's reply,
-    "another", a third reply. Every trained token is one the policy sampled; the reward is the
+    "another", a third reply, and the episode truncated (verifiers cut it at
+    env.max_turns). Every trained token is one the policy sampled; the reward is the
     environment's (the tool returned the answer: 1; a reply says it: 0.5) recomputed from what
     was sampled; the serving context (the tool server) is closed at exit."""
     proc, records, samples = multi_run
@@ -352,6 +353,8 @@ def test_a_tool_environment_trains_the_policy_s_tool_calls(multi_run, tmp):
         parts = s["reward_parts"]
         assert parts["harness.used_add"] == 1.0 and parts["harness.says_it"] == says
         assert parts["harness.turns"] == 3.0
+        # verifiers ended the exchange at env.max_turns, not the environment: truncated
+        assert third["finish_reason"] == "stop" and s["truncated"] is True
     assert "did not close" not in proc.stdout + proc.stderr
 
 

@@ -165,8 +165,9 @@ def eval_needs_tasks(name: str, why: str) -> ConfigError:
         None,
         f"{why} evaluates env.agent.verifiers={name} on held-out tasks, and a verifiers 0.4"
         " taskset has none of its own (verifiers evaluates the tasks a taskset loads): set"
-        " eval.verifiers to an environment whose taskset holds them (e.g. the same environment"
-        " file loading other tasks; the training taskset's tasks are not held out)"
+        " eval.verifiers to an environment whose taskset holds them (e.g. a copy of the environment"
+        " file under another name, its module name differing, whose taskset loads other tasks;"
+        " the training taskset's tasks are not held out)"
         + (", or eval.every_steps=0" if why.startswith("eval.every_steps") else ""),
     )
 

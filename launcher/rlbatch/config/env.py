@@ -66,7 +66,8 @@ class AgentConfig:
     verifiers_on_host: bool = False
     """Run on this machine what a verifiers environment keeps in a sandbox: a seat that declares
     a container or remote runtime runs in the subprocess runtime here, and a ``bash`` harness's
-    tools run the policy's commands here, as the trainer's user. The policy can then read and
+    tools and a colocated toolset's (one placed in the agent's runtime) run the policy's calls
+    here, as the trainer's user. The policy can then read and
     change every file that user can (the environment's source with its answers, hidden tests
     and reward code, the run directory, the installed packages) and reach the network. false:
     such an environment is refused before launch (docs/agents.md)."""

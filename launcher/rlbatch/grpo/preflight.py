@@ -84,9 +84,18 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     if cfg.env.agent.verifiers:  # the held-out tasks are eval.verifiers's
         if not cfg.eval.verifiers:
             return  # refused as it is (the training taskset is not held out)
+        from rlbatch.rollout.agent.verifiers_env import clash_problem
+
+        clash = clash_problem(str(cfg.env.agent.verifiers), str(cfg.eval.verifiers))
+        if clash:  # loading it would give the training module: not checked further
+            errors.append(ConfigError("eval.verifiers", cfg.eval.verifiers, clash))
+            return
         verifiers = _check_verifiers(cfg, errors, "eval.verifiers")
         if verifiers is None:
             return
+        overlap = _training_tasks_held_out(str(cfg.env.agent.verifiers), verifiers)
+        if overlap:
+            errors.append(ConfigError("eval.verifiers", verifiers, overlap))
     elif data.source != DataSource.builtin and cfg.eval.data.path is None:
         return  # refused as it is (eval.data.path: the training file is not held out)
     if cfg.eval.reward_fn:
@@ -104,6 +113,29 @@ def check_eval_inputs(cfg: RunConfig, errors: list[ConfigError]) -> None:
     errors += [e for e in found if str(e) not in {str(x) for x in errors}]
     if not any(e.key.startswith(("eval.data", "eval.verifiers")) for e in errors):
         _check_eval_in_step(cfg, errors)
+
+
+def _training_tasks_held_out(train: str, held_out: str) -> str | None:
+    """Why the held-out taskset is not held out (some of its tasks, by verifiers' task key, are
+    the training taskset's: the evaluation would score what the policy trains on), or None
+    (also when the training environment cannot load: reported under its own key)."""
+    from rlbatch.rollout.agent import verifiers_env
+
+    try:
+        seen = {f[verifiers_env.KEY_FIELD] for _, _, f in verifiers_env.taskset_rows(train)}
+        rows = verifiers_env.taskset_rows(held_out)
+    except verifiers_env.VerifiersError:
+        return None
+    shared = [(f[verifiers_env.TASK_FIELD], p) for p, _, f in rows if f[verifiers_env.KEY_FIELD] in seen]  # fmt: skip
+    if not shared:
+        return None
+    (first, prompt), count = shared[0], len(shared)
+    return (
+        f"{count} of its {len(rows)} tasks are tasks of the training taskset"
+        f" (env.agent.verifiers={train}; the same verifiers task key), e.g. task {first}"
+        f" ({str(prompt)[:80]!r}): they are not held out, and the evaluation would score what"
+        " the policy trains on; load other tasks in the held-out environment"
+    )
 
 
 def _check_eval_in_step(cfg: RunConfig, errors: list[ConfigError]) -> None:

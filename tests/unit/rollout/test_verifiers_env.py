@@ -265,3 +265,304 @@ def test_the_environment_s_serving_context_is_closed_at_exit(tmp_path):
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def test_a_held_out_environment_that_is_or_shadows_the_training_one_is_refused(tmp_path):
+    """eval.verifiers naming the training environment (its file, or its id) holds no held-out
+    task; one in another folder under the training file's name would be imported as the
+    training module (evaluated on the training tasks, and its tool servers' `python -m NAME`
+    resolving to either file): both refused before launch naming eval.verifiers, the clash
+    and the fix, before either is loaded."""
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.grpo.preflight import check_eval_inputs
+
+    text = TASKS.format(infinite=False, count=1) + "\n__all__ = ['Tasks']\n"
+    (tmp_path / "train").mkdir()
+    (tmp_path / "test").mkdir()
+    train = _module(tmp_path / "train", "sums", text)
+    cases = {
+        _module(tmp_path / "test", "sums", text): "are both imported as the module 'sums'",
+        train: "names the training environment itself",
+        str(tmp_path / "train" / ".." / "train" / "sums.py"): "the training environment itself",
+    }
+    for held_out, needle in cases.items():
+        cfg = RunConfig()
+        cfg.env.agent.verifiers, cfg.eval.verifiers = train, held_out
+        cfg.eval.every_steps = 1
+        errors: list = []
+        check_eval_inputs(cfg, errors)
+        assert [e.key for e in errors] == ["eval.verifiers"], (held_out, errors)
+        message = str(errors[0])
+        assert held_out in message and needle in message, message
+        assert "rename the held-out file" in message or "under another name" in message
+    from rlbatch.rollout.agent.verifiers_env import clash_problem
+
+    assert clash_problem("vf-sums", "vf-sums") is not None  # the same installed id
+    assert clash_problem(train, _module(tmp_path / "test", "sums_test", text)) is None
+
+
+def test_held_out_tasks_that_are_training_tasks_are_refused(tmp_path):
+    """A held-out environment under another name whose taskset holds some of the training
+    tasks (verifiers' task key): refused naming eval.verifiers, how many, one of them and the
+    fix; one with other tasks only passes."""
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.grpo.preflight import check_eval_inputs
+
+    tasks = """
+import verifiers.v1 as vf
+
+
+class Tasks(vf.Taskset[vf.Task]):
+    def load(self):
+        yield from [vf.Task(vf.TaskData(prompt=p)) for p in {prompts!r}]
+
+
+__all__ = ["Tasks"]
+"""
+    train = _module(tmp_path, "vf_train", tasks.format(prompts=["1+1=", "2+2="]))
+    for name, prompts, problem in (
+        ("vf_overlaps", ["3+3=", "2+2="], "1 of its 2 tasks are tasks of the training taskset"),
+        ("vf_other", ["3+3=", "4+4="], None),
+    ):
+        cfg = RunConfig()
+        cfg.data.reward = "none"
+        cfg.env.agent.verifiers = train
+        cfg.eval.verifiers = _module(tmp_path, name, tasks.format(prompts=prompts))
+        cfg.eval.every_steps = 1
+        errors: list = []
+        check_eval_inputs(cfg, errors)
+        found = [str(e) for e in errors if e.key == "eval.verifiers"]
+        if problem is None:
+            assert found == [], found
+        else:
+            assert len(found) == 1 and problem in found[0], found
+            assert "task 1 ('2+2=')" in found[0] and "load other tasks" in found[0]
+
+
+def test_an_exchange_verifiers_cut_at_the_run_s_limits_is_a_truncated_episode():
+    """verifiers ends an exchange itself at the seat's max_turns (the run's env.max_turns) and
+    says so on its trace (stop_condition): the episode is truncated on its sample (counted in
+    episodes_truncated, masked under grpo.mask_truncated_completions) though its last call
+    ended with `stop`; one that ended by itself is not."""
+    import verifiers.v1 as vf
+    from verifiers.v1.trace import AgentInfo
+
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.engine.tokenizer import ByteTokenizer
+    from rlbatch.grpo.types import Prompt
+    from rlbatch.rollout.agent.engine import AgentRolloutEngine
+    from rlbatch.rollout.agent.episodes import Call
+    from rlbatch.rollout.agent.session import Episode
+    from rlbatch.rollout.agent.verifiers_env import episode_result
+
+    task = vf.TraceTask(type="Task", data=vf.TaskData(prompt="hi"), key="k", hash="h")
+    engine = object.__new__(AgentRolloutEngine)  # _sample reads only these
+    engine.cfg, engine.tokenizer, engine.harness_spec = RunConfig(), ByteTokenizer(), "verifiers"
+    for stop, cut in ((None, False), ("max_turns", True), ("max_total_tokens", True)):
+        call = vf.ModelCall(finish_reason="stop", usage=vf.Usage(prompt_tokens=2, completion_tokens=1))  # fmt: skip
+        trace = vf.Trace(task=task, agent=AgentInfo(config=vf.AgentConfig()), calls=[call], ok=True, stop_condition=stop)  # fmt: skip
+        value = episode_result(vf.Episode(task=task, traces=[trace], ok=True))
+        ep = Episode(0, Prompt(0, (1, 2), ""), 0)
+        ep.calls.append(Call(0, [1, 2], [7], [-0.5], 0, "stop", 0))
+        sample = engine._sample(0, ep, (value, None, 0.1), 0)
+        assert (sample.truncated, sample.episode["truncated"]) == (cut, cut), stop
+        assert "reward/harness.truncated" not in sample.metrics
+
+
+COLOCATED = """
+
+class Add(vf.Toolset[vf.ToolsetConfig, vf.State]):
+    @vf.tool
+    async def add(self, a: int, b: int) -> str:
+        return str(a + b)
+
+
+class AddTask(vf.Task[vf.TaskData, vf.State]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Add(vf.ToolsetConfig(colocated=True))]
+
+
+class Adds(vf.Taskset[AddTask]):
+    def load(self):
+        yield AddTask(vf.TaskData(prompt="2+2="))
+
+
+__all__ = ["Adds"]
+"""
+
+
+def test_a_toolset_placed_in_the_agent_s_sandbox_is_refused_unless_opted_in(tmp_path):
+    """A task's toolset with colocated=True runs in the agent's runtime (a sandbox under
+    verifiers' default); rlbatch plays the agent on this machine, so its tools would run the
+    policy's calls here: refused naming the toolset and the opt-in, played with it."""
+    from rlbatch.rollout.agent import verifiers_env
+
+    path = _module(tmp_path, "vf_colocated", "import verifiers.v1 as vf\n" + COLOCATED)
+    problems = verifiers_env.check(path)
+    assert len(problems) == 1, problems
+    assert "its task toolset Add is colocated" in problems[0]
+    assert "give it colocated=False" in problems[0]
+    assert "env.agent.verifiers_on_host=true" in problems[0]
+    env = verifiers_env.load_environment(path, on_host=True)
+    assert verifiers_env.load_tasks(env)[0].data.prompt == "2+2="
+
+
+def test_a_tool_server_s_port_file_is_removed_once_its_port_is_read():
+    """verifiers' tool server reports its port in a /tmp/vf-port-* file, which verifiers
+    leaves behind (one per server start: per episode for a task's own toolsets); once the
+    port is read the file is gone."""
+    import os
+    import uuid
+
+    from verifiers.v1.mcp import launch
+    from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+
+    from rlbatch.rollout.agent import verifiers_env
+
+    verifiers_env.fail_fast_tool_servers()
+    path = f"/tmp/vf-port-{uuid.uuid4().hex}"
+
+    async def serve() -> int:
+        runtime = make_runtime(SubprocessConfig())
+        await runtime.start()
+        try:  # a server as verifiers starts one: it writes MCP_PORT_FILE, then serves
+            script = 'echo 4242 > "$MCP_PORT_FILE"; sleep 30'
+            await runtime.run_background(["sh", "-c", script], {"MCP_PORT_FILE": path}, "log")
+            return await launch._read_back_port(runtime, path)
+        finally:
+            await runtime.stop()
+
+    try:
+        assert asyncio.run(serve()) == 4242
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+BINDS = """
+import asyncio, sys, time
+from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+from rlbatch.rollout.agent import verifiers_env
+
+verifiers_env.bind_tool_servers()
+
+
+async def main():
+    runtime = make_runtime(SubprocessConfig())
+    await runtime.start()
+    await runtime.run_background([sys.executable, "-m", "vf_server"], {}, "log")
+    print(runtime._background[-1].pid, flush=True)
+    await asyncio.sleep(600)
+
+
+asyncio.run(main())
+"""
+
+
+def test_a_tool_server_dies_with_the_process_that_started_it(tmp_path):
+    """verifiers starts a tool server (`python -m MODULE`) in a session of its own and stops
+    it only when its serving context exits, which `kill -9` of the run never reaches: the
+    server now dies with the process that started it, and still runs its module as
+    `__main__` (its `Toolset.run()` block)."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "vf_server.py").write_text(
+        "import time\nif __name__ == '__main__':\n"
+        f"    open({str(tmp_path / 'main')!r}, 'w').close()\n    time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+    env.pop("RLBATCH_PARENT_PID", None)
+    worker = subprocess.Popen([sys.executable, "-c", BINDS], stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    server = 0
+    try:
+        server = int(worker.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "main").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "main").exists()  # ran as __main__
+        worker.kill()
+        worker.wait(30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(server, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the tool server {server} outlived the process that started it")
+    finally:
+        worker.kill()
+        if server:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(server, signal.SIGKILL)
+
+
+def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeypatch):
+    """A tool server that runs but never writes its port file (its `__main__` block does not
+    serve): an error within verifiers_env.PORT_WAIT_S saying what its module must do, not
+    verifiers' 180 s wait ending in no fix."""
+    import uuid
+
+    from verifiers.v1.mcp import launch
+    from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+
+    from rlbatch.rollout.agent import verifiers_env
+
+    verifiers_env.fail_fast_tool_servers()
+    monkeypatch.setattr(verifiers_env, "PORT_WAIT_S", 0.5)
+
+    async def serve() -> None:
+        runtime = make_runtime(SubprocessConfig())
+        await runtime.start()
+        try:
+            await runtime.run_background(["sleep", "30"], {}, "log")
+            await launch._read_back_port(runtime, f"/tmp/vf-port-{uuid.uuid4().hex}")
+        finally:
+            await runtime.stop()
+
+    with pytest.raises(launch.ToolsetError, match=r"did not report its port within 0.5 s: .*\.run\(\)"):  # fmt: skip
+        asyncio.run(serve())
+
+
+def test_a_tool_server_that_died_mid_run_is_named_with_its_exit_code_and_log(tmp_path, monkeypatch):  # fmt: skip
+    """A tool server that exits after it started (verifiers shows only the tool call's
+    connection error, a traceback cut at its head): the episode's error names the server, its
+    exit code and its log's tail, and a long verifiers message keeps its end."""
+    import verifiers.v1 as vf
+    from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+
+    from rlbatch.rollout.agent import verifiers_env
+
+    (tmp_path / "vf_dying.py").write_text(
+        "import sys\nif __name__ == '__main__':\n    print('no database')\n    sys.exit(3)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    verifiers_env.bind_tool_servers()
+
+    async def serve() -> list[str]:
+        runtime = make_runtime(SubprocessConfig())
+        await runtime.start()
+        try:
+            await runtime.run_background([sys.executable, "-m", "vf_dying"], {}, "vf_tool.log")
+            await runtime._background[-1].wait()
+            return verifiers_env.dead_tool_servers()
+        finally:
+            await runtime.stop()
+
+    (dead,) = asyncio.run(serve())
+    assert "`python -m vf_dying`" in dead and "exited with code 3" in dead
+    assert dead.endswith("ends: no database")
+    assert verifiers_env.dead_tool_servers() == []  # stopped with its runtime: not reported
+    task = vf.TraceTask(type="Task", data=vf.TaskData(prompt="hi"), key="k", hash="h")
+    message = (
+        "Traceback: " + "frame\n" * 1000 + "httpx.ConnectError: All connection attempts failed"
+    )
+    failed = vf.Episode(task=task, errors=[vf.Error(type="HarnessError", message=message)])
+    with pytest.raises(verifiers_env.VerifiersError, match="ConnectError: All connection attempts failed$"):  # fmt: skip
+        verifiers_env.episode_result(failed)

@@ -38,7 +38,7 @@ from rlbatch.grpo.types import Prompt, Sample, group_rows
 from rlbatch.rollout.agent.decoders import AgentDecoder, build_decoder
 from rlbatch.rollout.agent.endpoint import Endpoint
 from rlbatch.rollout.agent.episodes import assemble, final_segment
-from rlbatch.rollout.agent.harness import build_harness, episode_reward
+from rlbatch.rollout.agent.harness import build_harness, ended_truncated, episode_reward
 from rlbatch.rollout.agent.loop import HarnessLoop, run_harness
 from rlbatch.rollout.agent.session import AgentSession, Episode, Limits
 from rlbatch.rollout.protocol import row_seeds
@@ -355,7 +355,10 @@ class AgentRolloutEngine:
                 raise
             problem = str(err)
         segments, splits, branches = _segments(ep)
+        # cut by the endpoint (its last call answered `length`), or by the harness's own
+        # limits (it returned truncated=True: verifiers ending the exchange at env.max_turns)
         truncated = bool(ep.calls) and ep.calls[-1].truncated
+        truncated = truncated or (problem is None and ended_truncated(value))
         eos = self.tokenizer.eos_ids[0]
         record = {
             "turns": [c.record() for c in ep.calls],

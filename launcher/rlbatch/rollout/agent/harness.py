@@ -53,6 +53,14 @@ def build_harness(cfg: Any) -> tuple[Any, str, str]:
     return harness, f"OpenEnv (env.agent.openenv_url={harness.url})", source
 
 
+def ended_truncated(value: Any) -> bool:
+    """Whether a harness's return value says the episode was cut by a limit (``truncated``:
+    True in its dict; a harness that ends the exchange itself at its turn or token budget, as
+    verifiers does at the run's env.max_turns / env.max_total_tokens), so the episode counts as
+    truncated as one the endpoint cut does."""
+    return isinstance(value, dict) and value.get("truncated") is True
+
+
 def episode_reward(value: Any, where: str) -> tuple[float, dict[str, float]]:
     """(reward, extra logged parts) of what a harness returned; EnvCallError when it is not a
     finite number or a dict with one under ``reward``."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import contextvars
 import hashlib
 import importlib.metadata
@@ -68,14 +69,61 @@ class VerifiersError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ loading
+def _local(spec: str) -> Optional[Path]:
+    """The local file or package directory ``spec`` names (not resolved), or None for an id."""
+    path = Path(spec).expanduser()
+    explicit = spec.endswith(".py") or spec.startswith((".", "/", "~"))
+    return path if explicit or ("/" in spec and path.exists()) else None
+
+
+def module_name(spec: str) -> str:
+    """The name verifiers imports ``spec`` under (:func:`module_id`, with no side effect): an
+    id itself, a local file's stem, a package directory's name."""
+    path = _local(spec)
+    if path is None:
+        return spec
+    return path.stem if path.suffix == ".py" else path.name
+
+
+def clash_problem(train: str, held_out: str) -> Optional[str]:
+    """Why eval.verifiers=``held_out`` cannot be played beside env.agent.verifiers=``train``,
+    or None. Both are imported by module name into one process (and their tool servers started
+    as ``python -m NAME`` with both folders on PYTHONPATH), so a held-out file with the training
+    one's name would be the training module in this process (the evaluation playing the
+    training tasks) and its tool servers could run the other file's tools (training scored on
+    the held-out file's tools); and the training environment itself holds no held-out task."""
+    paths = [_local(s) for s in (train, held_out)]
+    same = (
+        paths[0].resolve() == paths[1].resolve()
+        if paths[0] is not None and paths[1] is not None
+        else paths[0] is None and paths[1] is None and train == held_out
+    )
+    if same:
+        return (
+            f"names the training environment itself (env.agent.verifiers={train}): its tasks"
+            " are the ones the policy trains on, not held out; give a copy of the environment"
+            " file under another name (e.g. sums_test.py beside sums.py) whose taskset loads"
+            " other tasks"
+        )
+    name = module_name(train)
+    if module_name(held_out) == name:
+        return (
+            f"and env.agent.verifiers={train} are both imported as the module {name!r}: one"
+            " process holds one module of a name, so the evaluation would play the training"
+            " taskset, and verifiers starts tool servers as `python -m"
+            f" {name}`, which could run the other file's tools during training; rename the"
+            f" held-out file (e.g. {name}_test.py)"
+        )
+    return None
+
+
 def module_id(spec: str) -> str:
     """The taskset id verifiers imports for ``spec``: the id itself (an installed module, or
     ``owner/name@version`` as verifiers reads it), or for a local ``.py`` file or package
     directory its name, its folder put on ``sys.path`` (and on PYTHONPATH, for the tool servers
     verifiers starts as ``python -m``)."""
-    path = Path(spec).expanduser()
-    explicit = spec.endswith(".py") or spec.startswith((".", "/", "~"))
-    if not explicit and not ("/" in spec and path.exists()):
+    path = _local(spec)
+    if path is None:
         return spec  # an id (a hub id's owner/name@version too)
     if not path.exists():
         raise VerifiersError(f"{spec} does not exist: give an installed environment's id or a local .py file or package directory")  # fmt: skip
@@ -131,11 +179,22 @@ def load_environment(
             if seat.harness is None and not bundled:
                 data[name]["harness"] = {"id": "null"}
         env = vf.load_environment(vf.resolve_env_config(data))
+        colocated = [] if on_host else _colocated_toolsets(env)
     except VerifiersError:
         raise
     except Exception as err:  # noqa: BLE001 - verifiers' loaders raise many kinds
         raise VerifiersError(f"verifiers cannot load it: {type(err).__name__}: {err}") from err
     problems = [] if on_host else _sandbox_problems(seats)
+    problems += [
+        f"its {where} toolset {name} is colocated (ToolsetConfig(colocated=True): its tool"
+        " server runs in the agent's runtime, a sandbox under verifiers' default), and rlbatch"
+        " runs the agent in the subprocess runtime on this machine, so the policy's calls of"
+        " those tools would run here as the trainer's user: give it colocated=False (its"
+        " server then runs beside the environment, on this machine under vf eval too), or opt"
+        " in with env.agent.verifiers_on_host=true (docs/agents.md says what the policy can"
+        " then read and write)"
+        for where, name in colocated
+    ]
     problems += [
         f"its seat {name!r} retries a failed rollout (retries.max_retries="
         f"{seat.retries.max_retries}): the calls of an attempt verifiers discards reach the"
@@ -188,6 +247,21 @@ def _sandbox_problems(seats: dict[str, Any]) -> list[str]:
         f" machine, outside it: {HOST_FIX}"
         for name, seat in seats.items()
         if "runtime" in seat.model_fields_set and seat.runtime.type != "subprocess"
+    ]
+
+
+def _colocated_toolsets(env: Any) -> list[tuple[str, str]]:
+    """(``task`` / ``taskset``, class name) of each toolset placed in the agent's runtime
+    (``colocated``): the task class's own toolsets (as verifiers builds them for an episode)
+    and the taskset's shared ones."""
+    taskset = env.taskset
+    task_cls = type(taskset).task_type()
+    found = [("task", t) for t in task_cls.toolsets(taskset.config.task)]
+    found += [("taskset", t) for t in taskset.toolsets(taskset.config)]
+    return [
+        (where, type(t).__name__)
+        for where, t in found
+        if getattr(getattr(t, "config", None), "colocated", False)
     ]
 
 
@@ -357,6 +431,15 @@ def check(spec: str, *, on_host: bool = False) -> list[str]:
 
 TOOLS_START_S = 120.0
 """How long the pre-launch check waits for the taskset's shared tool servers to start."""
+PORT_WAIT_S = 90.0
+"""How long a tool server has to report its port (verifiers waits 180 s, then names no
+fix): past it, an error naming what the server's module must do, with its log's tail."""
+NO_PORT_FIX = (
+    "the module verifiers starts as `python -m MODULE` must serve its toolset from its"
+    " `if __name__ == '__main__':` block (`MyToolset.run()`, which writes the port to"
+    " MCP_PORT_FILE before its own setup); a server still importing or loading after that is"
+    " too slow to start: move its loading into the toolset's setup"
+)
 
 
 def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional[str]:
@@ -367,6 +450,7 @@ def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional
     if not env.taskset.toolsets(env.taskset.config):
         return None
     fail_fast_tool_servers()
+    bind_tool_servers()
 
     async def start() -> None:
         async with env.shared_tools():
@@ -375,10 +459,71 @@ def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional
     try:
         asyncio.run(asyncio.wait_for(start(), timeout_s))
     except TimeoutError:
-        return f"its taskset's tool servers did not start within {timeout_s:.0f} s"
+        return f"its taskset's tool servers did not start within {timeout_s:.0f} s: {NO_PORT_FIX}"  # fmt: skip
     except Exception as err:  # noqa: BLE001 - verifiers' own message, with the server's log
         return f"its taskset's tool servers did not start: {type(err).__name__}: {err}"[:3000]
     return None
+
+
+BOUND_SERVER = (
+    "import runpy, signal, sys\n"
+    "from rlbatch.runtime.lifeline import die_with_parent\n"
+    "die_with_parent(signal.SIGKILL, kernel=False)\n"
+    "module = sys.argv[1]\n"
+    "del sys.argv[1]\n"
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
+)
+"""The program a tool server runs as: its module as ``python -m`` runs it, bound to the
+process that started it (rlbatch.runtime.lifeline's parent-pid watch)."""
+
+
+def bind_tool_servers() -> None:
+    """Make every ``python -m MODULE`` process verifiers' subprocess runtime starts in the
+    background (a tool server) die with the process that started it: verifiers starts it in a
+    session of its own and stops it only from its serving context's exit, which a ``kill -9``
+    of the run never reaches, so the server lived on, orphaned and listening. It runs the same
+    module as ``__main__`` after binding itself (:data:`BOUND_SERVER`; the parent-pid watch,
+    not the kernel's parent-death signal, which fires when the *thread* that started it ends:
+    an evaluation's loop thread may end before the run)."""
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    original = SubprocessRuntime.run_background
+    if getattr(original, "rlbatch_bound", False):
+        return
+
+    async def run_background(self: Any, argv: list[str], env: dict[str, str], log: str) -> None:
+        module = argv[2] if len(argv) == 3 and argv[1] == "-m" else None
+        if module is not None:
+            argv = [argv[0], "-c", BOUND_SERVER, module]
+        await original(self, argv, env, log)
+        if module is not None and self.workdir is not None:
+            _TOOL_SERVERS[:] = [t for t in _TOOL_SERVERS if t[2].parent.is_dir()]  # torn down
+            _TOOL_SERVERS.append((self._background[-1], module, Path(self.workdir) / log))
+
+    run_background.rlbatch_bound = True  # type: ignore[attr-defined]
+    SubprocessRuntime.run_background = run_background  # type: ignore[method-assign]
+
+
+_TOOL_SERVERS: list[tuple[Any, str, Path]] = []
+"""(process, module, log file) of each tool server started here whose runtime is not torn
+down (its folder, which holds the log, still there)."""
+
+
+def dead_tool_servers() -> list[str]:
+    """Each tool server that exited while its runtime was still up (a crash mid-run, which
+    verifiers reports only as the tool call's connection error): its module, pid, exit code
+    and the tail of its log."""
+    dead = []
+    for process, module, log in _TOOL_SERVERS:
+        code = getattr(process, "returncode", None)
+        if code is None or not log.is_file():
+            continue
+        tail = log.read_bytes()[-1500:].decode(errors="replace").strip()
+        dead.append(
+            f"the tool server `python -m {module}` (pid {process.pid}) exited with code {code};"
+            f" its log ({log}) ends: {tail or '(empty)'}"
+        )
+    return dead
 
 
 def fail_fast_tool_servers() -> None:
@@ -386,7 +531,9 @@ def fail_fast_tool_servers() -> None:
     verifiers polls the port file for 180 s and only then raises with the server's log, so a
     server that crashed on start stalled the first episode past its deadline (a timeout naming
     nothing). The server's exit now raises verifiers' own ToolsetError, which verifiers
-    completes with the log's tail."""
+    completes with the log's tail. And remove the port file (``/tmp/vf-port-*``) once the port
+    is read: verifiers leaves it, one file per server start (per episode for a task's own
+    toolsets: tens of thousands over a run)."""
     from verifiers.v1.mcp import launch
 
     original = launch._read_back_port
@@ -397,14 +544,24 @@ def fail_fast_tool_servers() -> None:
         # the server: the runtime's newest background process (started just before the poll)
         server = (getattr(runtime, "_background", None) or [None])[-1]
         polling = asyncio.ensure_future(original(runtime, path))
+        deadline = time.monotonic() + PORT_WAIT_S
         try:
             while not (await asyncio.wait({polling}, timeout=0.2))[0]:
                 code = getattr(server, "returncode", None)
                 if code is not None:
                     raise launch.ToolsetError(f"the server exited with code {code} before reporting its port")  # fmt: skip
-            return polling.result()
+                if time.monotonic() > deadline:  # verifiers adds the log's tail
+                    raise launch.ToolsetError(f"the server did not report its port within {PORT_WAIT_S:g} s: {NO_PORT_FIX}")  # fmt: skip
+            port = polling.result()
         finally:
             polling.cancel()
+            if getattr(runtime, "type", None) == "subprocess":  # a file of this machine
+                with contextlib.suppress(OSError):
+                    os.unlink(path if os.path.isabs(path) else os.path.join(runtime.workdir, path))  # fmt: skip
+        if getattr(runtime, "type", None) != "subprocess":  # in a sandbox: best effort
+            with contextlib.suppress(Exception):
+                await runtime.run(["rm", "-f", path], {})
+        return port
 
     read_back_port.rlbatch_fail_fast = True  # type: ignore[attr-defined]
     launch._read_back_port = read_back_port
@@ -467,6 +624,7 @@ class VerifiersHarness:
             raise VerifiersError(problem)
         run_chat_in_process(prepare_chat_program())
         fail_fast_tool_servers()
+        bind_tool_servers()
         for name in ("verifiers", "aiohttp.access"):  # per-rollout lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self._loops: dict[Any, tuple[asyncio.Lock, list[Any]]] = {}
@@ -490,7 +648,7 @@ class VerifiersHarness:
                 _SERVING.append((loop, serving))
         return served[0]
 
-    async def __call__(self, client: Any, model: str, row: dict[str, Any]) -> dict[str, float]:
+    async def __call__(self, client: Any, model: str, row: dict[str, Any]) -> dict[str, Any]:
         import verifiers.v1 as vf
 
         index, key = row.get(TASK_FIELD), row.get(KEY_FIELD)
@@ -517,7 +675,13 @@ class VerifiersHarness:
                 kept = getattr(server, "clients", {}).pop(key, None)
                 if kept is not None:
                     await kept.close()
-        return episode_result(episode, self.settings["max_total_tokens"])
+        try:
+            return episode_result(episode, self.settings["max_total_tokens"])
+        except VerifiersError as err:  # a tool server that died shows as a connection error
+            dead = dead_tool_servers()
+            if not dead:
+                raise
+            raise VerifiersError(f"{'; '.join(dead)}; {err}") from err
 
 
 _SERVING: list[tuple[asyncio.AbstractEventLoop, Any]] = []
@@ -577,9 +741,13 @@ def close_serving(served: list[tuple[asyncio.AbstractEventLoop, Any]], timeout_s
     served.clear()
 
 
-def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict[str, float]:
+def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict[str, Any]:
     """The reward of a finished verifiers episode (its trace's rewards' weighted sum) with each
-    reward's score and each numeric metric; VerifiersError naming what failed, or naming the
+    reward's score and each numeric metric, and ``truncated``: verifiers' own verdict
+    (``Trace.is_truncated``: the exchange ended at a seat's max_turns / token budgets, which
+    are the run's env.max_turns / env.max_total_tokens, or its last reply at ``length``), so
+    the episode is truncated as any harness's cut episode is (episodes_truncated,
+    grpo.mask_truncated_completions); VerifiersError naming what failed, or naming the
     call the endpoint answered with no tokens (its prompt left nothing of env.max_total_tokens):
     the rubric scored an empty reply the policy never sampled."""
     failed = [f"{e.type}: {e.message}" for e in episode.errors]
@@ -587,7 +755,9 @@ def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict
         failed += [f"{e.type}: {e.message}" for e in trace.errors]
     if failed or not episode.ok or len(episode.traces) != 1:
         why = "; ".join(dict.fromkeys(failed)) or f"{len(episode.traces)} traces"
-        raise VerifiersError(f"the verifiers episode failed: {why}"[:2000])
+        if len(why) > 2000:  # a traceback's useful part is its end
+            why = f"...{why[-2000:]}"
+        raise VerifiersError(f"the verifiers episode failed: {why}")
     (trace,) = episode.traces
     for i, call in enumerate(trace.calls):
         if call.usage is not None and call.usage.completion_tokens == 0 and call.finish_reason == "length":  # fmt: skip
@@ -602,4 +772,9 @@ def episode_result(episode: Any, max_total_tokens: Optional[int] = None) -> dict
     for name, value in trace.metrics.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             parts[f"metric.{name}"] = float(value)
-    return {"reward": float(trace.reward), **parts, "turns": float(trace.num_turns)}
+    return {
+        "reward": float(trace.reward),
+        **parts,
+        "turns": float(trace.num_turns),
+        "truncated": bool(trace.is_truncated),
+    }
