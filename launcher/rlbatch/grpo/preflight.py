@@ -119,20 +119,34 @@ def _training_tasks_held_out(train: str, held_out: str) -> str | None:
     """Why the held-out taskset is not held out (some of its tasks, by verifiers' task key, are
     the training taskset's: the evaluation would score what the policy trains on), or None
     (also when the training environment cannot load: reported under its own key)."""
+    import json
+
     from rlbatch.rollout.agent import verifiers_env
 
+    def prompt_of(prompt: Any) -> str:  # what the policy is shown: text or messages
+        return (
+            prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+        )
+
     try:
-        seen = {f[verifiers_env.KEY_FIELD] for _, _, f in verifiers_env.taskset_rows(train)}
+        training = verifiers_env.taskset_rows(train)
         rows = verifiers_env.taskset_rows(held_out)
     except verifiers_env.VerifiersError:
         return None
-    shared = [(f[verifiers_env.TASK_FIELD], p) for p, _, f in rows if f[verifiers_env.KEY_FIELD] in seen]  # fmt: skip
+    keys = {f[verifiers_env.KEY_FIELD] for _, _, f in training}
+    prompts = {prompt_of(p) for p, _, _ in training}
+    shared = [
+        (f[verifiers_env.TASK_FIELD], p)
+        for p, _, f in rows
+        if f[verifiers_env.KEY_FIELD] in keys or prompt_of(p) in prompts
+    ]
     if not shared:
         return None
     (first, prompt), count = shared[0], len(shared)
     return (
         f"{count} of its {len(rows)} tasks are tasks of the training taskset"
-        f" (env.agent.verifiers={train}; the same verifiers task key), e.g. task {first}"
+        f" (env.agent.verifiers={train}; the same verifiers task key or the same prompt, which"
+        f" a task's other fields, such as an id or a name, do not change), e.g. task {first}"
         f" ({str(prompt)[:80]!r}): they are not held out, and the evaluation would score what"
         " the policy trains on; load other tasks in the held-out environment"
     )

@@ -319,15 +319,18 @@ class Tasks(vf.Taskset[vf.Task]):
 
 __all__ = ["Tasks"]
 """
+    named = tasks.replace("vf.TaskData(prompt=p)", "vf.TaskData(prompt=p, name='held-' + p)")
     train = _module(tmp_path, "vf_train", tasks.format(prompts=["1+1=", "2+2="]))
-    for name, prompts, problem in (
-        ("vf_overlaps", ["3+3=", "2+2="], "1 of its 2 tasks are tasks of the training taskset"),
-        ("vf_other", ["3+3=", "4+4="], None),
-    ):
+    for name, prompts, problem, source in (
+        ("vf_overlaps", ["3+3=", "2+2="], "1 of its 2 tasks are tasks of the training taskset", tasks),
+        # the same prompt with a name of its own: another task key, still a training task
+        ("vf_renamed", ["3+3=", "2+2="], "1 of its 2 tasks are tasks of the training taskset", named),
+        ("vf_other", ["3+3=", "4+4="], None, tasks),
+    ):  # fmt: skip
         cfg = RunConfig()
         cfg.data.reward = "none"
         cfg.env.agent.verifiers = train
-        cfg.eval.verifiers = _module(tmp_path, name, tasks.format(prompts=prompts))
+        cfg.eval.verifiers = _module(tmp_path, name, source.format(prompts=prompts))
         cfg.eval.every_steps = 1
         errors: list = []
         check_eval_inputs(cfg, errors)
@@ -406,6 +409,16 @@ def test_a_toolset_placed_in_the_agent_s_sandbox_is_refused_unless_opted_in(tmp_
     assert "env.agent.verifiers_on_host=true" in problems[0]
     env = verifiers_env.load_environment(path, on_host=True)
     assert verifiers_env.load_tasks(env)[0].data.prompt == "2+2="
+    # the taskset declares a task class without such tools and yields a subclass with them:
+    # verifiers builds each episode's toolsets from its task, so it is refused the same way
+    hidden = COLOCATED.replace(
+        "class AddTask(",
+        "class Plain(vf.Task[vf.TaskData, vf.State]):\n    pass\n\n\nclass AddTask(",
+    )
+    hidden = hidden.replace("vf.Taskset[AddTask]", "vf.Taskset[Plain]")
+    path = _module(tmp_path, "vf_colocated_sub", "import verifiers.v1 as vf\n" + hidden)
+    problems = verifiers_env.check(path)
+    assert len(problems) == 1 and "its task toolset Add is colocated" in problems[0], problems
 
 
 def test_a_tool_server_s_port_file_is_removed_once_its_port_is_read():

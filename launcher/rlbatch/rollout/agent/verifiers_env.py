@@ -258,11 +258,22 @@ def _colocated_toolsets(env: Any) -> list[tuple[str, str]]:
     task_cls = type(taskset).task_type()
     found = [("task", t) for t in task_cls.toolsets(taskset.config.task)]
     found += [("taskset", t) for t in taskset.toolsets(taskset.config)]
-    return [
-        (where, type(t).__name__)
-        for where, t in found
-        if getattr(getattr(t, "config", None), "colocated", False)
-    ]
+    if taskset.bounded:  # verifiers builds an episode's toolsets from its task instance: a
+        # task of another class (a subclass of the declared one) or with a config of its own
+        # places its own toolsets, so each loaded task is checked too
+        seen: set[tuple[type, str]] = set()
+        for task in taskset:
+            config = getattr(task, "config", taskset.config.task)
+            mark = (type(task), repr(config))
+            if mark not in seen:
+                seen.add(mark)
+                found += [("task", t) for t in type(task).toolsets(config)]
+    out: list[tuple[str, str]] = []
+    for where, t in found:
+        entry = (where, type(t).__name__)
+        if getattr(getattr(t, "config", None), "colocated", False) and entry not in out:
+            out.append(entry)
+    return out
 
 
 def _chat_kind(harness_class: type) -> Optional[str]:
