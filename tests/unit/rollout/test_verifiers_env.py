@@ -298,7 +298,14 @@ def test_a_held_out_environment_that_is_or_shadows_the_training_one_is_refused(t
     from rlbatch.rollout.agent.verifiers_env import clash_problem
 
     assert clash_problem("vf-sums", "vf-sums") is not None  # the same installed id
-    assert clash_problem(train, _module(tmp_path / "test", "sums_test", text)) is None
+    (tmp_path / "other").mkdir()
+    assert clash_problem(train, _module(tmp_path / "other", "sums_test", text)) is None
+    # each folder holds its own tools6.py: both folders are on the tool servers' path, so
+    # `python -m tools6` would run one folder's tools for both environments
+    _module(tmp_path / "train", "tools6", "")
+    _module(tmp_path / "other", "tools6", "")
+    problem = clash_problem(train, str(tmp_path / "other" / "sums_test.py"))
+    assert problem is not None and "both hold a module named 'tools6'" in problem, problem
 
 
 def test_held_out_tasks_that_are_training_tasks_are_refused(tmp_path):

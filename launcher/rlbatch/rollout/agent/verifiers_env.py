@@ -114,7 +114,25 @@ def clash_problem(train: str, held_out: str) -> Optional[str]:
             f" {name}`, which could run the other file's tools during training; rename the"
             f" held-out file (e.g. {name}_test.py)"
         )
+    folders = [p.parent.resolve() for p in paths if p is not None]
+    if len(folders) == 2 and folders[0] != folders[1]:
+        shared = sorted(_module_names(folders[0]) & _module_names(folders[1]))
+        if shared:
+            return (
+                f"and env.agent.verifiers={train} come from two folders that both hold a module"
+                f" named {shared[0]!r} ({folders[0]} and {folders[1]}): both folders are on the"
+                " path of this process and of the tool servers verifiers starts, so whichever"
+                " comes first serves both environments (training could run the held-out"
+                " folder's tools); rename one of them, or put both environment files in one"
+                " folder"
+            )
     return None
+
+
+def _module_names(folder: Path) -> set[str]:
+    """The importable names a folder on the path provides: its ``.py`` files and packages."""
+    names = {p.stem for p in folder.glob("*.py")} - {"__init__", "__main__"}
+    return names | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
 
 
 def module_id(spec: str) -> str:
