@@ -437,22 +437,8 @@ def run_pass(
     chunk's forward ``routing_sink(chunk, {slot: [N, k]}, inputs)`` gets what they chose
     themselves (rlbatch.engine.routing)."""
     mbs = rank_plan.micro_batches
-    if len(mbs) != plan.num_micro_batches:
-        raise ValueError(
-            f"rank plan has {len(mbs)} micro-batches, the pass {plan.num_micro_batches}"
-        )
     model = list(model)
-    config = _config(model)
-    if len(model) > 1:
-        check_interleaving(plan, config.pipeline_model_parallel_size)
-        config.microbatch_group_size_per_vp_stage = plan.microbatch_group_size
-    if not forward_only and zero_grad:
-        for chunk in model:
-            if hasattr(chunk, "zero_grad_buffer"):
-                chunk.zero_grad_buffer()
-            else:
-                chunk.zero_grad(set_to_none=True)
-
+    _prepare_pass(model, plan, len(mbs), zero_grad=zero_grad and not forward_only)
     iterators = lazy_iterators(lambda i: batch_fn(mbs[i]), len(mbs), len(model))
     gpts = [_unwrap(c) for c in model]
     chunk_tokens = lm_head.logits_chunk_tokens(gpts[-1])
@@ -498,6 +484,27 @@ def run_pass(
             c.train(was)
         if routed:
             routing.clear(model)
+
+
+def _prepare_pass(
+    model: list[Any], plan: PassPlan, num_micro_batches: int, zero_grad: bool
+) -> None:
+    """Before a pass: the rank's micro-batch count is the pass's, an interleaved schedule's
+    groups are set on the config, and the grad buffers are zeroed when ``zero_grad``."""
+    if num_micro_batches != plan.num_micro_batches:
+        raise ValueError(
+            f"rank plan has {num_micro_batches} micro-batches, the pass {plan.num_micro_batches}"
+        )
+    config = _config(model)
+    if len(model) > 1:
+        check_interleaving(plan, config.pipeline_model_parallel_size)
+        config.microbatch_group_size_per_vp_stage = plan.microbatch_group_size
+    if zero_grad:
+        for chunk in model:
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+            else:
+                chunk.zero_grad(set_to_none=True)
 
 
 def _unwrap(chunk: Any) -> Any:
