@@ -438,9 +438,9 @@ def test_a_tool_server_s_port_file_is_removed_once_its_port_is_read():
     from verifiers.v1.mcp import launch
     from verifiers.v1.runtimes import SubprocessConfig, make_runtime
 
-    from rlbatch.rollout.agent import verifiers_env
+    from rlbatch.rollout.agent import verifiers_tools
 
-    verifiers_env.fail_fast_tool_servers()
+    verifiers_tools.fail_fast_tool_servers()
     path = f"/tmp/vf-port-{uuid.uuid4().hex}"
 
     async def serve() -> int:
@@ -464,9 +464,9 @@ def test_a_tool_server_s_port_file_is_removed_once_its_port_is_read():
 BINDS = """
 import asyncio, sys, time
 from verifiers.v1.runtimes import SubprocessConfig, make_runtime
-from rlbatch.rollout.agent import verifiers_env
+from rlbatch.rollout.agent import verifiers_tools
 
-verifiers_env.bind_tool_servers()
+verifiers_tools.bind_tool_servers()
 
 
 async def main():
@@ -524,17 +524,17 @@ def test_a_tool_server_dies_with_the_process_that_started_it(tmp_path):
 
 def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeypatch):
     """A tool server that runs but never writes its port file (its `__main__` block does not
-    serve): an error within verifiers_env.PORT_WAIT_S saying what its module must do, not
+    serve): an error within verifiers_tools.PORT_WAIT_S saying what its module must do, not
     verifiers' 180 s wait ending in no fix."""
     import uuid
 
     from verifiers.v1.mcp import launch
     from verifiers.v1.runtimes import SubprocessConfig, make_runtime
 
-    from rlbatch.rollout.agent import verifiers_env
+    from rlbatch.rollout.agent import verifiers_tools
 
-    verifiers_env.fail_fast_tool_servers()
-    monkeypatch.setattr(verifiers_env, "PORT_WAIT_S", 0.5)
+    verifiers_tools.fail_fast_tool_servers()
+    monkeypatch.setattr(verifiers_tools, "PORT_WAIT_S", 0.5)
 
     async def serve() -> None:
         runtime = make_runtime(SubprocessConfig())
@@ -556,14 +556,14 @@ def test_a_tool_server_that_died_mid_run_is_named_with_its_exit_code_and_log(tmp
     import verifiers.v1 as vf
     from verifiers.v1.runtimes import SubprocessConfig, make_runtime
 
-    from rlbatch.rollout.agent import verifiers_env
+    from rlbatch.rollout.agent import verifiers_env, verifiers_tools
 
     (tmp_path / "vf_dying.py").write_text(
         "import sys\nif __name__ == '__main__':\n    print('no database')\n    sys.exit(3)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    verifiers_env.bind_tool_servers()
+    verifiers_tools.bind_tool_servers()
 
     async def serve() -> list[str]:
         runtime = make_runtime(SubprocessConfig())
@@ -571,14 +571,14 @@ def test_a_tool_server_that_died_mid_run_is_named_with_its_exit_code_and_log(tmp
         try:
             await runtime.run_background([sys.executable, "-m", "vf_dying"], {}, "vf_tool.log")
             await runtime._background[-1].wait()
-            return verifiers_env.dead_tool_servers()
+            return verifiers_tools.dead_tool_servers()
         finally:
             await runtime.stop()
 
     (dead,) = asyncio.run(serve())
     assert "`python -m vf_dying`" in dead and "exited with code 3" in dead
     assert dead.endswith("ends: no database")
-    assert verifiers_env.dead_tool_servers() == []  # stopped with its runtime: not reported
+    assert verifiers_tools.dead_tool_servers() == []  # stopped with its runtime: not reported
     task = vf.TraceTask(type="Task", data=vf.TaskData(prompt="hi"), key="k", hash="h")
     message = (
         "Traceback: " + "frame\n" * 1000 + "httpx.ConnectError: All connection attempts failed"

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import contextvars
 import hashlib
 import importlib.metadata
@@ -51,6 +50,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from rlbatch.rollout.agent import verifiers_tools
 
 TASK_FIELD = "verifiers_task"
 """The row field holding the task's index in the taskset."""
@@ -454,146 +455,8 @@ def check(spec: str, *, on_host: bool = False) -> list[str]:
         load_tasks(env)
     except VerifiersError as err:
         return [*problems, str(err)]
-    problem = tool_servers_problem(env)
+    problem = verifiers_tools.tool_servers_problem(env)
     return problems + ([problem] if problem else [])
-
-
-TOOLS_START_S = 120.0
-"""How long the pre-launch check waits for the taskset's shared tool servers to start."""
-PORT_WAIT_S = 90.0
-"""How long a tool server has to report its port (verifiers waits 180 s, then names no
-fix): past it, an error naming what the server's module must do, with its log's tail."""
-NO_PORT_FIX = (
-    "the module verifiers starts as `python -m MODULE` must serve its toolset from its"
-    " `if __name__ == '__main__':` block (`MyToolset.run()`, which writes the port to"
-    " MCP_PORT_FILE before its own setup); a server still importing or loading after that is"
-    " too slow to start: move its loading into the toolset's setup"
-)
-
-
-def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional[str]:
-    """Why the taskset's shared tool servers do not start, started as the run starts them
-    (verifiers' ``Env.shared_tools``: a ``python -m`` process of the taskset's module each,
-    probed, then stopped), with the failing server's log; None when they start or there are
-    none. A task's own tool servers start with its episode, not here."""
-    if not env.taskset.toolsets(env.taskset.config):
-        return None
-    fail_fast_tool_servers()
-    bind_tool_servers()
-
-    async def start() -> None:
-        async with env.shared_tools():
-            pass
-
-    try:
-        asyncio.run(asyncio.wait_for(start(), timeout_s))
-    except TimeoutError:
-        return f"its taskset's tool servers did not start within {timeout_s:.0f} s: {NO_PORT_FIX}"  # fmt: skip
-    except Exception as err:  # noqa: BLE001 - verifiers' own message, with the server's log
-        return f"its taskset's tool servers did not start: {type(err).__name__}: {err}"[:3000]
-    return None
-
-
-BOUND_SERVER = (
-    "import runpy, signal, sys\n"
-    "from rlbatch.runtime.lifeline import die_with_parent\n"
-    "die_with_parent(signal.SIGKILL, kernel=False)\n"
-    "module = sys.argv[1]\n"
-    "del sys.argv[1]\n"
-    "runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
-)
-"""The program a tool server runs as: its module as ``python -m`` runs it, bound to the
-process that started it (rlbatch.runtime.lifeline's parent-pid watch)."""
-
-
-def bind_tool_servers() -> None:
-    """Make every ``python -m MODULE`` process verifiers' subprocess runtime starts in the
-    background (a tool server) die with the process that started it: verifiers starts it in a
-    session of its own and stops it only from its serving context's exit, which a ``kill -9``
-    of the run never reaches, so the server lived on, orphaned and listening. It runs the same
-    module as ``__main__`` after binding itself (:data:`BOUND_SERVER`; the parent-pid watch,
-    not the kernel's parent-death signal, which fires when the *thread* that started it ends:
-    an evaluation's loop thread may end before the run)."""
-    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
-
-    original = SubprocessRuntime.run_background
-    if getattr(original, "rlbatch_bound", False):
-        return
-
-    async def run_background(self: Any, argv: list[str], env: dict[str, str], log: str) -> None:
-        module = argv[2] if len(argv) == 3 and argv[1] == "-m" else None
-        if module is not None:
-            argv = [argv[0], "-c", BOUND_SERVER, module]
-        await original(self, argv, env, log)
-        if module is not None and self.workdir is not None:
-            _TOOL_SERVERS[:] = [t for t in _TOOL_SERVERS if t[2].parent.is_dir()]  # torn down
-            _TOOL_SERVERS.append((self._background[-1], module, Path(self.workdir) / log))
-
-    run_background.rlbatch_bound = True  # type: ignore[attr-defined]
-    SubprocessRuntime.run_background = run_background  # type: ignore[method-assign]
-
-
-_TOOL_SERVERS: list[tuple[Any, str, Path]] = []
-"""(process, module, log file) of each tool server started here whose runtime is not torn
-down (its folder, which holds the log, still there)."""
-
-
-def dead_tool_servers() -> list[str]:
-    """Each tool server that exited while its runtime was still up (a crash mid-run, which
-    verifiers reports only as the tool call's connection error): its module, pid, exit code
-    and the tail of its log."""
-    dead = []
-    for process, module, log in _TOOL_SERVERS:
-        code = getattr(process, "returncode", None)
-        if code is None or not log.is_file():
-            continue
-        tail = log.read_bytes()[-1500:].decode(errors="replace").strip()
-        dead.append(
-            f"the tool server `python -m {module}` (pid {process.pid}) exited with code {code};"
-            f" its log ({log}) ends: {tail or '(empty)'}"
-        )
-    return dead
-
-
-def fail_fast_tool_servers() -> None:
-    """Make verifiers report at once a tool server that exits before it reports its port:
-    verifiers polls the port file for 180 s and only then raises with the server's log, so a
-    server that crashed on start stalled the first episode past its deadline (a timeout naming
-    nothing). The server's exit now raises verifiers' own ToolsetError, which verifiers
-    completes with the log's tail. And remove the port file (``/tmp/vf-port-*``) once the port
-    is read: verifiers leaves it, one file per server start (per episode for a task's own
-    toolsets: tens of thousands over a run)."""
-    from verifiers.v1.mcp import launch
-
-    original = launch._read_back_port
-    if getattr(original, "rlbatch_fail_fast", False):
-        return
-
-    async def read_back_port(runtime: Any, path: str) -> int:
-        # the server: the runtime's newest background process (started just before the poll)
-        server = (getattr(runtime, "_background", None) or [None])[-1]
-        polling = asyncio.ensure_future(original(runtime, path))
-        deadline = time.monotonic() + PORT_WAIT_S
-        try:
-            while not (await asyncio.wait({polling}, timeout=0.2))[0]:
-                code = getattr(server, "returncode", None)
-                if code is not None:
-                    raise launch.ToolsetError(f"the server exited with code {code} before reporting its port")  # fmt: skip
-                if time.monotonic() > deadline:  # verifiers adds the log's tail
-                    raise launch.ToolsetError(f"the server did not report its port within {PORT_WAIT_S:g} s: {NO_PORT_FIX}")  # fmt: skip
-            port = polling.result()
-        finally:
-            polling.cancel()
-            if getattr(runtime, "type", None) == "subprocess":  # a file of this machine
-                with contextlib.suppress(OSError):
-                    os.unlink(path if os.path.isabs(path) else os.path.join(runtime.workdir, path))  # fmt: skip
-        if getattr(runtime, "type", None) != "subprocess":  # in a sandbox: best effort
-            with contextlib.suppress(Exception):
-                await runtime.run(["rm", "-f", path], {})
-        return port
-
-    read_back_port.rlbatch_fail_fast = True  # type: ignore[attr-defined]
-    launch._read_back_port = read_back_port
 
 
 def _prompt(data: Any) -> Any:
@@ -652,8 +515,8 @@ class VerifiersHarness:
         if problem:  # the pre-launch check says so first
             raise VerifiersError(problem)
         run_chat_in_process(prepare_chat_program())
-        fail_fast_tool_servers()
-        bind_tool_servers()
+        verifiers_tools.fail_fast_tool_servers()
+        verifiers_tools.bind_tool_servers()
         for name in ("verifiers", "aiohttp.access"):  # per-rollout lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self._loops: dict[Any, tuple[asyncio.Lock, list[Any]]] = {}
@@ -707,7 +570,7 @@ class VerifiersHarness:
         try:
             return episode_result(episode, self.settings["max_total_tokens"])
         except VerifiersError as err:  # a tool server that died shows as a connection error
-            dead = dead_tool_servers()
+            dead = verifiers_tools.dead_tool_servers()
             if not dead:
                 raise
             raise VerifiersError(f"{'; '.join(dead)}; {err}") from err
