@@ -77,13 +77,13 @@ def test_the_chat_program_runs_with_this_interpreter_and_no_uv(tmp_path, monkeyp
     from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
     from verifiers.v1.runtimes import SubprocessConfig, make_runtime
 
-    from rlbatch.rollout.agent import verifiers_env
+    from rlbatch.rollout.agent import verifiers_program
 
     (tmp_path / "uv").write_text(f"#!/bin/sh\ntouch {tmp_path / 'uv_called'}\nexit 1\n")
     (tmp_path / "uv").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
-    assert verifiers_env.program_problem() is None
-    path = verifiers_env.prepare_chat_program()
+    assert verifiers_program.program_problem() is None
+    path = verifiers_program.prepare_chat_program()
     argv = asyncio.run(make_runtime(SubprocessConfig()).prepare_uv_script(CHAT_PROGRAM_SOURCE))
     assert sys.executable in argv and str(path) in argv
     proc = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
