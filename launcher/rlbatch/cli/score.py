@@ -56,7 +56,7 @@ def _checks(source: str | None) -> Callable[[RunConfig], tuple[list[ConfigError]
     it does not read."""
 
     def checks(cfg: RunConfig) -> tuple[list[ConfigError], list[str]]:
-        from rlbatch.grpo.preflight import check_brought_rewards, check_reward_specs
+        from rlbatch.grpo.preflight_rewards import check_brought_rewards, check_reward_specs
         from rlbatch.rewards.kinds import DatasetRows
 
         errors: list[ConfigError] = []
