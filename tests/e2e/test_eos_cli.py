@@ -48,6 +48,7 @@ def test_every_stopped_response_ends_with_the_tokenizers_eos(
         pytest.importorskip("vllm")
     run_dir = tmp_path / "run"
     bias = [] if arch == "qwen2" else ["model.add_qkv_bias=false"]
+    bias += ["model.qk_layernorm=true"] if arch == "qwen3" else []
     proc = subprocess.run(
         [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"+model.architecture={arch}",
          *bias, "model.num_attention_heads=2", "model.num_query_groups=2",
