@@ -50,7 +50,7 @@ def test_every_stopped_response_ends_with_the_tokenizers_eos(
     bias = [] if arch == "qwen2" else ["model.add_qkv_bias=false"]
     bias += ["model.qk_layernorm=true"] if arch == "qwen3" else []
     proc = subprocess.run(
-        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"+model.architecture={arch}",
+        [str(bin_dir / "rlbatch-train"), "+recipe=grpo_qwen", f"model.architecture={arch}",
          *bias, "model.num_attention_heads=2", "model.num_query_groups=2",
          f"rollout.backend={backend}", "logging.samples=true", "trainer.max_steps=2",
          f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
