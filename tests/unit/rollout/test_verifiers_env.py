@@ -586,3 +586,94 @@ def test_a_tool_server_that_died_mid_run_is_named_with_its_exit_code_and_log(tmp
     failed = vf.Episode(task=task, errors=[vf.Error(type="HarnessError", message=message)])
     with pytest.raises(verifiers_env.VerifiersError, match="ConnectError: All connection attempts failed$"):  # fmt: skip
         verifiers_env.episode_result(failed)
+
+
+def _owner(make: int, report) -> None:
+    """A forked process (verifiers already imported): ``make`` runtimes started through the
+    wrapped subprocess runtime, their folder names written to ``report``; then it waits to be
+    killed."""
+    import os
+    import time
+
+    try:
+        from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+
+        async def start() -> list[str]:
+            runtimes = [make_runtime(SubprocessConfig()) for _ in range(make)]
+            for runtime in runtimes:
+                await runtime.start()
+            return [r.name for r in runtimes]
+
+        report.write(" ".join(asyncio.run(start())) + "\n")
+        report.flush()
+        time.sleep(600)
+    finally:
+        os._exit(0)
+
+
+def test_runtime_folders_a_killed_process_left_are_reclaimed_and_a_live_one_s_kept(tmp_path, monkeypatch):  # fmt: skip
+    """verifiers' runtime folders (one per tool server and running episode, names without a
+    pid) stay behind when their process is killed -9: the next start of verifiers
+    environments removes exactly those of dead processes (killed, or a zombie not yet
+    reaped; a record whose pid now belongs to a process started later), and leaves a live
+    process's folders, a folder no record names, and a cleanly stopped runtime leaves no
+    record."""
+    import os
+    import signal
+    import time
+
+    from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+    from verifiers.v1.runtimes import subprocess as vf_subprocess
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    from rlbatch.rollout.agent import verifiers_folders
+
+    monkeypatch.setattr(vf_subprocess, "CACHE_DIR", tmp_path)
+    for name in ("start", "teardown", "cleanup"):  # restored after the test
+        monkeypatch.setattr(SubprocessRuntime, name, getattr(SubprocessRuntime, name))
+    verifiers_folders.record_runtime_folders()
+    folders = tmp_path / "runtimes" / "subprocess"
+    owners = tmp_path / "runtimes" / verifiers_folders.OWNERS
+
+    def fork(make: int) -> tuple[int, list[str]]:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            _owner(make, os.fdopen(write, "w"))
+        os.close(write)
+        with os.fdopen(read) as report:
+            return pid, report.readline().split()
+
+    killed, live = fork(2), fork(1)
+    try:
+        stopped = make_runtime(SubprocessConfig())
+
+        async def start_stop() -> None:
+            await stopped.start()
+            await stopped.stop()
+
+        asyncio.run(start_stop())
+        assert not (owners / verifiers_folders.owner_name()).exists()  # stopped: no record
+        (folders / "vf-stranger").mkdir()  # no record names it: not rlbatch's
+        assert all((folders / n).is_dir() for n in killed[1] + live[1])
+        os.kill(killed[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30  # dead, not yet reaped: a zombie
+        while verifiers_folders._stat(killed[0])[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # a record of the live process's pid from a process started at another time (the pid
+        # given to the live one since): its folder is reclaimed
+        host, boot, pid, start = verifiers_folders.owner_name(live[0]).rsplit("-", 3)
+        reused = owners / f"{host}-{boot}-{pid}-{int(start) - 1}"
+        reused.mkdir()
+        (reused / "vf-reused").touch()
+        (folders / "vf-reused").mkdir()
+        verifiers_folders.record_runtime_folders()  # the next run starts
+        left = sorted(p.name for p in folders.iterdir())
+        assert left == sorted([*live[1], "vf-stranger"]), (left, killed[1], live[1])
+        assert [p.name for p in owners.iterdir()] == [verifiers_folders.owner_name(live[0])]
+    finally:
+        for pid, _ in (killed, live):
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)

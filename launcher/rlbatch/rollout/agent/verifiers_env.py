@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from rlbatch.rollout.agent import verifiers_program, verifiers_tools
+from rlbatch.rollout.agent import verifiers_folders, verifiers_program, verifiers_tools
 
 TASK_FIELD = "verifiers_task"
 """The row field holding the task's index in the taskset."""
@@ -391,6 +391,7 @@ class VerifiersHarness:
         if problem:  # the pre-launch check says so first
             raise VerifiersError(problem)
         verifiers_program.run_chat_in_process(verifiers_program.prepare_chat_program())
+        verifiers_folders.record_runtime_folders()
         verifiers_tools.fail_fast_tool_servers()
         verifiers_tools.bind_tool_servers()
         for name in ("verifiers", "aiohttp.access"):  # per-rollout lines

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from rlbatch.rollout.agent import verifiers_folders
+
 TOOLS_START_S = 120.0
 """How long the pre-launch check waits for the taskset's shared tool servers to start."""
 PORT_WAIT_S = 90.0
@@ -33,6 +35,7 @@ def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional
     none. A task's own tool servers start with its episode, not here."""
     if not env.taskset.toolsets(env.taskset.config):
         return None
+    verifiers_folders.record_runtime_folders()
     fail_fast_tool_servers()
     bind_tool_servers()
 
