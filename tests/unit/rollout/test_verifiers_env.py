@@ -524,8 +524,8 @@ def test_a_tool_server_dies_with_the_process_that_started_it(tmp_path):
 
 def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeypatch):
     """A tool server that runs but never writes its port file (its `__main__` block does not
-    serve): an error within verifiers_tools.PORT_WAIT_S saying what its module must do, not
-    verifiers' 180 s wait ending in no fix."""
+    serve): an error within env.agent.verifiers_port_timeout_s naming that key and what its
+    module must do, not verifiers' 180 s wait ending in no fix."""
     import uuid
 
     from verifiers.v1.mcp import launch
@@ -533,8 +533,8 @@ def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeyp
 
     from rlbatch.rollout.agent import verifiers_tools
 
-    verifiers_tools.fail_fast_tool_servers()
-    monkeypatch.setattr(verifiers_tools, "PORT_WAIT_S", 0.5)
+    monkeypatch.setattr(verifiers_tools, "_PORT_TIMEOUT_S", [90.0])  # restored after
+    verifiers_tools.fail_fast_tool_servers(0.5)  # env.agent.verifiers_port_timeout_s
 
     async def serve() -> None:
         runtime = make_runtime(SubprocessConfig())
@@ -545,7 +545,7 @@ def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeyp
         finally:
             await runtime.stop()
 
-    with pytest.raises(launch.ToolsetError, match=r"did not report its port within 0.5 s: .*\.run\(\)"):  # fmt: skip
+    with pytest.raises(launch.ToolsetError, match=r"did not report its port within 0.5 s \(env.agent.verifiers_port_timeout_s=0.5\): .*\.run\(\)"):  # fmt: skip
         asyncio.run(serve())
 
 
@@ -677,3 +677,58 @@ def test_runtime_folders_a_killed_process_left_are_reclaimed_and_a_live_one_s_ke
             with __import__("contextlib").suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+SLOW = """
+import time
+
+import verifiers.v1 as vf
+
+
+class Slow(vf.Toolset[vf.SharedToolsetConfig, vf.State]):
+    @vf.tool
+    async def noop(self) -> str:
+        return ""
+
+
+class Tasks(vf.Taskset[vf.Task]):
+    def load(self):
+        yield vf.Task(vf.TaskData(prompt="hi"))
+
+    @classmethod
+    def toolsets(cls, config):
+        return [Slow(vf.SharedToolsetConfig())]
+
+
+__all__ = ["Tasks"]
+
+if __name__ == "__main__":  # loads for a minute before it serves
+    time.sleep(60)
+    Slow.run()
+"""
+
+
+def test_the_pre_launch_wait_for_tool_servers_is_bounded_by_keys_and_says_what_it_waits_for(tmp_path, monkeypatch, capsys):  # fmt: skip
+    """The pre-launch check of a taskset whose tool server is slow to start: past
+    env.agent.verifiers_port_timeout_s the error names that key; past
+    env.agent.verifiers_check_timeout_s (the wait for all of the taskset's servers) that one;
+    while it waits, a line says what it waits for, how long so far and the bounding key."""
+    from rlbatch.rollout.agent import verifiers_env, verifiers_tools
+
+    monkeypatch.setattr(verifiers_tools, "_PORT_TIMEOUT_S", [90.0])  # restored after
+    monkeypatch.setattr(verifiers_tools, "PROGRESS_AFTER_S", 0.3)
+    path = _module(tmp_path, "vf_slow", SLOW)
+    (problem,) = verifiers_env.check(path, check_timeout_s=60, port_timeout_s=0.5)
+    assert "did not report its port within 0.5 s (env.agent.verifiers_port_timeout_s=0.5)" in problem  # fmt: skip
+    assert "or raise env.agent.verifiers_port_timeout_s" in problem
+    capsys.readouterr()
+    (problem,) = verifiers_env.check(
+        path, check_timeout_s=1.0, port_timeout_s=60, what=f"env.agent.verifiers={path}"
+    )
+    assert problem.startswith(
+        "its taskset's tool servers (python -m vf_slow) did not start within 1 s"
+        " (env.agent.verifiers_check_timeout_s=1): "
+    ), problem
+    assert "or raise env.agent.verifiers_check_timeout_s" in problem
+    err = capsys.readouterr().err
+    assert f"rlbatch: env.agent.verifiers={path}: waiting for its taskset's tool servers (python -m vf_slow) to start: 0 s so far, at most 1 s (env.agent.verifiers_check_timeout_s)" in err, err  # fmt: skip
