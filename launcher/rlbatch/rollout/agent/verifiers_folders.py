@@ -1,8 +1,8 @@
 """verifiers' runtime folders as rlbatch keeps track of them (rlbatch.rollout.agent.verifiers_env).
 
 verifiers' subprocess runtime makes a folder for each runtime it starts,
-``~/.cache/verifiers/runtimes/subprocess/vf-<12 hex>``: one per tool server and one per running
-episode. It removes the folder when it tears the runtime down, or at the interpreter's exit. A
+``~/.cache/verifiers/runtimes/subprocess/<random name>``: one per tool server and one per
+running episode. It removes the folder when it tears the runtime down, or at the interpreter's exit. A
 ``kill -9`` of the run reaches neither, so the folders stay. Their names carry no pid, so
 nothing tells a dead run's folders from those of a run still going (another run, another
 user's, another node's on a shared home).
@@ -123,12 +123,13 @@ def record_runtime_folders() -> None:
     for record, removed in reclaim():
         if removed:
             log.info(
-                "removed %d verifiers runtime folder(s) (%s) that process %s left in %s when it"
-                " ended without removing them (killed)",
+                "removed %d verifiers runtime folder(s) from %s that process %s left when it was"
+                " killed (rlbatch's record %s): %s",
                 len(removed),
-                ", ".join(removed),
-                record,
                 _root() / "subprocess",
+                record.rsplit("-", 2)[1],
+                record,
+                ", ".join(removed[:3]) + (", ..." if len(removed) > 3 else ""),
             )
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
 
