@@ -362,11 +362,13 @@ def test_configuration_errors_before_launch(tmp, bin_dir):
     """What does not combine with env.agent.verifiers, all at once with the environments' own
     problems: two agent seats, one of them in a Docker sandbox; the held-out environment's
     tool server, started before launch as the run starts it, exits: its log is shown (it is not
-    an episode timing out at the first step). Nothing runs. The other environments refused
+    an episode timing out at the first step); the tool servers' bounds not > 0 (the check
+    still runs, at the defaults). Nothing runs. The other environments refused
     before launch: tests/unit/rollout/test_verifiers_env.py."""
     tmp, env = tmp
     proc = _run(bin_dir, env, tmp, "env.agent.verifiers=seats.py", "env.harness=h.py:run",
-                "eval.every_steps=1", "eval.verifiers=broken.py", "data.reward=task")  # fmt: skip
+                "eval.every_steps=1", "eval.verifiers=broken.py", "data.reward=task",
+                "env.agent.verifiers_port_timeout_s=0", "env.agent.verifiers_check_timeout_s=-1")  # fmt: skip
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
     for needle in ("are two ways to run episodes", "set data.path=null", "set data.reward=none",
@@ -375,6 +377,11 @@ def test_configuration_errors_before_launch(tmp, bin_dir):
                    "env.agent.verifiers_on_host=true",
                    f"eval.verifiers={tmp / 'broken.py'}: its taskset's tool servers did not start",
                    "the server exited with code 1 before reporting its port",
-                   "the tool server cannot start: no database"):  # fmt: skip
+                   "the tool server cannot start: no database",
+                   "env.agent.verifiers_port_timeout_s=0.0: must be > 0 (the seconds a tool"
+                   " server has to report its port): set a positive number of seconds (default"
+                   " 90)",
+                   "env.agent.verifiers_check_timeout_s=-1.0: must be > 0 (the seconds the"
+                   " pre-launch check waits for the taskset's tool servers)"):  # fmt: skip
         assert needle in out, (needle, out[-3000:])
     assert "Nothing was run" in out

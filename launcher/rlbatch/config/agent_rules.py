@@ -115,6 +115,22 @@ def _check_verifiers_keys(cfg: RunConfig, errors: list[ConfigError]) -> None:
     name = cfg.env.agent.verifiers
     if not name:
         return
+    agent = cfg.env.agent
+    for key, seconds, default, what in (
+        ("env.agent.verifiers_port_timeout_s", agent.verifiers_port_timeout_s, 90,
+         "a tool server has to report its port"),
+        ("env.agent.verifiers_check_timeout_s", agent.verifiers_check_timeout_s, 120,
+         "the pre-launch check waits for the taskset's tool servers"),
+    ):  # fmt: skip
+        if not seconds > 0:
+            errors.append(
+                ConfigError(
+                    key,
+                    seconds,
+                    f"must be > 0 (the seconds {what}): set a positive number of seconds"
+                    f" (default {default})",
+                )
+            )
     for key, value in (("env.harness", cfg.env.harness), ("env.agent.openenv_url", cfg.env.agent.openenv_url)):  # fmt: skip
         if value:
             errors.append(

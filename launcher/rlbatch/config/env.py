@@ -71,6 +71,17 @@ class AgentConfig:
     change every file that user can (the environment's source with its answers, hidden tests
     and reward code, the run directory, the installed packages) and reach the network. false:
     such an environment is refused before launch (docs/agents.md)."""
+    verifiers_port_timeout_s: float = 90.0
+    """How long a verifiers tool server (a ``python -m`` process of the taskset's module) has to
+    report its port once started: every start, before launch, a rank's shared servers and a
+    task's own ones per episode. Past it, an error with the server's log saying what its module
+    must do (serve from its ``__main__`` block; load slow things in the toolset's setup); verifiers
+    itself would wait 180 s and name no fix."""
+    verifiers_check_timeout_s: float = 120.0
+    """How long the pre-launch check (rlbatch-train, rlbatch-eval) waits for the verifiers
+    taskset's shared tool servers to start, all of them together; past it, the environment's key
+    is a configuration error. It prints a line every 10 s from the 5th second on while it
+    waits."""
 
 
 @dataclass

@@ -269,13 +269,24 @@ def _check_verifiers(
     section, _, name = key.rpartition(".")
     owner = cfg.env.agent if section == "env.agent" else cfg.eval
     spec = str(getattr(owner, name))
-    from rlbatch.rollout.agent import verifiers_env
+    from rlbatch.rollout.agent import verifiers_env, verifiers_tools
 
     path = Path(spec).expanduser()
     if path.exists() and (spec.endswith(".py") or "/" in spec or spec.startswith(".")):
         spec = str(path.resolve())
         setattr(owner, name, spec)
-    problems = verifiers_env.check(spec, on_host=cfg.env.agent.verifiers_on_host)
+    agent = cfg.env.agent  # a bound that is not > 0 is its own error (config rules): the default
+    check_s, port_s = (
+        value if value > 0 else default
+        for value, default in (
+            (agent.verifiers_check_timeout_s, verifiers_tools.TOOLS_START_S),
+            (agent.verifiers_port_timeout_s, verifiers_tools.PORT_WAIT_S),
+        )
+    )
+    problems = verifiers_env.check(
+        spec, on_host=agent.verifiers_on_host, check_timeout_s=check_s, port_timeout_s=port_s,
+        what=f"{key}={spec}",
+    )  # fmt: skip
     errors += [ConfigError(key, spec, p) for p in problems]
     return None if problems else spec
 

@@ -524,8 +524,8 @@ def test_a_tool_server_dies_with_the_process_that_started_it(tmp_path):
 
 def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeypatch):
     """A tool server that runs but never writes its port file (its `__main__` block does not
-    serve): an error within verifiers_tools.PORT_WAIT_S saying what its module must do, not
-    verifiers' 180 s wait ending in no fix."""
+    serve): an error within env.agent.verifiers_port_timeout_s naming that key and what its
+    module must do, not verifiers' 180 s wait ending in no fix."""
     import uuid
 
     from verifiers.v1.mcp import launch
@@ -533,8 +533,8 @@ def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeyp
 
     from rlbatch.rollout.agent import verifiers_tools
 
-    verifiers_tools.fail_fast_tool_servers()
-    monkeypatch.setattr(verifiers_tools, "PORT_WAIT_S", 0.5)
+    monkeypatch.setattr(verifiers_tools, "_PORT_TIMEOUT_S", [90.0])  # restored after
+    verifiers_tools.fail_fast_tool_servers(0.5)  # env.agent.verifiers_port_timeout_s
 
     async def serve() -> None:
         runtime = make_runtime(SubprocessConfig())
@@ -545,7 +545,7 @@ def test_a_tool_server_that_never_reports_its_port_is_named_with_the_fix(monkeyp
         finally:
             await runtime.stop()
 
-    with pytest.raises(launch.ToolsetError, match=r"did not report its port within 0.5 s: .*\.run\(\)"):  # fmt: skip
+    with pytest.raises(launch.ToolsetError, match=r"did not report its port within 0.5 s \(env.agent.verifiers_port_timeout_s=0.5\): .*\.run\(\)"):  # fmt: skip
         asyncio.run(serve())
 
 
@@ -586,3 +586,149 @@ def test_a_tool_server_that_died_mid_run_is_named_with_its_exit_code_and_log(tmp
     failed = vf.Episode(task=task, errors=[vf.Error(type="HarnessError", message=message)])
     with pytest.raises(verifiers_env.VerifiersError, match="ConnectError: All connection attempts failed$"):  # fmt: skip
         verifiers_env.episode_result(failed)
+
+
+def _owner(make: int, report) -> None:
+    """A forked process (verifiers already imported): ``make`` runtimes started through the
+    wrapped subprocess runtime, their folder names written to ``report``; then it waits to be
+    killed."""
+    import os
+    import time
+
+    try:
+        from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+
+        async def start() -> list[str]:
+            runtimes = [make_runtime(SubprocessConfig()) for _ in range(make)]
+            for runtime in runtimes:
+                await runtime.start()
+            return [r.name for r in runtimes]
+
+        report.write(" ".join(asyncio.run(start())) + "\n")
+        report.flush()
+        time.sleep(600)
+    finally:
+        os._exit(0)
+
+
+def test_runtime_folders_a_killed_process_left_are_reclaimed_and_a_live_one_s_kept(tmp_path, monkeypatch):  # fmt: skip
+    """verifiers' runtime folders (one per tool server and running episode, names without a
+    pid) stay behind when their process is killed -9: the next start of verifiers
+    environments removes exactly those of dead processes (killed, or a zombie not yet
+    reaped; a record whose pid now belongs to a process started later), and leaves a live
+    process's folders, a folder no record names, and a cleanly stopped runtime leaves no
+    record."""
+    import os
+    import signal
+    import time
+
+    from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+    from verifiers.v1.runtimes import subprocess as vf_subprocess
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    from rlbatch.rollout.agent import verifiers_folders
+
+    monkeypatch.setattr(vf_subprocess, "CACHE_DIR", tmp_path)
+    for name in ("start", "teardown", "cleanup"):  # restored after the test
+        monkeypatch.setattr(SubprocessRuntime, name, getattr(SubprocessRuntime, name))
+    verifiers_folders.record_runtime_folders()
+    folders = tmp_path / "runtimes" / "subprocess"
+    owners = tmp_path / "runtimes" / verifiers_folders.OWNERS
+
+    def fork(make: int) -> tuple[int, list[str]]:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            _owner(make, os.fdopen(write, "w"))
+        os.close(write)
+        with os.fdopen(read) as report:
+            return pid, report.readline().split()
+
+    killed, live = fork(2), fork(1)
+    try:
+        stopped = make_runtime(SubprocessConfig())
+
+        async def start_stop() -> None:
+            await stopped.start()
+            await stopped.stop()
+
+        asyncio.run(start_stop())
+        assert not (owners / verifiers_folders.owner_name()).exists()  # stopped: no record
+        (folders / "vf-stranger").mkdir()  # no record names it: not rlbatch's
+        assert all((folders / n).is_dir() for n in killed[1] + live[1])
+        os.kill(killed[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30  # dead, not yet reaped: a zombie
+        while verifiers_folders._stat(killed[0])[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # a record of the live process's pid from a process started at another time (the pid
+        # given to the live one since): its folder is reclaimed
+        host, boot, pid, start = verifiers_folders.owner_name(live[0]).rsplit("-", 3)
+        reused = owners / f"{host}-{boot}-{pid}-{int(start) - 1}"
+        reused.mkdir()
+        (reused / "vf-reused").touch()
+        (folders / "vf-reused").mkdir()
+        verifiers_folders.record_runtime_folders()  # the next run starts
+        left = sorted(p.name for p in folders.iterdir())
+        assert left == sorted([*live[1], "vf-stranger"]), (left, killed[1], live[1])
+        assert [p.name for p in owners.iterdir()] == [verifiers_folders.owner_name(live[0])]
+    finally:
+        for pid, _ in (killed, live):
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+SLOW = """
+import time
+
+import verifiers.v1 as vf
+
+
+class Slow(vf.Toolset[vf.SharedToolsetConfig, vf.State]):
+    @vf.tool
+    async def noop(self) -> str:
+        return ""
+
+
+class Tasks(vf.Taskset[vf.Task]):
+    def load(self):
+        yield vf.Task(vf.TaskData(prompt="hi"))
+
+    @classmethod
+    def toolsets(cls, config):
+        return [Slow(vf.SharedToolsetConfig())]
+
+
+__all__ = ["Tasks"]
+
+if __name__ == "__main__":  # loads for a minute before it serves
+    time.sleep(60)
+    Slow.run()
+"""
+
+
+def test_the_pre_launch_wait_for_tool_servers_is_bounded_by_keys_and_says_what_it_waits_for(tmp_path, monkeypatch, capsys):  # fmt: skip
+    """The pre-launch check of a taskset whose tool server is slow to start: past
+    env.agent.verifiers_port_timeout_s the error names that key; past
+    env.agent.verifiers_check_timeout_s (the wait for all of the taskset's servers) that one;
+    while it waits, a line says what it waits for, how long so far and the bounding key."""
+    from rlbatch.rollout.agent import verifiers_env, verifiers_tools
+
+    monkeypatch.setattr(verifiers_tools, "_PORT_TIMEOUT_S", [90.0])  # restored after
+    monkeypatch.setattr(verifiers_tools, "PROGRESS_AFTER_S", 0.3)
+    path = _module(tmp_path, "vf_slow", SLOW)
+    (problem,) = verifiers_env.check(path, check_timeout_s=60, port_timeout_s=0.5)
+    assert "did not report its port within 0.5 s (env.agent.verifiers_port_timeout_s=0.5)" in problem  # fmt: skip
+    assert "or raise env.agent.verifiers_port_timeout_s" in problem
+    capsys.readouterr()
+    (problem,) = verifiers_env.check(
+        path, check_timeout_s=1.0, port_timeout_s=60, what=f"env.agent.verifiers={path}"
+    )
+    assert problem.startswith(
+        "its taskset's tool servers (python -m vf_slow) did not start within 1 s"
+        " (env.agent.verifiers_check_timeout_s=1): "
+    ), problem
+    assert "or raise env.agent.verifiers_check_timeout_s" in problem
+    err = capsys.readouterr().err
+    assert f"rlbatch: env.agent.verifiers={path}: waiting for its taskset's tool servers (python -m vf_slow) to start: 0 s so far, at most 1 s (env.agent.verifiers_check_timeout_s)" in err, err  # fmt: skip

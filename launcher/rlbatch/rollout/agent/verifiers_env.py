@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from rlbatch.rollout.agent import verifiers_program, verifiers_tools
+from rlbatch.rollout.agent import verifiers_folders, verifiers_program, verifiers_tools
 
 TASK_FIELD = "verifiers_task"
 """The row field holding the task's index in the taskset."""
@@ -313,11 +313,16 @@ def load_tasks(env: Any) -> list[Any]:
     return tasks
 
 
-def check(spec: str, *, on_host: bool = False) -> list[str]:
+def check(
+    spec: str, *, on_host: bool = False, check_timeout_s: float = verifiers_tools.TOOLS_START_S,
+    port_timeout_s: float = verifiers_tools.PORT_WAIT_S, what: str = "the verifiers environment",
+) -> list[str]:  # fmt: skip
     """Every reason ``spec`` cannot train here (before launch), or []: verifiers installed, the
     environment loadable with one seat playing a chat-loop harness (no sandbox or ``bash``
     unless ``on_host``), a finite taskset with tasks, this interpreter able to run the chat
-    program."""
+    program, the taskset's shared tool servers started within the bounds
+    (:func:`~rlbatch.rollout.agent.verifiers_tools.tool_servers_problem`; ``what`` names the
+    environment in its progress lines)."""
     if importlib.util.find_spec("verifiers") is None:
         return ["needs the verifiers package: pip install 'rlbatch[verifiers]'"]
     problems = []
@@ -331,7 +336,7 @@ def check(spec: str, *, on_host: bool = False) -> list[str]:
         load_tasks(env)
     except VerifiersError as err:
         return [*problems, str(err)]
-    problem = verifiers_tools.tool_servers_problem(env)
+    problem = verifiers_tools.tool_servers_problem(env, check_timeout_s, port_timeout_s, what)
     return problems + ([problem] if problem else [])
 
 
@@ -391,7 +396,8 @@ class VerifiersHarness:
         if problem:  # the pre-launch check says so first
             raise VerifiersError(problem)
         verifiers_program.run_chat_in_process(verifiers_program.prepare_chat_program())
-        verifiers_tools.fail_fast_tool_servers()
+        verifiers_folders.record_runtime_folders()
+        verifiers_tools.fail_fast_tool_servers(float(cfg.env.agent.verifiers_port_timeout_s))
         verifiers_tools.bind_tool_servers()
         for name in ("verifiers", "aiohttp.access"):  # per-rollout lines
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -9,15 +9,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from rlbatch.rollout.agent import verifiers_folders
+
 TOOLS_START_S = 120.0
-"""How long the pre-launch check waits for the taskset's shared tool servers to start."""
+"""How long the pre-launch check waits for the taskset's shared tool servers to start: the
+default of env.agent.verifiers_check_timeout_s."""
 PORT_WAIT_S = 90.0
 """How long a tool server has to report its port (verifiers waits 180 s, then names no
-fix): past it, an error naming what the server's module must do, with its log's tail."""
+fix): past it, an error naming what the server's module must do, with its log's tail. The
+default of env.agent.verifiers_port_timeout_s."""
+CHECK_KEY = "env.agent.verifiers_check_timeout_s"
+PORT_KEY = "env.agent.verifiers_port_timeout_s"
+PROGRESS_AFTER_S = 5.0
+"""The pre-launch check says what it waits for once the tool servers take this long..."""
+PROGRESS_EVERY_S = 10.0
+"""...and again this often while it waits."""
 NO_PORT_FIX = (
     "the module verifiers starts as `python -m MODULE` must serve its toolset from its"
     " `if __name__ == '__main__':` block (`MyToolset.run()`, which writes the port to"
@@ -26,24 +37,57 @@ NO_PORT_FIX = (
 )
 
 
-def tool_servers_problem(env: Any, timeout_s: float = TOOLS_START_S) -> Optional[str]:
-    """Why the taskset's shared tool servers do not start, started as the run starts them
-    (verifiers' ``Env.shared_tools``: a ``python -m`` process of the taskset's module each,
-    probed, then stopped), with the failing server's log; None when they start or there are
-    none. A task's own tool servers start with its episode, not here."""
-    if not env.taskset.toolsets(env.taskset.config):
+def tool_servers_problem(
+    env: Any,
+    timeout_s: float = TOOLS_START_S,
+    port_timeout_s: float = PORT_WAIT_S,
+    what: str = "the verifiers environment",
+) -> Optional[str]:
+    """Why the taskset's shared tool servers do not start within ``timeout_s`` (each reporting
+    its port within ``port_timeout_s``), started as the run starts them (verifiers'
+    ``Env.shared_tools``: a ``python -m`` process of the taskset's module each, probed, then
+    stopped), with the failing server's log; None when they start or there are none. While it
+    waits longer than :data:`PROGRESS_AFTER_S` it says so on stderr (``what``: the key and
+    environment it checks). A task's own tool servers start with its episode, not here."""
+    toolsets = env.taskset.toolsets(env.taskset.config)
+    if not toolsets:
         return None
-    fail_fast_tool_servers()
+    verifiers_folders.record_runtime_folders()
+    fail_fast_tool_servers(port_timeout_s)
     bind_tool_servers()
+    servers = ", ".join(sorted({f"python -m {type(t).__module__}" for t in toolsets}))
 
     async def start() -> None:
         async with env.shared_tools():
             pass
 
+    async def progress(started: float) -> None:
+        await asyncio.sleep(PROGRESS_AFTER_S)
+        while True:
+            print(
+                f"rlbatch: {what}: waiting for its taskset's tool servers ({servers}) to start:"
+                f" {time.monotonic() - started:.0f} s so far, at most {timeout_s:g} s"
+                f" ({CHECK_KEY})",
+                file=sys.stderr,
+                flush=True,
+            )
+            await asyncio.sleep(PROGRESS_EVERY_S)
+
+    async def check() -> None:
+        watch = asyncio.ensure_future(progress(time.monotonic()))
+        try:
+            await asyncio.wait_for(start(), timeout_s)
+        finally:
+            watch.cancel()
+
     try:
-        asyncio.run(asyncio.wait_for(start(), timeout_s))
+        asyncio.run(check())
     except TimeoutError:
-        return f"its taskset's tool servers did not start within {timeout_s:.0f} s: {NO_PORT_FIX}"  # fmt: skip
+        return (
+            f"its taskset's tool servers ({servers}) did not start within {timeout_s:g} s"
+            f" ({CHECK_KEY}={timeout_s:g}): {NO_PORT_FIX}; or raise {CHECK_KEY} when starting"
+            " them takes longer"
+        )
     except Exception as err:  # noqa: BLE001 - verifiers' own message, with the server's log
         return f"its taskset's tool servers did not start: {type(err).__name__}: {err}"[:3000]
     return None
@@ -110,15 +154,24 @@ def dead_tool_servers() -> list[str]:
     return dead
 
 
-def fail_fast_tool_servers() -> None:
+_PORT_TIMEOUT_S = [PORT_WAIT_S]
+"""The bound the installed port read applies (the last :func:`fail_fast_tool_servers`'s)."""
+
+
+def fail_fast_tool_servers(port_timeout_s: Optional[float] = None) -> None:
     """Make verifiers report at once a tool server that exits before it reports its port:
     verifiers polls the port file for 180 s and only then raises with the server's log, so a
     server that crashed on start stalled the first episode past its deadline (a timeout naming
     nothing). The server's exit now raises verifiers' own ToolsetError, which verifiers
     completes with the log's tail. And remove the port file (``/tmp/vf-port-*``) once the port
     is read: verifiers leaves it, one file per server start (per episode for a task's own
-    toolsets: tens of thousands over a run)."""
+    toolsets: tens of thousands over a run). A server that runs but has not reported its port
+    within ``port_timeout_s`` (env.agent.verifiers_port_timeout_s) is an error naming what its
+    module must do."""
     from verifiers.v1.mcp import launch
+
+    if port_timeout_s is not None:
+        _PORT_TIMEOUT_S[0] = port_timeout_s
 
     original = launch._read_back_port
     if getattr(original, "rlbatch_fail_fast", False):
@@ -128,14 +181,19 @@ def fail_fast_tool_servers() -> None:
         # the server: the runtime's newest background process (started just before the poll)
         server = (getattr(runtime, "_background", None) or [None])[-1]
         polling = asyncio.ensure_future(original(runtime, path))
-        deadline = time.monotonic() + PORT_WAIT_S
+        bound = _PORT_TIMEOUT_S[0]
+        deadline = time.monotonic() + bound
         try:
             while not (await asyncio.wait({polling}, timeout=0.2))[0]:
                 code = getattr(server, "returncode", None)
                 if code is not None:
                     raise launch.ToolsetError(f"the server exited with code {code} before reporting its port")  # fmt: skip
                 if time.monotonic() > deadline:  # verifiers adds the log's tail
-                    raise launch.ToolsetError(f"the server did not report its port within {PORT_WAIT_S:g} s: {NO_PORT_FIX}")  # fmt: skip
+                    raise launch.ToolsetError(
+                        f"the server did not report its port within {bound:g} s"
+                        f" ({PORT_KEY}={bound:g}): {NO_PORT_FIX}; or raise {PORT_KEY} when"
+                        " the server takes longer to start"
+                    )
             port = polling.result()
         finally:
             polling.cancel()
