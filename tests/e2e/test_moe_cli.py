@@ -204,7 +204,8 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
     caps each expert at its fair share (model.moe_expert_capacity_factor=1.0): the dropped
     assignments are counted (moe/dropped_tokens). Step 1's checkpoint resumed at dp 2 x ep 1
     (megatron's plain optimizer: one optimizer instead of the dense + expert pair) continues
-    the run, step 3 training with the Adam moments it loaded."""
+    the run, step 3 training with the Adam moments it loaded, under full activation recompute
+    (its recomputed forwards replay the r2 record again)."""
     hf, _, _ = checkpoint
     ref_dir = tmp_path / "ref"
     args = ["trainer.max_steps=3", f"model.hf_path={hf}", "model.tokenizer=bytes",
@@ -252,7 +253,8 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
 
     ep1 = tmp_path / "ep1"
     _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
-           f"trainer.resume={ref_dir / 'checkpoints' / 'step_00000001'}", f"hydra.run.dir={ep1}")  # fmt: skip
+           f"trainer.resume={ref_dir / 'checkpoints' / 'step_00000001'}", f"hydra.run.dir={ep1}",
+           "model.recompute=full")  # fmt: skip
     _continues(_metrics(ep1), records, [2, 3])
 
 
@@ -347,7 +349,10 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
     layer in backward (model.recompute=full), whose first forward gives the routers' logits no
     gradient: the equal losses and gradient norms say the balance loss's gradient reached each
     stage's routers through their recomputed forward (without it: tests/dist/
-    test_moe_balance_pipeline.py's control)."""
+    test_moe_balance_pipeline.py's control). Both runs replay the rollout's routing
+    (grpo.routing_replay=r3): under full recompute each chunk's recomputed forward replays its
+    own micro-batch's routing again, whose forward came before later micro-batches' (1F1B,
+    interleaved): equal losses and gradient norms again."""
     hf, _, _ = checkpoint
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
     args = [*PIPELINED, f"model.hf_path={hf}", "model.tokenizer=bytes", "data=jsonl",
@@ -355,7 +360,8 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
             "data.reward=exact_match", "grpo.global_batch_size=32", "grpo.num_generations=4",
             "parallel.use_distributed_optimizer=true", "trainer.max_steps=3",
             "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3",
-            "logging.plot=false", "logging.samples=true", "model.moe_aux_loss_coeff=0.05"]  # fmt: skip
+            "logging.plot=false", "logging.samples=true", "model.moe_aux_loss_coeff=0.05",
+            "grpo.routing_replay=r3"]  # fmt: skip
     _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
            f"hydra.run.dir={run_dir}")  # fmt: skip
     records = _metrics(run_dir)
@@ -379,6 +385,8 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
     after = _metrics(resumed)
     _continues(after, records, [2, 3])
     assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in after)
+    # the rollout's routing reached every training micro-batch (replayed: r3)
+    assert all(0 <= r["moe/routing_mismatch"] < 0.01 for r in after)
     for ours, theirs in zip(_samples(resumed, 2), _samples(run_dir, 2), strict=True):
         assert ours["response_ids"] == theirs["response_ids"]
         assert ours["routing"] == theirs["routing"]  # global expert ids, whatever the ep

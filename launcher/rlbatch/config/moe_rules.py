@@ -322,7 +322,7 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """``grpo.routing_replay``: an MoE policy rolled out on the built-in engine (the only one
     that records routing here), a pass to replay for r2, and no layout whose token order the
     replay does not follow (docs/grpo_loss.md, "Routing replay")."""
-    from rlbatch.config.enums import Recompute, RoutingReplay
+    from rlbatch.config.enums import RoutingReplay
     from rlbatch.grpo.lcm import old_pass_runs
 
     mode = RoutingReplay(cfg.grpo.routing_replay)
@@ -360,16 +360,6 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "grpo.rollout_correction != none); otherwise pi_old is the training forward "
                 "itself, whose routing r2 would replay onto itself: set grpo.routing_replay=none "
                 "or r3",
-            )
-        )
-    if Recompute(cfg.model.recompute) == Recompute.full:
-        errors.append(
-            ConfigError(
-                "model.recompute",
-                "full",
-                f"with grpo.routing_replay={mode.value} is not supported: full recompute runs "
-                "the routers again in backward, after later micro-batches set their routing; "
-                "set model.recompute=selective or none",
             )
         )
     if mode == RoutingReplay.r2 and cfg.parallel.tp > 1:

@@ -234,25 +234,47 @@ def _recomputes(chunk: Any) -> bool:
     return getattr(_unwrap(chunk).config, "recompute_granularity", None) == "full"
 
 
-def recompute_handoff(chunk: Any, term: torch.Tensor) -> Optional[Callable[[torch.Tensor], None]]:
-    """For a scalar ``term`` (a chunk's loss, or a share of it) computed from :func:`captured`
-    leaves of ``chunk``'s routers: a function to call with the gradient of ``term`` at the very
-    start of the chunk's backward, before megatron recomputes its layers (None when no leaf is
-    pending or ``term`` has no autograd).
+def recompute_handoff(
+    chunk: Any, term: Optional[torch.Tensor] = None
+) -> Optional[Callable[[Optional[torch.Tensor]], None]]:
+    """After a forward of ``chunk`` that megatron recomputes in backward (full activation
+    recompute): a function to call at the very start of that micro-batch's backward of the
+    chunk, before megatron recomputes any of its layers, with the gradient of ``term`` (a
+    scalar, the chunk's loss or a share of it computed from :func:`captured` leaves; None when
+    the chunk has no such term). None when the chunk does not recompute, has no routers, or
+    gradients are off.
 
-    It computes the gradient of ``term`` with respect to each leaf (the same numbers autograd
-    gives the router's logits without recompute, the loss's weights and megatron's scaling
-    included, as the gradient of ``term`` carries them) and defers it to that router: its
-    recomputed forward adds it to its logits' gradient (:func:`_capturing`), from where it
-    reaches the router's weight and the layer's input as without recompute. The leaves are
-    taken: the next micro-batch's forward makes its own."""
-    pending = [(r, r.leaf) for r in chunk_replays(chunk) if r.leaf is not None]
+    It does two things for the recomputed forward, which runs its routers again:
+
+    - **Routing.** Each router's replay state of this forward (the micro-batch's routing to
+      replay, or free routing) is set back, because with pipelining later micro-batches' forwards
+      have set their own since: the recomputed forward routes the micro-batch as its first
+      forward did (megatron's REPLAY_BACKWARD does this with one process-global queue in
+      forward order; here each micro-batch's targets travel with its own backward).
+    - **Load-balancing gradient.** It computes the gradient of ``term`` with respect to each
+      leaf (the same numbers autograd gives the router's logits without recompute, the loss's
+      weights and megatron's scaling included, as the gradient of ``term`` carries them) and
+      defers it to that router: its recomputed forward adds it to its logits' gradient
+      (:func:`_capturing`), from where it reaches the router's weight and the layer's input as
+      without recompute.
+
+    The leaves are taken: the next micro-batch's forward makes its own."""
+    replays = chunk_replays(chunk)
+    if not replays or not _recomputes(chunk) or not torch.is_grad_enabled():
+        return None
+    pending = [(r, r.leaf) for r in replays if r.leaf is not None]
     for r, _ in pending:
         r.leaf = None
-    if not pending or not term.requires_grad:
-        return None
+    if term is None or not term.requires_grad:
+        pending = []
+    armed = [(r, r.router_replay_action, r.target_topk_idx) for r in replays]
 
-    def hand_off(grad: torch.Tensor) -> None:
+    def hand_off(grad: Optional[torch.Tensor]) -> None:
+        for r, action, target in armed:
+            r.router_replay_action, r.target_topk_idx = action, target
+        if not pending:
+            return
+        assert term is not None and grad is not None
         leaves = [leaf for _, leaf in pending]
         grads = torch.autograd.grad(
             term, leaves, grad_outputs=grad, retain_graph=True, allow_unused=True

@@ -1,10 +1,11 @@
 """torchrun worker of tests/dist/test_moe_balance_pipeline.py: the MoE load-balancing case
 (moe_balance_case.py) at pp 2 and pp 2 x vpp 2, each without and with full activation recompute,
-in one 2-process world (megatron's parallel state re-initialised for each layout).
+and the routing-replay cases (r3, r2) under full recompute, in one 2-process world (megatron's
+parallel state re-initialised for each layout).
 
 Usage: moe_balance_worker.py HF_DIR OUT_DIR
-Writes OUT_DIR/{layout}_{case}.pt (rank 0: metrics and gradients; the last stage's metrics
-under "last").
+Reads OUT_DIR/routing.pt (what the replay cases replay); writes OUT_DIR/{layout}_{case}.pt
+(rank 0: metrics and gradients).
 """
 
 from __future__ import annotations
@@ -13,25 +14,30 @@ import sys
 from pathlib import Path
 
 import torch
-from moe_balance_case import CASES, make_cfg, run_step
+from moe_balance_case import CASES, REPLAY_CASES, make_cfg, run_step
 
 from rlbatch.engine import parallel
 
-LAYOUTS = {  # name -> (pp, vpp, model.recompute)
-    "pp2": (2, 1, "none"),
-    "pp2_vpp2": (2, 2, "none"),
-    "pp2_full": (2, 1, "full"),
-    "pp2_vpp2_full": (2, 2, "full"),
+LAYOUTS = {  # name -> (tp, pp, vpp, model.recompute)
+    "pp2": (1, 2, 1, "none"),
+    "pp2_vpp2": (1, 2, 2, "none"),
+    "pp2_full": (1, 2, 1, "full"),
+    "pp2_vpp2_full": (1, 2, 2, "full"),
 }
+REPLAYED = ("pp2_full", "pp2_vpp2_full")
+"""The layouts that also run the replay cases: a chunk's recomputed forward comes after later
+micro-batches' forwards there."""
 
 
 def main() -> None:
     hf_dir, out_dir = sys.argv[1], Path(sys.argv[2])
-    for name, (pp, vpp, recompute) in LAYOUTS.items():
-        for case in CASES:
-            cfg = make_cfg(hf_dir, case, pp=pp, vpp=vpp, recompute=recompute)
+    routing = torch.load(out_dir / "routing.pt", weights_only=False)
+    for name, (tp, pp, vpp, recompute) in LAYOUTS.items():
+        cases = [*CASES, *(REPLAY_CASES if name in REPLAYED else ())]
+        for case in cases:
+            cfg = make_cfg(hf_dir, case, pp=pp, vpp=vpp, recompute=recompute, tp=tp)
             state = parallel.initialize(cfg)
-            result = run_step(cfg, case)
+            result = run_step(cfg, case, routing)
             if state.rank == 0:
                 torch.save(result, out_dir / f"{name}_{case}.pt")
     parallel.destroy()

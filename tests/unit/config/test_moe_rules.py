@@ -352,7 +352,7 @@ def test_routing_replay_refusals_name_their_keys_all_at_once():
     )  # fmt: skip
     # r2 without an old-logprob pass would replay the training forward onto itself
     assert "has no such pass" in errors["grpo.routing_replay"]
-    assert "set model.recompute=selective or none" in errors["model.recompute"]
+    assert "model.recompute" not in errors  # the recomputed forward replays too
     assert "set parallel.cp=1" in errors["parallel.cp"]
     assert "model.num_moe_experts" not in errors  # partial rollouts run r2 (and none)
 
@@ -392,14 +392,18 @@ def test_the_balance_loss_is_refused_where_routers_see_a_slice_of_the_sequence()
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_the_balance_loss_validates_with_every_recompute(pp):
+def test_the_balance_loss_and_replay_validate_with_every_recompute(pp):
     """Full recompute runs each layer without autograd first; the loss's gradient reaches the
-    routers through their recomputed forward (equal to recompute=none's:
-    tests/dist/test_moe_balance_pipeline.py), so no recompute mode is refused with a
-    coefficient; routing replay with full recompute stays refused (its own reason)."""
+    routers through their recomputed forward, which replays the micro-batch's routing again
+    (equal to recompute=none's: tests/dist/test_moe_balance_pipeline.py), so no recompute mode
+    is refused with a coefficient or with routing replay."""
     for recompute in ("none", "selective", "full"):
         _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01",
                     f"model.recompute={recompute}", f"parallel.pp={pp}"])  # fmt: skip
+    for replay in (["grpo.routing_replay=r3"],
+                   ["grpo.routing_replay=r2", "grpo.num_iterations=2"]):  # fmt: skip
+        _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "model.recompute=full",
+                    f"parallel.pp={pp}", *replay])  # fmt: skip
 
 
 def test_expert_keys_on_a_dense_preset(bin_dir, subprocess_env, tmp_path):
