@@ -17,7 +17,14 @@ rollout's, r2 as the old-logprob pass's; recorded by transformers with the route
 40-50% of the tokens' expert sets differ from the trainer's own) gives at pp 1, pp 2 and pp 2 x
 vpp 2 under full recompute the gradients of pp 1 without it: the recomputed forward of each
 micro-batch replays that micro-batch's routing, although later micro-batches' forwards set
-their own before its backward (with the re-arming removed, the pipelined cases fail)."""
+their own before its backward (with the re-arming removed, the pipelined cases fail).
+
+Tensor parallelism (tp 2, with the sequence parallelism an MoE model trains with there): each
+rank's routers see half of every micro-batch's positions, and each sample's expert counts and
+probability sums are summed over the two ranks before the loss, so the step (loss,
+moe/aux_loss, every gradient, the routers' included) is the one of a single rank, without and
+with full recompute; with each rank's own half-statistics instead, the loss is 54-68% off and
+the routers' gradients 53-66%."""
 
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ from hf_reference import save_tiny_qwen3_moe  # noqa: E402
 
 pytestmark = pytest.mark.dist
 LAYOUTS = ["pp2", "pp2_vpp2", "pp2_full", "pp2_vpp2_full"]
+SEQUENCE_PARALLEL = ["tp2", "tp2_full"]
 REPLAYED = ["pp2_full", "pp2_vpp2_full"]
 ROUTERS = [f"model.layers.{i}.mlp.gate.weight" for i in (0, 2, 3)]
 ALL_CASES = [*CASES, *REPLAY_CASES]
@@ -73,7 +81,7 @@ def pipelined(hf_dir, routing, tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_balance_runs")
     torch.save(routing, out / "routing.pt")
     run_torchrun("moe_balance_worker.py", 2, [str(hf_dir), str(out)], timeout=600)
-    runs = [(layout, case) for layout in LAYOUTS for case in CASES]
+    runs = [(layout, case) for layout in LAYOUTS + SEQUENCE_PARALLEL for case in CASES]
     runs += [(layout, case) for layout in REPLAYED for case in REPLAY_CASES]
     return {run: torch.load(out / f"{run[0]}_{run[1]}.pt", weights_only=False) for run in runs}
 
@@ -143,4 +151,10 @@ def test_pipelined_replay_under_full_recompute_equals_one_stage(
 ):
     """Pipelined (1F1B and interleaved): each chunk's recomputed forward replays its own
     micro-batch's routing (set again when its backward starts), as pp = 1 without recompute."""
+    _assert_same_step(pipelined[(layout, case)], references[case], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("layout", SEQUENCE_PARALLEL)
+def test_sequence_parallel_step_equals_one_rank(pipelined, references, layout, case):
     _assert_same_step(pipelined[(layout, case)], references[case], rel=1e-5)

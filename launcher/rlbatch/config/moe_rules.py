@@ -390,23 +390,24 @@ def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """rlbatch's load-balancing loss is computed from the routers' logits over whole samples,
     on each pipeline stage for its own routers (rlbatch.grpo.balance); under full activation
     recompute its gradient reaches the routers through their recomputed forward
-    (rlbatch.engine.routing.recompute_handoff)."""
+    (rlbatch.engine.routing.recompute_handoff); under sequence parallelism each sample's
+    statistics are summed over the tensor-parallel ranks (rlbatch.engine.routing.load_balance).
+    """
     m, p = cfg.model, cfg.parallel
     coeff = m.moe_aux_loss_coeff
     if coeff < 0:
         errors.append(ConfigError("model.moe_aux_loss_coeff", coeff, "must be >= 0"))
     if coeff <= 0:
         return
-    why = "the load-balancing loss is computed from every router's logits over whole samples"
-    if p.tp > 1:
-        errors.append(
-            ConfigError("model.moe_aux_loss_coeff", coeff, f"at parallel.tp={p.tp} is not "
-                        f"supported yet ({why}; an MoE model trains with sequence parallelism "
-                        "there, so each tensor-parallel rank's routers see a slice): set "
-                        "parallel.tp=1 (parallel.ep scales the experts) or the coefficient to 0")
-        )  # fmt: skip
     if p.cp > 1:
         errors.append(
-            ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.cp > 1 is not "
-                        f"supported yet ({why}): set parallel.cp=1 or the coefficient to 0")
-        )  # fmt: skip
+            ConfigError(
+                "model.moe_aux_loss_coeff",
+                coeff,
+                f"with parallel.cp={p.cp} is not supported yet: each context-parallel rank's "
+                "routers see some chunks of every sample, whose statistics would have to be "
+                "summed over the context-parallel group as they are over the tensor-parallel "
+                "one, which is neither built nor verified (context parallelism does not run on "
+                "the CPU, where rlbatch is tested): set parallel.cp=1 or the coefficient to 0",
+            )
+        )

@@ -293,6 +293,7 @@ def load_balance(
     topk: int,
     num_layers: Optional[int] = None,
     device: Optional[torch.device] = None,
+    sequence_part: tuple[int, int] = (0, 1),
 ) -> torch.Tensor:
     """``[num samples]`` with autograd: each sample's load-balancing loss, the mean over MoE
     layers of E * sum_e f_e * P_e over the sample's own tokens (padding excluded), f_e = the
@@ -309,23 +310,65 @@ def load_balance(
     share of them: its terms are then divided by the whole count, so the chunks' shares add up
     to the model's mean (default: the captured layers are all of them). ``device``: where the
     zeros of a chunk without MoE layers live (the logits' device, where the loss indexes them;
-    default the CPU)."""
-    out = None
+    default the CPU).
+
+    ``sequence_part``: (this rank's index, parts) of the sequence under sequence parallelism
+    (:func:`sequence_part`): the routers saw positions [index * width / parts, (index + 1) *
+    width / parts) only. Each sample's expert counts and probability sums over its local
+    tokens are then summed over the tensor-parallel group (one all-reduce, whose backward is
+    the identity: every rank back-propagates the same replicated loss into its own tokens, and
+    megatron sums the router weight's gradient over the group), so every rank gets the whole
+    sample's f and P: the loss and its gradient are those of one rank holding every token."""
+    index, parts = sequence_part
+    local = width // parts
+    lo = index * local
+    owner = torch.full((local, rows), -1, dtype=torch.long)  # the sample of each local token
+    for i, seg in enumerate(segments):
+        a, b = max(seg.start, lo), min(seg.start + seg.length, lo + local)
+        if a < b:
+            owner[a - lo : b - lo, seg.row] = i
+    owner = owner.view(-1)  # sequence-major, as the router flattens [S, R]
+    tokens = (owner >= 0).nonzero()[:, 0]
+    sums = []  # per layer [samples, 2E]: probability sums, then top-k counts
     for logits, _ in captured_layers.values():
         experts = logits.shape[-1]
-        probs = torch.softmax(logits.float(), dim=-1).view(width, rows, experts)
-        own = logits.detach().view(width, rows, experts).topk(topk, dim=-1).indices
+        probs = torch.softmax(logits.float(), dim=-1).view(local * rows, experts)
+        own = logits.detach().view(local * rows, experts).topk(topk, dim=-1).indices
         chosen = torch.zeros_like(probs).scatter_(-1, own, 1.0)
-        per_sample = []
-        for seg in segments:
-            p = probs[seg.start : seg.start + seg.length, seg.row]  # [n, E]
-            f = chosen[seg.start : seg.start + seg.length, seg.row].sum(0) / (seg.length * topk)
-            per_sample.append(experts * (f * p.mean(0)).sum())
-        layer = torch.stack(per_sample) if per_sample else probs.new_zeros(0)
-        out = layer if out is None else out + layer
-    if out is None:  # a pipeline chunk of dense layers only
+        both = torch.cat([probs, chosen], dim=-1)[tokens.to(probs.device)]  # [tokens, 2E]
+        zeros = both.new_zeros(len(segments), 2 * experts)
+        sums.append(zeros.index_add(0, owner[tokens].to(both.device), both))
+    if not sums:  # a pipeline chunk of dense layers only
         return torch.zeros(len(segments), device=device)
-    return out / (num_layers or len(captured_layers))
+    total = torch.stack(sums)  # [layers, samples, 2E]
+    if parts > 1:
+        total = _sum_over_sequence_parts(total)
+    n = torch.tensor([float(seg.length) for seg in segments], device=total.device)[:, None]
+    experts = total.shape[-1] // 2
+    p_mean, f = total[..., :experts] / n, total[..., experts:] / (n * topk)
+    per_layer = experts * (f * p_mean).sum(-1)  # [layers, samples]
+    return per_layer.sum(0) / (num_layers or len(captured_layers))
+
+
+def _sum_over_sequence_parts(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the tensor-parallel group (forward all-reduce, backward identity:
+    megatron's reduce_from_tensor_model_parallel_region, as the vocab-parallel log-softmax's
+    sums are reduced)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(t)
+
+
+def sequence_part(chunk: Any) -> tuple[int, int]:
+    """(index, parts): which slice of each micro-batch's sequence this chunk's routers see:
+    (tensor-parallel rank, tp) under sequence parallelism, else (0, 1)."""
+    config = _unwrap(chunk).config
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if not getattr(config, "sequence_parallel", False) or tp == 1:
+        return 0, 1
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), tp
 
 
 def set_routing(chunk: Any, routing: Optional[torch.Tensor]) -> None:

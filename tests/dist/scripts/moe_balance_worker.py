@@ -1,7 +1,7 @@
 """torchrun worker of tests/dist/test_moe_balance_pipeline.py: the MoE load-balancing case
-(moe_balance_case.py) at pp 2 and pp 2 x vpp 2, each without and with full activation recompute,
-and the routing-replay cases (r3, r2) under full recompute, in one 2-process world (megatron's
-parallel state re-initialised for each layout).
+(moe_balance_case.py) at pp 2, pp 2 x vpp 2 and tp 2 (sequence parallel), each without and with
+full activation recompute, and the routing-replay cases (r3, r2) pipelined under full recompute,
+in one 2-process world (megatron's parallel state re-initialised for each layout).
 
 Usage: moe_balance_worker.py HF_DIR OUT_DIR
 Reads OUT_DIR/routing.pt (what the replay cases replay); writes OUT_DIR/{layout}_{case}.pt
@@ -20,9 +20,11 @@ from rlbatch.engine import parallel
 
 LAYOUTS = {  # name -> (tp, pp, vpp, model.recompute)
     "pp2": (1, 2, 1, "none"),
-    "pp2_vpp2": (1, 2, 2, "none"),
     "pp2_full": (1, 2, 1, "full"),
+    "pp2_vpp2": (1, 2, 2, "none"),
     "pp2_vpp2_full": (1, 2, 2, "full"),
+    "tp2": (2, 1, 1, "none"),
+    "tp2_full": (2, 1, 1, "full"),
 }
 REPLAYED = ("pp2_full", "pp2_vpp2_full")
 """The layouts that also run the replay cases: a chunk's recomputed forward comes after later
@@ -32,11 +34,15 @@ micro-batches' forwards there."""
 def main() -> None:
     hf_dir, out_dir = sys.argv[1], Path(sys.argv[2])
     routing = torch.load(out_dir / "routing.pt", weights_only=False)
+    shape = None
     for name, (tp, pp, vpp, recompute) in LAYOUTS.items():
         cases = [*CASES, *(REPLAY_CASES if name in REPLAYED else ())]
         for case in cases:
             cfg = make_cfg(hf_dir, case, pp=pp, vpp=vpp, recompute=recompute, tp=tp)
-            state = parallel.initialize(cfg)
+            if shape != (tp, pp, vpp):  # megatron's groups, made once a parallel shape
+                shape, state = (tp, pp, vpp), parallel.initialize(cfg)
+            else:
+                parallel.seed(cfg.trainer.seed)
             result = run_step(cfg, case, routing)
             if state.rank == 0:
                 torch.save(result, out_dir / f"{name}_{case}.pt")

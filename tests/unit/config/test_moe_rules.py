@@ -148,8 +148,7 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
          "grpo.routing_replay=r2", "grpo.num_iterations=2"]
     )  # fmt: skip
     assert "gloo refuses uneven sizes" in sliced["model.moe_expert_capacity_factor"]
-    assert "set parallel.tp=1" in sliced["model.moe_aux_loss_coeff"]
-    assert "parallel.sequence_parallel=false" not in sliced["model.moe_aux_loss_coeff"]
+    assert "model.moe_aux_loss_coeff" not in sliced  # summed over the tp ranks
     assert "grpo.routing_replay=r3" in sliced["grpo.routing_replay"]
     few = _errors_for(["model=tiny_moe", "parallel.dp=2", "parallel.ep=2", "eval.max_prompts=1"])
     assert "set eval.max_prompts=2 or more" in few["eval.max_prompts"]
@@ -377,18 +376,19 @@ def test_r2_with_an_old_pass_validates():
     check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))
 
 
-def test_the_balance_loss_is_refused_where_routers_see_a_slice_of_the_sequence():
-    """Pipeline stages take the loss (each adds its own routers' share: exact, tests/dist/
-    test_moe_balance_pipeline.py); sequence parallelism does not."""
-    errors = _errors_for(
-        ["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
-         "parallel.tp=2", "parallel.sequence_parallel=true"]
-    )  # fmt: skip
-    assert "parallel.pp" not in errors["model.moe_aux_loss_coeff"]
-    assert "with sequence parallelism" in errors["model.moe_aux_loss_coeff"]
-    assert errors["model.moe_aux_loss_coeff"].count("model.moe_aux_loss_coeff") == 1
+def test_the_balance_loss_validates_where_routers_see_a_slice_of_the_sequence():
+    """Pipeline stages take the loss (each adds its own routers' share) and so does sequence
+    parallelism (each sample's statistics summed over the tensor-parallel ranks): both exact,
+    tests/dist/test_moe_balance_pipeline.py. Context parallelism is refused with its reason,
+    naming the coefficient (NCCL: on gloo cp is refused on its own)."""
+    _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
+                "parallel.tp=2", "parallel.sequence_parallel=true"])  # fmt: skip
     _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
                 "parallel.dp=2", "parallel.ep=2"])  # fmt: skip
+    errors = _errors_for(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.cp=2",
+                          "parallel.dp=2", "parallel.backend=nccl"])  # fmt: skip
+    message = errors["model.moe_aux_loss_coeff"]
+    assert "parallel.cp=2" in message and "set parallel.cp=1 or the coefficient to 0" in message
 
 
 @pytest.mark.parametrize("pp", [1, 2])
