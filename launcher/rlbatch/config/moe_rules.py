@@ -223,15 +223,6 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "rollout.backend=megatron, or model.add_qkv_bias=true",
             )
         )
-    if m.moe_shared_expert_intermediate_size and m.lora.rank > 0:
-        errors.append(
-            ConfigError(
-                "model.lora.rank",
-                m.lora.rank,
-                "LoRA on a model with a shared expert (Qwen2-MoE) is not supported yet (PEFT's "
-                "names for it are not verified here): set model.lora.rank=0",
-            )
-        )
     if p.ep > 1 and overlaps_generation(cfg):
         errors.append(
             ConfigError(
@@ -272,37 +263,41 @@ ATTENTION_ONLY = "[q_proj,k_proj,v_proj,o_proj]"
 
 
 def _check_lora(cfg: RunConfig, backend: RolloutBackend, errors: list[ConfigError]) -> None:
-    """LoRA on an MoE model adapts the attention projections of every layer: the routed experts
-    and the router keep their weights (docs/lora.md, "MoE models")."""
+    """LoRA on an MoE model adapts the attention projections of every layer and a Qwen2-MoE's
+    shared expert (its gate/up/down projections); the routed experts and the router keep their
+    weights (docs/lora.md, "MoE models")."""
     from rlbatch.config.lora import ALL_LINEAR
 
     m, targets = cfg.model, list(cfg.model.lora.target_modules)
     key = "model.lora.target_modules"
     named = [t for t in targets if t in MLP_PROJECTIONS]
-    if named:
+    shared = bool(m.moe_shared_expert_intermediate_size)
+    dense_layers = [i for i, x in enumerate(m.moe_layer_freq) if x == 0]
+    if named and not shared:
         errors.append(
             ConfigError(
                 key,
                 targets,
-                f"names {named} on an MoE model: in its sparse layers these are the routed "
-                "experts' projections, which LoRA here does not adapt (the experts stay frozen; "
-                "train them with model.lora.rank=0), and in its dense layers PEFT under "
-                "transformers 5 maps these names onto the routed experts when it loads a "
-                "Qwen3-MoE adapter, so the exported adapter would not load as trained: adapt the "
-                f"attention, model.lora.target_modules={ATTENTION_ONLY} or [{ALL_LINEAR}]",
+                f"names {named} on an MoE model without a shared expert: in its sparse layers "
+                "these are the routed experts' projections, which LoRA here does not adapt (the "
+                "experts stay frozen; train them with model.lora.rank=0), and in its dense layers "
+                "PEFT under transformers 5 maps these names onto the routed experts when it "
+                "loads a Qwen3-MoE adapter, so the exported adapter would not load as trained: "
+                f"adapt the attention, model.lora.target_modules={ATTENTION_ONLY} or "
+                f"[{ALL_LINEAR}]",
             )
         )
-    dense_layers = [i for i, x in enumerate(m.moe_layer_freq) if x == 0]
-    if ALL_LINEAR in targets and dense_layers:
+    elif (named or ALL_LINEAR in targets) and dense_layers:
+        what = f"[{ALL_LINEAR}]" if ALL_LINEAR in targets else f"names {named}, which"
         errors.append(
             ConfigError(
                 key,
                 targets,
-                f"[{ALL_LINEAR}] on an MoE model with dense layers {dense_layers} "
-                "(model.moe_layer_freq): it adapts the attention projections only, and would "
-                "leave those layers' MLPs out without saying so (PEFT under transformers 5 maps "
-                "their names onto the routed experts, so an adapter on them would not load as "
-                f"trained): name the attention projections, model.lora.target_modules="
+                f"{what} on an MoE model with dense layers {dense_layers} "
+                "(model.moe_layer_freq) would adapt those layers' MLPs, or leave them out without "
+                "saying so; adapters on the dense MLPs of an MoE model are not supported (PEFT "
+                "under transformers 5 maps their names onto the routed experts when it loads a "
+                "Qwen3-MoE adapter): name the attention projections, model.lora.target_modules="
                 f"{ATTENTION_ONLY}",
             )
         )

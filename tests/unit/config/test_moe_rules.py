@@ -261,7 +261,7 @@ def test_fields_of_other_moe_families_are_refused_by_name(tmp_path):
 def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
     """Qwen2-MoE: a shared expert (model.moe_shared_expert_intermediate_size), q/k/v biases, no
     QK-norm, top-k not renormalised by default; the export writes it back as Qwen2-MoE. The
-    shared expert with LoRA, or on a Qwen3-MoE model, is refused; vLLM rollouts validate."""
+    shared expert on a Qwen3-MoE model is refused; vLLM rollouts validate."""
     from dataclasses import replace
 
     from rlbatch.config.schema import ModelConfig
@@ -284,7 +284,7 @@ def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
         ]  # fmt: skip
     )
     assert "Qwen3-MoE has no shared expert" in errors["model.moe_shared_expert_intermediate_size"]
-    assert "shared expert (Qwen2-MoE)" in errors["model.lora.rank"]
+    assert "model.lora.rank" not in errors  # LoRA adapts a shared expert (Qwen2-MoE)
     for backend in ("vllm", "vllm_server"):  # vLLM's Qwen2MoeForCausalLM takes the sync
         qwen2_moe = [
             "model=tiny_moe",
@@ -449,9 +449,31 @@ def test_lora_on_moe_adapts_the_attention_and_refuses_experts_and_routers_by_nam
     router = _errors_for(["model=tiny_moe", "model.lora.rank=8",
                           "model.lora.target_modules=[q_proj,gate,experts]"])  # fmt: skip
     assert (
-        "names ['gate', 'experts']: LoRA does not adapt MoE routers or experts"
+        "names ['gate', 'experts']: LoRA does not adapt MoE routers or routed experts"
         in router["model.lora.target_modules"]
     )
+
+
+QWEN2_MOE = ["model=tiny_moe", "model.architecture=qwen2_moe", "model.qk_layernorm=false",
+             "model.moe_shared_expert_intermediate_size=40", "model.lora.rank=8"]  # fmt: skip
+
+
+def test_lora_on_a_shared_expert_model_adapts_it_and_refuses_the_routed_experts():
+    """A Qwen2-MoE's shared expert is adapted by all-linear and by its projections' names (its
+    PEFT names verified through rlbatch-export in tests/e2e/test_moe_cli.py); the router, the
+    routed experts and the shared expert by module name stay refused with their message, and
+    so do MLP names beside dense layers."""
+    _validates(QWEN2_MOE)
+    _validates([*QWEN2_MOE, "model.lora.target_modules=[q_proj,v_proj,gate_proj,down_proj]"])
+    named = _errors_for([*QWEN2_MOE, "model.lora.target_modules=[q_proj,gate,shared_expert]"])
+    assert "LoRA does not adapt MoE routers or routed experts" in named["model.lora.target_modules"]
+    assert (
+        "shared expert is adapted through its projections' names"
+        in named["model.lora.target_modules"]
+    )
+    dense = _errors_for([*QWEN2_MOE, "model.num_layers=3", "model.moe_layer_freq=[1,0,1]",
+                         "model.lora.target_modules=[q_proj,up_proj]"])  # fmt: skip
+    assert "dense layers [1]" in dense["model.lora.target_modules"]
 
 
 def test_lora_on_an_all_sparse_moe_validates_with_all_linear():
