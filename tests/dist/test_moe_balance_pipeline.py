@@ -32,12 +32,20 @@ import sys
 from pathlib import Path
 
 import megatron.core  # noqa: F401
+import numpy as np
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from dist_launch import run_torchrun  # noqa: E402
-from moe_balance_case import CASES, REPLAY_CASES, make_cfg, perturbed_routing, run_step  # noqa: E402
+from moe_balance_case import (  # noqa: E402
+    CASES,
+    REPLAY_CASES,
+    make_cfg,
+    perturbed_routing,
+    record_old_routing,
+    run_step,
+)
 
 from hf_reference import save_tiny_qwen3_moe  # noqa: E402
 
@@ -73,6 +81,7 @@ def references(hf_dir, routing):
     for case in ALL_CASES:  # the same step under full activation recompute
         cfg = make_cfg(str(hf_dir), case, recompute="full")
         out[f"{case}_full"] = run_step(cfg, case, routing)
+    out["record"] = record_old_routing(make_cfg(str(hf_dir), "token"))
     return out
 
 
@@ -83,7 +92,12 @@ def pipelined(hf_dir, routing, tmp_path_factory):
     run_torchrun("moe_balance_worker.py", 2, [str(hf_dir), str(out)], timeout=600)
     runs = [(layout, case) for layout in LAYOUTS + SEQUENCE_PARALLEL for case in CASES]
     runs += [(layout, case) for layout in REPLAYED for case in REPLAY_CASES]
-    return {run: torch.load(out / f"{run[0]}_{run[1]}.pt", weights_only=False) for run in runs}
+    loaded = {run: torch.load(out / f"{run[0]}_{run[1]}.pt", weights_only=False) for run in runs}
+    for rank in (0, 1):
+        loaded[("tp2_record", rank)] = torch.load(
+            out / f"tp2_record_rank{rank}.pt", weights_only=False
+        )
+    return loaded
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -158,3 +172,17 @@ def test_pipelined_replay_under_full_recompute_equals_one_stage(
 @pytest.mark.parametrize("layout", SEQUENCE_PARALLEL)
 def test_sequence_parallel_step_equals_one_rank(pipelined, references, layout, case):
     _assert_same_step(pipelined[(layout, case)], references[case], rel=1e-5)
+
+
+def test_the_old_pass_records_whole_samples_at_tp2(pipelined, references):
+    """r2's record at tp 2: each rank's routers route half of every micro-batch's tokens, and
+    the old-logprob pass gathers the halves, so both ranks hold every token's experts at every
+    sparse layer (what the training forward then replays, each rank its own half), the ones
+    one process records."""
+    want = references["record"]
+    for rank in (0, 1):
+        got = pipelined[("tp2_record", rank)]
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and g.shape[1:] == (3, 2) and (g >= 0).all()
+            assert (np.sort(g, -1) == np.sort(w, -1)).all()

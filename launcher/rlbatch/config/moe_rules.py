@@ -357,18 +357,6 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "or r3",
             )
         )
-    if mode == RoutingReplay.r2 and cfg.parallel.tp > 1:
-        errors.append(
-            ConfigError(
-                key,
-                mode.value,
-                f"at parallel.tp={cfg.parallel.tp} is not supported yet: an MoE model trains "
-                "with sequence parallelism there, so each tensor-parallel rank's routers see "
-                "only its slice of the old pass's tokens and the record r2 replays is never "
-                "whole: set grpo.routing_replay=r3 (the rollout's routing, replayed at any tp) "
-                "or parallel.tp=1 (parallel.ep scales the experts)",
-            )
-        )
     if cfg.parallel.cp > 1:
         errors.append(
             ConfigError(

@@ -420,6 +420,27 @@ def taken(chunk: Any) -> dict[int, torch.Tensor]:
     }
 
 
+def whole_sequence(chunk: Any, natural: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """What the chunk's routers chose (:func:`taken`, ``{slot: [N, k]}``) for every token of
+    the micro-batch: under sequence parallelism each tensor-parallel rank's routers routed one
+    contiguous block of the sequence-major tokens, and the blocks are gathered over the group in
+    rank order (a collective: every tensor-parallel rank calls); else as it is."""
+    _, parts = sequence_part(chunk)
+    if parts == 1:
+        return natural
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    out = {}
+    for slot in sorted(natural):
+        ids = natural[slot].contiguous()
+        blocks = [torch.empty_like(ids) for _ in range(parts)]
+        dist.all_gather(blocks, ids, group=group)
+        out[slot] = torch.cat(blocks)
+    return out
+
+
 def _sequence_slice(config: Any, routing: torch.Tensor) -> torch.Tensor:
     """With sequence parallelism the routers of tp rank i see rows [i * S / tp, (i + 1) * S /
     tp) of the sequence-major tokens: that slice."""

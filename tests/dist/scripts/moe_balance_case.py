@@ -91,6 +91,23 @@ def make_cfg(
     return cfg
 
 
+def record_old_routing(cfg: RunConfig) -> list[Any]:
+    """grpo.routing_replay=r2's record: the old-logprob pass (rlbatch.grpo.stages.make_logps_fn,
+    the real pass the step runs before training) over the step's samples, each sample's
+    ``old_routing`` (``[length, 3, 2]``)."""
+    from rlbatch.config.enums import RoutingReplay
+    from rlbatch.engine import hf
+    from rlbatch.engine.model import build_model
+    from rlbatch.grpo.stages import make_logps_fn
+
+    cfg.grpo.routing_replay = RoutingReplay.r2
+    model = build_model(cfg)
+    hf.load_hf_into(model, cfg.model.hf_path)
+    samples = step_samples()
+    make_logps_fn(model, cfg, old_pass=True)(samples)
+    return [s.old_routing for s in samples]
+
+
 def run_step(cfg: RunConfig, case: str, routing: Optional[list[Any]] = None) -> dict[str, Any]:
     """One optimizer step from the checkpoint: its metrics, and (rank 0) every gradient. A
     replay case replays ``routing`` (:func:`perturbed_routing`): r3 as the rollout's (the

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
-from moe_balance_case import CASES, REPLAY_CASES, make_cfg, run_step
+from moe_balance_case import CASES, REPLAY_CASES, make_cfg, record_old_routing, run_step
 
 from rlbatch.engine import parallel
 
@@ -46,6 +46,9 @@ def main() -> None:
             result = run_step(cfg, case, routing)
             if state.rank == 0:
                 torch.save(result, out_dir / f"{name}_{case}.pt")
+        if name == "tp2":  # r2's record: the old pass's routing, every rank's slice gathered
+            record = record_old_routing(make_cfg(hf_dir, "token", tp=2))
+            torch.save(record, out_dir / f"tp2_record_rank{state.rank}.pt")
     parallel.destroy()
 
 
