@@ -8,9 +8,9 @@ Qwen2-MoE (shared expert) checkpoint's log-probs equal transformers' at dp 2 x e
 rlbatch-train at dp 2 x ep 2 learns the default task and exports every expert (transformers
 loads the export, rlbatch-logprobs at ep 2 on it equals transformers on it); training from the
 checkpoint with the router frozen leaves the routers as they were. SIGKILL + resume at dp 2 x
-ep 2: grpo_qwen3_moe's shape twin (tests/e2e/test_shape_twins.py). LoRA on tiny_moe at dp 2 x
-ep 2 adapts the attention only, exports a PEFT adapter that PEFT loads onto the base with the
-trainer's log-probs, and resumes after SIGKILL with identical metrics."""
+ep 2: grpo_qwen3_moe's shape twin (tests/e2e/test_shape_twins.py). LoRA on tiny_moe made a
+Qwen2-MoE at dp 2 x ep 2 adapts the attention and the shared expert, and exports a PEFT adapter
+that PEFT loads onto transformers' Qwen2-MoE base with the trainer's log-probs."""
 
 from __future__ import annotations
 
@@ -204,7 +204,8 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
     caps each expert at its fair share (model.moe_expert_capacity_factor=1.0): the dropped
     assignments are counted (moe/dropped_tokens). Step 1's checkpoint resumed at dp 2 x ep 1
     (megatron's plain optimizer: one optimizer instead of the dense + expert pair) continues
-    the run, step 3 training with the Adam moments it loaded."""
+    the run, step 3 training with the Adam moments it loaded, under full activation recompute
+    (its recomputed forwards replay the r2 record again)."""
     hf, _, _ = checkpoint
     ref_dir = tmp_path / "ref"
     args = ["trainer.max_steps=3", f"model.hf_path={hf}", "model.tokenizer=bytes",
@@ -252,7 +253,8 @@ def test_dp2_ep2_trains_a_checkpoint_with_its_router_frozen(
 
     ep1 = tmp_path / "ep1"
     _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
-           f"trainer.resume={ref_dir / 'checkpoints' / 'step_00000001'}", f"hydra.run.dir={ep1}")  # fmt: skip
+           f"trainer.resume={ref_dir / 'checkpoints' / 'step_00000001'}", f"hydra.run.dir={ep1}",
+           "model.recompute=full")  # fmt: skip
     _continues(_metrics(ep1), records, [2, 3])
 
 
@@ -347,7 +349,10 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
     layer in backward (model.recompute=full), whose first forward gives the routers' logits no
     gradient: the equal losses and gradient norms say the balance loss's gradient reached each
     stage's routers through their recomputed forward (without it: tests/dist/
-    test_moe_balance_pipeline.py's control)."""
+    test_moe_balance_pipeline.py's control). Both runs replay the rollout's routing
+    (grpo.routing_replay=r3): under full recompute each chunk's recomputed forward replays its
+    own micro-batch's routing again, whose forward came before later micro-batches' (1F1B,
+    interleaved): equal losses and gradient norms again."""
     hf, _, _ = checkpoint
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
     args = [*PIPELINED, f"model.hf_path={hf}", "model.tokenizer=bytes", "data=jsonl",
@@ -355,7 +360,8 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
             "data.reward=exact_match", "grpo.global_batch_size=32", "grpo.num_generations=4",
             "parallel.use_distributed_optimizer=true", "trainer.max_steps=3",
             "trainer.checkpoint.every_steps=1", "trainer.checkpoint.keep_last=3",
-            "logging.plot=false", "logging.samples=true", "model.moe_aux_loss_coeff=0.05"]  # fmt: skip
+            "logging.plot=false", "logging.samples=true", "model.moe_aux_loss_coeff=0.05",
+            "grpo.routing_replay=r3"]  # fmt: skip
     _train(bin_dir, subprocess_env, *args, "parallel.ep=1", "trainer.checkpoint.export_hf=false",
            f"hydra.run.dir={run_dir}")  # fmt: skip
     records = _metrics(run_dir)
@@ -379,6 +385,8 @@ def test_ep_with_pp2_vpp2_rolls_out_on_policy_and_resumes_across_ep(
     after = _metrics(resumed)
     _continues(after, records, [2, 3])
     assert all(abs(r["mismatch_kl_k1"]) < 1e-6 for r in after)
+    # the rollout's routing reached every training micro-batch (replayed: r3)
+    assert all(0 <= r["moe/routing_mismatch"] < 0.01 for r in after)
     for ours, theirs in zip(_samples(resumed, 2), _samples(run_dir, 2), strict=True):
         assert ours["response_ids"] == theirs["response_ids"]
         assert ours["routing"] == theirs["routing"]  # global expert ids, whatever the ep
@@ -466,13 +474,17 @@ def _router_choices(path: Path, rows: list[list[int]]) -> list[list]:
     return out
 
 
+QWEN2_MOE = ["model.architecture=qwen2_moe", "model.qk_layernorm=false", "model.add_qkv_bias=true",
+             "model.moe_shared_expert_intermediate_size=40"]  # fmt: skip
+"""tiny_moe as a Qwen2-MoE: a shared expert of width 40 beside the routed experts of every
+layer, behind its sigmoid gate; q/k/v biases, no QK-norm."""
 LORA_RUN = ["model.lora.rank=8", "trainer.max_steps=3", "trainer.checkpoint.every_steps=1",
             "trainer.checkpoint.keep_last=3", "trainer.optim.lr=3e-2", "logging.plot=false",
             "logging.samples=true"]  # fmt: skip
 
 
 def _peft_logprobs(base: Path, adapter: Path, rows: list[list[int]]) -> list[list[float]]:
-    """PEFT's LoRA model (transformers' Qwen3-MoE ``base`` + the adapter directory), float64:
+    """PEFT's LoRA model (transformers' MoE ``base`` + the adapter directory), float64:
     each row's per-token log-probs (position t scores token t + 1)."""
     import transformers
     from peft import PeftModel
@@ -490,21 +502,27 @@ def _peft_logprobs(base: Path, adapter: Path, rows: list[list[int]]) -> list[lis
     return out
 
 
-def test_dp2_ep2_lora_trains_the_attention_and_exports_to_peft(bin_dir, subprocess_env, tmp_path):
-    """model.lora.rank=8 on tiny_moe (every layer sparse) at dp 2 x ep 2: all-linear adapts the
-    attention of both layers (the experts and routers stay frozen: 2 x 3,584 trainable
-    parameters); rlbatch-export of step 2 writes the merged model, the base and a PEFT adapter
-    that PEFT loads onto the base, whose log-probs equal the merged export's and the behaviour
-    log-probs step 3 sampled with (the policy after step 2). (A SIGKILLed LoRA run resumes
-    exactly in tests/e2e/test_lora_cli.py: the adapters sit on the attention, which expert
-    parallelism does not shard; MoE kill + resume at dp 2 x ep 2 is grpo_qwen3_moe's twin.)"""
+def test_dp2_ep2_lora_trains_the_attention_and_shared_expert_and_exports_to_peft(
+    bin_dir, subprocess_env, tmp_path
+):
+    """model.lora.rank=8 on tiny_moe made a Qwen2-MoE (every layer sparse, with a shared expert)
+    at dp 2 x ep 2: all-linear adapts the attention and the shared expert's gate / up / down
+    projections of both layers (the routed experts, the routers and the shared expert's gate stay
+    frozen: 2 x (3,584 + 2,496) trainable parameters); rlbatch-export of step 2 writes the merged
+    model, the base and a PEFT adapter (the shared expert's factors under transformers'
+    mlp.shared_expert.* names) that PEFT loads onto transformers' Qwen2MoeForCausalLM base,
+    whose log-probs equal the merged export's and the behaviour log-probs step 3 sampled with
+    (the policy after step 2). (A SIGKILLed LoRA run resumes exactly in
+    tests/e2e/test_lora_cli.py: expert parallelism does not shard the adapted linears, the
+    shared expert being replicated on every data rank; MoE kill + resume at dp 2 x ep 2 is
+    grpo_qwen3_moe's twin.)"""
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
-    _train(bin_dir, subprocess_env, *LORA_RUN, f"hydra.run.dir={run_dir}")
+    _train(bin_dir, subprocess_env, *LORA_RUN, *QWEN2_MOE, f"hydra.run.dir={run_dir}")
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(r["trainable_params"] == 2 * 3584 for r in records)
+    assert all(r["trainable_params"] == 2 * (3584 + 2496) for r in records)
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and records[-1]["kl"] > 0
 
     out = tmp_path / "export"
@@ -514,15 +532,22 @@ def test_dp2_ep2_lora_trains_the_attention_and_exports_to_peft(bin_dir, subproce
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert sorted(adapter["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert sorted(adapter["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     tensors = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    assert len(tensors) == 2 * 4 * 2 and all(".self_attn." in k for k in tensors)
+    shared = [k for k in tensors if ".mlp.shared_expert." in k]
+    assert len(tensors) == 2 * 7 * 2 and len(shared) == 2 * 3 * 2
+    assert all(".self_attn." in k for k in tensors if k not in shared)
     base = load_file(str(next((out / "base").glob("*.safetensors"))))
     merged = load_file(str(next(out.glob("*.safetensors"))))
-    experts = [k for k in base if ".mlp." in k]  # experts and routers: the base's, bit for bit
-    assert experts and all(torch.equal(base[k], merged[k]) for k in experts)
-    assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"],
-                           merged["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    # routed experts, routers and the shared expert's gate: the base's, bit for bit
+    experts = [k for k in base if ".mlp." in k and ".mlp.shared_expert." not in k]
+    assert any(k.endswith("mlp.shared_expert_gate.weight") for k in experts)
+    assert all(torch.equal(base[k], merged[k]) for k in experts)
+    for name in ("self_attn.q_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.down_proj"):
+        assert not torch.equal(base[f"model.layers.0.{name}.weight"],
+                               merged[f"model.layers.0.{name}.weight"]), name  # fmt: skip
     live = {}  # <run_dir>/hf: the merged model after step 3, the experts still the base's
     for shard in (run_dir / "hf").glob("*.safetensors"):
         live.update(load_file(str(shard)))

@@ -52,11 +52,13 @@ def check_lora(cfg: RunConfig, errors: list[ConfigError]) -> None:
             ConfigError(
                 "model.lora.target_modules",
                 list(lora.target_modules),
-                f"names {moe}: LoRA does not adapt MoE routers or experts (the router picks a"
-                " token's experts, so an adapter there changes the routing, and vLLM / PEFT serve"
-                " no such adapter from rlbatch); on an MoE model the adapters go on the"
-                f" attention, [q_proj,k_proj,v_proj,o_proj] or [{ALL_LINEAR}]; to train the"
-                " experts set model.lora.rank=0",
+                f"names {moe}: LoRA does not adapt MoE routers or routed experts (the router"
+                " picks a token's experts, so an adapter there changes the routing, and vLLM /"
+                " PEFT serve no such adapter from rlbatch); on an MoE model the adapters go on"
+                f" the attention, [q_proj,k_proj,v_proj,o_proj] or [{ALL_LINEAR}], and a"
+                " Qwen2-MoE's shared expert is adapted through its projections' names"
+                " (gate_proj, up_proj, down_proj, or all-linear); to train the experts set"
+                " model.lora.rank=0",
             )
         )
     elif unknown:

@@ -38,9 +38,9 @@ class MoeFields:
     averaged over the MoE layers, then averaged like the policy loss (grpo.loss_agg_mode), so
     the step's loss and gradient do not depend on how the planner cuts micro-batches
     (docs/engine.md, "Load-balancing loss"); at any pp / vpp (each stage adds its own
-    routers' share) and any model.recompute (under full recompute its gradient reaches the
-    routers through their recomputed forward); not with sequence parallelism (tp > 1) or
-    cp > 1."""
+    routers' share), any model.recompute (under full recompute its gradient reaches the
+    routers through their recomputed forward) and any tp (under sequence parallelism each
+    sample's statistics are summed over the tensor-parallel ranks); not at cp > 1."""
     moe_expert_capacity_factor: Optional[float] = None
     """Tokens an expert takes at most in one forward, as a multiple of its fair share of that
     forward's token-to-expert assignments (megatron's capacity, per micro-batch and rank,

@@ -223,15 +223,6 @@ def _check_unsupported(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "rollout.backend=megatron, or model.add_qkv_bias=true",
             )
         )
-    if m.moe_shared_expert_intermediate_size and m.lora.rank > 0:
-        errors.append(
-            ConfigError(
-                "model.lora.rank",
-                m.lora.rank,
-                "LoRA on a model with a shared expert (Qwen2-MoE) is not supported yet (PEFT's "
-                "names for it are not verified here): set model.lora.rank=0",
-            )
-        )
     if p.ep > 1 and overlaps_generation(cfg):
         errors.append(
             ConfigError(
@@ -272,37 +263,41 @@ ATTENTION_ONLY = "[q_proj,k_proj,v_proj,o_proj]"
 
 
 def _check_lora(cfg: RunConfig, backend: RolloutBackend, errors: list[ConfigError]) -> None:
-    """LoRA on an MoE model adapts the attention projections of every layer: the routed experts
-    and the router keep their weights (docs/lora.md, "MoE models")."""
+    """LoRA on an MoE model adapts the attention projections of every layer and a Qwen2-MoE's
+    shared expert (its gate/up/down projections); the routed experts and the router keep their
+    weights (docs/lora.md, "MoE models")."""
     from rlbatch.config.lora import ALL_LINEAR
 
     m, targets = cfg.model, list(cfg.model.lora.target_modules)
     key = "model.lora.target_modules"
     named = [t for t in targets if t in MLP_PROJECTIONS]
-    if named:
+    shared = bool(m.moe_shared_expert_intermediate_size)
+    dense_layers = [i for i, x in enumerate(m.moe_layer_freq) if x == 0]
+    if named and not shared:
         errors.append(
             ConfigError(
                 key,
                 targets,
-                f"names {named} on an MoE model: in its sparse layers these are the routed "
-                "experts' projections, which LoRA here does not adapt (the experts stay frozen; "
-                "train them with model.lora.rank=0), and in its dense layers PEFT under "
-                "transformers 5 maps these names onto the routed experts when it loads a "
-                "Qwen3-MoE adapter, so the exported adapter would not load as trained: adapt the "
-                f"attention, model.lora.target_modules={ATTENTION_ONLY} or [{ALL_LINEAR}]",
+                f"names {named} on an MoE model without a shared expert: in its sparse layers "
+                "these are the routed experts' projections, which LoRA here does not adapt (the "
+                "experts stay frozen; train them with model.lora.rank=0), and in its dense layers "
+                "PEFT under transformers 5 maps these names onto the routed experts when it "
+                "loads a Qwen3-MoE adapter, so the exported adapter would not load as trained: "
+                f"adapt the attention, model.lora.target_modules={ATTENTION_ONLY} or "
+                f"[{ALL_LINEAR}]",
             )
         )
-    dense_layers = [i for i, x in enumerate(m.moe_layer_freq) if x == 0]
-    if ALL_LINEAR in targets and dense_layers:
+    elif (named or ALL_LINEAR in targets) and dense_layers:
+        what = f"[{ALL_LINEAR}]" if ALL_LINEAR in targets else f"names {named}, which"
         errors.append(
             ConfigError(
                 key,
                 targets,
-                f"[{ALL_LINEAR}] on an MoE model with dense layers {dense_layers} "
-                "(model.moe_layer_freq): it adapts the attention projections only, and would "
-                "leave those layers' MLPs out without saying so (PEFT under transformers 5 maps "
-                "their names onto the routed experts, so an adapter on them would not load as "
-                f"trained): name the attention projections, model.lora.target_modules="
+                f"{what} on an MoE model with dense layers {dense_layers} "
+                "(model.moe_layer_freq) would adapt those layers' MLPs, or leave them out without "
+                "saying so; adapters on the dense MLPs of an MoE model are not supported (PEFT "
+                "under transformers 5 maps their names onto the routed experts when it loads a "
+                "Qwen3-MoE adapter): name the attention projections, model.lora.target_modules="
                 f"{ATTENTION_ONLY}",
             )
         )
@@ -322,7 +317,7 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """``grpo.routing_replay``: an MoE policy rolled out on the built-in engine (the only one
     that records routing here), a pass to replay for r2, and no layout whose token order the
     replay does not follow (docs/grpo_loss.md, "Routing replay")."""
-    from rlbatch.config.enums import Recompute, RoutingReplay
+    from rlbatch.config.enums import RoutingReplay
     from rlbatch.grpo.lcm import old_pass_runs
 
     mode = RoutingReplay(cfg.grpo.routing_replay)
@@ -362,28 +357,6 @@ def check_routing_replay(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 "or r3",
             )
         )
-    if Recompute(cfg.model.recompute) == Recompute.full:
-        errors.append(
-            ConfigError(
-                "model.recompute",
-                "full",
-                f"with grpo.routing_replay={mode.value} is not supported: full recompute runs "
-                "the routers again in backward, after later micro-batches set their routing; "
-                "set model.recompute=selective or none",
-            )
-        )
-    if mode == RoutingReplay.r2 and cfg.parallel.tp > 1:
-        errors.append(
-            ConfigError(
-                key,
-                mode.value,
-                f"at parallel.tp={cfg.parallel.tp} is not supported yet: an MoE model trains "
-                "with sequence parallelism there, so each tensor-parallel rank's routers see "
-                "only its slice of the old pass's tokens and the record r2 replays is never "
-                "whole: set grpo.routing_replay=r3 (the rollout's routing, replayed at any tp) "
-                "or parallel.tp=1 (parallel.ep scales the experts)",
-            )
-        )
     if cfg.parallel.cp > 1:
         errors.append(
             ConfigError(
@@ -400,23 +373,24 @@ def _check_aux_loss(cfg: RunConfig, errors: list[ConfigError]) -> None:
     """rlbatch's load-balancing loss is computed from the routers' logits over whole samples,
     on each pipeline stage for its own routers (rlbatch.grpo.balance); under full activation
     recompute its gradient reaches the routers through their recomputed forward
-    (rlbatch.engine.routing.recompute_handoff)."""
+    (rlbatch.engine.routing.recompute_handoff); under sequence parallelism each sample's
+    statistics are summed over the tensor-parallel ranks (rlbatch.engine.routing.load_balance).
+    """
     m, p = cfg.model, cfg.parallel
     coeff = m.moe_aux_loss_coeff
     if coeff < 0:
         errors.append(ConfigError("model.moe_aux_loss_coeff", coeff, "must be >= 0"))
     if coeff <= 0:
         return
-    why = "the load-balancing loss is computed from every router's logits over whole samples"
-    if p.tp > 1:
-        errors.append(
-            ConfigError("model.moe_aux_loss_coeff", coeff, f"at parallel.tp={p.tp} is not "
-                        f"supported yet ({why}; an MoE model trains with sequence parallelism "
-                        "there, so each tensor-parallel rank's routers see a slice): set "
-                        "parallel.tp=1 (parallel.ep scales the experts) or the coefficient to 0")
-        )  # fmt: skip
     if p.cp > 1:
         errors.append(
-            ConfigError("model.moe_aux_loss_coeff", coeff, f"with parallel.cp > 1 is not "
-                        f"supported yet ({why}): set parallel.cp=1 or the coefficient to 0")
-        )  # fmt: skip
+            ConfigError(
+                "model.moe_aux_loss_coeff",
+                coeff,
+                f"with parallel.cp={p.cp} is not supported yet: each context-parallel rank's "
+                "routers see some chunks of every sample, whose statistics would have to be "
+                "summed over the context-parallel group as they are over the tensor-parallel "
+                "one, which is neither built nor verified (context parallelism does not run on "
+                "the CPU, where rlbatch is tested): set parallel.cp=1 or the coefficient to 0",
+            )
+        )

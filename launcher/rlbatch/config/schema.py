@@ -394,7 +394,8 @@ class GRPOConfig(ObjectiveConfig):
     itself; r2 = the training forward and backward replay the old-logprob pass's routing (needs
     that pass: a round of several steps under a rollout correction); r3 = the old-logprob pass
     and the training forward and backward replay the routing the built-in rollout engine sampled
-    each token with (prompt tokens included). The reference pass always routes for itself."""
+    each token with (prompt tokens included). The reference pass always routes for itself. Under
+    model.recompute=full the recomputed forward replays the same routing."""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     """LCM aggregation of rollout / ref / old / train micro sizes (docs/lcm_aggregation.md)."""
     distill: DistillConfig = field(default_factory=DistillConfig)

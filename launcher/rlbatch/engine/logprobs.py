@@ -168,7 +168,7 @@ class _Scoring:
         assert self.routing_dtype is not None
         mb = inputs.micro_batch
         arrays = routing.sample_routing(
-            natural,
+            routing.whole_sequence(chunk, natural),
             inputs.segments,
             max(1, mb.num_rows),
             mb.padded_len,

@@ -18,6 +18,8 @@ output to the linear's. Projections and their megatron homes (:data:`SITES`):
 | self_attention.linear_proj (row)    | o_proj                     | [r, in/tp] columns  | [out, r] whole      |
 | mlp.linear_fc1 (column)             | gate_proj, up_proj         | [r, in] whole       | [out/tp, r] rows    |
 | mlp.linear_fc2 (row)                | down_proj                  | [r, in/tp] columns  | [out, r] whole      |
+| mlp.shared_experts.linear_fc1 (col) | shared_expert.gate/up_proj | [r, in] whole       | [out/tp, r] rows    |
+| mlp.shared_experts.linear_fc2 (row) | shared_expert.down_proj    | [r, in/tp] columns  | [out, r] whole      |
 
 Every projection keeps its own A and B, so the adapted model is exactly the HF model with PEFT
 adapters on those modules: for q/k/v the branch computes each projection's delta in HF order and
@@ -36,9 +38,12 @@ parallelism the rank-r activations are all-gathered / reduce-scattered along the
 instead, and the replicated factor (column A, row B) is marked ``sequence_parallel`` so that
 megatron sums its gradient over tp in finalize_model_grads.
 
-On an MoE model the adapters go on the attention of every layer (config/moe_rules.py refuses
-the MLP projections there): a sparse layer has no ``mlp.linear_fc1`` / ``linear_fc2``, and its
-experts and router keep their frozen weights.
+On an MoE model the adapters go on the attention of every layer and, on a Qwen2-MoE, on the
+shared expert of every sparse layer (its gate/up/down projections: HF's
+``mlp.shared_expert.{gate,up,down}_proj``, megatron's ``mlp.shared_experts.linear_fc1/fc2``);
+config/moe_rules.py refuses the rest. A sparse layer has no ``mlp.linear_fc1`` /
+``linear_fc2``; its routed experts, its router and the shared expert's sigmoid gate keep their
+frozen weights.
 
 Names in checkpoints: ``<linear>.lora.lora_A.<projection>`` / ``lora_B``, sharded in the
 distributed checkpoint along the dimension above (whole factors replicated), so a checkpoint
@@ -71,6 +76,8 @@ class Site:
     """HF projections, in megatron's order inside the fused weight."""
     hf_module: str
     """The HF layer's sub-module that holds them."""
+    shared_expert: bool = False
+    """A Qwen2-MoE sparse layer's shared expert (its width: moe_shared_expert_intermediate_size)."""
 
 
 SITES = (
@@ -78,6 +85,10 @@ SITES = (
     Site("self_attention.linear_proj", False, ("o_proj",), "self_attn"),
     Site("mlp.linear_fc1", True, ("gate_proj", "up_proj"), "mlp"),
     Site("mlp.linear_fc2", False, ("down_proj",), "mlp"),
+    Site(
+        "mlp.shared_experts.linear_fc1", True, ("gate_proj", "up_proj"), "mlp.shared_expert", True
+    ),
+    Site("mlp.shared_experts.linear_fc2", False, ("down_proj",), "mlp.shared_expert", True),
 )
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before the HF module path in adapter_model.safetensors."""
@@ -98,12 +109,14 @@ def lora_scale(lora: LoraConfig) -> float:
     return alpha / lora.rank
 
 
-def peft_name(layer_number: int, projection: str, factor: str) -> str:
+def peft_name(layer_number: int, projection: str, factor: str, site: Optional[Site] = None) -> str:
     """PEFT's tensor name of one factor ("A" or "B") of a projection's adapter in HF layer
     ``layer_number`` (0-based, the HF index; megatron's ``layer_number`` is 1-based), e.g.
     ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` ([r, in]; lora_B:
-    [out, r]). The full (unsharded) tensor is PEFT's tensor."""
-    site = next(s for s in SITES if projection in s.projections)
+    [out, r]); ``site``: where the projection sits (default: the attention or the dense MLP;
+    a shared expert's is ``...layers.3.mlp.shared_expert.gate_proj...``). The full (unsharded)
+    tensor is PEFT's tensor."""
+    site = site or next(s for s in SITES if projection in s.projections)
     return f"{PEFT_PREFIX}model.layers.{layer_number}.{site.hf_module}.{projection}.lora_{factor}.weight"
 
 
@@ -130,11 +143,17 @@ def _geometry(site: Site, model: ModelConfig) -> Geometry:
     rank, size = _tp()
     d = model.head_dim or model.hidden_size // model.num_attention_heads
     h, g, f = model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size
+    if site.shared_expert:
+        f = model.moe_shared_expert_intermediate_size or 0
     outs = {
         "q_proj": h * d, "k_proj": g * d, "v_proj": g * d, "o_proj": model.hidden_size,
         "gate_proj": f, "up_proj": f, "down_proj": model.hidden_size,
     }  # fmt: skip
-    ins = {"self_attention.linear_proj": h * d, "mlp.linear_fc2": f}
+    ins = {
+        "self_attention.linear_proj": h * d,
+        "mlp.linear_fc2": f,
+        "mlp.shared_experts.linear_fc2": f,
+    }
     return Geometry(
         in_features=ins.get(site.path, model.hidden_size),
         out_features={p: outs[p] for p in site.projections},
@@ -337,7 +356,8 @@ def attach_adapters(chunks: Sequence[Any], model: ModelConfig, seed: int) -> int
         for layer in chunk.decoder.layers:
             for site in SITES:
                 projections = [p for p in site.projections if p in wanted]
-                # an MoE layer has no dense MLP: its experts and router are not adapted
+                # a sparse layer has no dense MLP (a shared expert at most): its routed experts
+                # and router are not adapted
                 if projections and _has_submodule(layer, site.path):
                     linear = layer.get_submodule(site.path)
                     trainable += _attach(linear, site, projections, model, seed, layer, sp, dtype)
@@ -387,7 +407,7 @@ def branches(chunks: Sequence[Any]) -> Iterator[tuple[int, Site, Any]]:
     for chunk in chunks:
         for layer in unwrap(chunk).decoder.layers:
             for site in SITES:
-                if not _has_submodule(layer, site.path):  # an MoE layer: no dense MLP linears
+                if not _has_submodule(layer, site.path):  # no dense MLP / shared expert here
                     continue
                 linear = layer.get_submodule(site.path)
                 if isinstance(getattr(linear, "lora", None), LoraBranch):
@@ -486,7 +506,7 @@ def full_adapters(chunks: Sequence[Any], grads: bool = False) -> dict[str, torch
                     parts = [torch.empty_like(t) for _ in range(size)]
                     dist.all_gather(parts, t.contiguous(), group=group)
                     t = torch.cat(parts, dim=dim)
-                out[peft_name(number - 1, p, factor)] = t
+                out[peft_name(number - 1, p, factor, site)] = t
     return out
 
 
@@ -503,7 +523,7 @@ def load_full_adapters(chunks: Sequence[Any], tensors: dict[str, torch.Tensor]) 
             for p in linear.lora.lora_A:
                 for factor in ("A", "B"):
                     param = getattr(linear.lora, f"lora_{factor}")[p]
-                    full = tensors[peft_name(number - 1, p, factor)]
+                    full = tensors[peft_name(number - 1, p, factor, site)]
                     dim = _tp_dim(site, factor)
                     shard = full if dim is None else full.chunk(size, dim=dim)[rank]
                     param.copy_(shard.to(param.dtype))

@@ -33,7 +33,7 @@ def peft_adapter_config(
 ) -> dict[str, Any]:
     """PEFT's LoraConfig of ``lora`` as written to adapter_config.json: the adapted projections
     by name (all-linear spelled out; ``adapted``: the projections the model holds adapters on,
-    which on an MoE model are the attention's only), lora_alpha such that PEFT's scale
+    which on an MoE model are the attention's, and a Qwen2-MoE's shared expert's), lora_alpha such that PEFT's scale
     lora_alpha / r is rlbatch's alpha / rank, and the base model PEFT should load under it
     (None: unknown)."""
     from rlbatch.engine.lora import lora_scale, targeted

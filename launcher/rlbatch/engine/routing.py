@@ -234,25 +234,47 @@ def _recomputes(chunk: Any) -> bool:
     return getattr(_unwrap(chunk).config, "recompute_granularity", None) == "full"
 
 
-def recompute_handoff(chunk: Any, term: torch.Tensor) -> Optional[Callable[[torch.Tensor], None]]:
-    """For a scalar ``term`` (a chunk's loss, or a share of it) computed from :func:`captured`
-    leaves of ``chunk``'s routers: a function to call with the gradient of ``term`` at the very
-    start of the chunk's backward, before megatron recomputes its layers (None when no leaf is
-    pending or ``term`` has no autograd).
+def recompute_handoff(
+    chunk: Any, term: Optional[torch.Tensor] = None
+) -> Optional[Callable[[Optional[torch.Tensor]], None]]:
+    """After a forward of ``chunk`` that megatron recomputes in backward (full activation
+    recompute): a function to call at the very start of that micro-batch's backward of the
+    chunk, before megatron recomputes any of its layers, with the gradient of ``term`` (a
+    scalar, the chunk's loss or a share of it computed from :func:`captured` leaves; None when
+    the chunk has no such term). None when the chunk does not recompute, has no routers, or
+    gradients are off.
 
-    It computes the gradient of ``term`` with respect to each leaf (the same numbers autograd
-    gives the router's logits without recompute, the loss's weights and megatron's scaling
-    included, as the gradient of ``term`` carries them) and defers it to that router: its
-    recomputed forward adds it to its logits' gradient (:func:`_capturing`), from where it
-    reaches the router's weight and the layer's input as without recompute. The leaves are
-    taken: the next micro-batch's forward makes its own."""
-    pending = [(r, r.leaf) for r in chunk_replays(chunk) if r.leaf is not None]
+    It does two things for the recomputed forward, which runs its routers again:
+
+    - **Routing.** Each router's replay state of this forward (the micro-batch's routing to
+      replay, or free routing) is set back, because with pipelining later micro-batches' forwards
+      have set their own since: the recomputed forward routes the micro-batch as its first
+      forward did (megatron's REPLAY_BACKWARD does this with one process-global queue in
+      forward order; here each micro-batch's targets travel with its own backward).
+    - **Load-balancing gradient.** It computes the gradient of ``term`` with respect to each
+      leaf (the same numbers autograd gives the router's logits without recompute, the loss's
+      weights and megatron's scaling included, as the gradient of ``term`` carries them) and
+      defers it to that router: its recomputed forward adds it to its logits' gradient
+      (:func:`_capturing`), from where it reaches the router's weight and the layer's input as
+      without recompute.
+
+    The leaves are taken: the next micro-batch's forward makes its own."""
+    replays = chunk_replays(chunk)
+    if not replays or not _recomputes(chunk) or not torch.is_grad_enabled():
+        return None
+    pending = [(r, r.leaf) for r in replays if r.leaf is not None]
     for r, _ in pending:
         r.leaf = None
-    if not pending or not term.requires_grad:
-        return None
+    if term is None or not term.requires_grad:
+        pending = []
+    armed = [(r, r.router_replay_action, r.target_topk_idx) for r in replays]
 
-    def hand_off(grad: torch.Tensor) -> None:
+    def hand_off(grad: Optional[torch.Tensor]) -> None:
+        for r, action, target in armed:
+            r.router_replay_action, r.target_topk_idx = action, target
+        if not pending:
+            return
+        assert term is not None and grad is not None
         leaves = [leaf for _, leaf in pending]
         grads = torch.autograd.grad(
             term, leaves, grad_outputs=grad, retain_graph=True, allow_unused=True
@@ -271,6 +293,7 @@ def load_balance(
     topk: int,
     num_layers: Optional[int] = None,
     device: Optional[torch.device] = None,
+    sequence_part: tuple[int, int] = (0, 1),
 ) -> torch.Tensor:
     """``[num samples]`` with autograd: each sample's load-balancing loss, the mean over MoE
     layers of E * sum_e f_e * P_e over the sample's own tokens (padding excluded), f_e = the
@@ -287,23 +310,65 @@ def load_balance(
     share of them: its terms are then divided by the whole count, so the chunks' shares add up
     to the model's mean (default: the captured layers are all of them). ``device``: where the
     zeros of a chunk without MoE layers live (the logits' device, where the loss indexes them;
-    default the CPU)."""
-    out = None
+    default the CPU).
+
+    ``sequence_part``: (this rank's index, parts) of the sequence under sequence parallelism
+    (:func:`sequence_part`): the routers saw positions [index * width / parts, (index + 1) *
+    width / parts) only. Each sample's expert counts and probability sums over its local
+    tokens are then summed over the tensor-parallel group (one all-reduce, whose backward is
+    the identity: every rank back-propagates the same replicated loss into its own tokens, and
+    megatron sums the router weight's gradient over the group), so every rank gets the whole
+    sample's f and P: the loss and its gradient are those of one rank holding every token."""
+    index, parts = sequence_part
+    local = width // parts
+    lo = index * local
+    owner = torch.full((local, rows), -1, dtype=torch.long)  # the sample of each local token
+    for i, seg in enumerate(segments):
+        a, b = max(seg.start, lo), min(seg.start + seg.length, lo + local)
+        if a < b:
+            owner[a - lo : b - lo, seg.row] = i
+    owner = owner.view(-1)  # sequence-major, as the router flattens [S, R]
+    tokens = (owner >= 0).nonzero()[:, 0]
+    sums = []  # per layer [samples, 2E]: probability sums, then top-k counts
     for logits, _ in captured_layers.values():
         experts = logits.shape[-1]
-        probs = torch.softmax(logits.float(), dim=-1).view(width, rows, experts)
-        own = logits.detach().view(width, rows, experts).topk(topk, dim=-1).indices
+        probs = torch.softmax(logits.float(), dim=-1).view(local * rows, experts)
+        own = logits.detach().view(local * rows, experts).topk(topk, dim=-1).indices
         chosen = torch.zeros_like(probs).scatter_(-1, own, 1.0)
-        per_sample = []
-        for seg in segments:
-            p = probs[seg.start : seg.start + seg.length, seg.row]  # [n, E]
-            f = chosen[seg.start : seg.start + seg.length, seg.row].sum(0) / (seg.length * topk)
-            per_sample.append(experts * (f * p.mean(0)).sum())
-        layer = torch.stack(per_sample) if per_sample else probs.new_zeros(0)
-        out = layer if out is None else out + layer
-    if out is None:  # a pipeline chunk of dense layers only
+        both = torch.cat([probs, chosen], dim=-1)[tokens.to(probs.device)]  # [tokens, 2E]
+        zeros = both.new_zeros(len(segments), 2 * experts)
+        sums.append(zeros.index_add(0, owner[tokens].to(both.device), both))
+    if not sums:  # a pipeline chunk of dense layers only
         return torch.zeros(len(segments), device=device)
-    return out / (num_layers or len(captured_layers))
+    total = torch.stack(sums)  # [layers, samples, 2E]
+    if parts > 1:
+        total = _sum_over_sequence_parts(total)
+    n = torch.tensor([float(seg.length) for seg in segments], device=total.device)[:, None]
+    experts = total.shape[-1] // 2
+    p_mean, f = total[..., :experts] / n, total[..., experts:] / (n * topk)
+    per_layer = experts * (f * p_mean).sum(-1)  # [layers, samples]
+    return per_layer.sum(0) / (num_layers or len(captured_layers))
+
+
+def _sum_over_sequence_parts(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the tensor-parallel group (forward all-reduce, backward identity:
+    megatron's reduce_from_tensor_model_parallel_region, as the vocab-parallel log-softmax's
+    sums are reduced)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(t)
+
+
+def sequence_part(chunk: Any) -> tuple[int, int]:
+    """(index, parts): which slice of each micro-batch's sequence this chunk's routers see:
+    (tensor-parallel rank, tp) under sequence parallelism, else (0, 1)."""
+    config = _unwrap(chunk).config
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if not getattr(config, "sequence_parallel", False) or tp == 1:
+        return 0, 1
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), tp
 
 
 def set_routing(chunk: Any, routing: Optional[torch.Tensor]) -> None:
@@ -353,6 +418,27 @@ def taken(chunk: Any) -> dict[int, torch.Tensor]:
         for r in chunk_replays(chunk)
         if r.recorded_topk_idx is not None
     }
+
+
+def whole_sequence(chunk: Any, natural: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """What the chunk's routers chose (:func:`taken`, ``{slot: [N, k]}``) for every token of
+    the micro-batch: under sequence parallelism each tensor-parallel rank's routers routed one
+    contiguous block of the sequence-major tokens, and the blocks are gathered over the group in
+    rank order (a collective: every tensor-parallel rank calls); else as it is."""
+    _, parts = sequence_part(chunk)
+    if parts == 1:
+        return natural
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    out = {}
+    for slot in sorted(natural):
+        ids = natural[slot].contiguous()
+        blocks = [torch.empty_like(ids) for _ in range(parts)]
+        dist.all_gather(blocks, ids, group=group)
+        out[slot] = torch.cat(blocks)
+    return out
 
 
 def _sequence_slice(config: Any, routing: torch.Tensor) -> torch.Tensor:

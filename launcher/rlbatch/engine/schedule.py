@@ -336,6 +336,23 @@ class _AttachLoss(torch.autograd.Function):
         return grad_output, one, None
 
 
+class _BeforeChunkBackward(torch.autograd.Function):
+    """Identity on a chunk's output; backward calls ``on_backward(None)`` first, before
+    anything of the chunk's graph runs (megatron's recompute included)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, output: torch.Tensor, on_backward: Callable[[Optional[torch.Tensor]], None]
+    ) -> torch.Tensor:
+        ctx.on_backward = on_backward
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.on_backward(None)
+        return grad_output, None
+
+
 class _BeforeBackward(torch.autograd.Function):
     """Identity on a loss (a copy: megatron divides it in place); backward calls
     ``on_backward(gradient)`` before anything of the loss's graph runs."""
@@ -453,11 +470,13 @@ def run_pass(
         if routed and routing_sink is not None:
             routing_sink(chunk, routing.taken(chunk), inputs)
         gpt = _unwrap(chunk)
-        if stage_loss is not None and not forward_only and not gpt.post_process:
-            extra = stage_loss(chunk, inputs)
+        if not forward_only and not gpt.post_process:
+            extra = stage_loss(chunk, inputs) if stage_loss is not None else None
+            hand_off = routing.recompute_handoff(chunk, extra) if routed else None
             if extra is not None:
-                hand_off = routing.recompute_handoff(chunk, extra) if routed else None
                 output = attach_loss(output, extra, hand_off)
+            elif hand_off is not None:
+                output = _BeforeChunkBackward.apply(output, hand_off)
 
         def loss_func(output_tensor: torch.Tensor, **_: Any):
             if chunk_tokens > 0:

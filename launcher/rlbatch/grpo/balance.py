@@ -16,7 +16,10 @@ holding some MoE layers adds coeff x (1/L) x sum of its layers' b_(i,l), weighte
   the step's bundle, which is summed over the stages: ``moe/aux_loss`` covers every layer.
 
 The sum over chunks is pp = 1's loss and gradient (tests/dist/test_moe_balance_pipeline.py
-compares them at pp 2 and pp 2 x vpp 2 with pp 1, router gradients included).
+compares them at pp 2 and pp 2 x vpp 2 with pp 1, router gradients included). Under sequence
+parallelism (tp > 1) a chunk's routers see a slice of each sample's tokens, and the per-sample
+statistics are summed over the tensor-parallel ranks inside b_(i,l) (routing.load_balance), so
+every rank computes the whole sample's term (compared at tp 2 with tp 1 in the same test).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from rlbatch.config.moe import num_moe_layers
 from rlbatch.config.schema import RunConfig
 from rlbatch.grpo.loss import GRPOBatch, LossSettings, aggregate
 from rlbatch.grpo.normalization import Normalizer
-from rlbatch.layout import ParallelLayout
 
 
 class LoadBalance:
@@ -45,14 +47,9 @@ class LoadBalance:
         self.num_layers = num_moe_layers(cfg.model)
 
     @classmethod
-    def build(
-        cls, cfg: RunConfig, model: Sequence[Any], layout: ParallelLayout
-    ) -> Optional[LoadBalance]:
-        """None for a dense model, or where a tensor-parallel rank's routers see a slice of
-        the sequence (sequence parallelism: refused with a coefficient, docs/engine.md)."""
+    def build(cls, cfg: RunConfig, model: Sequence[Any]) -> Optional[LoadBalance]:
+        """None for a dense model."""
         if cfg.model.num_moe_experts is None:
-            return None
-        if cfg.parallel.sequence_parallel and layout.tp > 1:
             return None
         return cls(cfg, model)
 
@@ -72,6 +69,7 @@ class LoadBalance:
             self.topk,
             num_layers=self.num_layers,
             device=batch.seq_index.device,
+            sequence_part=routing.sequence_part(chunk),
         )
 
     def for_loss(self, batch: GRPOBatch) -> Optional[torch.Tensor]:

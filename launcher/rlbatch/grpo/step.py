@@ -463,7 +463,7 @@ def _accumulate_gradients(
         device=_device(),
     )
     state = StepState()
-    balance = LoadBalance.build(cfg, model, layout)  # an MoE policy's, on every stage
+    balance = LoadBalance.build(cfg, model)  # an MoE policy's, on every stage
     loss_fn = make_loss_fn(
         settings,
         normalizer,

@@ -148,9 +148,8 @@ def test_what_an_moe_run_cannot_do_yet_is_refused_before_launch():
          "grpo.routing_replay=r2", "grpo.num_iterations=2"]
     )  # fmt: skip
     assert "gloo refuses uneven sizes" in sliced["model.moe_expert_capacity_factor"]
-    assert "set parallel.tp=1" in sliced["model.moe_aux_loss_coeff"]
-    assert "parallel.sequence_parallel=false" not in sliced["model.moe_aux_loss_coeff"]
-    assert "grpo.routing_replay=r3" in sliced["grpo.routing_replay"]
+    assert "model.moe_aux_loss_coeff" not in sliced  # summed over the tp ranks
+    assert "grpo.routing_replay" not in sliced  # r2 records the whole sequence at any tp
     few = _errors_for(["model=tiny_moe", "parallel.dp=2", "parallel.ep=2", "eval.max_prompts=1"])
     assert "set eval.max_prompts=2 or more" in few["eval.max_prompts"]
 
@@ -262,7 +261,7 @@ def test_fields_of_other_moe_families_are_refused_by_name(tmp_path):
 def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
     """Qwen2-MoE: a shared expert (model.moe_shared_expert_intermediate_size), q/k/v biases, no
     QK-norm, top-k not renormalised by default; the export writes it back as Qwen2-MoE. The
-    shared expert with LoRA, or on a Qwen3-MoE model, is refused; vLLM rollouts validate."""
+    shared expert on a Qwen3-MoE model is refused; vLLM rollouts validate."""
     from dataclasses import replace
 
     from rlbatch.config.schema import ModelConfig
@@ -285,7 +284,7 @@ def test_qwen2_moe_config_maps_its_shared_expert_and_biases(tmp_path):
         ]  # fmt: skip
     )
     assert "Qwen3-MoE has no shared expert" in errors["model.moe_shared_expert_intermediate_size"]
-    assert "shared expert (Qwen2-MoE)" in errors["model.lora.rank"]
+    assert "model.lora.rank" not in errors  # LoRA adapts a shared expert (Qwen2-MoE)
     for backend in ("vllm", "vllm_server"):  # vLLM's Qwen2MoeForCausalLM takes the sync
         qwen2_moe = [
             "model=tiny_moe",
@@ -352,7 +351,7 @@ def test_routing_replay_refusals_name_their_keys_all_at_once():
     )  # fmt: skip
     # r2 without an old-logprob pass would replay the training forward onto itself
     assert "has no such pass" in errors["grpo.routing_replay"]
-    assert "set model.recompute=selective or none" in errors["model.recompute"]
+    assert "model.recompute" not in errors  # the recomputed forward replays too
     assert "set parallel.cp=1" in errors["parallel.cp"]
     assert "model.num_moe_experts" not in errors  # partial rollouts run r2 (and none)
 
@@ -377,29 +376,34 @@ def test_r2_with_an_old_pass_validates():
     check(*check_structure(OmegaConf.to_container(cfg, resolve=True)))
 
 
-def test_the_balance_loss_is_refused_where_routers_see_a_slice_of_the_sequence():
-    """Pipeline stages take the loss (each adds its own routers' share: exact, tests/dist/
-    test_moe_balance_pipeline.py); sequence parallelism does not."""
-    errors = _errors_for(
-        ["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
-         "parallel.tp=2", "parallel.sequence_parallel=true"]
-    )  # fmt: skip
-    assert "parallel.pp" not in errors["model.moe_aux_loss_coeff"]
-    assert "with sequence parallelism" in errors["model.moe_aux_loss_coeff"]
-    assert errors["model.moe_aux_loss_coeff"].count("model.moe_aux_loss_coeff") == 1
+def test_the_balance_loss_validates_where_routers_see_a_slice_of_the_sequence():
+    """Pipeline stages take the loss (each adds its own routers' share) and so does sequence
+    parallelism (each sample's statistics summed over the tensor-parallel ranks): both exact,
+    tests/dist/test_moe_balance_pipeline.py. Context parallelism is refused with its reason,
+    naming the coefficient (NCCL: on gloo cp is refused on its own)."""
+    _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
+                "parallel.tp=2", "parallel.sequence_parallel=true"])  # fmt: skip
     _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.pp=2",
                 "parallel.dp=2", "parallel.ep=2"])  # fmt: skip
+    errors = _errors_for(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "parallel.cp=2",
+                          "parallel.dp=2", "parallel.backend=nccl"])  # fmt: skip
+    message = errors["model.moe_aux_loss_coeff"]
+    assert "parallel.cp=2" in message and "set parallel.cp=1 or the coefficient to 0" in message
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_the_balance_loss_validates_with_every_recompute(pp):
+def test_the_balance_loss_and_replay_validate_with_every_recompute(pp):
     """Full recompute runs each layer without autograd first; the loss's gradient reaches the
-    routers through their recomputed forward (equal to recompute=none's:
-    tests/dist/test_moe_balance_pipeline.py), so no recompute mode is refused with a
-    coefficient; routing replay with full recompute stays refused (its own reason)."""
+    routers through their recomputed forward, which replays the micro-batch's routing again
+    (equal to recompute=none's: tests/dist/test_moe_balance_pipeline.py), so no recompute mode
+    is refused with a coefficient or with routing replay."""
     for recompute in ("none", "selective", "full"):
         _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01",
                     f"model.recompute={recompute}", f"parallel.pp={pp}"])  # fmt: skip
+    for replay in (["grpo.routing_replay=r3"],
+                   ["grpo.routing_replay=r2", "grpo.num_iterations=2"]):  # fmt: skip
+        _validates(["model=tiny_moe", "model.moe_aux_loss_coeff=0.01", "model.recompute=full",
+                    f"parallel.pp={pp}", *replay])  # fmt: skip
 
 
 def test_expert_keys_on_a_dense_preset(bin_dir, subprocess_env, tmp_path):
@@ -445,9 +449,31 @@ def test_lora_on_moe_adapts_the_attention_and_refuses_experts_and_routers_by_nam
     router = _errors_for(["model=tiny_moe", "model.lora.rank=8",
                           "model.lora.target_modules=[q_proj,gate,experts]"])  # fmt: skip
     assert (
-        "names ['gate', 'experts']: LoRA does not adapt MoE routers or experts"
+        "names ['gate', 'experts']: LoRA does not adapt MoE routers or routed experts"
         in router["model.lora.target_modules"]
     )
+
+
+QWEN2_MOE = ["model=tiny_moe", "model.architecture=qwen2_moe", "model.qk_layernorm=false",
+             "model.moe_shared_expert_intermediate_size=40", "model.lora.rank=8"]  # fmt: skip
+
+
+def test_lora_on_a_shared_expert_model_adapts_it_and_refuses_the_routed_experts():
+    """A Qwen2-MoE's shared expert is adapted by all-linear and by its projections' names (its
+    PEFT names verified through rlbatch-export in tests/e2e/test_moe_cli.py); the router, the
+    routed experts and the shared expert by module name stay refused with their message, and
+    so do MLP names beside dense layers."""
+    _validates(QWEN2_MOE)
+    _validates([*QWEN2_MOE, "model.lora.target_modules=[q_proj,v_proj,gate_proj,down_proj]"])
+    named = _errors_for([*QWEN2_MOE, "model.lora.target_modules=[q_proj,gate,shared_expert]"])
+    assert "LoRA does not adapt MoE routers or routed experts" in named["model.lora.target_modules"]
+    assert (
+        "shared expert is adapted through its projections' names"
+        in named["model.lora.target_modules"]
+    )
+    dense = _errors_for([*QWEN2_MOE, "model.num_layers=3", "model.moe_layer_freq=[1,0,1]",
+                         "model.lora.target_modules=[q_proj,up_proj]"])  # fmt: skip
+    assert "dense layers [1]" in dense["model.lora.target_modules"]
 
 
 def test_lora_on_an_all_sparse_moe_validates_with_all_linear():

@@ -61,9 +61,22 @@ def _hf_split(t: torch.Tensor, site: lora.Site, m: ModelConfig) -> list[torch.Te
     return list(t.chunk(len(site.projections)))
 
 
+def _with_shared_expert(cfg):
+    """The tiny model as a Qwen2-MoE: every layer sparse (4 experts, top 2) with a shared
+    expert of width 24 (a width of its own, so a wrong geometry shows)."""
+    from rlbatch.config.schema import Architecture
+
+    cfg.model = replace(
+        cfg.model, architecture=Architecture.qwen2_moe, qk_layernorm=False, num_moe_experts=4,
+        moe_router_topk=2, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=24,
+    )  # fmt: skip
+    return cfg
+
+
 @pytest.mark.parametrize("site", lora.SITES, ids=lambda s: s.path)
 def test_linear_forward_and_gradients_match_float64(tiny_cfg, site):
-    cfg = _lora_cfg(tiny_cfg)
+    """Every site, a Qwen2-MoE's shared expert included."""
+    cfg = _lora_cfg(_with_shared_expert(tiny_cfg) if site.shared_expert else tiny_cfg)
     chunks = engine_model.build_model(cfg, wrap_ddp=False)
     _randomize_adapters(chunks)
     linear = chunks[0].decoder.layers[1].get_submodule(site.path)
