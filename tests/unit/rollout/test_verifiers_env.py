@@ -614,10 +614,12 @@ def _owner(make: int, report) -> None:
 def test_runtime_folders_a_killed_process_left_are_reclaimed_and_a_live_one_s_kept(tmp_path, monkeypatch):  # fmt: skip
     """verifiers' runtime folders (one per tool server and running episode, names without a
     pid) stay behind when their process is killed -9: the next start of verifiers
-    environments removes exactly those of dead processes (killed, or a zombie not yet
-    reaped; a record whose pid now belongs to a process started later), and leaves a live
-    process's folders, a folder no record names, and a cleanly stopped runtime leaves no
-    record."""
+    environments removes exactly those of ended processes (killed, even a zombie not yet
+    reaped; a record of another host or container whose owner ended), and leaves a live
+    process's folders, also a live owner this process cannot see by its pid (another PID
+    namespace: its lock is held), a record with no lock and a folder no record names; a
+    cleanly stopped runtime leaves no record."""
+    import fcntl
     import os
     import signal
     import time
@@ -631,6 +633,7 @@ def test_runtime_folders_a_killed_process_left_are_reclaimed_and_a_live_one_s_ke
     monkeypatch.setattr(vf_subprocess, "CACHE_DIR", tmp_path)
     for name in ("start", "teardown", "cleanup"):  # restored after the test
         monkeypatch.setattr(SubprocessRuntime, name, getattr(SubprocessRuntime, name))
+    monkeypatch.setattr(verifiers_folders, "_OWNER", {})  # this test's own record
     verifiers_folders.record_runtime_folders()
     folders = tmp_path / "runtimes" / "subprocess"
     owners = tmp_path / "runtimes" / verifiers_folders.OWNERS
@@ -645,6 +648,13 @@ def test_runtime_folders_a_killed_process_left_are_reclaimed_and_a_live_one_s_ke
         with os.fdopen(read) as report:
             return pid, report.readline().split()
 
+    def plant(record: str, lock: bool) -> None:
+        (owners / record).mkdir()
+        (owners / record / f"vf-{record}").touch()
+        (folders / f"vf-{record}").mkdir()
+        if lock:
+            (owners / f"{record}.lock").touch()
+
     killed, live = fork(2), fork(1)
     try:
         stopped = make_runtime(SubprocessConfig())
@@ -657,26 +667,81 @@ def test_runtime_folders_a_killed_process_left_are_reclaimed_and_a_live_one_s_ke
         assert not (owners / verifiers_folders.owner_name()).exists()  # stopped: no record
         (folders / "vf-stranger").mkdir()  # no record names it: not rlbatch's
         assert all((folders / n).is_dir() for n in killed[1] + live[1])
+        plant("othernode-cafef00d-7-7", lock=True)  # its owner ended: the lock is free
+        plant("nolock-0-1-1", lock=False)  # not a record this rlbatch made
+        # a live owner in another PID namespace on this host: a pid no process here has
+        host, boot, _, _ = verifiers_folders.owner_name().rsplit("-", 3)
+        unseen = int(open("/proc/sys/kernel/pid_max").read()) + 1
+        container = f"{host}-{boot}-{unseen}-1"
+        plant(container, lock=True)
+        held = os.open(owners / f"{container}.lock", os.O_RDWR)
+        fcntl.flock(held, fcntl.LOCK_EX)
         os.kill(killed[0], signal.SIGKILL)
         deadline = time.monotonic() + 30  # dead, not yet reaped: a zombie
         while verifiers_folders._stat(killed[0])[0] != "Z" and time.monotonic() < deadline:
             time.sleep(0.02)
-        # a record of the live process's pid from a process started at another time (the pid
-        # given to the live one since): its folder is reclaimed
-        host, boot, pid, start = verifiers_folders.owner_name(live[0]).rsplit("-", 3)
-        reused = owners / f"{host}-{boot}-{pid}-{int(start) - 1}"
-        reused.mkdir()
-        (reused / "vf-reused").touch()
-        (folders / "vf-reused").mkdir()
         verifiers_folders.record_runtime_folders()  # the next run starts
         left = sorted(p.name for p in folders.iterdir())
-        assert left == sorted([*live[1], "vf-stranger"]), (left, killed[1], live[1])
-        assert [p.name for p in owners.iterdir()] == [verifiers_folders.owner_name(live[0])]
+        want = [*live[1], "vf-stranger", "vf-nolock-0-1-1", f"vf-{container}"]
+        assert left == sorted(want), (left, killed[1], live[1])
+        records = sorted(p.name for p in owners.iterdir() if p.is_dir())
+        live_record = verifiers_folders.owner_name(live[0])
+        assert records == sorted([live_record, "nolock-0-1-1", container])
+        locks = {p.name for p in owners.glob("*.lock")}
+        assert f"{verifiers_folders.owner_name(killed[0])}.lock" not in locks
+        assert "othernode-cafef00d-7-7.lock" not in locks
+        assert {f"{live_record}.lock", f"{container}.lock"} <= locks
+        os.close(held)
     finally:
         for pid, _ in (killed, live):
             with __import__("contextlib").suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def test_runtime_folder_reclaims_at_once_neither_fail_nor_leave_a_record(tmp_path, monkeypatch):
+    """Two processes reclaiming the same 300 ended records at once (a dp=2 run's ranks after a
+    kill): both finish without an error, every folder and record is gone, each record is
+    reclaimed by one of them."""
+    import os
+
+    from verifiers.v1.runtimes import subprocess as vf_subprocess
+
+    from rlbatch.rollout.agent import verifiers_folders
+
+    monkeypatch.setattr(vf_subprocess, "CACHE_DIR", tmp_path)
+    owners = tmp_path / "runtimes" / verifiers_folders.OWNERS
+    folders = tmp_path / "runtimes" / "subprocess"
+    folders.mkdir(parents=True), owners.mkdir()
+    for k in range(300):
+        (owners / f"node-0-{k}-1").mkdir()
+        (owners / f"node-0-{k}-1" / f"vf-{k}").touch()
+        (owners / f"node-0-{k}-1.lock").touch()
+        (folders / f"vf-{k}").mkdir()
+    go_read, go_write = os.pipe()
+    children = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # both wait for the word, then reclaim
+            code = 1
+            try:
+                os.read(go_read, 1)
+                reclaimed = verifiers_folders.reclaim()
+                os.write(write, f"{len(reclaimed)}\n".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        children.append((pid, read))
+    os.write(go_write, b"gg")
+    counts = []
+    for pid, read in children:
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        counts.append(int(os.read(read, 64).decode() or "-1"))
+    assert sum(counts) == 300, counts
+    assert list(folders.iterdir()) == [] and list(owners.iterdir()) == []
 
 
 SLOW = """

@@ -9,19 +9,26 @@ user's, another node's on a shared home).
 
 rlbatch therefore keeps a record of its own: one folder per process, next to verifiers' ones,
 ``~/.cache/verifiers/runtimes/rlbatch-owners/<host>-<boot>-<pid>-<start>``, holding an empty
-file named after each runtime folder the process has made and not yet removed. The name is
-written before the runtime folder is made, and removed once the folder is gone. ``start`` is
-the process's start time (clock ticks since boot, /proc), so a pid the system has given to
-another process since does not pass for the owner; ``boot`` (the kernel's boot id) covers a
-reboot. Each run (and evaluation) that starts verifiers environments calls
-:func:`record_runtime_folders`, which first removes the folders of every record on this host
-whose process is gone (or a zombie), then the record itself. A record of a live process, or of
-another host, is never touched, and a folder no record names is not rlbatch's to remove.
+file named after each runtime folder the process has made and not yet removed (the name is
+written before the runtime folder is made, and removed once the folder is gone), and beside it
+``<record>.lock``, which the process holds locked (flock) for as long as it lives: it takes the
+lock before it makes the record, and the kernel releases it when the process ends, however it
+ends. Each run (and evaluation) that starts verifiers environments calls
+:func:`record_runtime_folders`, which first reclaims every record whose lock it can take: its
+owner has ended, so its runtime folders, the record and the lock file go. Whether a process
+lives is the lock's to say, not its pid: a pid means nothing in another PID namespace (a
+container sharing the home folder and the host name) or on another machine (a home folder on
+NFS, whose locks the server keeps). A lock that cannot be taken (a live owner, a reclaim under
+way elsewhere, a file system without locks) leaves the record alone, and a folder no record
+names is not rlbatch's to remove. The name's host, boot, pid and process start time only say
+whose record it is in the log.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -66,55 +73,63 @@ def owner_name(pid: Optional[int] = None) -> str:
     return f"{socket.gethostname()}-{_boot_id()}-{pid}-{stat[1] if stat else 'nostart'}"
 
 
-def owner_gone(name: str) -> bool:
-    """Whether the process a record of this host names has ended: another boot, no such pid,
-    a zombie, or a pid now held by a process started at another time. A record of another
-    host is never gone here; without /proc a pid still in use counts as the owner."""
-    host, boot, pid, start = name.rsplit("-", 3)
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    if boot != _boot_id():
-        return True
-    stat = _stat(int(pid))
-    if stat is None:
-        if Path("/proc/self/stat").exists():
-            return True
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
-    state, started = stat
-    return state in ("Z", "X") or started != start
-
-
 def reclaim(root: Optional[Path] = None) -> list[tuple[str, list[str]]]:
-    """Remove the runtime folders of every record of a gone process (:func:`owner_gone`) and the
-    record; (record, folders removed) of each."""
+    """Remove the runtime folders, the record and the lock file of every record whose lock
+    this process can take (its owner has ended); (record, folders removed) of each. A record
+    another process reclaims at the same time, or one that cannot be read, is left to it (or
+    to a later run): a run never fails here."""
     root = _root() if root is None else root
     owners = root / OWNERS
-    if not owners.is_dir():
+    try:
+        entries = sorted(owners.iterdir())
+    except OSError:  # no record yet
         return []
     reclaimed = []
-    for record in sorted(owners.iterdir()):
+    for entry in entries:
         try:
-            gone = record.is_dir() and owner_gone(record.name)
-        except ValueError:  # not a record's name
+            if entry.suffix == ".lock":
+                if not entry.with_suffix("").exists():  # a clean exit's, or a cut reclaim's
+                    _reclaim_record(root, entry.with_suffix(""))
+                continue
+            removed = _reclaim_record(root, entry)
+        except OSError as err:
+            log.debug("verifiers runtime record %s left as it is: %s", entry, err)
             continue
-        if not gone:
-            continue
-        removed = []
-        for marker in sorted(record.iterdir()):
-            name = marker.name
-            folder = root / "subprocess" / name
-            if name not in (".", "..") and "/" not in name and folder.is_dir():
-                shutil.rmtree(folder, ignore_errors=True)
-                removed.append(name)
-        shutil.rmtree(record, ignore_errors=True)
-        reclaimed.append((record.name, removed))
+        if removed is not None:
+            reclaimed.append((entry.name, removed))
     return reclaimed
+
+
+def _reclaim_record(root: Path, record: Path) -> Optional[list[str]]:
+    """The runtime folders removed with ``record``, or None when its owner lives (or another
+    process is reclaiming it)."""
+    lock = record.with_name(record.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:  # being reclaimed elsewhere (records without a lock are not ours)
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: the owner lives (or no locks on this file system: cannot tell)
+            return None
+        try:
+            if os.stat(lock).st_ino != os.fstat(fd).st_ino:
+                return None  # reclaimed and removed since it was opened
+        except FileNotFoundError:
+            return None
+        removed = []
+        if record.is_dir():
+            for marker in sorted(record.iterdir()):
+                folder = root / "subprocess" / marker.name
+                if folder.is_dir():
+                    shutil.rmtree(folder, ignore_errors=True)
+                    removed.append(marker.name)
+            shutil.rmtree(record, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        return removed
+    finally:
+        os.close(fd)
 
 
 def record_runtime_folders() -> None:
@@ -123,8 +138,8 @@ def record_runtime_folders() -> None:
     for record, removed in reclaim():
         if removed:
             log.info(
-                "removed %d verifiers runtime folder(s) from %s that process %s left when it was"
-                " killed (rlbatch's record %s): %s",
+                "removed %d verifiers runtime folder(s) from %s that process %s left when it"
+                " ended without removing them (rlbatch's record %s): %s",
                 len(removed),
                 _root() / "subprocess",
                 record.rsplit("-", 2)[1],
@@ -160,17 +175,46 @@ def record_runtime_folders() -> None:
     SubprocessRuntime.cleanup = recorded_cleanup  # type: ignore[method-assign]
 
 
-_OWNER: dict[int, Path] = {}
-"""This process's record (by pid: a forked child has its own)."""
+_OWNER: dict[int, tuple[Path, int]] = {}
+"""This process's record and the descriptor of its held lock (by pid: a forked child has its
+own)."""
+
+
+def _record() -> Path:
+    """This process's record folder's path, its lock taken first (a reclaim that finds the
+    record finds it held)."""
+    pid = os.getpid()
+    if pid not in _OWNER:
+        record = _root() / OWNERS / owner_name(pid)
+        lock = record.with_name(record.name + ".lock")
+        record.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(
+                fd, fcntl.LOCK_EX
+            )  # a reclaim that took the new file first holds it briefly
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    break  # not removed by that reclaim meanwhile
+            os.close(fd)
+        _OWNER[pid] = (record, fd)
+        atexit.register(_drop_lock_file, pid, record)
+    return _OWNER[pid][0]
+
+
+def _drop_lock_file(pid: int, record: Path) -> None:
+    """At the owner's clean exit (not a forked child's): the lock file goes with the record (a
+    record still naming folders teardown could not remove keeps it, for a later run)."""
+    if os.getpid() == pid and not record.exists():
+        with contextlib.suppress(OSError):
+            record.with_name(record.name + ".lock").unlink()
 
 
 def _marker(folder: str) -> Path:
-    pid = os.getpid()
-    if pid not in _OWNER:
-        _OWNER[pid] = _root() / OWNERS / owner_name(pid)
-    marker = _OWNER[pid] / folder
+    record = _record()
+    marker = record / folder
     for _ in range(10):  # another thread may remove the record as it empties (_unmark)
-        _OWNER[pid].mkdir(parents=True, exist_ok=True)
+        record.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             marker.touch()
             return marker
