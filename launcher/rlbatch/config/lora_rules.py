@@ -90,6 +90,8 @@ def projection_shapes(cfg: RunConfig) -> dict[str, tuple[int, int]]:
     if m.num_attention_heads <= 0:
         return {}
     hidden, ffn = m.hidden_size, m.ffn_hidden_size
+    if m.num_moe_experts is not None and m.moe_shared_expert_intermediate_size:
+        ffn = m.moe_shared_expert_intermediate_size  # the MLP names adapt the shared expert
     head = m.head_dim or hidden // m.num_attention_heads
     return {
         "q_proj": (hidden, m.num_attention_heads * head),
@@ -108,7 +110,9 @@ def _check_rank_fits(cfg: RunConfig, errors: list[ConfigError]) -> None:
     lora, shapes = cfg.model.lora, projection_shapes(cfg)
     if not shapes:
         return
-    every = PROJECTIONS[:4] if cfg.model.num_moe_experts is not None else PROJECTIONS
+    m = cfg.model
+    shared = m.num_moe_experts is not None and bool(m.moe_shared_expert_intermediate_size)
+    every = PROJECTIONS[:4] if m.num_moe_experts is not None and not shared else PROJECTIONS
     targets = every if ALL_LINEAR in lora.target_modules else lora.target_modules
     too_small = {t: shapes[t] for t in targets if lora.rank > min(shapes[t])}
     if too_small:

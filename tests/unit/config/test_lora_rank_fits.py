@@ -35,3 +35,16 @@ def test_ranks_that_fit_the_adapted_layers_are_accepted():
     assert _errors(64, ["q_proj", "o_proj", "gate_proj"]) == []  # k / v not adapted
     assert _errors(48, num_query_groups=4) == []  # k / v: 64 -> 64
     assert _errors(0) == []
+
+
+def test_a_qwen2_moe_shared_experts_width_bounds_the_rank_of_its_mlp_adapters():
+    """On an MoE model with a shared expert (Qwen2-MoE), the MLP names and all-linear adapt the
+    shared expert: its width (8 here), not the dense ffn_hidden_size, bounds the rank."""
+    moe = {"num_moe_experts": 4, "moe_shared_expert_intermediate_size": 8}
+    (error,) = _errors(32, ["gate_proj", "up_proj", "down_proj"], **moe)
+    assert "gate_proj (64 -> 8)" in error and "down_proj (8 -> 64)" in error, error
+    assert "model.lora.rank<=8" in error
+    (error,) = _errors(16, ["all-linear"], **moe)
+    assert "up_proj (64 -> 8)" in error and "q_proj" not in error, error
+    assert _errors(8, ["all-linear"], **moe) == []
+    assert _errors(32, ["all-linear"], num_moe_experts=4) == []  # no shared expert: attention
