@@ -112,13 +112,14 @@ def test_sigkill_then_resume_matches_uninterrupted(lora_run, bin_dir, subprocess
 
 
 def test_lora_recipe_learns(bin_dir, subprocess_env, tmp_path):
-    """+recipe=grpo_qwen_lora (rank 16, lr 3e-2) for 30 of its 60 steps (CI's time; it learns
-    within its first 12): the mean reward of the last 10% of the steps is well above the first
-    10%'s, and no reference copy is built (the count is the adapters')."""
+    """+recipe=grpo_qwen_lora (rank 16, lr 3e-2) for 20 of its 60 steps (CI's time; it learns
+    within its first 12: 0.11 -> 0.33 over the first and last two of 20 steps): the mean reward
+    of the last 10% of the steps is well above the first 10%'s, and no reference copy is built
+    (the count is the adapters')."""
     run = tmp_path / "run"
     _train(
         bin_dir, subprocess_env, run, "trainer.checkpoint.export_hf=false",
-        "trainer.max_steps=30", recipe="grpo_qwen_lora",
+        "trainer.max_steps=20", recipe="grpo_qwen_lora",
     )  # fmt: skip
     records = metrics(run)
     rewards = [r["reward_mean"] for r in records]
