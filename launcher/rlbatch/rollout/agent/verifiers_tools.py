@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -144,8 +145,8 @@ def dead_tool_servers() -> list[str]:
     dead = []
     for process, module, log in _TOOL_SERVERS:
         code = getattr(process, "returncode", None)
-        if code is None or not log.is_file():
-            continue
+        if code in (None, -signal.SIGTERM) or not log.is_file():  # SIGTERM: stopped, as asked
+            continue  # by a teardown (its runtime's, after a port timeout) or the run's end
         tail = log.read_bytes()[-1500:].decode(errors="replace").strip()
         dead.append(
             f"the tool server `python -m {module}` (pid {process.pid}) exited with code {code};"
@@ -189,6 +190,10 @@ def fail_fast_tool_servers(port_timeout_s: Optional[float] = None) -> None:
                 if code is not None:
                     raise launch.ToolsetError(f"the server exited with code {code} before reporting its port")  # fmt: skip
                 if time.monotonic() > deadline:  # verifiers adds the log's tail
+                    with contextlib.suppress(Exception):  # verifiers reads it once a second:
+                        data = (await runtime.read(path)).decode().strip()  # a last look
+                        if data.isdigit():
+                            return int(data)
                     raise launch.ToolsetError(
                         f"the server did not report its port within {bound:g} s"
                         f" ({PORT_KEY}={bound:g}): {NO_PORT_FIX}; or raise {PORT_KEY} when"
