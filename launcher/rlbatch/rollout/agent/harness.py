@@ -45,7 +45,10 @@ def build_harness(cfg: Any) -> tuple[Any, str, str]:
         from rlbatch.rollout.agent import verifiers_env
 
         found = verifiers_env.VerifiersHarness(cfg)
-        return found, f"verifiers (env.agent.verifiers={found.spec})", verifiers_env.__file__
+        # an evaluation's engine plays eval.verifiers' environment in env.agent.verifiers' place
+        held_out = cfg.eval.verifiers and cfg.eval.verifiers == cfg.env.agent.verifiers
+        key = "eval.verifiers" if held_out else "env.agent.verifiers"
+        return found, f"verifiers ({key}={found.spec})", verifiers_env.__file__
     from rlbatch.rollout.agent import openenv
 
     harness = openenv.OpenEnvHarness(cfg)
