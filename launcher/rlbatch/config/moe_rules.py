@@ -307,8 +307,8 @@ def _check_lora(cfg: RunConfig, backend: RolloutBackend, errors: list[ConfigErro
                 "model.lora.rank",
                 m.lora.rank,
                 f"LoRA on an MoE model with rollout.backend={backend.value} is not supported "
-                "yet (vLLM's LoRA on Qwen3-MoE is not verified here): set "
-                "rollout.backend=megatron, or model.lora.rank=0",
+                "yet (vLLM's LoRA on MoE models, Qwen3-MoE and Qwen2-MoE, is not verified "
+                "here): set rollout.backend=megatron, or model.lora.rank=0",
             )
         )
 
