@@ -82,6 +82,23 @@ def check_model_split(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"model.num_attention_heads = {m.num_attention_heads}",
             )
         )
+    widths = [("model.ffn_hidden_size", m.ffn_hidden_size)]
+    if m.num_moe_experts is not None:  # the experts split over tp too (expert tp = tp)
+        widths += [
+            ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
+            ("model.moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
+        ]
+    for key, width in widths:
+        if p.tp > 1 and width and width > 0 and width % p.tp:
+            errors.append(
+                ConfigError(
+                    key,
+                    width,
+                    f"must be divisible by parallel.tp = {p.tp} (its columns are split over the"
+                    " tensor-parallel ranks): choose a multiple of parallel.tp, or a parallel.tp"
+                    " that divides it",
+                )
+            )
 
 
 def check_model_paths(cfg: RunConfig, errors: list[ConfigError]) -> None:

@@ -323,3 +323,21 @@ def test_qk_norm_follows_the_hugging_face_architecture():
         assert f"set model.qk_layernorm={str(fits).lower()}" in str(error)
         cfg.model.qk_layernorm = fits
         assert not [e for e in validate(cfg) if e.key == "model.qk_layernorm"]
+
+
+def test_widths_tensor_parallelism_cannot_split_are_refused_before_launch():
+    """An MLP width (dense, expert or shared expert) that parallel.tp does not divide: the
+    workers would start and die in megatron's split; refused naming each key."""
+    cfg = RunConfig()
+    cfg.parallel.tp, cfg.model.ffn_hidden_size = 2, 41
+    (error,) = [str(e) for e in validate(cfg) if e.key == "model.ffn_hidden_size"]
+    assert "model.ffn_hidden_size=41: must be divisible by parallel.tp = 2" in error, error
+    cfg.model.ffn_hidden_size = 42
+    assert not [e for e in validate(cfg) if e.key == "model.ffn_hidden_size"]
+    cfg.model.num_moe_experts, cfg.model.moe_ffn_hidden_size = 4, 41
+    cfg.model.moe_shared_expert_intermediate_size = 9
+    keys = {e.key for e in validate(cfg)}
+    assert {"model.moe_ffn_hidden_size", "model.moe_shared_expert_intermediate_size"} <= keys
+    cfg.parallel.tp = 1
+    keys = {e.key for e in validate(cfg)}
+    assert not keys & {"model.moe_ffn_hidden_size", "model.moe_shared_expert_intermediate_size"}
