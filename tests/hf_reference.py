@@ -348,7 +348,10 @@ def moe_reference_replayed(
         path, experts_implementation="eager", attn_implementation="eager"
     )
     model = model.double().eval()
-    gates = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    routers = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")  # one interface
+    gates = [m for m in model.modules() if type(m).__name__ in routers]
+    if not gates:  # a free forward would pass for a replayed one
+        raise ValueError(f"{path}: no router of {routers} to force")
     forced: list[Any] = [None] * len(gates)
 
     def forward_of(slot: int, gate: Any) -> Any:
