@@ -1,8 +1,8 @@
 """Every shipped recipe runs for real as its shape twin (rlbatch.config.twin: the recipe's
 parallel layout and options, a tiny model of the same architecture): NUM_STEPS (2) optimizer
-steps through rlbatch-train with a checkpoint after each; the same run with one rank SIGKILLed
-during its last step and then resumed (trainer.resume=auto) reproduces every step exactly (loss, grad norm,
-reward, every non-timing metric). For
+steps through rlbatch-train; the same run with a checkpoint after each step and one rank
+SIGKILLed during its last step, then resumed (trainer.resume=auto), reproduces every step
+exactly (loss, grad norm, reward, every non-timing metric). For
 grpo_qwen2_5_7b that is tp2 (sequence parallel) x pp2 x vpp2 x dp2 = 8 gloo processes with the
 distributed optimizer. A recipe added to recipes/ is picked up automatically."""
 
@@ -53,7 +53,7 @@ def _train(bin_dir, env, cwd, overrides, *, check=True):
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_shape_twin_runs_and_resumes_exactly(name, bin_dir, subprocess_env, tmp_path):
     cfg = compose_recipe(name)
-    overrides = [f"+recipe={name}", *twin_overrides(cfg), "trainer.checkpoint.every_steps=1"]
+    overrides = [f"+recipe={name}", *twin_overrides(cfg)]
     if cfg.data.source.value == "jsonl" and cfg.data.path is None:  # a site's own dataset
         data = tmp_path / "math.jsonl"
         data.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in MATH))
@@ -67,10 +67,9 @@ def test_recipe_shape_twin_runs_and_resumes_exactly(name, bin_dir, subprocess_en
     ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
     seconds = _train(bin_dir, subprocess_env, tmp_path, [*overrides, f"hydra.run.dir={ref_dir}"])
     print(f"{name} shape twin: {NUM_STEPS} steps in {seconds:.0f} s")
-    assert (ref_dir / "checkpoints" / f"step_{NUM_STEPS - 1:08d}" / "model_optim").is_dir()
-    # the same run, one rank SIGKILLed during the last step (after the one before's checkpoint),
-    # resumed
-    killed = [*overrides, f"hydra.run.dir={killed_dir}"]
+    # the same run, saving after every step, one rank SIGKILLed during the last step (after
+    # the one before's checkpoint), resumed
+    killed = [*overrides, "trainer.checkpoint.every_steps=1", f"hydra.run.dir={killed_dir}"]
     _train(
         bin_dir,
         subprocess_env,
@@ -80,6 +79,7 @@ def test_recipe_shape_twin_runs_and_resumes_exactly(name, bin_dir, subprocess_en
     )
     trained = len(_steps(_metrics(killed_dir)))
     assert trained < NUM_STEPS, "the run was not killed before its last step"
+    assert (killed_dir / "checkpoints" / f"step_{NUM_STEPS - 1:08d}" / "model_optim").is_dir()
     _train(bin_dir, subprocess_env, tmp_path, [*killed, "trainer.resume=auto"])
     expected = _metrics(ref_dir)  # with eval.every_steps > 0 also the step-0 evaluation's record
     assert _steps(expected) == list(range(1, NUM_STEPS + 1))
