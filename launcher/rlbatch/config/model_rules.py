@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.schema import Architecture, RunConfig
@@ -82,7 +83,7 @@ def check_model_split(cfg: RunConfig, errors: list[ConfigError]) -> None:
                 f"model.num_attention_heads = {m.num_attention_heads}",
             )
         )
-    widths = [("model.ffn_hidden_size", m.ffn_hidden_size)]
+    widths: list[tuple[str, Optional[int]]] = [("model.ffn_hidden_size", m.ffn_hidden_size)]
     if m.num_moe_experts is not None:  # the experts split over tp too (expert tp = tp)
         widths += [
             ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
