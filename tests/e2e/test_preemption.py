@@ -19,7 +19,7 @@ from processes import processes_of
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 5
+STEPS = 8
 COMMON = ["+recipe=grpo_qwen", f"trainer.max_steps={STEPS}", "trainer.checkpoint.every_steps=0",
           "trainer.checkpoint.every_minutes=0", "logging.tensorboard=false"]  # fmt: skip
 

@@ -744,7 +744,9 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
     assert f"rollout server {second_spare_server} left the pool" in out, out[-3000:]
     # the round's requests to it fail at once, however far vLLM's shutdown had got: the
     # connections of those in flight reset, or held unanswered behind a failing /health, or a
-    # request sent after it stopped listening refused (all three seen on this machine)
+    # request sent after it stopped listening refused (all three seen on this machine); or,
+    # when the round's last rows were answered before the engine stopped, the next sync's
+    # first request to it (before any tensor is sent: the run goes on)
     (warning,) = [line for line in out.splitlines() if "left the pool" in line]
     assert any(
         way in warning
@@ -752,6 +754,7 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
             "closed the connection during /inference/v1/generate",
             "failed while /inference/v1/generate was in flight",
             "refused the connection (/inference/v1/generate)",
+            "refused the connection (/weight_info)",
         )
     ), warning
     assert finished_after < 150
