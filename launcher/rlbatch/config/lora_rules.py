@@ -83,15 +83,20 @@ def check_lora(cfg: RunConfig, errors: list[ConfigError]) -> None:
         _check_rank_fits(cfg, errors)
 
 
+def _shared_expert_width(cfg: RunConfig) -> int:
+    """The width the MLP names (and all-linear) adapt on an MoE model with a shared expert
+    (Qwen2-MoE); 0 on a dense model or an MoE model without one."""
+    m = cfg.model
+    return (m.moe_shared_expert_intermediate_size or 0) if m.num_moe_experts is not None else 0
+
+
 def projection_shapes(cfg: RunConfig) -> dict[str, tuple[int, int]]:
     """(input, output) features of every projection LoRA can adapt, from model.* (empty when
     the head count is not positive: the positivity checks report that)."""
     m = cfg.model
     if m.num_attention_heads <= 0:
         return {}
-    hidden, ffn = m.hidden_size, m.ffn_hidden_size
-    if m.num_moe_experts is not None and m.moe_shared_expert_intermediate_size:
-        ffn = m.moe_shared_expert_intermediate_size  # the MLP names adapt the shared expert
+    hidden, ffn = m.hidden_size, _shared_expert_width(cfg) or m.ffn_hidden_size
     head = m.head_dim or hidden // m.num_attention_heads
     return {
         "q_proj": (hidden, m.num_attention_heads * head),
@@ -110,9 +115,8 @@ def _check_rank_fits(cfg: RunConfig, errors: list[ConfigError]) -> None:
     lora, shapes = cfg.model.lora, projection_shapes(cfg)
     if not shapes:
         return
-    m = cfg.model
-    shared = m.num_moe_experts is not None and bool(m.moe_shared_expert_intermediate_size)
-    every = PROJECTIONS[:4] if m.num_moe_experts is not None and not shared else PROJECTIONS
+    moe_attention_only = cfg.model.num_moe_experts is not None and not _shared_expert_width(cfg)
+    every = PROJECTIONS[:4] if moe_attention_only else PROJECTIONS
     targets = every if ALL_LINEAR in lora.target_modules else lora.target_modules
     too_small = {t: shapes[t] for t in targets if lora.rank > min(shapes[t])}
     if too_small:
