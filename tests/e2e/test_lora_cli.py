@@ -143,6 +143,26 @@ def test_bad_lora_values_are_refused_before_launch(bin_dir, subprocess_env, tmp_
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_rank_past_a_shared_expert_and_a_width_tp_cannot_split_are_refused(
+    bin_dir, subprocess_env, tmp_path
+):
+    """A Qwen2-MoE whose shared expert is 8 wide: model.lora.rank=32 on all-linear (which adapts
+    that expert) is refused with the rank that fits, and at parallel.tp=2 an odd shared-expert
+    width is refused too: both at once, before any worker starts."""
+    proc = _train(
+        bin_dir, subprocess_env, tmp_path / "run", "model=tiny_moe",
+        "model.architecture=qwen2_moe", "model.qk_layernorm=false", "model.add_qkv_bias=true",
+        "model.moe_shared_expert_intermediate_size=9", "model.lora.rank=32", "parallel.tp=2",
+        "parallel.sequence_parallel=true", check=False,
+    )  # fmt: skip
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2, out[-3000:]
+    assert "model.lora.rank=32: is larger than the layers it adapts" in out, out[-3000:]
+    assert "up_proj (64 -> 9)" in out and "model.lora.rank<=9" in out, out[-3000:]
+    assert "model.moe_shared_expert_intermediate_size=9: must be divisible by parallel.tp" in out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_lora_dropout_is_refused_before_launch(bin_dir, subprocess_env, tmp_path):
     """Adapter dropout would be on in the training forward and off in the log-prob passes (the
     first on-policy ratio != 1): refused before any compute, with the key, the value and the
