@@ -331,3 +331,73 @@ def test_a_step_whose_every_harness_episode_failed_names_the_harness_fix():
             check_env_errors(metrics, [sample], env, step=1)
         assert error in str(caught.value) and fix in str(caught.value)
         assert other not in str(caught.value)
+
+
+STAGGERED = '''
+import asyncio
+import random
+
+
+async def run(client, model, row):
+    """Two calls; the harness's own work after each takes a random while (up to 120 ms)."""
+    for turn in range(2):
+        await client.completions.create(model=model, prompt=f"{row['answer']}:{turn}", max_tokens=2)
+        await asyncio.sleep(random.random() * 0.12)
+    return 0.0
+'''
+
+
+class _Batches:
+    """An AgentDecoder that records which episodes each decode batched (their round index)."""
+
+    lockstep = False
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def agree(self, flags):
+        return list(flags)
+
+    def prepare(self, version):
+        pass
+
+    def release(self, episodes):
+        pass
+
+    def take_figures(self):
+        return {}
+
+    def __call__(self, prompt_ids, seeds, max_tokens, version, episodes):
+        from rlbatch.rollout.protocol import DecodedRow
+
+        self.batches.append([int(key.rsplit("-", 1)[1]) for key in episodes])
+        return [DecodedRow([65] * n, [-1.0] * n, True) for n in max_tokens]
+
+
+def test_decode_batches_do_not_depend_on_when_episodes_end(tmp_path):
+    """Eight episodes, three at a time (env.max_concurrency), each working a random while
+    between and after its calls: every round batches the same calls together, in the same
+    order (a row's place in a batch can move its log-probabilities by a rounding). An episode
+    that ends hands its slot to the next before the next decode, whether it ended before the
+    engine looked or just after."""
+    import random
+
+    from rlbatch.config.schema import RunConfig
+    from rlbatch.rollout.agent.engine import AgentRolloutEngine
+
+    (tmp_path / "staggered.py").write_text(STAGGERED)
+    cfg = RunConfig()
+    cfg.env.harness = f"{tmp_path / 'staggered.py'}:run"
+    cfg.env.max_concurrency = 3
+    prompts = [Prompt(i, (65, 66), "ab") for i in range(8)]
+    rounds = []
+    for trial in range(6):
+        random.seed(trial)  # the harnesses' timing
+        decoder = _Batches()
+        engine = AgentRolloutEngine(
+            cfg, ByteTokenizer(), decoder, lambda p: {"answer": str(p.index)}, rank=0
+        )
+        engine.generate(prompts, 1, 0, seed=3)
+        rounds.append(decoder.batches)
+    assert sorted(i for batch in rounds[0] for i in batch) == sorted(list(range(8)) * 2)
+    assert all(batches == rounds[0] for batches in rounds), rounds

@@ -189,16 +189,23 @@ class AgentRolloutEngine:
         running: dict[str, _Running] = {}
         outcomes: dict[str, tuple[Episode, Any]] = {}
         while True:
-            while queue and len(running) < env.max_concurrency:
-                key, ep = queue.pop(0)
-                running[key] = self._start(key, key, ep)
+            # the ended episodes leave first and their slots' next episodes start before any
+            # decode, so a batch never depends on when an episode ended
             self._collect(session, running, outcomes)
+            self._refill(queue, running)
             holder = self._holder(running, env.agent.block_timeout_s) if running else None
             if holder is not None:
                 self._unblock(session, running, outcomes, *holder)
+                self._refill(queue, running)  # the culprit's slot too
             if not self._decode(session, running, bool(queue or running)):
                 break
         return [outcomes[key] for key, _ in episodes]
+
+    def _refill(self, queue: list[tuple[str, Episode]], running: dict[str, _Running]) -> None:
+        """Start the round's next episodes in the free slots of env.max_concurrency."""
+        while queue and len(running) < self.cfg.env.max_concurrency:
+            key, ep = queue.pop(0)
+            running[key] = self._start(key, key, ep)
 
     def _start(self, key: str, slot: str, ep: Episode) -> _Running:
         ep.idle_since = time.monotonic()
@@ -267,16 +274,19 @@ class AgentRolloutEngine:
             running[new] = self._start(new, r.slot, fresh)
 
     def _decode(self, session: AgentSession, running: dict[str, _Running], going: bool) -> bool:
-        """Decode the waiting calls once every live episode has one (AgentSession.take; after
-        the round's last episode ended too, as before: a call still queued is answered).
+        """Decode the waiting calls once every live episode has one (AgentSession.take; a call
+        of an episode that ended was refused when it was collected).
         Returns whether the round goes on: this rank's episodes (``going``), or, with a decoder
         whose forwards its expert-parallel group runs together (``decode.lockstep``: an MoE
         policy at parallel.ep > 1 on the built-in engine), any peer's. Then every rank of the
         group agrees once an iteration whether any of them goes on and whether any decodes, and
         decodes together: a rank with no call of its own keeps the peers' all-to-alls fed
         (BuiltinDecoder)."""
-        live = [r.episode for r in running.values() if not r.future.done()]
-        jobs = session.take(live, timeout=0.05)
+        if any(r.future.done() for r in running.values()):
+            # one ended after the collection: its slot is refilled before the next decode
+            jobs = []
+        else:
+            jobs = session.take([r.episode for r in running.values()], timeout=0.05)
         if self.decode.lockstep:
             going, decoding = self.decode.agree([going, bool(jobs)])
             if decoding and not jobs:

@@ -328,7 +328,10 @@ class AgentSession:
             self.changed.wait_for(ready, timeout)
             if not ready():
                 return []
-            jobs, self.jobs = self.jobs, []
+            # in the round's episode order, not the calls' arrival order: a row's place in the
+            # decode batch can move its log-probabilities by a float rounding
+            jobs = sorted(self.jobs, key=lambda j: (j.episode.row, j.seed, j.prompt_ids))
+            self.jobs = []
             for job in jobs:
                 job.episode.waiting -= 1
             return jobs
