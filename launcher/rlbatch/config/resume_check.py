@@ -25,6 +25,7 @@ from typing import Any
 from rlbatch.config.errors import ConfigError
 from rlbatch.config.load import PATH_KEYS, same_path, to_container
 from rlbatch.config.schema import RunConfig
+from rlbatch.layout import SIZES
 
 FIXED = (
     "model.",
@@ -108,23 +109,28 @@ def compare(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[tuple], li
     return refused, allowed
 
 
-def saved_config(checkpoint: Path) -> dict[str, Any] | None:
-    """The resolved config a checkpoint was written with (None: an older checkpoint)."""
+def _meta(checkpoint: Path) -> dict[str, Any]:
     try:
         meta = json.loads((checkpoint / "meta.json").read_text())
     except (OSError, ValueError):
-        return None
-    config = meta.get("config")
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def saved_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The resolved config a checkpoint was written with (None: an older checkpoint)."""
+    config = _meta(checkpoint).get("config")
     return config if isinstance(config, dict) else None
 
 
 def check_resume(cfg: RunConfig, checkpoint: Path) -> tuple[list[ConfigError], list[str]]:
-    """(errors for each fixed key that changed, notes on the changes that take effect)."""
+    """(errors for each fixed key that changed, and for a new parallel layout when the
+    checkpoint holds per-rank work in flight; notes on the changes that take effect)."""
     saved = saved_config(checkpoint)
     if saved is None:
         return [], []
     refused, allowed = compare(saved, to_container(cfg))
-    errors = [
+    errors = _layout_errors(cfg, checkpoint) + [
         ConfigError(
             key,
             new,
@@ -137,6 +143,28 @@ def check_resume(cfg: RunConfig, checkpoint: Path) -> tuple[list[ConfigError], l
     ]
     notes = [f"{key}: {old!r} -> {new!r}" for key, old, new in allowed]
     return errors, notes
+
+
+def _layout_errors(cfg: RunConfig, checkpoint: Path) -> list[ConfigError]:
+    """A checkpoint whose ranks held work of their data-parallel sharding (a round half
+    trained, rounds generated ahead: meta.json's ``in_flight``, rlbatch.train.checkpoint.
+    work_in_flight) resumes at its own parallel layout only: one error per size that changed."""
+    meta = _meta(checkpoint)
+    saved, busy = meta.get("parallel"), meta.get("in_flight")
+    if not isinstance(saved, dict) or not busy:
+        return []
+    return [
+        ConfigError(
+            f"parallel.{name}",
+            getattr(cfg.parallel, name),
+            f"was {saved[name]} in {checkpoint}, which holds per-rank work in flight "
+            f"({', '.join(busy)}): it resumes at its own parallel layout only. Resume with "
+            f"parallel.{name}={saved[name]}, or from a checkpoint saved where none is pending "
+            "(the last step of a generation round, grpo.num_steps_async=0)",
+        )
+        for name in SIZES
+        if name in saved and saved[name] != getattr(cfg.parallel, name)
+    ]
 
 
 def _as_override(value: Any) -> str:

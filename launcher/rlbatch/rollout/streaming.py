@@ -266,6 +266,7 @@ def local_generation(
         stream = StreamingGeneration(cfg, model, tokenizer, prompts, aggregator, dp_rank)
         return stream, stream
     engine: Any = build_engine(cfg, model, tokenizer)
+    counted = engine  # the engine that keeps the round's figures (decode_stats, take_figures)
     if (
         cfg.parallel.sequence_parallel
         and cfg.parallel.tp > 1
@@ -280,4 +281,4 @@ def local_generation(
         perturb_logps=cfg.debug.perturb_behaviour_logps,
         seed=cfg.trainer.seed,
     )
-    return RoundFigures(generate, engine), aggregator
+    return RoundFigures(generate, counted), aggregator

@@ -352,6 +352,29 @@ def _current_layout() -> dict[str, int] | None:
     return parallel.current_layout().sizes()
 
 
+def work_in_flight(data: dict[str, Any]) -> list[str]:
+    """The per-rank work a TrainState (``TrainState.to_dict()``) holds that belongs to its
+    data-parallel sharding, each named by the setting that fills it: what a resume at another
+    parallel layout cannot carry over. Recorded in meta.json (``in_flight``, every rank's), so
+    the driver refuses such a resume before launch (rlbatch.config.resume_check)."""
+    producer = data.get("producer") or {}
+    aggregator = data.get("aggregator") or {}
+    stream = aggregator.get("stream")  # grpo.partial_rollouts: the aggregator's state is nested
+    if stream is not None:
+        aggregator = aggregator.get("aggregator") or {}
+    pending = {
+        "producer queue (grpo.num_steps_async > 0)": producer.get("queue"),
+        "round being trained (grpo.steps_per_generation > 1)": (
+            producer.get("current") and not producer.get("round_done")
+        ),
+        "rows of the partial-rollout stream (grpo.partial_rollouts)": stream
+        and any(stream.get(k) for k in ("groups", "pending", "running")),
+        "LCM buffer": aggregator.get("buffer"),
+        "pool batcher (batching.*.mode=pool)": data.get("planner"),
+    }
+    return [name for name, value in pending.items() if value]
+
+
 def reshard_train_state(data: dict[str, Any], *, keep_history: bool) -> dict[str, Any]:
     """Rank 0's TrainState for a run at another parallel layout: step, policy version, metrics
     history, LCM counters and the sampler's global cursor carry over; the RNG streams are the
@@ -359,15 +382,7 @@ def reshard_train_state(data: dict[str, Any], *, keep_history: bool) -> dict[str
     pending LCM buffers, pool contents) belongs to the old data-parallel sharding: it must be
     empty (else ValueError naming the setting that fills it)."""
     producer = dict(data.get("producer") or {})
-    pending = {
-        "producer queue (grpo.num_steps_async > 0)": producer.get("queue"),
-        "round being trained (grpo.steps_per_generation > 1)": (
-            producer.get("current") and not producer.get("round_done")
-        ),
-        "LCM buffer": (data.get("aggregator") or {}).get("buffer"),
-        "pool batcher (batching.*.mode=pool)": data.get("planner"),
-    }
-    busy = [name for name, value in pending.items() if value]
+    busy = work_in_flight(data)
     if busy:
         raise ValueError(
             "resume at another parallel layout needs a checkpoint without per-rank work in "

@@ -21,6 +21,7 @@ from rlbatch.train.checkpoint import (
     resume_candidates,
     save_checkpoint,
     verify_share,
+    work_in_flight,
 )
 from rlbatch.train.components import Components
 from rlbatch.train.metrics import MetricsLogger
@@ -61,13 +62,16 @@ def save(
     state.metrics_history = list(logger.history) if comps.dist.rank == 0 else []
     _check_free_space(cfg, comps, step)
     payload = build_payload(comps.model, comps.optimizer, comps.scheduler, state)
+    # every rank's: at another layout the loader reads rank 0's file alone
+    shares = comps.dist.all_gather_object(work_in_flight(payload["train_state"]))
+    in_flight = sorted({name for share in shares for name in share})
     path = save_checkpoint(
         checkpoint_dir(cfg),
         step,
         payload,
         rank=comps.dist.rank,
         world_size=comps.dist.world_size,
-        meta=comps.meta,
+        meta={**comps.meta, "in_flight": in_flight},
         keep_last=cfg.trainer.checkpoint.keep_last,
         barrier=comps.dist.barrier,
         gather=comps.dist.all_gather_object,

@@ -85,3 +85,25 @@ def test_the_routing_replay_mode_is_fixed():
     new.grpo.routing_replay = RoutingReplay.r3
     refused, _ = compare(to_container(RunConfig()), to_container(new))
     assert [k for k, _, _ in refused] == ["grpo.routing_replay"]
+
+
+def test_work_in_flight_pins_the_layout_and_nothing_else(tmp_path):
+    """meta.json's in_flight (a round half trained) refuses a new parallel layout, one error
+    per changed size; the same layout, or a checkpoint with nothing in flight, resumes."""
+    saved = RunConfig()
+    saved.parallel.tp = 2
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    layout = {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "dp": 1}
+    busy = ["round being trained (grpo.steps_per_generation > 1)"]
+    meta = {"config": to_container(saved), "parallel": layout, "in_flight": busy}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    new = RunConfig()
+    new.parallel.dp = 2
+    errors, _ = check_resume(new, ckpt)
+    assert [str(e).split(":")[0] for e in errors] == ["parallel.tp=1", "parallel.dp=2"]
+    assert f"was 2 in {ckpt}, which holds per-rank work in flight ({busy[0]})" in str(errors[0])
+    assert "Resume with parallel.tp=2" in str(errors[0])
+    assert check_resume(saved, ckpt)[0] == []  # its own layout
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "in_flight": []}))
+    assert check_resume(new, ckpt)[0] == []  # nothing in flight: resharded

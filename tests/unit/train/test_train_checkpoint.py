@@ -207,3 +207,31 @@ def test_ranks_write_their_own_files_and_world_size_is_checked(tmp_path):
 def test_train_state_rejects_unknown_fields():
     with pytest.raises(ValueError, match="bogus"):
         TrainState.from_dict({"step": 1, "bogus": 2})
+
+
+def test_work_in_flight_names_what_a_new_layout_cannot_take():
+    """Each kind of per-rank work a TrainState can hold is named by its setting, the rows of a
+    partial-rollout stream (whose aggregator state nests the LCM buffer) included; an idle
+    state holds none."""
+    from rlbatch.train.checkpoint import work_in_flight
+
+    assert work_in_flight({}) == []
+    idle_stream = {
+        "aggregator": {"buffer": []},
+        "stream": {"groups": {}, "pending": [], "running": []},
+    }
+    assert work_in_flight({"aggregator": idle_stream, "producer": {"queue": []}}) == []
+    stream = {
+        "aggregator": {"buffer": [1]},
+        "stream": {"groups": {}, "pending": [], "running": [(0, 1)]},
+    }
+    state = {"aggregator": stream, "producer": {"queue": [1], "current": 1, "round_done": False}}
+    assert work_in_flight(state) == [
+        "producer queue (grpo.num_steps_async > 0)",
+        "round being trained (grpo.steps_per_generation > 1)",
+        "rows of the partial-rollout stream (grpo.partial_rollouts)",
+        "LCM buffer",
+    ]
+    assert work_in_flight({"aggregator": {"buffer": [1]}, "planner": {"pool": [1]}}) == [
+        "LCM buffer", "pool batcher (batching.*.mode=pool)",
+    ]  # fmt: skip
