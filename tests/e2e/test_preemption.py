@@ -66,8 +66,6 @@ def reference(bin_dir, subprocess_env, tmp_path_factory):
         ("SIGUSR1", 2, "launcher", True),
         ("SIGHUP", 1, "every_process", False),
         ("SIGTERM", 2, "every_process", False),
-        ("SIGUSR1", 1, "every_process", False),
-        ("SIGHUP", 2, "launcher", False),
     ],
 )
 def test_preemption_saves_then_resume_is_exact(
@@ -84,13 +82,18 @@ def test_preemption_saves_then_resume_is_exact(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env
     )
     deadline = time.monotonic() + 300
-    while _rows(run_dir) < 2 and launcher.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
     if resume and dp == 1:  # one run per directory: a second launcher is refused
+        # while the run starts (its lock is taken first): on a quiet machine a run of this size
+        # trains its remaining steps in the seconds a refused launcher takes
+        while not (run_dir / "rlbatch.lock").exists() and time.monotonic() < deadline:
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            time.sleep(0.05)
         second = _train(bin_dir, subprocess_env, f"hydra.run.dir={run_dir}", timeout=60)
         assert second.returncode == 3
         holder = f"host {socket.gethostname()}, pid {launcher.pid}, started"
         assert holder in " ".join(second.stderr.split()), second.stderr[-2000:]
+    while _rows(run_dir) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     targets = [launcher.pid] if target == "launcher" else list(processes_of(run_dir))
     assert len(targets) >= (1 if target == "launcher" else 2 + dp)
     for pid in targets:

@@ -24,6 +24,7 @@ Torch-free; no Hydra.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,6 +46,8 @@ STALE_S = 300.0
 """A lock not touched for this long belongs to a dead holder, wherever it ran."""
 RUN_ENV = "RLBATCH_RUN_LOCK"
 """Environment variable holding the lock's token in every process of the run."""
+TORN_LIVE_S = 10.0
+"""A lock that cannot be read yet and is younger than this is being written by its holder."""
 SURVIVOR_WAIT_S = 10.0
 """How long a launcher waits for a dead holder's processes to end before it refuses."""
 
@@ -161,7 +164,14 @@ def _take_over_if_stale(path: Path, job: str | None) -> None:
     except FileNotFoundError:
         return  # released meanwhile: try again
     except (OSError, ValueError):
-        holder, age = {}, STALE_S + 1  # torn or foreign: nothing alive writes it like that
+        holder, age = {}, STALE_S + 1  # torn or foreign: nothing alive writes it like that...
+        with contextlib.suppress(OSError):  # ...but for its holder in the instant after creating it
+            if time.time() - path.stat().st_mtime < TORN_LIVE_S:
+                raise RunLockedError(
+                    f"{path.parent} is being taken by another rlbatch launcher right now (its "
+                    "lock is still empty): wait for it to end, or use another directory "
+                    "(hydra.run.dir / trainer.checkpoint.dir)"
+                ) from None
     why = stale_reason(holder, age, job)
     if why is None:
         raise RunLockedError(

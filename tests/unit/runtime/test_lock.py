@@ -112,3 +112,17 @@ def test_dead_holder_is_taken_over_once_its_last_process_ended(tmp_path):
     ending = _process_of_run(token, 1.0)
     with acquire([tmp_path], "run-b", None):
         assert ending.poll() is not None  # the takeover waited for it
+
+
+def test_an_empty_lock_is_its_holders_instant_of_writing_until_it_is_old(tmp_path):
+    """A launcher creates its lock, then writes it: a second one that reads it in between is
+    refused (the lock is being taken), not told the lock is torn and free; an empty lock older
+    than that instant (its writer died in it) is taken over."""
+    path = tmp_path / LOCK_NAME
+    path.write_text("")
+    with pytest.raises(RunLockedError, match="being taken by another rlbatch launcher"):
+        acquire([tmp_path], None, None)
+    old = time.time() - lock.TORN_LIVE_S - 1
+    os.utime(path, (old, old))
+    with acquire([tmp_path], None, None) as held:
+        assert json.loads(held.paths[0].read_text())["pid"] == os.getpid()
