@@ -26,9 +26,9 @@ BLOCK = 32
 the tests reach a cached block (rollout.servers.on_update=keep) only with the smallest the
 CPU build takes (a multiple of 32)."""
 
-POOL_SIZE = 4
-"""Two servers the run tests share and two spares that the tests of a server killed mid-run
-kill (or restart)."""
+POOL_SIZE = 3
+"""Two servers the run tests share (the last server test kills the second) and a spare that
+the tests of a server relabelled, restarted or killed mid-run use up."""
 
 PROCS: list[subprocess.Popen] = []
 """Every rlbatch-serve of the session (a test that restarts a server adds the new one); the

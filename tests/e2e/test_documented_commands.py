@@ -148,16 +148,18 @@ def _runnable(command: Command) -> bool:
 
 def _shared_runs() -> list[Command]:
     """The recipe header commands to run: runnable ones, each unless another runnable command
-    of the same recipe has all its overrides (that run covers it)."""
+    (of any recipe's header: distill_qwen's shows how to train its teacher with grpo_qwen) has
+    all its overrides (that run covers it). The test sets the run directory itself."""
+
+    def own(c: Command) -> set[str]:
+        return {o for o in _overrides(c) if not o.startswith("hydra.run.dir=")}
+
     runnable = [c for c in COMMANDS if "recipes/" in c.where and _runnable(c)]
-    keep = []
+    keep: list[Command] = []
     for c in runnable:
-        mine = set(_overrides(c))
-        covered = any(
-            mine < set(_overrides(o)) and o.where.split(":")[0] == c.where.split(":")[0]
-            for o in runnable
-        )
-        if not covered and all(set(_overrides(k)) != mine for k in keep):
+        mine = own(c)
+        covered = any(mine < own(o) and o.name == c.name for o in runnable)
+        if not covered and all(own(k) != mine or k.name != c.name for k in keep):
             keep.append(c)
     return keep
 

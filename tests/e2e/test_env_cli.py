@@ -66,7 +66,8 @@ def user_run(bin_dir, subprocess_env, tmp_path_factory):
     rows = [{"prompt": "guess 0-9:", "answer": str(a)} for a in (1, 2, 3, 4, 5, 6, 7, 8)]
     (tmp / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp / "run"
-    proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", *USER_RUN)
+    proc = _run(bin_dir, subprocess_env, tmp, f"hydra.run.dir={run_dir}", *USER_RUN,
+                "trainer.checkpoint.every_steps=2")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, _metrics(run_dir)
 
@@ -80,17 +81,15 @@ def _untimed(records):
             for r in records]  # fmt: skip
 
 
-def test_killed_and_resumed_multi_turn_run_continues_exactly(user_run, bin_dir, subprocess_env):
-    """The same async multi-turn run, SIGKILLed during step 3 (a queued round of trajectories
-    and the generation worker's aggregator state in the step-2 checkpoint), then resumed:
+def test_a_resumed_multi_turn_run_continues_exactly(user_run, bin_dir, subprocess_env):
+    """The same async multi-turn run, resumed in a new run directory from its step-2
+    checkpoint (a queued round of trajectories and the generation worker's aggregator state):
     every step's metrics and every trained trajectory equal the uninterrupted run's."""
     ref_dir, expected = user_run
-    run_dir = ref_dir.parent / "killed"
-    common = [f"hydra.run.dir={run_dir}", *USER_RUN, "trainer.checkpoint.every_steps=2"]
-    killed = _run(bin_dir, subprocess_env, ref_dir.parent, *common, "debug.fail_at_step=3",
-                  "debug.fail_kind=kill")  # fmt: skip
-    assert killed.returncode != 0 and len(_metrics(run_dir)) == 2
-    resumed = _run(bin_dir, subprocess_env, ref_dir.parent, *common, "trainer.resume=auto")
+    run_dir = ref_dir.parent / "resumed"
+    step_2 = ref_dir / "checkpoints" / "step_00000002"
+    resumed = _run(bin_dir, subprocess_env, ref_dir.parent, f"hydra.run.dir={run_dir}",
+                   *USER_RUN, f"trainer.resume={step_2}")  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert _untimed(_metrics(run_dir)) == _untimed(expected)
     for step in (3, 4):

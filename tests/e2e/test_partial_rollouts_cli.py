@@ -1,7 +1,8 @@
 """Partial rollouts through the real rlbatch-train: rows that outlive a round go on under the
 next policy version, in the generation worker (overlap) and inline; the first groups to finish
-are trained (consumption_granularity=group); a SIGKILL after a checkpoint that holds rows in
-mid-decode, then trainer.resume=auto, continues exactly; and the config check before launch."""
+are trained (consumption_granularity=group); a resume from a checkpoint that holds rows in
+mid-decode continues exactly (a SIGKILLed run's resume on servers: test_vllm_servers.py); and
+the config check before launch."""
 
 from __future__ import annotations
 
@@ -70,9 +71,9 @@ def test_inline_generation_and_a_killed_run_match_the_overlapped_one(
     overlapped, bin_dir, subprocess_env
 ):
     """Same seed, same results: the stream decoded in the trainer's thread gives the same
-    metrics as in the generation worker; a run SIGKILLed at step 4 and resumed from its step-3
-    checkpoint (unfinished rows with their tokens, versions and log-probs; finished groups not
-    yet trained) trains exactly the same samples."""
+    metrics as in the generation worker; the last step again, resumed in a new run directory
+    from the step-3 checkpoint (unfinished rows with their tokens, versions and log-probs;
+    finished groups not yet trained), trains exactly the same samples."""
     ref_dir, expected = overlapped
     inline_dir = ref_dir.parent / "inline"
     # the overlapped run gives each side half of its 2 threads: the inline one runs on 1
@@ -80,14 +81,12 @@ def test_inline_generation_and_a_killed_run_match_the_overlapped_one(
            "trainer.num_threads=1")  # fmt: skip
     assert _untimed(metrics(inline_dir)) == _untimed(expected)
 
-    killed_dir = ref_dir.parent / "killed"
-    killed = _train(bin_dir, subprocess_env, killed_dir, "debug.fail_at_step=4",
-                    "debug.fail_kind=kill", check=False)  # fmt: skip
-    assert killed.returncode != 0 and len(metrics(killed_dir)) == 3
-    _train(bin_dir, subprocess_env, killed_dir, "trainer.resume=auto")
-    assert _untimed(metrics(killed_dir)) == _untimed(expected)
+    resumed_dir = ref_dir.parent / "resumed"
+    step_3 = ref_dir / "checkpoints" / "step_00000003"
+    _train(bin_dir, subprocess_env, resumed_dir, f"trainer.resume={step_3}")
+    assert _untimed(metrics(resumed_dir)) == _untimed(expected)
     for step in range(4, STEPS + 1):
-        assert _samples(killed_dir, step) == _samples(ref_dir, step)
+        assert _samples(resumed_dir, step) == _samples(ref_dir, step)
 
 
 def test_partial_rollouts_without_staleness_room_fail_before_launch(
@@ -134,10 +133,9 @@ def test_vllm_stream_continues_rows_across_swaps_and_resumes_exactly(
 ):
     """rollout.backend=vllm: rows still decoding at a weight swap keep their tokens, log-probs
     and versions and go on as prompt + tokens so far under the new weights (a new request per
-    segment, seeded by the row and the segment), so a row's tokens carry mixed versions; a run
-    SIGKILLed at step 3 (its step-2 checkpoint holds rows in mid-decode) and resumed trains
-    exactly the uninterrupted run's samples, and its first steps equal that run's: same seed,
-    same results."""
+    segment, seeded by the row and the segment), so a row's tokens carry mixed versions; step 3
+    again, resumed in a new run directory from the step-2 checkpoint (which holds rows in
+    mid-decode), trains exactly the uninterrupted run's samples and metrics."""
     pytest.importorskip("vllm")
     ref_dir = tmp_path / "ref"
     _train(bin_dir, subprocess_env, ref_dir, *VLLM)
@@ -154,10 +152,8 @@ def test_vllm_stream_continues_rows_across_swaps_and_resumes_exactly(
     assert continued > 0, "no row outlived a round"
     assert sum("rollout/weight_sync_s" in r for r in expected) >= 2  # a round per new version
 
-    killed_dir = tmp_path / "killed"
-    killed = _train(bin_dir, subprocess_env, killed_dir, *VLLM, "debug.fail_at_step=3",
-                    "debug.fail_kind=kill", check=False)  # fmt: skip
-    assert killed.returncode != 0 and len(metrics(killed_dir)) == 2
-    _train(bin_dir, subprocess_env, killed_dir, *VLLM, "trainer.resume=auto")
-    assert _untimed(metrics(killed_dir)) == _untimed(expected)
-    assert _samples(killed_dir, 3) == _samples(ref_dir, 3)
+    resumed_dir = tmp_path / "resumed"
+    step_2 = ref_dir / "checkpoints" / "step_00000002"
+    _train(bin_dir, subprocess_env, resumed_dir, *VLLM, f"trainer.resume={step_2}")
+    assert _untimed(metrics(resumed_dir)) == _untimed(expected)
+    assert _samples(resumed_dir, 3) == _samples(ref_dir, 3)

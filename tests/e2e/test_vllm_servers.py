@@ -25,7 +25,8 @@ episodes keep their server and train on policy (rollout.servers.routing=least_lo
 them: rlbatch-bench fleet); partial rollouts
 continue rows across weight updates (abort:
 bit-identical to the in-process vLLM stream, resumed exactly; keep: on the old prefix cache).
-The servers (two shared, two spares to kill) are started once for the module."""
+The servers (two shared, the second killed by the last test; a spare to relabel, restart and
+kill) are started once for the session."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def _processes_mentioning(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def all_servers(vllm_server_pool):
-    """The session's four servers (tests/vllm_pool.py)."""
+    """The session's three servers (tests/vllm_pool.py)."""
     return vllm_server_pool
 
 
@@ -100,12 +101,6 @@ def servers(all_servers):
 def spare_server(all_servers):
     """A server a test may kill."""
     return all_servers[2]
-
-
-@pytest.fixture(scope="module")
-def second_spare_server(all_servers):
-    """Another server a test may kill."""
-    return all_servers[3]
 
 
 def _train(bin_dir, env, run_dir, *overrides):
@@ -137,7 +132,7 @@ def _urls(urls):
 def test_rlbatch_serve_prints_its_url_once_healthy(all_servers):
     """stdout carries the URL alone (vLLM's own output goes to stderr), and the server answers
     /health there."""
-    assert len(set(all_servers)) == 4
+    assert len(set(all_servers)) == 3
     for url in all_servers:
         assert _health(url) == 200
 
@@ -683,95 +678,6 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(
     assert _processes_mentioning(str(run_dir)) == []
 
 
-CONTINUED = ("trainer.max_steps=4", "rollout.servers.on_failure=continue")
-
-
-def _requests_running(url: str) -> float:
-    """Requests the server is decoding now (vLLM's /metrics)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_requests_running{")
-    )
-
-
-def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_finishes(
-    servers, second_spare_server, bin_dir, subprocess_env, tmp_path
-):
-    """rollout.servers.on_failure=continue on a shared server and a spare one, with the weights
-    broadcast over one group of the trainer and both servers (rollout.servers.transfer=
-    broadcast); the spare's vLLM API server SIGTERMed while it decodes a round after step 1 is
-    recorded (vLLM then shuts its engine down, stops listening, and either resets the
-    connections of the requests in flight or holds them unanswered; a request sent after
-    that is refused): within seconds, not rollout.servers.timeout_s (300 s here), a warning
-    names it and the requests it held, its rows go to the other server, the next sync forms
-    the group again without it, rollout/servers_alive falls from 2 to 1, and the run finishes
-    with the metrics of the same run on the other server alone with the file transfer (each
-    row carries its own seed, so the row a dead server would have sampled is the one the other
-    server samples; the broadcast delivers the same weights as the file)."""
-    ref_dir = tmp_path / "ref"
-    ref = _train(bin_dir, subprocess_env, ref_dir, _urls([servers[0]]), *CONTINUED)
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    run_dir = tmp_path / "run"
-    port = second_spare_server.rsplit(":", 1)[1]
-    (api,) = [p for p in _processes_mentioning(f"--port {port} ") if "-m vllm.entrypoints" in p]
-    launcher = subprocess.Popen(
-        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
-         _urls([servers[0], second_spare_server]), *CONTINUED, "rollout.servers.transfer=broadcast",
-         f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
-         "trainer.checkpoint.export_hf=false"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
-        cwd=tmp_path,
-    )  # fmt: skip
-    try:
-        deadline = _first_step(launcher, run_dir)
-        # during a generation round, not a weight sync: a server that fails in the middle of a
-        # broadcast stops the run in either mode (the group's other servers wait for it)
-        while _requests_running(second_spare_server) == 0:
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
-        os.kill(int(api.split(":")[0]), signal.SIGTERM)
-        killed_at = time.monotonic()
-        out, _ = launcher.communicate(timeout=600)
-        finished_after = time.monotonic() - killed_at
-    finally:
-        launcher.kill()
-        launcher.wait()
-    print(f"the run finished {finished_after:.1f} s after the server's engine stopped")
-    assert launcher.returncode == 0, out[-3000:]
-    assert f"rollout server {second_spare_server} left the pool" in out, out[-3000:]
-    # the round's requests to it fail at once, however far vLLM's shutdown had got: the
-    # connections of those in flight reset, or held unanswered behind a failing /health, or a
-    # request sent after it stopped listening refused (all three seen on this machine); or,
-    # when the round's last rows were answered before the engine stopped, the next sync's
-    # first request to it (before any tensor is sent: the run goes on)
-    (warning,) = [line for line in out.splitlines() if "left the pool" in line]
-    assert any(
-        way in warning
-        for way in (
-            "closed the connection during /inference/v1/generate",
-            "failed while /inference/v1/generate was in flight",
-            "refused the connection (/inference/v1/generate)",
-            "refused the connection (/weight_info)",
-        )
-    ), warning
-    assert finished_after < 150
-    records = _records(run_dir)
-    alive = [r["rollout/servers_alive"] for r in records]
-    assert alive[0] == 2 and alive[-1] == 1, alive
-    expected = _records(ref_dir)
-    assert [r["rollout/servers_alive"] for r in expected] == [1] * 4
-
-    def compared(rs):  # the pool's history aside: its size, and rows the dying server
-        # aborted (finish_reason abort as vLLM shuts down), sent again with their own seeds
-        pool = ("rollout/servers_alive", "rollout/server_resubmits")
-        return [{k: v for k, v in r.items() if k not in pool} for r in _untimed(rs)]
-
-    assert compared(records) == compared(expected)
-
-
 MOE_HARNESS = """
 import os
 
@@ -1175,3 +1081,87 @@ def test_rlbatch_serve_sweeps_dead_trainers_weight_files_not_live_ones(
         holder.stdin.close()
         holder.wait(10)
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, f"{live.name}.lock"]
+
+
+CONTINUED = ("trainer.max_steps=4", "rollout.servers.on_failure=continue")
+
+
+def _requests_running(url: str) -> float:
+    """Requests the server is decoding now (vLLM's /metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running{")
+    )
+
+
+def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_finishes(
+    servers, bin_dir, subprocess_env, tmp_path
+):
+    """rollout.servers.on_failure=continue on the two shared servers (the module's last test:
+    the second one is killed), with the weights
+    broadcast over one group of the trainer and both servers (rollout.servers.transfer=
+    broadcast); the spare's vLLM API server SIGTERMed while it decodes a round after step 1 is
+    recorded (vLLM then shuts its engine down, stops listening, and either resets the
+    connections of the requests in flight or holds them unanswered; a request sent after
+    that is refused): within seconds, not rollout.servers.timeout_s (300 s here), a warning
+    names it and the requests it held, its rows go to the other server, the next sync forms
+    the group again without it, rollout/servers_alive falls from 2 to 1, and the run finishes
+    with the metrics of the same run on the first server alone with the file transfer (each
+    row carries its own seed, so the row a dead server would have sampled is the one the other
+    server samples; the broadcast delivers the same weights as the file)."""
+    ref_dir = tmp_path / "ref"
+    ref = _train(bin_dir, subprocess_env, ref_dir, _urls([servers[0]]), *CONTINUED)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    port = servers[1].rsplit(":", 1)[1]
+    (api,) = [p for p in _processes_mentioning(f"--port {port} ") if "-m vllm.entrypoints" in p]
+    launcher = subprocess.Popen(
+        [str(bin_dir / "rlbatch-train"), *MODEL, "rollout.backend=vllm_server",
+         _urls([servers[0], servers[1]]), *CONTINUED, "rollout.servers.transfer=broadcast",
+         f"hydra.run.dir={run_dir}", "logging.plot=false", "logging.tensorboard=false",
+         "trainer.checkpoint.export_hf=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = _first_step(launcher, run_dir)
+        # during a generation round, not a weight sync: a server that fails in the middle of a
+        # broadcast stops the run in either mode (the group's other servers wait for it)
+        while _requests_running(servers[1]) == 0:
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(int(api.split(":")[0]), signal.SIGTERM)
+        killed_at = time.monotonic()
+        out, _ = launcher.communicate(timeout=600)
+        finished_after = time.monotonic() - killed_at
+    finally:
+        launcher.kill()
+        launcher.wait()
+    print(f"the run finished {finished_after:.1f} s after the server's engine stopped")
+    assert launcher.returncode == 0, out[-3000:]
+    assert f"rollout server {servers[1]} left the pool" in out, out[-3000:]
+    # the round's requests to it fail at once, however far vLLM's shutdown had got: the
+    # connections of those in flight reset, or held unanswered behind a failing /health, or a
+    # request sent after it stopped listening refused (all three seen on this machine); or,
+    # when the round's last rows were answered before the engine stopped, the next sync's
+    # first request to it, whichever of the sync's requests that is (before any tensor is
+    # sent: the run goes on). Never a request left to time out.
+    (warning,) = [line for line in out.splitlines() if "left the pool" in line]
+    ways = ("closed the connection during /", "failed while /", "refused the connection (/")
+    assert any(way in warning for way in ways) and "did not answer" not in warning, warning
+    assert finished_after < 150
+    records = _records(run_dir)
+    alive = [r["rollout/servers_alive"] for r in records]
+    assert alive[0] == 2 and alive[-1] == 1, alive
+    expected = _records(ref_dir)
+    assert [r["rollout/servers_alive"] for r in expected] == [1] * 4
+
+    def compared(rs):  # the pool's history aside: its size, and rows the dying server
+        # aborted (finish_reason abort as vLLM shuts down), sent again with their own seeds
+        pool = ("rollout/servers_alive", "rollout/server_resubmits")
+        return [{k: v for k, v in r.items() if k not in pool} for r in _untimed(rs)]
+
+    assert compared(records) == compared(expected)
