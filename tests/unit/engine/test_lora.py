@@ -246,7 +246,9 @@ def test_adapters_train_under_full_recompute_as_without_it(tiny_cfg):
     assert got.keys() == want.keys() and want
     assert all(want[n].abs().max() > 0 for n in want)
     for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-7, msg=n)
+        # fp32 rounding of the recomputed forward: up to 2.4e-7 on this CPU, on gradients of
+        # magnitude 0.3-3 (an adapter without its gradient would be off by the whole value)
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_initial_adapters_start_at_base_and_do_not_depend_on_layout(tiny_cfg):
