@@ -73,7 +73,8 @@ def test_inline_generation_and_a_killed_run_match_the_overlapped_one(
     """Same seed, same results: the stream decoded in the trainer's thread gives the same
     metrics as in the generation worker; the last step again, resumed in a new run directory
     from the step-3 checkpoint (unfinished rows with their tokens, versions and log-probs;
-    finished groups not yet trained), trains exactly the same samples."""
+    finished groups not yet trained), trains exactly the same samples; the same checkpoint at
+    dp 2 is refused before launch, naming the rows in flight."""
     ref_dir, expected = overlapped
     inline_dir = ref_dir.parent / "inline"
     # the overlapped run gives each side half of its 2 threads: the inline one runs on 1
@@ -87,6 +88,15 @@ def test_inline_generation_and_a_killed_run_match_the_overlapped_one(
     assert _untimed(metrics(resumed_dir)) == _untimed(expected)
     for step in range(4, STEPS + 1):
         assert _samples(resumed_dir, step) == _samples(ref_dir, step)
+    # at another layout that checkpoint's rows (and its round generated ahead) would be dealt
+    # to the wrong ranks: refused before launch
+    refused = _train(bin_dir, subprocess_env, ref_dir.parent / "dp2", "parallel.dp=2",
+                     f"trainer.resume={step_3}", check=False)  # fmt: skip
+    message = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2, message[-3000:]
+    assert "parallel.dp=2: was 1" in message, message[-3000:]
+    assert "rows of the partial-rollout stream (grpo.partial_rollouts)" in message
+    assert "producer queue (grpo.num_steps_async > 0)" in message
 
 
 def test_partial_rollouts_without_staleness_room_fail_before_launch(

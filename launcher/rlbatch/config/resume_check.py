@@ -117,20 +117,15 @@ def _meta(checkpoint: Path) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-def saved_config(checkpoint: Path) -> dict[str, Any] | None:
-    """The resolved config a checkpoint was written with (None: an older checkpoint)."""
-    config = _meta(checkpoint).get("config")
-    return config if isinstance(config, dict) else None
-
-
 def check_resume(cfg: RunConfig, checkpoint: Path) -> tuple[list[ConfigError], list[str]]:
     """(errors for each fixed key that changed, and for a new parallel layout when the
     checkpoint holds per-rank work in flight; notes on the changes that take effect)."""
-    saved = saved_config(checkpoint)
-    if saved is None:
+    meta = _meta(checkpoint)  # read once: the config and the work in flight
+    saved = meta.get("config")
+    if not isinstance(saved, dict):
         return [], []
     refused, allowed = compare(saved, to_container(cfg))
-    errors = _layout_errors(cfg, checkpoint) + [
+    errors = _layout_errors(cfg, checkpoint, meta) + [
         ConfigError(
             key,
             new,
@@ -145,11 +140,10 @@ def check_resume(cfg: RunConfig, checkpoint: Path) -> tuple[list[ConfigError], l
     return errors, notes
 
 
-def _layout_errors(cfg: RunConfig, checkpoint: Path) -> list[ConfigError]:
+def _layout_errors(cfg: RunConfig, checkpoint: Path, meta: dict[str, Any]) -> list[ConfigError]:
     """A checkpoint whose ranks held work of their data-parallel sharding (a round half
     trained, rounds generated ahead: meta.json's ``in_flight``, rlbatch.train.checkpoint.
     work_in_flight) resumes at its own parallel layout only: one error per size that changed."""
-    meta = _meta(checkpoint)
     saved, busy = meta.get("parallel"), meta.get("in_flight")
     if not isinstance(saved, dict) or not busy:
         return []
