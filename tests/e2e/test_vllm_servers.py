@@ -1145,12 +1145,18 @@ def test_with_on_failure_continue_a_killed_server_leaves_the_pool_and_the_run_fi
     assert f"rollout server {servers[1]} left the pool" in out, out[-3000:]
     # the round's requests to it fail at once, however far vLLM's shutdown had got: the
     # connections of those in flight reset, or held unanswered behind a failing /health, or a
-    # request sent after it stopped listening refused (all three seen on this machine); or,
+    # request sent after it stopped listening refused, or answered 500 by an API server whose
+    # engine core had already stopped (all four seen on these machines); or,
     # when the round's last rows were answered before the engine stopped, the next sync's
     # first request to it, whichever of the sync's requests that is (before any tensor is
     # sent: the run goes on). Never a request left to time out.
     (warning,) = [line for line in out.splitlines() if "left the pool" in line]
-    ways = ("closed the connection during /", "failed while /", "refused the connection (/")
+    ways = (
+        "closed the connection during /",
+        "failed while /",
+        "refused the connection (/",
+        "failed (500): ",
+    )
     assert any(way in warning for way in ways) and "did not answer" not in warning, warning
     assert finished_after < 150
     records = _records(run_dir)

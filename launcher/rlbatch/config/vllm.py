@@ -119,8 +119,9 @@ class ServersConfig:
     goes to. ``affine``: every call of an episode to the server its first call went to, whose
     prefix cache holds the conversation so far (a new episode to the server with the fewest
     episodes, then the fewest requests in flight); ``least_loaded``: every call to the server
-    with the fewest of this rank's requests in flight, wherever its episode's earlier calls
-    went (the conversation is prefilled again on a server that has not seen it). Either way a
+    with the fewest of this rank's requests in flight (a tie: one of them at random), wherever
+    its episode's earlier calls went (the conversation is prefilled again on a server that has
+    not seen it). Either way a
     call samples the same tokens (its own seed, the same weights on every server). Other
     requests always go to the least loaded server. rlbatch-bench fleet measures both
     (docs/agents.md)."""

@@ -30,11 +30,25 @@ def test_new_episodes_spread_and_calls_stay_on_their_episodes_server():
 
 def test_a_new_episode_goes_where_fewest_episodes_are_pinned_then_fewest_requests():
     s = _servers()
-    s.least_loaded("x")  # A: one episode, one request outstanding
-    s.least_loaded(None)  # a request of no episode: the fewest outstanding, B
-    assert s.outstanding == {A: 1, B: 1, C: 0}
-    assert s.least_loaded("y") == C  # B and C hold no episode; C has fewer requests
-    assert s.least_loaded("z") == B
+    assert s.least_loaded("x") == A  # one episode, one request outstanding
+    busy = s.least_loaded(None)  # a request of no episode: one of the fewest outstanding
+    assert busy in (B, C)
+    (idle,) = {B, C} - {busy}
+    assert s.outstanding == {A: 1, busy: 1, idle: 0}
+    assert s.least_loaded("y") == idle  # B and C hold no episode; the idle one has fewer requests
+    assert s.least_loaded("z") == busy
+
+
+def test_requests_of_no_episode_break_ties_at_random():
+    """routing=least_loaded: a turn's calls are sent in the same order every turn; a fixed tie
+    order would deal each call the server its episode's last call had, every turn."""
+    firsts = set()
+    for _ in range(40):
+        s = _servers()
+        first = s.least_loaded(None)
+        assert s.least_loaded(None) != first  # never onto a busier server
+        firsts.add(first)
+    assert firsts == {A, B, C}
 
 
 def test_released_episodes_free_their_server_and_a_dropped_server_gives_its_episodes_up():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -105,6 +106,8 @@ class ServerPool:
         """debug.fail_sync=stale: the weights of the previous sync."""
         self.resubmits = 0
         """Rows sent again because a server aborted them, since the last round's figures."""
+        self.ties = random.Random()
+        """Breaks ties between equally loaded servers for requests of no episode."""
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rlbatch-rollout")
 
@@ -115,9 +118,13 @@ class ServerPool:
         """The server for one request, counted outstanding until :meth:`done`. A request of an
         agent episode goes to the episode's server while that server is in the pool; an
         episode's first call (or one whose server left the pool) goes to the server with the
-        fewest episodes pinned, then the fewest requests outstanding, and is pinned there; a
-        request of no episode to the one with the fewest requests outstanding. Ties: the
-        pool's order. With no server left but some restarting (on_failure=restart): waits
+        fewest episodes pinned, then the fewest requests outstanding (ties: the pool's order),
+        and is pinned there; a request of no episode to the one with the fewest requests
+        outstanding, a tie broken at random: with the pool's order, a round's calls sent in the
+        same order every turn (an agent engine's decode batches are sorted) would land on the
+        same servers every turn, pinning each episode by accident, and routing=least_loaded
+        would measure affine routing. The choice of server never changes a row's tokens (its
+        own seed, the same weights everywhere). With no server left but some restarting (on_failure=restart): waits
         for the first one back (:attr:`rejoin`)."""
         while True:
             with self.lock:
@@ -142,7 +149,8 @@ class ServerPool:
             url = self.pinned.get(episode) if episode is not None else None
             if url not in self.urls:
                 if episode is None:
-                    url = min(self.urls, key=lambda u: self.outstanding[u])
+                    fewest = min(self.outstanding[u] for u in self.urls)
+                    url = self.ties.choice([u for u in self.urls if self.outstanding[u] == fewest])
                 else:
                     held = Counter(self.pinned.values())
                     url = min(self.urls, key=lambda u: (held[u], self.outstanding[u]))
