@@ -98,25 +98,33 @@ they form one unit, run one after the other on one worker, so that two of them n
 the machine at once (their leftover checks count only their own sandboxes)."""
 
 
-SERVER_FILES = frozenset(
-    {"test_vllm_servers.py", "test_server_sync_cli.py", "test_served_teacher_cli.py"}
-)
+TEACHER_FILE = "test_served_teacher_cli.py"
+
+SERVER_FILES = frozenset({"test_vllm_servers.py", "test_server_sync_cli.py", TEACHER_FILE})
 """Test files that train on the session's vLLM servers (:func:`vllm_server_pool`): one unit,
 so the pool is started once, on one worker."""
 
 
 @pytest.fixture(scope="session")
-def vllm_server_pool(bin_dir, subprocess_env, tmp_path_factory):
+def vllm_server_pool(request, bin_dir, subprocess_env, tmp_path_factory):
     """tests/vllm_pool.POOL_SIZE rlbatch-serve servers, each on its own port, started at once
-    and stopped (SIGTERM) at the end of the session; their URLs."""
+    and stopped (SIGTERM) at the end of the session; their URLs. When the session has the
+    served-teacher tests, that teacher's server (tests/vllm_pool.TEACHER) starts with them, so
+    that the two vLLM start-ups overlap."""
     pytest.importorskip("vllm")
-    from vllm_pool import POOL_SIZE, PROCS, free_port, serve, started_url, stop_all
+    from vllm_pool import POOL_SIZE, PROCS, free_ports, serve, start_teacher, started_url, stop_all
 
     cwd = tmp_path_factory.mktemp("servers")
-    ports = [free_port() for _ in range(POOL_SIZE)]
+    *ports, teacher_port = free_ports(POOL_SIZE + 1)
     PROCS[:] = [serve(bin_dir, subprocess_env, cwd, port) for port in ports]
     try:
-        yield [started_url(proc, cwd, port) for proc, port in zip(PROCS, ports, strict=True)]
+        if any(Path(str(item.fspath)).name == TEACHER_FILE for item in request.session.items):
+            root = tmp_path_factory.mktemp("served_teacher")
+            start_teacher(bin_dir, subprocess_env, root, teacher_port)
+        yield [
+            started_url(proc, cwd, port)
+            for proc, port in zip(PROCS[:POOL_SIZE], ports, strict=True)
+        ]
     finally:
         stop_all()
 

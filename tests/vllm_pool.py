@@ -30,15 +30,31 @@ POOL_SIZE = 3
 """Two servers the run tests share (the last server test kills the second) and a spare that
 the tests of a server relabelled, restarted or killed mid-run use up."""
 
+TEACHER: dict[str, object] = {}
+"""The served distillation teacher's rlbatch-serve (test_served_teacher_cli.py), started with
+the pool so that its vLLM start overlaps theirs: ``proc``, ``port``, ``root`` (its folder,
+the checkpoint in ``root``/teacher)."""
+
 PROCS: list[subprocess.Popen] = []
 """Every rlbatch-serve of the session (a test that restarts a server adds the new one); the
 pool stops each one (SIGTERM) at the end of the session."""
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports, bound together before any is released (servers that bind
+    theirs only once vLLM has loaded cannot be handed each other's)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def serve(
@@ -81,3 +97,42 @@ def stop_all() -> None:
             proc.send_signal(signal.SIGTERM)
     for proc in PROCS:
         proc.wait(60)
+
+
+def save_teacher(root: Path) -> Path:
+    """A peaked teacher of the pool's model shape in ``root``/teacher: the config.json
+    rlbatch-serve writes for the pool's model, random weights (seed 7) with the embeddings
+    scaled by 10 (tied: the output layer too), and the byte tokenizer's marker (the pool's
+    model reads bytes, as rlbatch's export of a byte-tokenizer run says)."""
+    import torch
+    import transformers
+
+    from rlbatch.cli.serve import server_config
+    from rlbatch.rollout.servers.process import write_server_model_dir
+
+    cfg = server_config([*MODEL, f"rollout.vllm.max_model_len={SERVED_LEN}"])
+    shape = root / "shape"
+    write_server_model_dir(cfg, shape)
+    config = transformers.AutoConfig.from_pretrained(shape)
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(10.0)
+    model.save_pretrained(root / "teacher")
+    (root / "teacher" / "rlbatch_tokenizer.json").write_text('{"tokenizer": "bytes"}')
+    return root / "teacher"
+
+
+def start_teacher(bin_dir: Path, env: dict[str, str], root: Path, port: int) -> None:
+    """The teacher's checkpoint (:func:`save_teacher`) and its rlbatch-serve on ``port``, not
+    waited for (:data:`TEACHER`; stopped by the teacher's tests, or with the pool). A failure
+    is kept in TEACHER["error"] for the teacher's tests to raise: the pool's other tests go on."""
+    TEACHER.update(root=root, port=port)
+    try:
+        teacher = save_teacher(root)
+        proc = serve(bin_dir, env, root, port, f"model.hf_path={teacher}")
+    except Exception as err:  # noqa: BLE001 - raised again by the teacher's fixture
+        TEACHER["error"] = err
+        return
+    PROCS.append(proc)
+    TEACHER["proc"] = proc

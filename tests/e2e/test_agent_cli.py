@@ -321,7 +321,9 @@ def test_rlbatch_eval_runs_the_harness_on_a_checkpoint(agent_run, bin_dir, subpr
     _, _, _, tmp = agent_run
     proc = subprocess.run(
         [str(bin_dir / "rlbatch-eval"), str(tmp / "run"), "--json", "eval.num_samples=2",
-         "eval.temperature=1.0"],
+         "eval.temperature=1.0",
+         # the run's port was free when it trained, minutes ago: anything may hold it now
+         f"env.agent.port={_free_port()}"],
         capture_output=True, text=True, env=subprocess_env, cwd=tmp, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

