@@ -100,27 +100,27 @@ def stop_all() -> None:
 
 
 def save_teacher(root: Path) -> Path:
-    """A peaked teacher of the pool's model shape in ``root``/teacher: the config.json
-    rlbatch-serve writes for the pool's model, random weights (seed 7) with the embeddings
-    scaled by 10 (tied: the output layer too), and the byte tokenizer's marker (the pool's
-    model reads bytes, as rlbatch's export of a byte-tokenizer run says)."""
+    """A peaked teacher of the pool's model shape in ``root``/teacher: the folder rlbatch-serve
+    writes for the pool's model (its config.json, and the byte tokenizer's marker the pool's
+    model reads bytes by), with random weights (seed 7), the embeddings scaled by 10 (tied:
+    the output layer too)."""
     import torch
     import transformers
 
     from rlbatch.cli.serve import server_config
     from rlbatch.rollout.servers.process import write_server_model_dir
 
-    cfg = server_config([*MODEL, f"rollout.vllm.max_model_len={SERVED_LEN}"])
-    shape = root / "shape"
-    write_server_model_dir(cfg, shape)
-    config = transformers.AutoConfig.from_pretrained(shape)
+    teacher = root / "teacher"
+    write_server_model_dir(
+        server_config([*MODEL, f"rollout.vllm.max_model_len={SERVED_LEN}"]), teacher
+    )
     torch.manual_seed(7)
+    config = transformers.AutoConfig.from_pretrained(teacher)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(10.0)
-    model.save_pretrained(root / "teacher")
-    (root / "teacher" / "rlbatch_tokenizer.json").write_text('{"tokenizer": "bytes"}')
-    return root / "teacher"
+    model.save_pretrained(teacher)
+    return teacher
 
 
 def start_teacher(bin_dir: Path, env: dict[str, str], root: Path, port: int) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +37,6 @@ users install vllm instead, docs/rollout.md)."""
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(35, 16, -1)] + ["manylinux2014_x86_64"]
 """glibc 2.35 (Ubuntu 22.04) and older: pip matches the tags it is given exactly."""
 PYTHONS = ["3.12", "3.13"]
-JUNK = ("__pycache__", "*.egg-info", "build")
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 900, cwd=REPO):
@@ -60,27 +58,24 @@ def resolving(gpu_wheels, tmp_path_factory) -> Iterator[dict[str, tuple[subproce
     (each spends much of its time waiting on the package index), in the background of the
     module's other tests: {python: (the process, its folder: pip.log, report.json)}."""
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    # rlbatch's own wheel, built once: two pips preparing the source tree's metadata at once
+    # would write the same egg-info folder
+    dist = tmp_path_factory.mktemp("rlbatch_wheel")
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)])
+    (wheel,) = dist.glob("rlbatch-*.whl")
     procs = {}
     for python in PYTHONS:
         out = tmp_path_factory.mktemp(f"resolve{python.replace('.', '')}")
-        # a copy of the project each: two pips preparing one source tree's metadata at once
-        # would write the same egg-info folder
-        src = out / "src"
-        src.mkdir()
-        for name in ("pyproject.toml", "README.md"):
-            shutil.copy2(REPO / name, src / name)
-        for name in ("launcher", "conf", "recipes"):
-            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns(*JUNK))
         cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
                "--only-binary=:all:", "--find-links", str(gpu_wheels), "--python-version", python,
                "--implementation", "cp", *platforms, "--target", str(out / "target"),
-               "--report", str(out / "report.json"), f"{src}[{EXTRAS}]"]  # fmt: skip
+               "--report", str(out / "report.json"), f"{wheel}[{EXTRAS}]"]  # fmt: skip
         with open(out / "pip.log", "w") as log:  # a file: a full pipe would stall pip
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out,
                                     start_new_session=True)  # fmt: skip
         procs[python] = (proc, out)
     yield procs
-    for proc, _ in procs.values():  # pip and the build backends it started
+    for proc, _ in procs.values():  # pip and anything it started
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -121,10 +121,9 @@ class ServersConfig:
     episodes, then the fewest requests in flight); ``least_loaded``: every call to the server
     with the fewest of this rank's requests in flight (a tie: one of them at random), wherever
     its episode's earlier calls went (the conversation is prefilled again on a server that has
-    not seen it). Either way a
-    call samples the same tokens (its own seed, the same weights on every server). Other
-    requests always go to the least loaded server. rlbatch-bench fleet measures both
-    (docs/agents.md)."""
+    not seen it). Either way a call samples the same tokens (its own seed, the same weights on
+    every server). Other requests always go to the least loaded server. rlbatch-bench fleet
+    measures both (docs/agents.md)."""
     transfer: ServerTransfer = ServerTransfer.file
     """How a weight sync reaches the servers. ``file``: the trainer's first rank writes the
     Hugging Face-named tensors to one safetensors file (``transfer_dir``) that every server
